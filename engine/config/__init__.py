@@ -1,0 +1,17 @@
+"""Typed configuration for hyflow: dataclass schemas, YAML files and ``key=value`` overrides."""
+from hyflow.config.core import (
+    ConfigError,
+    apply_overrides,
+    config_keys,
+    describe,
+    dump_yaml,
+    format_config,
+    from_dict,
+    load_config,
+    to_dict,
+)
+
+__all__ = [
+    "ConfigError", "apply_overrides", "config_keys", "describe", "dump_yaml", "format_config",
+    "from_dict", "load_config", "to_dict",
+]

@@ -1,0 +1,494 @@
+"""Typed configuration: dataclass schemas loaded from YAML plus ``key.sub=value`` overrides.
+
+A schema is a (nested) dataclass. Field types may be ``int``, ``float`` (ints accepted),
+``bool`` (strict: only real booleans), ``str``, ``Any``, ``Optional[X]`` / ``X | None``,
+``Literal[...]``, ``list[X]``, ``dict[str, X]``, nested dataclasses and
+``Optional[nested dataclass]``. Per-field documentation lives in
+``field(metadata={"help": "..."})`` and is shown by :func:`describe`.
+
+Every user-facing problem raises :class:`ConfigError` naming the dotted key path. A dataclass
+may define ``validate(self)``; it runs after construction, children before parents, and any
+``ConfigError`` it raises is re-raised with the section path prepended.
+
+YAML is read with PyYAML's safe loader extended so that exponent floats without a dot
+(``1e-4``) are floats, and duplicate mapping keys are an error.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any, Literal, Sequence, TypeVar, Union
+
+import yaml
+
+__all__ = [
+    "ConfigError", "from_dict", "apply_overrides", "load_config", "to_dict", "dump_yaml",
+    "format_config", "config_keys", "describe",
+]
+
+T = TypeVar("T")
+_NoneType = type(None)
+
+
+class ConfigError(ValueError):
+    """The single error type for invalid configuration.
+
+    ``key`` is the dotted key the error is about, when known. Inside a ``validate`` method,
+    pass a key relative to that dataclass (``ConfigError("must be > 0", key="total_steps")``);
+    the loader prefixes the section path.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.key = key
+
+
+# --------------------------------------------------------------------------- YAML dialect
+
+_EXP_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe loader that reads ``1e-4`` as a float and rejects duplicate mapping keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[str, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            if key_node.value in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key_node.value!r}", key_node.start_mark)
+            seen[key_node.value] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Safe dumper sharing the loader's float rule, so strings like '1e-4' get quoted."""
+
+
+for _cls in (_Loader, _Dumper):  # same float rule both ways, so dumps round-trip
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXP_FLOAT, list("-+0123456789"))
+del _cls
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+
+
+def _yaml_dump(data: Any) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=None,
+                     allow_unicode=True)
+
+
+# --------------------------------------------------------------------------- schema helpers
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.init]
+
+
+@lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"config schema must be a dataclass type, got {cls!r}")
+    try:
+        return typing.get_type_hints(cls)
+    except Exception as exc:  # unresolved forward reference in the schema itself
+        raise TypeError(f"cannot resolve field types of {cls.__qualname__}: {exc}") from exc
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _section_type(tp: Any) -> type | None:
+    """The dataclass behind ``tp`` (``Cls``, ``Optional[Cls]``), else None."""
+    if _is_union(tp):
+        inner = [a for a in typing.get_args(tp) if a is not _NoneType]
+        return _section_type(inner[0]) if len(inner) == 1 else None
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _is_dict_type(tp: Any) -> bool:
+    if _is_union(tp):
+        return any(_is_dict_type(a) for a in typing.get_args(tp))
+    return tp is dict or typing.get_origin(tp) is dict
+
+
+def _type_name(tp: Any) -> str:
+    """Human-readable name of a field type, used in messages and :func:`describe`."""
+    if tp is _NoneType:
+        return "null"
+    if tp is Any:
+        return "any"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if _is_union(tp):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is list:
+        return f"list[{_type_name(args[0]) if args else 'any'}]"
+    if origin is dict:
+        return f"dict[str, {_type_name(args[1]) if args else 'any'}]"
+    return getattr(tp, "__name__", repr(tp))
+
+
+def _iter_keys(cls: type, prefix: str = "", stack: tuple = ()):
+    """Yield ``(dotted_key, field, type, is_section)`` for every key of the schema, depth first."""
+    hints = _hints(cls)
+    for f in _fields(cls):
+        key, tp = _join(prefix, f.name), hints[f.name]
+        sub = _section_type(tp)
+        if sub is not None and sub not in stack + (cls,):
+            yield key, f, tp, True
+            yield from _iter_keys(sub, key, stack + (cls,))
+        else:
+            yield key, f, tp, False
+
+
+@lru_cache(maxsize=None)
+def _all_keys(cls: type) -> tuple[str, ...]:
+    return tuple(k for k, *_ in _iter_keys(cls))
+
+
+def config_keys(cls: type) -> list[str]:
+    """All dotted leaf keys of schema ``cls`` (sections themselves are not listed)."""
+    return [k for k, _, _, is_section in _iter_keys(cls) if not is_section]
+
+
+def _quote_list(items: list[str]) -> str:
+    quoted = [f"'{s}'" for s in items]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+def _unknown_key(section: type, path: str, key: str, root: type, root_path: str) -> ConfigError:
+    """Build the 'unknown config key' error with suggestions from siblings and the whole schema."""
+    full = _join(path, key)
+    siblings = [f.name for f in _fields(section)]
+    found = [_join(path, m) for m in difflib.get_close_matches(key, siblings, n=3)]
+    elsewhere = [k for k in (_join(root_path, k) for k in _all_keys(root))
+                 if k.rpartition(".")[0] != path]  # siblings were handled above
+    found += [k for k in elsewhere if k.rpartition(".")[2] == key]  # same name, other section
+    leaves = [k.rpartition(".")[2] for k in elsewhere]
+    close = set(difflib.get_close_matches(key, leaves, n=3, cutoff=0.8))
+    found += [k for k, leaf in zip(elsewhere, leaves) if leaf in close]
+    found += difflib.get_close_matches(full, elsewhere, n=3, cutoff=0.85)
+    found = [k for k in dict.fromkeys(found) if k != full][:3]
+    if found:
+        return ConfigError(f"unknown config key '{full}'; did you mean {_quote_list(found)}?", full)
+    where = f"under '{path}'" if path else "at the top level"
+    return ConfigError(f"unknown config key '{full}'; valid keys {where}: {', '.join(siblings)}",
+                       full)
+
+
+# --------------------------------------------------------------------------- from_dict
+
+class _Mismatch(ConfigError):
+    """A value of the wrong type (internal: lets Optional[X] restate the expected type)."""
+
+    def __init__(self, message: str, key: str, hint: str) -> None:
+        super().__init__(message, key)
+        self.hint = hint
+
+
+def _type_error(path: str, tp: Any, value: Any, hint: str = "") -> _Mismatch:
+    got = f"{_short(value)} ({type(value).__name__})"
+    fix = "fix it in the config file" + ("" if "[" in path else
+                                         f" or override it with {path}=<value>")
+    return _Mismatch(f"config key '{path}': expected {_type_name(tp)}, got {got}{hint}; {fix}",
+                     path, hint)
+
+
+_SCALARS: dict[type, tuple[type, ...]] = {bool: (bool,), int: (int,), float: (int, float),
+                                          str: (str,)}
+_SCALAR_HINTS = {bool: " (use true or false)", str: " (quote it to pass a string)"}
+
+
+def _convert(tp: Any, value: Any, path: str, root: type, root_path: str) -> Any:
+    """Check ``value`` against field type ``tp`` and return the typed value."""
+    if tp is Any:
+        return value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if _is_union(tp):
+        if value is None and _NoneType in args:
+            return None
+        options = [a for a in args if a is not _NoneType]
+        if len(options) == 1:
+            try:
+                return _convert(options[0], value, path, root, root_path)
+            except _Mismatch as exc:
+                if exc.key != path:  # the problem is deeper inside; keep its precise message
+                    raise
+                raise _type_error(path, tp, value, exc.hint) from None
+        for option in options:
+            try:
+                return _convert(option, value, path, root, root_path)
+            except ConfigError:
+                continue
+        raise _type_error(path, tp, value)
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close and isinstance(value, str) else ""
+        raise ConfigError(f"config key '{path}': expected one of {', '.join(map(repr, args))}, "
+                          f"got {_short(value)}{hint}", path)
+    section = _section_type(tp)
+    if section is not None:
+        if isinstance(value, section):
+            _validate_tree(value, path)
+            return value
+        if value is None:  # `section:` with every child commented out
+            value = {}
+        if not isinstance(value, Mapping):
+            raise _type_error(path, tp, value, " (a section needs a mapping of keys)")
+        return _build(section, value, path, root, root_path)
+    if origin is list or tp is list:
+        if not isinstance(value, (list, tuple)):
+            raise _type_error(path, tp, value)
+        item = args[0] if args else Any
+        return [_convert(item, v, f"{path}[{i}]", root, root_path) for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise _type_error(path, tp, value)
+        item = args[1] if args else Any
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"config key '{path}': keys must be strings, got {_short(k)}",
+                                  path)
+            out[k] = _convert(item, v, _join(path, k), root, root_path)
+        return out
+    if tp in _SCALARS:
+        if isinstance(value, _SCALARS[tp]) and (tp is bool or not isinstance(value, bool)):
+            return float(value) if tp is float else value
+        raise _type_error(path, tp, value, _SCALAR_HINTS.get(tp, ""))
+    raise TypeError(f"config key '{path}': unsupported field type {tp!r} in the schema")
+
+
+def _run_validate(obj: Any, path: str) -> None:
+    """Call ``obj.validate()`` if defined, re-raising its ConfigError with ``path`` prepended."""
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        _call_checked(validate, path)
+
+
+def _call_checked(fn: Any, path: str, /, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn``; a ConfigError it raises is re-raised with ``path`` prepended.
+
+    Used for ``validate()`` and for constructors whose ``__post_init__`` validates.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except ConfigError as exc:
+        full = _join(path, exc.key) if exc.key else path
+        if exc.key:
+            msg = f"config key '{full}': {exc.message}"
+        elif path:
+            msg = f"config section '{path}': {exc.message}"
+        else:
+            msg = f"invalid config: {exc.message}"
+        raise ConfigError(msg, full or None) from exc
+
+
+def _validate_tree(obj: Any, path: str) -> None:
+    """Validate an already-built section: its sub-sections first, then itself."""
+    for f in _fields(type(obj)):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _validate_tree(value, _join(path, f.name))
+    _run_validate(obj, path)
+
+
+def _build(cls: type[T], data: Mapping, path: str, root: type, root_path: str) -> T:
+    """Construct one dataclass level, recursing into sections, then run its ``validate``."""
+    hints = _hints(cls)
+    names = {f.name for f in _fields(cls)}
+    for key in data:
+        if key not in names:
+            raise _unknown_key(cls, path, str(key), root, root_path)
+    kwargs: dict[str, Any] = {}
+    missing: list[str] = []
+    for f in _fields(cls):
+        key = _join(path, f.name)
+        has_default = (f.default is not dataclasses.MISSING
+                       or f.default_factory is not dataclasses.MISSING)
+        if f.name in data:
+            kwargs[f.name] = _convert(hints[f.name], data[f.name], key, root, root_path)
+        elif not has_default:
+            tp = hints[f.name]
+            if _section_type(tp) is not None and not _is_union(tp):
+                kwargs[f.name] = _build(_section_type(tp), {}, key, root, root_path)
+            else:
+                missing.append(key)
+    if missing:
+        listed = ", ".join(f"'{k}'" for k in missing)
+        raise ConfigError(f"missing required config key(s) {listed}; set them in the config "
+                          f"file or pass e.g. {missing[0]}=<value>", missing[0])
+    obj = _call_checked(cls, path, **kwargs)
+    for f in _fields(cls):  # sections left at their defaults are validated too
+        value = getattr(obj, f.name)
+        if f.name not in data and dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _validate_tree(value, _join(path, f.name))
+    _run_validate(obj, path)
+    return obj
+
+
+def from_dict(cls: type[T], data: Mapping, path: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``; ``path`` is the dotted prefix used in messages."""
+    if not isinstance(data, Mapping):
+        where = f"config section '{path}'" if path else "config"
+        raise ConfigError(f"{where} must be a mapping, got {_short(data)}", path or None)
+    _hints(cls)
+    return _build(cls, data, path, cls, path)
+
+
+# --------------------------------------------------------------------------- overrides
+
+def _check_override_key(schema: type, key: str) -> None:
+    """Walk ``key`` through ``schema``; raise on unknown keys or descending into a leaf."""
+    section, path = schema, ""
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hints = _hints(section)
+        if part not in {f.name for f in _fields(section)}:
+            raise _unknown_key(section, path, part, schema, "")
+        path, tp = _join(path, part), hints[part]
+        if _is_dict_type(tp) or tp is Any:
+            return  # free-form mapping: any sub-key is allowed
+        sub = _section_type(tp)
+        if sub is None and i < len(parts) - 1:
+            raise ConfigError(f"cannot set '{key}': '{path}' holds a {_type_name(tp)} value, "
+                              "not a section", key)
+        section = sub if sub is not None else section
+
+
+def apply_overrides(data: Mapping, overrides: Sequence[str], schema: type | None = None) -> dict:
+    """Return a deep copy of ``data`` with ``key.sub=value`` overrides applied.
+
+    Values are parsed as YAML (``3``, ``1e-4``, ``true``, ``[1, 2]``, ``null``); an empty value
+    is the empty string. Everything after the first ``=`` is the value. When ``schema`` is given,
+    every key is checked against it before anything is applied. Missing (or null) intermediate
+    sections are created as empty mappings; a mapping value replaces the whole section.
+    """
+    parsed: list[tuple[list[str], Any]] = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        parts = key.split(".")
+        if not sep or not all(p.strip() for p in parts):
+            raise ConfigError(f"malformed override {item!r}: expected key=value, "
+                              "e.g. trainer.total_steps=100")
+        try:
+            value = _yaml_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({exc}); "
+                              "quote it to pass a string", key) from exc
+        if schema is not None:
+            _check_override_key(schema, key)
+        parsed.append(([p.strip() for p in parts], value))
+    out = copy.deepcopy(dict(data))
+    for parts, value in parsed:
+        node = out
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                prefix = ".".join(parts[: depth + 1])
+                raise ConfigError(f"cannot set '{'.'.join(parts)}': '{prefix}' is "
+                                  f"{_short(child)}, not a mapping", prefix)
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+# --------------------------------------------------------------------------- files
+
+def load_config(cls: type[T], yaml_path: str | None, overrides: Sequence[str] = ()) -> T:
+    """Read ``yaml_path`` (or start empty when None), apply ``overrides``, build ``cls``."""
+    data: Any = {}
+    if yaml_path is not None:
+        try:
+            with open(yaml_path, encoding="utf-8") as fh:
+                data = _yaml_load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file '{yaml_path}' not found; check the path") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file '{yaml_path}': {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError(f"config file '{yaml_path}' is not valid YAML{where}: {problem}"
+                              ) from exc
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file '{yaml_path}' must contain a mapping of keys at the "
+                              f"top level, got {type(data).__name__}")
+    data = apply_overrides(data, list(overrides), schema=cls)
+    return from_dict(cls, data)
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain-data form of a config object (dataclasses become dicts; init fields only)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in _fields(type(obj))}
+    if isinstance(obj, Mapping):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def format_config(obj: Any) -> str:
+    """The resolved config as YAML text, for logging."""
+    return _yaml_dump(to_dict(obj))
+
+
+def dump_yaml(obj: Any, path: str) -> None:
+    """Write the resolved config to ``path``; ``load_config(type(obj), path, [])`` equals ``obj``."""
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(format_config(obj))
+
+
+def _show(value: Any) -> str:
+    """A default value as one line of YAML."""
+    text = yaml.dump(to_dict(value), Dumper=_Dumper, default_flow_style=True, width=10**6)
+    return text.strip().removesuffix("...").strip()
+
+
+def describe(cls: type) -> str:
+    """One entry per dotted key: ``key: type = default`` then the field's ``help`` text."""
+    lines = []
+    for key, f, tp, is_section in _iter_keys(cls):
+        if is_section and not _is_union(tp):
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f" = {_show(f.default)}"
+        elif f.default_factory is not dataclasses.MISSING and not is_section:
+            default = f" = {_show(f.default_factory())}"
+        else:
+            default = "" if is_section else " (required)"
+        lines.append(f"{key}: {_type_name(tp)}{default}")
+        help_text = f.metadata.get("help")
+        if help_text:
+            lines.append(f"    {help_text}")
+    return "\n".join(lines)

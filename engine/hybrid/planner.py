@@ -1,0 +1,613 @@
+"""Resharding planner: training layout (TP, PP, DP) -> generation layout (TP_g, PP_g, d_g).
+
+Pure arithmetic: no ``torch.distributed``, no process groups, no tensors. The executor that
+talks to NCCL consumes a :class:`ReshardPlan`; the tests run the plan in a simulation.
+
+Rank mapping (CP = EP = 1)
+--------------------------
+Training ranks are Megatron-ordered, tp fastest, then dp, then pp::
+
+    rank = pp * (DP * TP) + dp * TP + tp
+
+Let ``s = TP / TP_g`` (training shards merged per generation shard) and ``p = PP / PP_g``
+(training stages merged per generation stage). Inside one training model-parallel group
+(the TP * PP ranks that share ``dp``) write ``tp = tp_g * s + t`` and ``pp = pp_g * p + l``
+with ``0 <= t < s`` and ``0 <= l < p``. Then
+
+* generation tp rank ``tp_g = tp // s``, generation pp rank ``pp_g = pp // p``;
+* micro-DP rank ``m = l * s + t`` (tp fastest), micro-DP size ``d_g = s * p = TP*PP / (TP_g*PP_g)``;
+* generation dp rank ``dp * d_g + m``, generation DP size ``DP * d_g``.
+
+Groups, each a partition of all ranks:
+
+* generation TP group: fixed (dp, pp, t), ``tp = g * s + t`` for ``g < TP_g`` -> stride ``s``;
+* generation PP group: fixed (dp, tp, l), ``pp = k * p + l`` for ``k < PP_g`` -> stride ``p``;
+* micro-DP group: fixed (dp, tp_g, pp_g): the ``s`` consecutive tp ranks x ``p`` consecutive stages.
+
+Why one all-gather inside the micro-DP group is enough: the rank (pp, tp) must end up with the
+generation shard ``tp_g`` of every parameter of generation stage ``pp_g``, i.e. of training
+stages ``pp_g*p .. pp_g*p + p - 1``. Megatron's TP sharding of dim ``k`` into TP equal
+contiguous chunks means generation chunk ``tp_g`` (TP_g chunks) is exactly training chunks
+``tp_g*s .. tp_g*s + s - 1`` back to back. All those (stage, chunk) pairs are held by the
+members of the micro-DP group, and the rank's own chunk ``tp`` sits at position ``t`` inside
+its generation chunk, so its training shard is a slice of its generation shard (zero
+redundancy). Two layouts need a fix-up after the gather:
+
+* ``gate_up`` (GLU ``linear_fc1``, [2f, h]): training shard k is ``[gate_k; up_k]``, so the
+  s gathered shards read ``[g0; u0; g1; u1; ..]`` and are de-interleaved into
+  ``[g0; g1; ..; u0; u1; ..]``;
+* ``row_concat`` (row-parallel, shard dim 1): the gather buffer is ``[s, h, k]`` and the
+  generation shard is ``[h, s*k]``.
+
+``qkv_grouped`` is Megatron's per-query-group ``[q_g; k_g; v_g]`` layout: TP shards whole groups,
+so concatenation *is* the generation shard; the tag only tells the executor that an inference
+engine wanting ``[q; k; v]`` must run ``qkv_regroup`` (see ``hyflow.kernels``).
+
+The plan
+--------
+Per parameter (:class:`ParamReshard`, computed once) the planner lists :class:`SlicePiece` s:
+training slot ``j`` of the tp block contributes rows ``[src_offset, +length)`` of its shard along
+the shard dim, landing at ``[dst_offset, +length)`` of the generation shard (two pieces per slot
+for ``gate_up``). A receiver takes every piece from its own training stage when that stage holds
+the parameter, otherwise from the first holding stage of its generation stage; a replicated
+parameter is copied whole from the source stage's rank at the receiver's own tp. Per rank
+(:meth:`ReshardPlan.rank_plan`) the pieces become :class:`Move` s between global ranks, and the
+generation buffer is the rank's generation-stage parameters in spec order, each shard contiguous.
+
+Bytes and memory
+----------------
+For a fully TP-sharded model whose layers split evenly over stages, a rank needs
+``M / (TP_g*PP_g)`` bytes and already holds ``M / (TP*PP)``, so it receives
+
+    (TP*PP - TP_g*PP_g) / (TP_g*PP_g*TP*PP) * M        (``ReshardPlan.formula_bytes``)
+
+and holds no more than ``M / (TP_g*PP_g)`` of actor weights. Summed over all ranks the formula is
+exact for every TP-sharded parameter held on one stage; per rank, the stage-pinned embedding and
+output layer and the replicated norms (a rank needs a full copy of another stage's norm) make the
+exact numbers (``bytes_recv``/``bytes_sent``) deviate slightly, and the plan reports those. Extra
+memory per rank is ``gen_bytes - train_bytes`` (the training shard lives inside the generation
+buffer) plus ``scratch_bytes``: one generation shard of the largest ``gate_up``/``row_concat``
+parameter, the gather buffer those out-of-place fix-ups need (only when TP_g < TP).
+
+A tied embedding is held on the first and the last training stage (Megatron names the last
+stage's copy ``output_layer.weight``) and needed on the first and last generation stage.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Iterable, Optional, Sequence
+
+__all__ = [
+    "ReshardPlanError", "ParallelShape", "GenerationShape", "ParamSpec", "SlicePiece",
+    "ParamReshard", "Move", "RankPlan", "ReshardPlan", "gpt_param_specs", "plan_reshard",
+    "reshard_formula_bytes", "megatron_local_name",
+]
+
+TP_KINDS = ("column", "row", "vocab", "replicated")
+FIXUPS = (None, "gate_up", "row_concat", "qkv_grouped")
+PP_STAGES = ("first", "last", "first_and_last")
+# Fix-ups that cannot run in place: they need a gather scratch of one generation shard.
+_SCRATCH_FIXUPS = ("gate_up", "row_concat")
+# Divisibility checks run in this order, so the message names the most fundamental unit.
+_UNIT_ORDER = ("attention heads", "query groups", "ffn hidden size", "padded vocab size")
+
+
+class ReshardPlanError(ValueError):
+    """A training/generation layout pair the hybrid engine cannot reshard between."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelShape:
+    """Training layout: tensor-, pipeline- and data-parallel sizes."""
+
+    tp: int
+    pp: int = 1
+    dp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class GenerationShape:
+    """Generation layout: tensor- and pipeline-parallel sizes (DP follows from the training one)."""
+
+    tp: int
+    pp: int = 1
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One model parameter as the planner sees it.
+
+    ``global_shape`` is the unsharded shape. ``layer`` is the GLOBAL layer index for decoder
+    parameters; non-layer parameters set ``pp_stage`` instead ("first", "last", or
+    "first_and_last" for a tied embedding, which Megatron keeps on both ends when PP > 1).
+    ``shard_units`` counts the indivisible units along the shard dim (heads, query groups, ffn
+    rows, vocab rows) and ``unit_name`` names them in error messages.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    dtype_bytes: int = 2
+    tp_kind: str = "replicated"
+    fixup: Optional[str] = None
+    layer: Optional[int] = None
+    pp_stage: Optional[str] = None
+    shard_units: Optional[int] = None
+    unit_name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "global_shape", tuple(int(x) for x in self.global_shape))
+        if self.tp_kind not in TP_KINDS:
+            raise ReshardPlanError(f"{self.name}: tp_kind {self.tp_kind!r} not in {TP_KINDS}")
+        if self.fixup not in FIXUPS:
+            raise ReshardPlanError(f"{self.name}: fixup {self.fixup!r} not in {FIXUPS}")
+        if (self.layer is None) == (self.pp_stage is None):
+            raise ReshardPlanError(f"{self.name}: set exactly one of layer= or pp_stage=")
+        if self.pp_stage is not None and self.pp_stage not in PP_STAGES:
+            raise ReshardPlanError(f"{self.name}: pp_stage {self.pp_stage!r} not in {PP_STAGES}")
+        need = {"gate_up": "column", "qkv_grouped": "column", "row_concat": "row"}.get(self.fixup)
+        if need is not None and self.tp_kind != need:
+            raise ReshardPlanError(f"{self.name}: fixup {self.fixup!r} needs tp_kind {need!r}")
+        shape, dim = self.global_shape, self.shard_dim
+        if dim is not None and len(shape) <= dim:
+            raise ReshardPlanError(f"{self.name}: shape {shape} has no dim {dim}")
+        if self.fixup == "gate_up" and shape[0] % 2:
+            raise ReshardPlanError(f"{self.name}: gate_up dim 0 ({shape[0]}) must be even")
+
+    @property
+    def shard_dim(self) -> Optional[int]:
+        """Dim TP shards along: 0 for column/vocab, 1 for row, None when replicated."""
+        return {"column": 0, "vocab": 0, "row": 1}.get(self.tp_kind)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.global_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype_bytes
+
+    def stages(self, pp: int, num_layers: int) -> tuple[int, ...]:
+        """Pipeline stages (out of ``pp``) that hold this parameter."""
+        if self.layer is not None:
+            return (self.layer // (num_layers // pp),)
+        return {"first": (0,), "last": (pp - 1,)}.get(self.pp_stage, tuple(sorted({0, pp - 1})))
+
+
+def gpt_param_specs(num_layers: int, hidden: int, num_heads: int, num_query_groups: int,
+                    head_dim: int, ffn_hidden: int, padded_vocab: int, *,
+                    tied_embeddings: bool = False, qkv_bias: bool = False, dtype_bytes: int = 2,
+                    gated_mlp: bool = True, qk_layernorm: bool = False) -> list[ParamSpec]:
+    """Megatron-Core ``GPTModel`` parameters (local spec names, GLOBAL layer indices)."""
+    qkv_rows = (num_heads + 2 * num_query_groups) * head_dim
+    fc1_rows = 2 * ffn_hidden if gated_mlp else ffn_hidden
+    vocab = dict(tp_kind="vocab", shard_units=padded_vocab, unit_name="padded vocab size")
+    out = [ParamSpec("embedding.word_embeddings.weight", (padded_vocab, hidden), dtype_bytes,
+                     pp_stage="first_and_last" if tied_embeddings else "first", **vocab)]
+    qkv = dict(tp_kind="column", fixup="qkv_grouped", shard_units=num_query_groups,
+               unit_name="query groups")
+    for i in range(num_layers):
+        pre = f"decoder.layers.{i}."
+        rep = dict(tp_kind="replicated", layer=i)
+        out.append(ParamSpec(pre + "input_layernorm.weight", (hidden,), dtype_bytes, **rep))
+        out.append(ParamSpec(pre + "self_attention.linear_qkv.weight", (qkv_rows, hidden),
+                             dtype_bytes, layer=i, **qkv))
+        if qkv_bias:
+            out.append(ParamSpec(pre + "self_attention.linear_qkv.bias", (qkv_rows,),
+                                 dtype_bytes, layer=i, **qkv))
+        if qk_layernorm:
+            for n in ("q_layernorm", "k_layernorm"):
+                out.append(ParamSpec(pre + f"self_attention.{n}.weight", (head_dim,),
+                                     dtype_bytes, **rep))
+        out.append(ParamSpec(pre + "self_attention.linear_proj.weight",
+                             (hidden, num_heads * head_dim), dtype_bytes, tp_kind="row",
+                             fixup="row_concat", layer=i, shard_units=num_heads,
+                             unit_name="attention heads"))
+        out.append(ParamSpec(pre + "pre_mlp_layernorm.weight", (hidden,), dtype_bytes, **rep))
+        out.append(ParamSpec(pre + "mlp.linear_fc1.weight", (fc1_rows, hidden), dtype_bytes,
+                             tp_kind="column", fixup="gate_up" if gated_mlp else None, layer=i,
+                             shard_units=ffn_hidden, unit_name="ffn hidden size"))
+        out.append(ParamSpec(pre + "mlp.linear_fc2.weight", (hidden, ffn_hidden), dtype_bytes,
+                             tp_kind="row", fixup="row_concat", layer=i,
+                             shard_units=ffn_hidden, unit_name="ffn hidden size"))
+    out.append(ParamSpec("decoder.final_layernorm.weight", (hidden,), dtype_bytes,
+                         pp_stage="last"))
+    if not tied_embeddings:
+        out.append(ParamSpec("output_layer.weight", (padded_vocab, hidden), dtype_bytes,
+                             pp_stage="last", **vocab))
+    return out
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def megatron_local_name(spec: ParamSpec, pp: int, num_layers: int, stage: int) -> str:
+    """State-dict name of ``spec`` on training stage ``stage``: local layer numbering, and a tied
+    embedding shows up as ``output_layer.weight`` on the last stage when PP > 1."""
+    if spec.layer is not None:
+        local = spec.layer - stage * (num_layers // pp)
+        return _LAYER_RE.sub(f"decoder.layers.{local}.", spec.name, count=1)
+    if spec.pp_stage == "first_and_last" and stage == pp - 1 and pp > 1:
+        return "output_layer.weight"
+    return spec.name
+
+
+@dataclass(frozen=True)
+class SlicePiece:
+    """A contiguous run along the shard dim: training slot ``src_slot`` -> generation shard.
+
+    ``src_slot`` j is the position inside the tp block (training tp = tp_g * s + j); None for a
+    replicated parameter (copied from the source stage's rank at the receiver's own tp).
+    """
+
+    src_slot: Optional[int]
+    src_offset: int
+    dst_offset: int
+    length: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ParamReshard:
+    """Per-parameter plan, computed once and shared by every rank."""
+
+    spec: ParamSpec
+    dim: int  # dim the pieces run along (0 for replicated params)
+    train_shard_shape: tuple[int, ...]
+    gen_shard_shape: tuple[int, ...]
+    train_stages: tuple[int, ...]
+    gen_stages: tuple[int, ...]
+    pieces: tuple[SlicePiece, ...]
+    train_shard_bytes: int
+    gen_shard_bytes: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class Move:
+    """One slice landing in ``dst_rank``'s generation buffer (local copy when src == dst)."""
+
+    param: str
+    src_rank: int
+    dst_rank: int
+    dim: int
+    src_offset: int
+    dst_offset: int
+    length: int
+    nbytes: int
+
+    @property
+    def is_local(self) -> bool:
+        return self.src_rank == self.dst_rank
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything one rank does in a train -> generation transition."""
+
+    rank: int
+    train_coord: tuple[int, int, int]  # (tp, pp, dp)
+    gen_coord: tuple[int, int, int]  # (tp_g, pp_g, dp_g)
+    micro_dp_rank: int
+    micro_dp_group: tuple[int, ...]
+    gen_tp_group: tuple[int, ...]
+    gen_pp_group: tuple[int, ...]
+    gen_offsets: dict[str, int]  # parameter -> byte offset in the flat generation buffer
+    moves: tuple[Move, ...]  # every slice of the generation buffer, local ones included
+    bytes_recv: int
+    bytes_sent: int
+    train_bytes: int
+    gen_bytes: int
+    scratch_bytes: int
+
+    @property
+    def extra_bytes(self) -> int:
+        return self.gen_bytes - self.train_bytes
+
+
+def reshard_formula_bytes(model_bytes: int, train: Any, gen: Any) -> Fraction:
+    """Closed-form bytes received per rank: (TP*PP - TP_g*PP_g)/(TP_g*PP_g*TP*PP) * M."""
+    t, g = train.tp * train.pp, gen.tp * gen.pp
+    return Fraction((t - g) * model_bytes, g * t)
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """The whole train -> generation reshard; per-rank lists are indexed by global rank."""
+
+    train: ParallelShape
+    gen: GenerationShape
+    num_layers: int
+    params: tuple[ParamReshard, ...]
+    gen_tp_groups: tuple[tuple[int, ...], ...]
+    gen_pp_groups: tuple[tuple[int, ...], ...]
+    micro_dp_groups: tuple[tuple[int, ...], ...]
+    gen_dp_groups: tuple[tuple[int, ...], ...]
+    bytes_recv: tuple[int, ...]
+    bytes_sent: tuple[int, ...]
+    train_bytes: tuple[int, ...]
+    gen_bytes: tuple[int, ...]
+    scratch_bytes: tuple[int, ...]
+    model_bytes: int
+    formula_bytes: Fraction
+    _by_name: dict = field(default=None, repr=False, compare=False)
+
+    # ---- sizes -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.train.world_size
+
+    @property
+    def tp_ratio(self) -> int:
+        return self.train.tp // self.gen.tp
+
+    @property
+    def pp_ratio(self) -> int:
+        return self.train.pp // self.gen.pp
+
+    @property
+    def micro_dp_size(self) -> int:
+        return self.tp_ratio * self.pp_ratio
+
+    @property
+    def gen_dp_size(self) -> int:
+        return self.train.dp * self.micro_dp_size
+
+    @property
+    def extra_bytes(self) -> tuple[int, ...]:
+        """Generation buffer minus the rank's own training shard (which lives inside it)."""
+        return tuple(g - t for g, t in zip(self.gen_bytes, self.train_bytes))
+
+    @property
+    def peak_extra_bytes(self) -> int:
+        """Largest per-rank extra memory, fix-up scratch included."""
+        return max(e + s for e, s in zip(self.extra_bytes, self.scratch_bytes))
+
+    @property
+    def total_bytes_moved(self) -> int:
+        return sum(self.bytes_recv)
+
+    def param(self, name: str) -> ParamReshard:
+        return self._by_name[name]
+
+    # ---- coordinates -------------------------------------------------------------------
+    def rank_of(self, tp: int, pp: int, dp: int) -> int:
+        return pp * self.train.dp * self.train.tp + dp * self.train.tp + tp
+
+    def train_coord(self, rank: int) -> tuple[int, int, int]:
+        pp, rest = divmod(rank, self.train.dp * self.train.tp)
+        dp, tp = divmod(rest, self.train.tp)
+        return tp, pp, dp
+
+    def gen_coord(self, rank: int) -> tuple[int, int, int]:
+        """(tp_g, pp_g, dp_g) of a global rank."""
+        tp, pp, dp = self.train_coord(rank)
+        (tg, t), (pg, l) = divmod(tp, self.tp_ratio), divmod(pp, self.pp_ratio)
+        return tg, pg, dp * self.micro_dp_size + l * self.tp_ratio + t
+
+    def _source_stage(self, pr: ParamReshard, stage: int) -> int:
+        if stage in pr.train_stages:
+            return stage
+        block = stage // self.pp_ratio
+        return next(q for q in pr.train_stages if q // self.pp_ratio == block)
+
+    # ---- per-rank views ----------------------------------------------------------------
+    def rank_plan(self, rank: int) -> RankPlan:
+        if not 0 <= rank < self.world_size:
+            raise ReshardPlanError(f"rank {rank} outside world of {self.world_size}")
+        tp, pp, dp = self.train_coord(rank)
+        tg, pg, dg = self.gen_coord(rank)
+        s, p = self.tp_ratio, self.pp_ratio
+        t, l = tp % s, pp % p
+        offsets, moves, off = {}, [], 0
+        for pr in self.params:
+            if pg not in pr.gen_stages:
+                continue
+            offsets[pr.name] = off
+            off += pr.gen_shard_bytes
+            src_stage = self._source_stage(pr, pp)
+            for pc in pr.pieces:
+                src_tp = tp if pc.src_slot is None else tg * s + pc.src_slot
+                moves.append(Move(pr.name, self.rank_of(src_tp, src_stage, dp), rank, pr.dim,
+                                  pc.src_offset, pc.dst_offset, pc.length, pc.nbytes))
+        return RankPlan(
+            rank=rank, train_coord=(tp, pp, dp), gen_coord=(tg, pg, dg), micro_dp_rank=l * s + t,
+            micro_dp_group=self.micro_dp_groups[(dp * self.gen.pp + pg) * self.gen.tp + tg],
+            gen_tp_group=self.gen_tp_groups[(dp * self.train.pp + pp) * s + t],
+            gen_pp_group=self.gen_pp_groups[(dp * self.train.tp + tp) * p + l],
+            gen_offsets=offsets, moves=tuple(moves), bytes_recv=self.bytes_recv[rank],
+            bytes_sent=self.bytes_sent[rank], train_bytes=self.train_bytes[rank],
+            gen_bytes=self.gen_bytes[rank], scratch_bytes=self.scratch_bytes[rank])
+
+    def send_moves(self, rank: int) -> list[Move]:
+        """Remote moves whose source is ``rank`` (all inside its micro-DP group)."""
+        group = self.rank_plan(rank).micro_dp_group
+        return [mv for r in group if r != rank for mv in self.rank_plan(r).moves
+                if mv.src_rank == rank]
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        return "\n".join([
+            f"reshard TP={self.train.tp} PP={self.train.pp} DP={self.train.dp} -> "
+            f"TP_g={self.gen.tp} PP_g={self.gen.pp} DP_g={self.gen_dp_size} "
+            f"(micro-DP {self.micro_dp_size}, {self.world_size} ranks, {len(self.params)} params)",
+            f"  model {self.model_bytes / mib:.1f} MiB; recv/rank max "
+            f"{max(self.bytes_recv) / mib:.1f} MiB (formula {float(self.formula_bytes) / mib:.1f})",
+            f"  total moved {self.total_bytes_moved / mib:.1f} MiB; peak extra/rank "
+            f"{self.peak_extra_bytes / mib:.1f} MiB",
+        ])
+
+
+# ---- planning ----------------------------------------------------------------------------
+
+def _as_shape(x: Any, with_dp: bool):
+    if isinstance(x, (tuple, list)):
+        vals = [int(v) for v in x]
+    else:
+        vals = [int(x.tp), int(getattr(x, "pp", 1)), int(getattr(x, "dp", 1))]
+        for extra in ("cp", "ep"):
+            if getattr(x, extra, 1) != 1:
+                raise ReshardPlanError(f"{extra}={getattr(x, extra)}: the reshard planner supports "
+                                       f"CP = EP = 1 only; set {extra}=1")
+        if (getattr(x, "vpp", None) or 1) > 1:
+            raise ReshardPlanError(f"vpp={x.vpp}: an interleaved pipeline puts non-consecutive "
+                                   "layers on a stage; the planner needs consecutive stages")
+    if any(v < 1 for v in vals):
+        raise ReshardPlanError(f"parallel sizes must be >= 1, got {tuple(vals)}")
+    return ParallelShape(*vals) if with_dp else GenerationShape(*vals[:2])
+
+
+def _validate(params: Sequence[ParamSpec], train: ParallelShape, gen: GenerationShape,
+              world_size: int, num_layers: int) -> None:
+    TP, PP, DP, TPg, PPg = train.tp, train.pp, train.dp, gen.tp, gen.pp
+    if world_size != train.world_size:
+        hint = (f"DP would be {world_size // (TP * PP)}" if world_size % (TP * PP) == 0
+                else f"{world_size} is not a multiple of TP*PP={TP * PP}")
+        raise ReshardPlanError(
+            f"world_size={world_size} but training layout TP={TP} x PP={PP} x DP={DP} = "
+            f"{train.world_size} ranks; pass the real world size or fix DP ({hint})")
+    if TPg > TP:
+        raise ReshardPlanError(
+            f"generation TP_g={TPg} is larger than training TP={TP}: the hybrid engine only "
+            f"merges training TP shards; pick TP_g from {_divisors(TP)}")
+    if TP % TPg:
+        raise ReshardPlanError(f"generation TP_g={TPg} does not divide training TP={TP}; "
+                               f"pick TP_g from {_divisors(TP)}")
+    if PPg > PP:
+        raise ReshardPlanError(
+            f"generation PP_g={PPg} is larger than training PP={PP}: the hybrid engine only "
+            f"merges training stages; pick PP_g from {_divisors(PP)}")
+    if PP % PPg:
+        raise ReshardPlanError(f"generation PP_g={PPg} does not divide training PP={PP}; "
+                               f"pick PP_g from {_divisors(PP)}")
+    if num_layers:
+        for what, n in (("generation PP_g", PPg), ("training PP", PP)):
+            if num_layers % n:
+                raise ReshardPlanError(
+                    f"num_layers={num_layers} is not divisible by {what}={n}; stages must hold "
+                    f"equal layer counts, pick a divisor of {num_layers} ({_divisors(num_layers)})")
+    names = set()
+    for spec in params:
+        if spec.name in names:
+            raise ReshardPlanError(f"duplicate parameter name {spec.name!r}")
+        names.add(spec.name)
+        if spec.layer is not None and not 0 <= spec.layer < num_layers:
+            raise ReshardPlanError(f"{spec.name}: layer {spec.layer} outside 0..{num_layers - 1}")
+    order = {u: i for i, u in enumerate(_UNIT_ORDER)}
+    sharded = sorted((sp for sp in params if sp.shard_dim is not None),
+                     key=lambda sp: order.get(sp.unit_name, len(order)))
+    for spec in sharded:
+        size = spec.global_shape[spec.shard_dim]
+        units = spec.shard_units if spec.shard_units is not None else (
+            size // 2 if spec.fixup == "gate_up" else size)
+        what = spec.unit_name or f"rows along dim {spec.shard_dim}"
+        for who, n in (("generation TP_g", TPg), ("training TP", TP)):
+            if units % n:
+                raise ReshardPlanError(
+                    f"{spec.name}: {what} = {units} is not divisible by {who}={n}; choose a "
+                    f"TP that divides {units} (or pad the model dimension)")
+        if size % (2 * TP if spec.fixup == "gate_up" else TP):
+            raise ReshardPlanError(f"{spec.name}: dim {spec.shard_dim} of size {size} cannot be "
+                                   f"split into TP={TP} equal shards")
+
+
+def _plan_param(spec: ParamSpec, train: ParallelShape, gen: GenerationShape,
+                num_layers: int) -> ParamReshard:
+    shape, dim = spec.global_shape, spec.shard_dim
+    row_bytes = spec.nbytes // shape[dim if dim is not None else 0]  # bytes per index along dim
+    if dim is None:
+        pieces = (SlicePiece(None, 0, 0, shape[0], spec.nbytes),)
+        tshape = gshape = shape
+    else:
+        s = train.tp // gen.tp
+        tshape = shape[:dim] + (shape[dim] // train.tp,) + shape[dim + 1:]
+        gshape = shape[:dim] + (shape[dim] // gen.tp,) + shape[dim + 1:]
+        r = tshape[dim]
+        if spec.fixup == "gate_up":  # [g_j; u_j] -> gate rows j*f, up rows s*f + j*f
+            f = r // 2
+            pieces = tuple(SlicePiece(j, h * f, h * s * f + j * f, f, f * row_bytes)
+                           for j in range(s) for h in (0, 1))
+        else:
+            pieces = tuple(SlicePiece(j, 0, j * r, r, r * row_bytes) for j in range(s))
+    tbytes = math.prod(tshape) * spec.dtype_bytes
+    gbytes = tbytes * (train.tp // gen.tp if dim is not None else 1)
+    tstages = spec.stages(train.pp, num_layers)
+    gstages = tuple(sorted({q // (train.pp // gen.pp) for q in tstages}))
+    return ParamReshard(spec, dim if dim is not None else 0, tshape, gshape, tstages, gstages,
+                        pieces, tbytes, gbytes)
+
+
+def plan_reshard(params: Iterable[ParamSpec], train: Any, gen: Any,
+                 world_size: Optional[int] = None, num_layers: Optional[int] = None) -> ReshardPlan:
+    """Plan the train -> generation reshard.
+
+    ``train`` is ``(tp, pp, dp)`` or anything with ``.tp/.pp/.dp``; ``gen`` is ``(tp_g, pp_g)``
+    or anything with ``.tp/.pp``. ``world_size`` defaults to ``tp*pp*dp``; ``num_layers`` to
+    one more than the largest layer index. Raises :class:`ReshardPlanError` for impossible pairs.
+    """
+    params = tuple(params)
+    train, gen = _as_shape(train, True), _as_shape(gen, False)
+    world = train.world_size if world_size is None else int(world_size)
+    if num_layers is None:
+        num_layers = 1 + max((sp.layer for sp in params if sp.layer is not None), default=-1)
+    _validate(params, train, gen, world, num_layers)
+    TP, PP, DP, TPg, PPg = train.tp, train.pp, train.dp, gen.tp, gen.pp
+    s, p = TP // TPg, PP // PPg
+    plans = tuple(_plan_param(sp, train, gen, num_layers) for sp in params)
+
+    # Per-stage accounting: every number depends on the training stage only (TP shards are equal).
+    recv, sent, held = [0] * PP, [0] * PP, [0] * PP
+    gen_b, scratch = [0] * PPg, [0] * PPg
+    for pr in plans:
+        replicated = pr.spec.shard_dim is None
+        for q in pr.train_stages:
+            held[q] += pr.train_shard_bytes
+        for j in pr.gen_stages:
+            gen_b[j] += pr.gen_shard_bytes
+            if s > 1 and pr.spec.fixup in _SCRATCH_FIXUPS:
+                scratch[j] = max(scratch[j], pr.gen_shard_bytes)
+            block_holders = [q for q in pr.train_stages if q // p == j]
+            for q in range(j * p, (j + 1) * p):
+                src = q if q in pr.train_stages else block_holders[0]
+                if replicated:  # (q, t) gets a full copy from (src, t)
+                    n = 0 if src == q else pr.gen_shard_bytes
+                else:  # same stage: s-1 peer shards; other stage: all s shards of src
+                    n = (s - 1 if src == q else s) * pr.train_shard_bytes
+                recv[q] += n
+                sent[src] += n
+    per_stage = DP * TP
+    stage_of = [r // per_stage for r in range(world)]
+
+    def ranks(vals: list[int], by_gen: bool = False) -> tuple[int, ...]:
+        return tuple(vals[q // p] if by_gen else vals[q] for q in stage_of)
+
+    rk = lambda tp, pp, dp: pp * per_stage + dp * TP + tp  # noqa: E731
+    gen_tp = tuple(tuple(rk(g * s + t, pp, dp) for g in range(TPg))
+                   for dp in range(DP) for pp in range(PP) for t in range(s))
+    gen_pp = tuple(tuple(rk(tp, k * p + l, dp) for k in range(PPg))
+                   for dp in range(DP) for tp in range(TP) for l in range(p))
+    micro = tuple(tuple(rk(tg * s + t, pg * p + l, dp) for l in range(p) for t in range(s))
+                  for dp in range(DP) for pg in range(PPg) for tg in range(TPg))
+    gen_dp = tuple(tuple(r for dp in range(DP) for r in micro[(dp * PPg + pg) * TPg + tg])
+                   for pg in range(PPg) for tg in range(TPg))
+    model_bytes = sum(sp.nbytes for sp in params)
+    return ReshardPlan(
+        train=train, gen=gen, num_layers=num_layers, params=plans, gen_tp_groups=gen_tp,
+        gen_pp_groups=gen_pp, micro_dp_groups=micro, gen_dp_groups=gen_dp,
+        bytes_recv=ranks(recv), bytes_sent=ranks(sent), train_bytes=ranks(held),
+        gen_bytes=ranks(gen_b, True), scratch_bytes=ranks(scratch, True),
+        model_bytes=model_bytes, formula_bytes=reshard_formula_bytes(model_bytes, train, gen),
+        _by_name={pr.name: pr for pr in plans})

@@ -1,0 +1,215 @@
+"""Build Megatron-Core ``GPTModel``s from a :class:`ModelDescription` and a layout.
+
+The description says *what* the model is; :class:`~hyflow.parallel.groups.ParallelGroups`
+says how it is split. The builder picks a layer spec:
+
+* ``te``: Transformer Engine's spec (fused kernels), when TE is installed and CUDA present;
+* ``sdpa``: Megatron's local modules with :class:`SDPAttention` as core attention
+  (default on GPU without TE);
+* ``local``: Megatron's local spec unchanged (default on CPU).
+
+Critic and reward models are the same trunk with a scalar :class:`ValueHead`
+instead of the vocabulary projection.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from hyflow.models.description import ModelDescription
+from hyflow.models.sdpa_attention import SDPAttention
+from hyflow.parallel.groups import ParallelGroups
+from hyflow.parallel.layout import pad_vocab_size
+
+SpecName = Literal["auto", "local", "sdpa", "te"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_spec(spec: SpecName = "auto") -> str:
+    """The concrete layer spec for ``spec`` on this machine."""
+    has_cuda = torch.cuda.is_available()
+    has_te = importlib.util.find_spec("transformer_engine") is not None
+    if spec == "auto":
+        return "te" if (has_cuda and has_te) else ("sdpa" if has_cuda else "local")
+    if spec == "te" and not (has_cuda and has_te):
+        raise ValueError("model spec 'te' needs transformer-engine and CUDA; use 'sdpa' or 'local'")
+    if spec not in ("local", "sdpa", "te"):
+        raise ValueError(f"unknown model spec {spec!r}; one of auto, local, sdpa, te")
+    return spec
+
+
+def layer_spec(spec: SpecName = "auto"):
+    """Megatron ``ModuleSpec`` for one transformer layer."""
+    name = resolve_spec(spec)
+    if name == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if name == "local":
+        return local
+    sdpa = copy.deepcopy(local)
+    sdpa.submodules.self_attention.submodules.core_attention = SDPAttention
+    return sdpa
+
+
+def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: str = "fp32",
+                       **overrides) -> TransformerConfig:
+    """``TransformerConfig`` for ``desc`` under the layout of ``groups``."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not supported; one of {sorted(DTYPES)}")
+    layout = groups.layout
+    layout.check_model(desc)
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=desc.num_layers,
+        hidden_size=desc.hidden_size,
+        num_attention_heads=desc.num_attention_heads,
+        num_query_groups=desc.num_query_groups,
+        kv_channels=desc.head_dim,
+        ffn_hidden_size=desc.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=desc.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=desc.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=desc.init_method_std,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=DTYPES[dtype],
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        # Full-size init on CPU then slicing makes every layout start from the same
+        # weights, which hybrid resharding and layout-parity tests rely on.
+        use_cpu_initialization=True,
+        # Fusions need apex/TE kernels that are absent on CPU.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        pipeline_dtype=DTYPES[dtype],
+        deallocate_pipeline_outputs=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar head replacing ``GPTModel.output_layer`` for critics and reward models.
+
+    Called like Megatron's output layer: ``(hidden [s, b, h]) -> (values [s, b, 1], None)``.
+    The weight is replicated over TP ranks (hidden states are complete after the
+    last row-parallel all-reduce); under sequence parallelism the sequence is
+    gathered first.
+    """
+
+    def __init__(self, config: TransformerConfig, tp_group):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))
+        torch.nn.init.normal_(self.weight, std=config.init_method_std)
+        self.sequence_parallel = config.sequence_parallel
+        self.tp_group = tp_group
+        # Megatron DDP all-reduces grads of params it marks as "sequence parallel" over TP;
+        # with SP our head sees only a slice of tokens, so its grad must be summed likewise.
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
+        return F.linear(hidden, self.weight), None
+
+
+def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: str = "fp32",
+                    spec: SpecName = "auto", value_head: bool = False,
+                    vp_stage: Optional[int] = None, seed: Optional[int] = None,
+                    config_overrides: Optional[dict] = None) -> GPTModel:
+    """Build this rank's part of the model (its pipeline stage and TP shard).
+
+    Args:
+        desc: architecture.
+        groups: layout + process groups of this rank.
+        dtype: ``fp32``, ``bf16`` or ``fp16`` parameters.
+        spec: layer spec (see module docstring).
+        value_head: build a critic / reward trunk with a scalar head.
+        vp_stage: virtual pipeline chunk index when ``layout.vpp`` is set.
+        seed: if given, reseed the CPU generator first so every layout draws the
+            same full-size initial weights.
+    """
+    desc.validate()
+    cfg = transformer_config(desc, groups, dtype, **(config_overrides or {}))
+    layout = groups.layout
+    vpp = layout.vpp or 1
+    chunk = vp_stage or 0
+    pre = groups.is_first_stage and chunk == 0
+    post = groups.is_last_stage and chunk == vpp - 1
+    if seed is not None:
+        torch.manual_seed(seed)
+    if not get_cuda_rng_tracker().is_initialized():
+        # Groups built with build_groups() alone: Megatron's layers still fork this tracker.
+        model_parallel_cuda_manual_seed(seed or 1234, tp_rank=groups.tp_rank, ep_rank=0, etp_rank=0)
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=layer_spec(spec),
+        vocab_size=pad_vocab_size(desc.vocab_size, layout.tp),
+        max_sequence_length=desc.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=desc.tied_embeddings and not value_head,
+        position_embedding_type="rope",
+        rotary_base=int(desc.rope_theta) if float(desc.rope_theta).is_integer() else desc.rope_theta,
+        pg_collection=groups.pgs,
+        vp_stage=vp_stage if layout.vpp else None,
+    )
+    # RoPE frequencies computed once, in float64, from the description (covers linear
+    # and llama3 scaling with any parameters; Megatron hard-codes llama3's constants).
+    model.rotary_pos_emb.inv_freq = desc.inv_freq().to(torch.float32)
+    if value_head and post:
+        model.output_layer = ValueHead(cfg, groups.pgs.tp)
+    _zero_vocab_padding(model, desc.vocab_size, groups)
+    return model
+
+
+@torch.no_grad()
+def _zero_vocab_padding(model: GPTModel, vocab_size: int, groups: ParallelGroups) -> None:
+    """Padded vocabulary rows are zero (export strips them; sampling masks them)."""
+    for module_name in ("embedding.word_embeddings", "output_layer"):
+        module = model.get_submodule(module_name) if _has(model, module_name) else None
+        weight = getattr(module, "weight", None)
+        if weight is None or isinstance(module, ValueHead):
+            continue
+        rows = weight.shape[0]
+        start = groups.tp_rank * rows
+        first_pad = max(vocab_size - start, 0)
+        if first_pad < rows:
+            weight[first_pad:].zero_()
+
+
+def _has(model: torch.nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def gpt_model_parameters(model: GPTModel) -> int:
+    """Number of parameters held by this rank's model part."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,279 @@
+"""Hugging Face Llama / Qwen2 / Mistral <-> Megatron-Core names, configs and layouts.
+
+Configs:
+
+* :func:`description_from_hf_config` reads an HF ``config.json`` dict (transformers 4
+  ``rope_theta`` / ``rope_scaling`` keys and transformers 5 ``rope_parameters`` alike)
+  and rejects what the engine cannot run exactly;
+* :func:`hf_config_warnings` lists features that convert but the engine ignores
+  (sliding-window attention);
+* :func:`hf_config_from_description` writes a config back (export).
+
+Tensors: pure functions over *full* state dicts (see :mod:`hyflow.models.weights`):
+
+* :func:`name_map` / :func:`hf_parameter_shapes`: which HF tensors make each Megatron
+  tensor, and the shapes an HF checkpoint of a description must have;
+* :func:`hf_to_megatron` / :func:`megatron_to_hf` map one full state dict to the
+  other. Q/K/V are fused into Megatron's per-query-group order, gate/up into
+  ``linear_fc1 = [gate; up]``; both directions are exact (bit-identical round trip).
+
+Streaming converters call :func:`hf_to_megatron_tensor` one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import torch
+
+from hyflow.kernels.reshard_reference import grouped_to_qkv, qkv_to_grouped
+from hyflow.models.description import ModelDescription, ModelDescriptionError, RopeScaling
+
+_ARCH_FAMILY = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+_FAMILY_ARCH = {family: arch for arch, family in _ARCH_FAMILY.items()}
+_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+#: HF tensors that are derived buffers, not weights (older Llama checkpoints store them).
+IGNORED_HF_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+def _rope_settings(cfg: Mapping[str, Any]) -> tuple[Optional[float], Optional[Mapping[str, Any]]]:
+    """(rope_theta, scaling dict or None) from either config generation."""
+    params = cfg.get("rope_parameters")
+    params = params if isinstance(params, Mapping) else {}
+    theta = cfg.get("rope_theta", params.get("rope_theta"))
+    scaling = cfg.get("rope_scaling") or None
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    return theta, scaling
+
+
+def _rope_scaling(rs: Optional[Mapping[str, Any]]) -> Optional[RopeScaling]:
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in ("linear", "llama3"):
+        raise ModelDescriptionError(
+            f"rope_scaling type {kind!r} is not supported; hyflow runs 'linear' and 'llama3' "
+            "(dynamic / yarn / longrope change attention in ways the engine does not implement)")
+    if float(rs.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelDescriptionError("partial_rotary_factor != 1 is not supported")
+    return RopeScaling(
+        type=kind, factor=float(rs.get("factor", 1.0)),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
+
+
+def _family(cfg: Mapping[str, Any]) -> str:
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    family = next((_ARCH_FAMILY[a] for a in archs if a in _ARCH_FAMILY), None)
+    if family is None and not archs and model_type in _FAMILY_ARCH:
+        family = model_type
+    if family is None:
+        raise ModelDescriptionError(
+            f"unsupported architecture {archs or model_type!r}; hyflow converts "
+            f"{', '.join(sorted(_ARCH_FAMILY))}")
+    return family
+
+
+def _check_unsupported(cfg: Mapping[str, Any], family: str) -> None:
+    """Reject config features the Megatron model cannot reproduce exactly."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelDescriptionError(f"hidden_act={cfg['hidden_act']!r} is not supported (only silu)")
+    if cfg.get("mlp_bias"):
+        raise ModelDescriptionError("mlp_bias=true is not supported (Megatron's MLP here has no biases)")
+    if family != "qwen2" and cfg.get("attention_bias"):
+        raise ModelDescriptionError(
+            f"attention_bias=true on {family} puts a bias on o_proj too, which is not supported; "
+            "only Q/K/V biases (Qwen2) are")
+    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelDescriptionError("partial_rotary_factor != 1 is not supported")
+    for key in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size",
+                "vocab_size"):
+        if not isinstance(cfg.get(key), int):
+            raise ModelDescriptionError(f"config.json lacks the integer {key!r} (got {cfg.get(key)!r})")
+
+
+def description_from_hf_config(cfg: Mapping[str, Any]) -> ModelDescription:
+    """ModelDescription from an HF config dict; unsupported architectures are rejected."""
+    family = _family(cfg)
+    _check_unsupported(cfg, family)
+    theta, rs = _rope_settings(cfg)
+    heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    desc = ModelDescription(
+        family=family,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        ffn_hidden_size=cfg["intermediate_size"],
+        max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rope_theta=float(theta if theta is not None else 10000.0),
+        rope_scaling=_rope_scaling(rs),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+    )
+    desc.validate()
+    return desc
+
+
+def hf_config_warnings(cfg: Mapping[str, Any]) -> list[str]:
+    """Features of ``cfg`` that convert but that the engine does not reproduce."""
+    out = []
+    window = cfg.get("sliding_window")
+    use_window = cfg.get("use_sliding_window", cfg.get("model_type") != "qwen2")
+    if window and use_window and window < (cfg.get("max_position_embeddings") or 0):
+        out.append(f"sliding_window={window}: the engine uses full causal attention, so "
+                   f"sequences longer than {window} tokens differ from HF")
+    return out
+
+
+def hf_config_from_description(desc: ModelDescription, base: Optional[Mapping[str, Any]] = None,
+                               dtype: str = "float32") -> dict[str, Any]:
+    """An HF ``config.json`` dict for ``desc``.
+
+    ``base`` (the source checkpoint's config, when known) keeps every key the
+    description does not model (token ids, chat settings...); the architecture keys
+    are always written from ``desc`` (legacy ``rope_theta`` / ``rope_scaling``, which
+    transformers 4 and 5 both read).
+    """
+    cfg: dict[str, Any] = dict(base or {})
+    cfg.pop("rope_parameters", None)
+    cfg.pop("torch_dtype", None)
+    cfg.update(
+        architectures=[_FAMILY_ARCH[desc.family]],
+        model_type=desc.family,
+        vocab_size=desc.vocab_size,
+        hidden_size=desc.hidden_size,
+        num_hidden_layers=desc.num_layers,
+        num_attention_heads=desc.num_attention_heads,
+        num_key_value_heads=desc.num_query_groups,
+        intermediate_size=desc.ffn_hidden_size,
+        max_position_embeddings=desc.max_position_embeddings,
+        head_dim=desc.head_dim,
+        hidden_act="silu",
+        rms_norm_eps=desc.norm_eps,
+        rope_theta=desc.rope_theta,
+        rope_scaling=None,
+        tie_word_embeddings=desc.tied_embeddings,
+        dtype=dtype,
+    )
+    if desc.rope_scaling is not None:
+        s = desc.rope_scaling
+        cfg["rope_scaling"] = {"rope_type": s.type, "factor": s.factor}
+        if s.type == "llama3":
+            cfg["rope_scaling"].update(
+                low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                original_max_position_embeddings=s.original_max_position_embeddings)
+    if desc.family != "qwen2":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    if desc.eos_token_ids and "eos_token_id" not in cfg:
+        ids = desc.eos_token_ids
+        cfg["eos_token_id"] = ids[0] if len(ids) == 1 else list(ids)
+    return cfg
+
+
+def _hf_layer_names(i: int, desc: ModelDescription) -> dict[str, list[str]]:
+    """Megatron name -> the HF names it is built from, for layer ``i``."""
+    hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+    out = {
+        mc + "input_layernorm.weight": [hf + "input_layernorm.weight"],
+        mc + "self_attention.linear_qkv.weight": [hf + f"self_attn.{p}_proj.weight" for p in "qkv"],
+        mc + "self_attention.linear_proj.weight": [hf + "self_attn.o_proj.weight"],
+        mc + "pre_mlp_layernorm.weight": [hf + "post_attention_layernorm.weight"],
+        mc + "mlp.linear_fc1.weight": [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"],
+        mc + "mlp.linear_fc2.weight": [hf + "mlp.down_proj.weight"],
+    }
+    if desc.qkv_bias:
+        out[mc + "self_attention.linear_qkv.bias"] = [hf + f"self_attn.{p}_proj.bias" for p in "qkv"]
+    return out
+
+
+def name_map(desc: ModelDescription) -> dict[str, list[str]]:
+    """Every Megatron name -> the HF tensor names it is made of (in order)."""
+    names = {"embedding.word_embeddings.weight": ["model.embed_tokens.weight"]}
+    for i in range(desc.num_layers):
+        names.update(_hf_layer_names(i, desc))
+    names["decoder.final_layernorm.weight"] = ["model.norm.weight"]
+    if not desc.tied_embeddings:
+        names["output_layer.weight"] = ["lm_head.weight"]
+    return names
+
+
+def hf_parameter_shapes(desc: ModelDescription) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of ``desc`` -> the shape its checkpoint must have."""
+    h, d, f = desc.hidden_size, desc.head_dim, desc.ffn_hidden_size
+    q_rows, kv_rows = desc.num_attention_heads * d, desc.num_query_groups * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (desc.vocab_size, h)}
+    for i in range(desc.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+            shapes[p + f"self_attn.{proj}_proj.weight"] = (rows, h)
+            if desc.qkv_bias:
+                shapes[p + f"self_attn.{proj}_proj.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
+        shapes[p + "mlp.gate_proj.weight"] = (f, h)
+        shapes[p + "mlp.up_proj.weight"] = (f, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, f)
+    shapes["model.norm.weight"] = (h,)
+    if not desc.tied_embeddings:
+        shapes["lm_head.weight"] = (desc.vocab_size, h)
+    return shapes
+
+
+def hf_to_megatron_tensor(mc_name: str, parts: list[torch.Tensor], desc: ModelDescription) -> torch.Tensor:
+    """Fuse the HF tensors ``parts`` (in :func:`name_map` order) into one Megatron tensor."""
+    if mc_name.endswith("linear_qkv.weight") or mc_name.endswith("linear_qkv.bias"):
+        return qkv_to_grouped(parts[0], parts[1], parts[2], desc.num_query_groups)
+    if mc_name.endswith("linear_fc1.weight"):
+        return torch.cat(parts, dim=0)
+    return parts[0]
+
+
+def megatron_to_hf_tensors(mc_name: str, tensor: torch.Tensor, desc: ModelDescription) -> list[torch.Tensor]:
+    """Split one Megatron tensor into its HF tensors (inverse of :func:`hf_to_megatron_tensor`)."""
+    if mc_name.endswith("linear_qkv.weight") or mc_name.endswith("linear_qkv.bias"):
+        return list(grouped_to_qkv(tensor, desc.num_attention_heads, desc.num_query_groups, desc.head_dim))
+    if mc_name.endswith("linear_fc1.weight"):
+        return list(torch.chunk(tensor, 2, dim=0))
+    return [tensor]
+
+
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], desc: ModelDescription,
+                   get: Callable[[str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Full HF state dict -> full Megatron state dict (global layer indices)."""
+    get = get or (lambda n: hf[n])
+    missing = [n for parts in name_map(desc).values() for n in parts if n not in hf]
+    if missing:
+        raise KeyError(f"HF checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return {mc: hf_to_megatron_tensor(mc, [get(n) for n in parts], desc)
+            for mc, parts in name_map(desc).items()}
+
+
+def megatron_to_hf(mc: Mapping[str, torch.Tensor], desc: ModelDescription) -> dict[str, torch.Tensor]:
+    """Full Megatron state dict -> HF state dict."""
+    out: dict[str, torch.Tensor] = {}
+    for mc_name, hf_names in name_map(desc).items():
+        for name, tensor in zip(hf_names, megatron_to_hf_tensors(mc_name, mc[mc_name], desc)):
+            out[name] = tensor.contiguous()
+    return out
+
+
+def iter_layer_groups(desc: ModelDescription) -> Iterator[tuple[str, list[str]]]:
+    """(Megatron name, HF names) in file order: embeddings, layer 0..L-1, norm, head."""
+    yield from name_map(desc).items()

@@ -1,0 +1,77 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+A drop-in replacement for Megatron's local ``DotProductAttention`` (same
+constructor and ``forward`` contract) that lets PyTorch pick the flash /
+memory-efficient kernels on GPU and its fused CPU kernel otherwise, without
+Transformer Engine. Megatron's local module materialises the full
+``[b, heads, sq, sk]`` score matrix; SDPA does not need to.
+
+Masks follow Megatron's convention: ``attention_mask`` is boolean with ``True``
+meaning *masked out*. Without a mask the attention is causal, aligned to the end
+of the key sequence (a query at position i of the last sq positions sees keys
+0..sk-sq+i), which also covers incremental decoding against a KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class SDPAttention(MegatronModule):
+    """Scaled-dot-product core attention for one TP shard of heads."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not implement context parallelism; use the TE spec")
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp = pg_collection.tp.size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.head_dim = config.kv_channels
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias=None, packed_seq_params=None) -> torch.Tensor:
+        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np*hn]."""
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
+        sq, b = query.shape[0], query.shape[1]
+        sk = key.shape[0]
+        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        if self.heads != self.groups:
+            rep = self.heads // self.groups
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        mask = None
+        is_causal = False
+        mask_type = attn_mask_type or self.attn_mask_type
+        if attention_mask is not None:
+            mask = ~attention_mask.to(torch.bool)  # SDPA: True means "attend"
+        elif mask_type == AttnMaskType.causal:
+            if sq == sk:
+                is_causal = True
+            else:
+                mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+        dropout = self.dropout_p if self.training else 0.0
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                             is_causal=is_causal, scale=self.softmax_scale)
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)

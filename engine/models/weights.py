@@ -1,0 +1,197 @@
+"""Full (unsharded) Megatron state dicts and their per-rank shards.
+
+A *full state dict* uses Megatron-Core parameter names with **global** layer
+indices (``decoder.layers.{i}`` counts over the whole model) and unsharded,
+unpadded tensors in Megatron's layout (QKV grouped per query group, ``linear_fc1``
+as ``[gate; up]``). It is the neutral exchange format between layouts:
+
+* :func:`load_full_state_dict` slices it into this rank's shard for any layout;
+* :func:`gather_full_state_dict` rebuilds it from a sharded model (collective);
+* :func:`random_full_state_dict` draws a layout-independent initial model, so a
+  model built at TP=2 x PP=2 starts from exactly the weights of the 1-rank model.
+
+How a tensor is sharded is read from the attributes Megatron sets on each
+parameter (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``), so
+this module follows Megatron rather than restating its layer list.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from hyflow.models.description import ModelDescription
+from hyflow.parallel.groups import ParallelGroups
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def layer_offset(desc: ModelDescription, groups: ParallelGroups, vp_stage: Optional[int] = None) -> int:
+    """Global index of this rank's (chunk's) first layer."""
+    layout = groups.layout
+    vpp = layout.vpp or 1
+    per_chunk = desc.num_layers // (layout.pp * vpp)
+    chunk = (vp_stage or 0) * layout.pp + groups.pp_rank
+    return chunk * per_chunk
+
+
+def global_name(local_name: str, offset: int) -> str:
+    """``decoder.layers.<local>.x`` -> ``decoder.layers.<local+offset>.x``."""
+    m = _LAYER.match(local_name)
+    if not m:
+        return local_name
+    return f"decoder.layers.{int(m.group(1)) + offset}." + local_name[m.end():]
+
+
+def _tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    """This TP rank's slice of ``full`` for ``param`` (same rules as Megatron's CPU init)."""
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return full
+    dim = param.partition_dim
+    stride = getattr(param, "partition_stride", 1)
+    chunks = torch.chunk(full, tp * stride, dim=dim)
+    return torch.cat([chunks[tp_rank + i * tp] for i in range(stride)], dim=dim)
+
+
+def _tp_unslice(shards: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_tp_slice` given every TP rank's shard in rank order."""
+    tp = len(shards)
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return shards[0]
+    dim = param.partition_dim
+    stride = getattr(param, "partition_stride", 1)
+    pieces = [torch.chunk(s, stride, dim=dim) for s in shards]
+    return torch.cat([pieces[r][i] for i in range(stride) for r in range(tp)], dim=dim)
+
+
+def _is_vocab(name: str) -> bool:
+    return name in ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _named_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    module = getattr(model, "module", model)  # unwrap Megatron DDP
+    for name, param in module.named_parameters():
+        yield name, param
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], desc: ModelDescription,
+                         groups: ParallelGroups, vp_stage: Optional[int] = None) -> None:
+    """Copy this rank's shard of ``full`` into ``model`` (any layout)."""
+    offset = layer_offset(desc, groups, vp_stage)
+    tp = groups.layout.tp
+    missing = []
+    for name, param in _named_params(model):
+        key = global_name(name, offset)
+        if key == "output_layer.weight" and key not in full and desc.tied_embeddings:
+            key = "embedding.word_embeddings.weight"
+        if key not in full:
+            missing.append(key)
+            continue
+        tensor = full[key]
+        if _is_vocab(key) and param.dim() == 2:
+            padded_rows = param.shape[0] * tp
+            if tensor.shape[0] > padded_rows:
+                raise ValueError(f"{key}: {tensor.shape[0]} vocabulary rows > padded size {padded_rows}")
+            pad = tensor.new_zeros(padded_rows - tensor.shape[0], tensor.shape[1])
+            tensor = torch.cat([tensor, pad])
+        shard = _tp_slice(tensor, param, groups.tp_rank, tp)
+        if shard.shape != param.shape:
+            raise ValueError(
+                f"{key}: shard shape {tuple(shard.shape)} does not match the model's "
+                f"{tuple(param.shape)} (full tensor {tuple(tensor.shape)})"
+            )
+        param.copy_(shard.to(param.dtype))
+    if missing:
+        raise KeyError(f"state dict lacks {len(missing)} tensors the model needs, e.g. {missing[:4]}")
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: torch.nn.Module, desc: ModelDescription, groups: ParallelGroups,
+                           vp_stage: Optional[int] = None, dst_all: bool = True) -> dict[str, torch.Tensor]:
+    """Rebuild the full state dict from every rank's shard (collective over TP and PP).
+
+    Every rank returns the complete dict (small models; for export of large
+    models use the streaming converter). Vocabulary padding is stripped.
+    """
+    offset = layer_offset(desc, groups, vp_stage)
+    tp_group, pp_group = groups.pgs.tp, groups.pgs.pp
+    local: dict[str, torch.Tensor] = {}
+    for name, param in _named_params(model):
+        shards = [torch.empty_like(param) for _ in range(dist.get_world_size(tp_group))]
+        dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
+        full = _tp_unslice(shards, param)
+        key = global_name(name, offset)
+        if _is_vocab(key) and full.dim() == 2:
+            full = full[: desc.vocab_size]
+        local[key] = full.clone()
+    if dist.get_world_size(pp_group) == 1:
+        return local
+    parts: list = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(parts, local, group=pp_group)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key == "embedding.word_embeddings.weight" and key in merged:
+                continue  # tied copy on the last stage
+            merged[key] = value
+    if desc.tied_embeddings:
+        merged.pop("output_layer.weight", None)
+    return merged
+
+
+def full_parameter_shapes(desc: ModelDescription) -> dict[str, tuple[int, ...]]:
+    """Names and unsharded shapes of every parameter (global layer indices)."""
+    h, d, f = desc.hidden_size, desc.head_dim, desc.ffn_hidden_size
+    qkv_rows = (desc.num_attention_heads + 2 * desc.num_query_groups) * d
+    shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (desc.vocab_size, h)}
+    for i in range(desc.num_layers):
+        p = f"decoder.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attention.linear_qkv.weight"] = (qkv_rows, h)
+        if desc.qkv_bias:
+            shapes[p + "self_attention.linear_qkv.bias"] = (qkv_rows,)
+        shapes[p + "self_attention.linear_proj.weight"] = (h, desc.num_attention_heads * d)
+        shapes[p + "pre_mlp_layernorm.weight"] = (h,)
+        shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
+        shapes[p + "mlp.linear_fc2.weight"] = (h, f)
+    shapes["decoder.final_layernorm.weight"] = (h,)
+    if not desc.tied_embeddings:
+        shapes["output_layer.weight"] = (desc.vocab_size, h)
+    return shapes
+
+
+def random_full_state_dict(desc: ModelDescription, seed: int,
+                           dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Layout-independent random init in Megatron's scheme.
+
+    Matrices ~ N(0, std), output projections (``linear_proj``, ``linear_fc2``)
+    ~ N(0, std / sqrt(2 L)), norms = 1, biases = 0. Each tensor has its own
+    generator seeded from ``seed`` and its name, so the result does not depend on
+    iteration order or layout.
+    """
+    std = desc.init_method_std
+    out_std = std / math.sqrt(2.0 * desc.num_layers)
+    sd = {}
+    for name, shape in full_parameter_shapes(desc).items():
+        if name.endswith("layernorm.weight"):
+            sd[name] = torch.ones(shape, dtype=dtype)
+        elif name.endswith(".bias"):
+            sd[name] = torch.zeros(shape, dtype=dtype)
+        else:
+            g = torch.Generator().manual_seed((seed * 1_000_003 + _stable_hash(name)) % (2**63))
+            s = out_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
+            sd[name] = (torch.randn(shape, generator=g, dtype=torch.float32) * s).to(dtype)
+    return sd
+
+
+def _stable_hash(text: str) -> int:
+    """A hash that is the same in every process (Python's ``hash`` is salted)."""
+    value = 1469598103934665603
+    for byte in text.encode():
+        value = ((value ^ byte) * 1099511628211) % (2**64)
+    return value

@@ -1,0 +1,1 @@
+"""Parallel layouts and process groups."""

@@ -1,0 +1,129 @@
+"""Process groups built from a :class:`~hyflow.parallel.layout.Layout`.
+
+Two entry points:
+
+* :func:`init_training_groups` installs a layout as Megatron-Core's global
+  ``parallel_state`` (Megatron's optimizer, DDP and checkpointing still read
+  those globals in 0.16) and returns the same groups as a
+  :class:`ParallelGroups` object that hyflow passes explicitly.
+* :func:`build_groups` creates a second, independent set of groups for another
+  layout over the same ranks (the actor's generation layout), or for any explicit
+  rank enumeration, without touching the globals.
+
+Both must be called by every rank in the same order (group creation is collective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from hyflow.parallel.layout import Layout, LayoutError
+
+_KINDS = ("tp", "pp", "dp", "cp", "mp", "tp_cp", "dp_cp", "embd", "pos_embd")
+
+
+@dataclass
+class ParallelGroups:
+    """A layout together with this rank's process groups for it.
+
+    Attributes:
+        layout: the layout the groups realise.
+        pgs: Megatron's ``ProcessGroupCollection`` (pass as ``pg_collection``).
+        rank: this process's global rank.
+        coords: this rank's coordinates in the layout (tp, cp, dp, pp).
+    """
+
+    layout: Layout
+    pgs: ProcessGroupCollection
+    rank: int
+    coords: dict
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pp"] == self.layout.pp - 1
+
+
+def _require_dist() -> int:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised; start hyflow through `hyflow train` / "
+            "torchrun, or call hyflow.parallel.distributed.init_distributed() first"
+        )
+    return dist.get_world_size()
+
+
+def init_training_groups(layout: Layout, seed: int = 1234) -> ParallelGroups:
+    """Make ``layout`` Megatron's global parallel state and return its groups.
+
+    Also seeds Megatron's model-parallel RNG tracker (``seed``; TP ranks get
+    distinct streams), which Megatron's layers need before they are built.
+    """
+    layout.check_world(_require_dist())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        order="tp-cp-ep-dp-pp",
+    )
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    rank = dist.get_rank()
+    return ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=layout.coords(rank))
+
+
+def build_groups(layout: Layout, enumerations: Optional[dict[str, list[list[int]]]] = None,
+                 backend: Optional[str] = None) -> ParallelGroups:
+    """Create fresh process groups for ``layout`` without touching Megatron's globals.
+
+    ``enumerations`` overrides the rank lists of any kind (``tp``, ``pp``, ``dp``,
+    ...); by default they come from :meth:`Layout.groups`. The hybrid engine passes
+    its own enumerations for the generation layout (strided TP groups).
+    """
+    world = _require_dist()
+    layout.check_world(world)
+    enumerations = dict(enumerations or {})
+    rank = dist.get_rank()
+    pgs = ProcessGroupCollection()
+    for kind in _KINDS:
+        ranks = enumerations.get(kind) or layout.groups(kind)
+        _check_partition(kind, ranks, world)
+        group, _ = dist.new_subgroups_by_enumeration(ranks, backend=backend)
+        setattr(pgs, kind, group)
+    pgs.intra_dp_cp = pgs.dp_cp
+    return ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=layout.coords(rank))
+
+
+def _check_partition(kind: str, groups: list[list[int]], world: int) -> None:
+    seen = sorted(r for g in groups for r in g)
+    if kind in ("embd", "pos_embd"):
+        return  # these cover a subset of ranks
+    if seen != list(range(world)):
+        raise LayoutError(
+            f"{kind} groups {groups} do not cover each of the {world} ranks exactly once"
+        )

@@ -1,0 +1,233 @@
+"""Parallel layouts: how a model's work is split over ranks.
+
+A :class:`Layout` is a plain value (tp, pp, dp, cp, ep, sequence parallel,
+virtual pipeline stages). It validates itself against a world size and against
+model dimensions, and it enumerates its rank groups in Megatron-Core's default
+order ``tp-cp-ep-dp-pp`` (tensor parallel ranks adjacent, pipeline stages
+furthest apart)::
+
+    rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
+
+Enumerating groups is pure arithmetic, so layouts for 1024 ranks are checked
+without any process group; :mod:`hyflow.parallel.groups` turns the enumerations
+into real groups. Two layouts over the same ranks (the actor's training and
+generation layouts) are just two values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+from hyflow.config import ConfigError
+
+
+class LayoutError(ConfigError):
+    """A layout that cannot work; the message names the numbers and the fix."""
+
+
+class ModelDims(Protocol):
+    """What a layout needs to know about a model (``ModelDescription`` has it)."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+
+
+def pad_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Smallest size >= ``vocab_size`` divisible by ``divisible_by * tp``.
+
+    Megatron shards the embedding and output layer by vocabulary rows, so every
+    TP rank must get the same number; padded rows are zero and never sampled.
+    """
+    if vocab_size <= 0:
+        raise LayoutError(f"vocab_size must be positive, got {vocab_size}")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout for one model role.
+
+    Attributes:
+        tp: tensor-parallel size (splits heads, FFN and vocabulary).
+        pp: pipeline-parallel size (splits layers into consecutive stages).
+        dp: data-parallel size (replicas; gradients are reduced over them).
+        cp: context-parallel size (splits the sequence inside attention).
+        ep: expert-parallel size; only meaningful for mixture-of-experts models.
+        sequence_parallel: shard activations along the sequence inside TP regions.
+        vpp: virtual pipeline stages per rank (interleaved 1F1B); None disables.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    vpp: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"layout.{name} must be a positive integer, got {value!r}")
+        if self.ep != 1:
+            raise LayoutError(
+                f"layout.ep={self.ep}: expert parallelism needs a mixture-of-experts model, "
+                "and hyflow's model families (Llama, Qwen2, Mistral) are dense; set ep=1"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise LayoutError(
+                "layout.sequence_parallel=true needs tp > 1 (it shards activations across "
+                "the tensor-parallel group); set sequence_parallel=false or raise tp"
+            )
+        if self.vpp is not None:
+            if not isinstance(self.vpp, int) or self.vpp < 1:
+                raise LayoutError(f"layout.vpp must be a positive integer or null, got {self.vpp!r}")
+            if self.vpp > 1 and self.pp == 1:
+                raise LayoutError(
+                    f"layout.vpp={self.vpp} (interleaved pipeline) needs pp > 1; "
+                    "set vpp=null or raise pp"
+                )
+
+    # ----------------------------------------------------------------- sizes
+    @property
+    def world_size(self) -> int:
+        """Number of ranks the layout occupies."""
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one complete copy of the model (tp * pp)."""
+        return self.tp * self.pp
+
+    def with_dp_for(self, world_size: int) -> "Layout":
+        """This layout with ``dp`` chosen to fill ``world_size`` ranks."""
+        per_replica = self.tp * self.pp * self.cp
+        if world_size % per_replica:
+            raise LayoutError(
+                f"world size {world_size} is not divisible by tp*pp*cp = "
+                f"{self.tp}*{self.pp}*{self.cp} = {per_replica}; choose a world size that is a "
+                f"multiple of {per_replica} or change tp/pp/cp"
+            )
+        return dataclasses.replace(self, dp=world_size // per_replica)
+
+    # ------------------------------------------------------------ validation
+    def check_world(self, world_size: int) -> None:
+        """Raise unless the layout covers exactly ``world_size`` ranks."""
+        if self.world_size != world_size:
+            raise LayoutError(
+                f"layout tp={self.tp} x cp={self.cp} x dp={self.dp} x pp={self.pp} = "
+                f"{self.world_size} ranks, but the job has {world_size}; make the product equal "
+                "the number of launched processes"
+            )
+
+    def check_model(self, model: ModelDims, seq_length: Optional[int] = None) -> None:
+        """Raise unless the model's dimensions split evenly under this layout."""
+        m = model
+        if m.num_attention_heads % self.tp:
+            raise LayoutError(
+                f"tp={self.tp} does not divide num_attention_heads={m.num_attention_heads}; "
+                f"use a tp that divides {m.num_attention_heads}"
+            )
+        if m.num_query_groups % self.tp:
+            raise LayoutError(
+                f"tp={self.tp} does not divide the {m.num_query_groups} key/value groups "
+                f"(num_query_groups); with grouped-query attention tp must divide "
+                f"{m.num_query_groups}"
+            )
+        if m.ffn_hidden_size % self.tp:
+            raise LayoutError(
+                f"tp={self.tp} does not divide ffn_hidden_size={m.ffn_hidden_size}"
+            )
+        stages = self.pp * (self.vpp or 1)
+        if m.num_layers % stages:
+            what = f"pp={self.pp}" + (f" x vpp={self.vpp}" if self.vpp else "")
+            raise LayoutError(
+                f"{what} = {stages} pipeline stages do not divide num_layers={m.num_layers}; "
+                f"choose pp (x vpp) dividing {m.num_layers}"
+            )
+        if self.cp > 1 and seq_length is not None and seq_length % (2 * self.cp):
+            raise LayoutError(
+                f"cp={self.cp} needs the sequence length ({seq_length}) divisible by 2*cp = "
+                f"{2 * self.cp}"
+            )
+        if self.sequence_parallel and seq_length is not None and seq_length % self.tp:
+            raise LayoutError(
+                f"sequence_parallel with tp={self.tp} needs the sequence length ({seq_length}) "
+                f"divisible by {self.tp}"
+            )
+
+    # ---------------------------------------------------------- rank algebra
+    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """Global rank of the given coordinates."""
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates ``{tp, cp, dp, pp}`` of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} outside a layout of {self.world_size} ranks")
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        dp, pp = rest % self.dp, rest // self.dp
+        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Rank groups of one kind, each sorted, together covering all ranks.
+
+        ``kind`` is one of ``tp, cp, dp, pp, mp (tp x pp), tp_cp, dp_cp, embd,
+        pos_embd``. ``embd`` holds the first and last pipeline stage of each
+        pipeline group (they share tied embeddings); ``pos_embd`` the first.
+        """
+        axes = {
+            "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
+            "mp": ("tp", "pp"), "tp_cp": ("tp", "cp"), "dp_cp": ("cp", "dp"),
+        }
+        if kind in ("embd", "pos_embd"):
+            out = []
+            for ranks in self.groups("pp"):
+                if kind == "pos_embd":
+                    out.append([ranks[0]])
+                else:
+                    out.append(sorted({ranks[0], ranks[-1]}))
+            return out
+        if kind not in axes:
+            raise LayoutError(f"unknown group kind {kind!r}; one of {sorted(axes) + ['embd', 'pos_embd']}")
+        varying = axes[kind]
+        sizes = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+        fixed = [a for a in ("tp", "cp", "dp", "pp") if a not in varying]
+        result: list[list[int]] = []
+        for fixed_coords in _product([sizes[a] for a in fixed]):
+            base = dict(zip(fixed, fixed_coords))
+            members = []
+            for var_coords in _product([sizes[a] for a in varying]):
+                members.append(self.rank_of(**base, **dict(zip(varying, var_coords))))
+            result.append(sorted(members))
+        return sorted(result)
+
+    def describe(self) -> str:
+        """One-line human summary, e.g. ``tp=2 pp=2 dp=1 (4 ranks, sp)``."""
+        extra = []
+        if self.cp > 1:
+            extra.append(f"cp={self.cp}")
+        if self.sequence_parallel:
+            extra.append("sp")
+        if self.vpp:
+            extra.append(f"vpp={self.vpp}")
+        tail = ", ".join([f"{self.world_size} ranks"] + extra)
+        return f"tp={self.tp} pp={self.pp} dp={self.dp} ({tail})"
+
+
+def _product(sizes: list[int]):
+    """Cartesian product of ranges, first axis fastest."""
+    if not sizes:
+        yield ()
+        return
+    for rest in _product(sizes[1:]):
+        for i in range(sizes[0]):
+            yield (i,) + rest

@@ -1,0 +1,76 @@
+"""Wrap model chunks in Megatron DDP and build Megatron's optimizer for them.
+
+Nothing here re-implements Megatron: ``DistributedDataParallel`` owns the
+contiguous gradient buffers and their reduction, ``get_megatron_optimizer``
+builds Adam (optionally the distributed optimizer that shards its state over
+data-parallel ranks) with gradient clipping, and ``OptimizerParamScheduler``
+the learning-rate schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from hyflow.parallel.groups import ParallelGroups
+from hyflow.training.optim_config import OptimConfig
+
+
+def wrap_ddp(chunks: list[torch.nn.Module], groups: ParallelGroups,
+             distributed_optimizer: bool) -> list[DistributedDataParallel]:
+    """Wrap each model chunk in Megatron DDP over the layout's data-parallel group."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+        check_for_nan_in_grad=False,
+        bucket_size=None,
+    )
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+        wrapped.append(DistributedDataParallel(
+            config=chunk.config, ddp_config=ddp_config, module=chunk,
+            # Only the first chunk's buckets may be skipped on the first step.
+            disable_bucketing=i > 0,
+        ))
+    return wrapped
+
+
+def build_optimizer(chunks: list[DistributedDataParallel], cfg: OptimConfig,
+                    total_steps: int, params_dtype: torch.dtype = torch.float32):
+    """Megatron optimizer + LR scheduler for DDP-wrapped chunks."""
+    bf16 = params_dtype == torch.bfloat16
+    fp16 = params_dtype == torch.float16
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        bf16=bf16,
+        fp16=fp16,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=cfg.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if cfg.warmup_steps else cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.warmup_steps,
+        lr_decay_steps=max(total_steps, cfg.warmup_steps + 1),
+        lr_decay_style=cfg.decay_style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler

@@ -1,0 +1,65 @@
+"""Layout fix-up kernels (Triton) with plain-torch references."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hyflow.kernels import reshard_reference as reference
+
+__all__ = ["ASSEMBLE_KINDS", "assemble", "reference"]
+
+# kind -> what ``gathered`` is and what comes back
+ASSEMBLE_KINDS = {
+    "gate_up": "[s, 2*f, *rest] -> [2*s*f, *rest] (GLU fc1 de-interleave)",
+    "row_concat": "[s, h, k] -> [h, s*k] (row-parallel shards side by side)",
+    "column_concat": "[s, r, *rest] -> [s*r, *rest] (column/vocab/grouped QKV; no fix-up)",
+    "qkv_regroup": "grouped [(nq+2ng)*d, *rest] -> fused [q; k; v]; needs num_heads, "
+                   "num_query_groups, head_dim (per shard)",
+}
+_TRITON_KINDS = ("gate_up", "row_concat", "qkv_regroup")
+
+
+def _resolve_backend(kind: str, t: torch.Tensor, backend: str) -> str:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "torch" or kind not in _TRITON_KINDS:
+        return "torch"
+    if backend == "triton":
+        return "triton"
+    if not t.is_cuda:
+        return "torch"
+    from hyflow.kernels import reshard_triton
+
+    return "triton" if reshard_triton.TRITON_AVAILABLE else "torch"
+
+
+def assemble(kind: str, gathered: torch.Tensor, out: Optional[torch.Tensor] = None,
+             backend: str = "auto", **kwargs) -> torch.Tensor:
+    """Turn gathered training shards into the generation layout (see ``ASSEMBLE_KINDS``).
+
+    ``backend="auto"`` runs Triton on CUDA tensors (when installed) and torch otherwise;
+    ``"triton"`` forces Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``). With ``out`` the
+    result is written there and ``out`` is returned.
+    """
+    if kind not in ASSEMBLE_KINDS:
+        raise ValueError(f"unknown assemble kind {kind!r}; expected one of "
+                         f"{sorted(ASSEMBLE_KINDS)}")
+    if kind != "qkv_regroup" and kwargs:
+        raise TypeError(f"assemble({kind!r}) takes no extra arguments, got {sorted(kwargs)}")
+    if _resolve_backend(kind, gathered, backend) == "triton":
+        from hyflow.kernels import reshard_triton
+
+        fn = {"gate_up": reshard_triton.gate_up_deinterleave,
+              "row_concat": reshard_triton.row_concat,
+              "qkv_regroup": reshard_triton.qkv_regroup}[kind]
+        return fn(gathered, **kwargs, out=out)
+    fn = {"gate_up": reference.gate_up_deinterleave, "row_concat": reference.row_concat,
+          "column_concat": reference.column_concat, "qkv_regroup": reference.qkv_regroup}[kind]
+    result = fn(gathered, **kwargs)
+    if out is None:
+        return result
+    if tuple(out.shape) != tuple(result.shape) or out.dtype != result.dtype:
+        raise ValueError(f"out must be {tuple(result.shape)} {result.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    return out.copy_(result)

@@ -1,0 +1,1 @@
+"""Launchers: local torchrun and Slurm."""

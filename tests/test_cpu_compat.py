@@ -1,0 +1,154 @@
+"""Each redirection of the CPU compatibility layer, tested directly (in-process)."""
+
+import pytest
+import torch
+
+import hyflow.compat.cpu as compat
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for machines without CUDA")
+
+
+@pytest.fixture
+def active():
+    was_active = compat.is_active()
+    compat.activate()
+    yield
+    compat.deactivate()
+    if was_active:
+        compat.activate()
+
+
+@pytest.fixture
+def inactive():
+    was_active = compat.is_active()
+    compat.deactivate()
+    yield
+    if was_active:
+        compat.activate()
+
+
+def test_without_layer_megatron_idioms_fail(inactive):
+    # The reason the layer exists: these are what Megatron-Core does on every path.
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.empty(2, device="cuda")
+
+
+def test_current_device_is_cpu(active):
+    dev = torch.cuda.current_device()
+    assert dev == torch.device("cpu")
+    t = torch.zeros(3, device=torch.cuda.current_device())
+    assert t.device.type == "cpu"
+    assert torch.ones(2).to(torch.cuda.current_device()).device.type == "cpu"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda"), torch.device("cuda", 0), 0])
+@pytest.mark.parametrize("factory", ["empty", "zeros", "ones", "rand", "randn"])
+def test_factories_map_cuda_to_cpu(active, device, factory):
+    t = getattr(torch, factory)(2, 3, device=device)
+    assert t.device.type == "cpu" and t.shape == (2, 3)
+
+
+def test_other_factories_and_like(active):
+    assert torch.tensor([1, 2], device="cuda").device.type == "cpu"
+    assert torch.arange(4, device="cuda").tolist() == [0, 1, 2, 3]
+    assert torch.full((2,), 7.0, device="cuda").tolist() == [7.0, 7.0]
+    base = torch.ones(2)
+    assert torch.zeros_like(base, device="cuda").device.type == "cpu"
+    assert torch.empty(2, device="cpu").device.type == "cpu"  # untouched
+
+
+def test_tensor_cuda_and_to(active):
+    t = torch.arange(3.0)
+    assert t.cuda() is t
+    assert t.to("cuda").device.type == "cpu"
+    assert t.to(device="cuda:0", dtype=torch.float64).dtype == torch.float64
+    assert t.to(torch.float16).dtype == torch.float16  # non-device arguments unchanged
+
+
+def test_tensor_type_strings(active):
+    assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+    assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.zeros(1, dtype=torch.float16).type() == "torch.cuda.HalfTensor"
+    converted = torch.zeros(2).type("torch.cuda.HalfTensor")
+    assert converted.dtype == torch.float16 and converted.device.type == "cpu"
+    assert torch.zeros(2).type(torch.float64).dtype == torch.float64
+
+
+def test_cuda_rng_is_the_cpu_generator(active):
+    torch.cuda.manual_seed(11)
+    a = torch.randn(5)
+    torch.manual_seed(11)
+    b = torch.randn(5)
+    assert torch.equal(a, b)
+    state = torch.cuda.get_rng_state()
+    x = torch.rand(3)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(3), x)
+
+
+def test_megatron_rng_tracker_forks(active):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.model_parallel_cuda_manual_seed(123, tp_rank=1, ep_rank=0, etp_rank=0)
+    tracker = mrandom.get_cuda_rng_tracker()
+    before = torch.get_rng_state()
+    with tracker.fork():
+        in_fork = torch.rand(4)
+    # The default stream is untouched by the fork ...
+    assert torch.equal(torch.get_rng_state(), before)
+    # ... the fork draws from the model-parallel seed (seed + 2718 + tp_rank) ...
+    torch.manual_seed(123 + 2718 + 1)
+    assert torch.equal(in_fork, torch.rand(4))
+    # ... and a second fork continues that stream instead of restarting it.
+    torch.set_rng_state(before)
+    with tracker.fork():
+        second = torch.rand(4)
+    torch.manual_seed(123 + 2718 + 1)
+    torch.rand(4)
+    assert torch.equal(second, torch.rand(4))
+    # A different tp_rank gives a different stream.
+    mrandom.model_parallel_cuda_manual_seed(123, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
+    with mrandom.get_cuda_rng_tracker().fork():
+        other = torch.rand(4)
+    assert not torch.equal(other, in_fork)
+
+
+def test_synchronize_streams_and_memory_queries(active):
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    e = torch.cuda.Event()
+    e.record()
+    e.synchronize()
+    with torch.cuda.stream(s):
+        pass
+    assert torch.cuda.memory_allocated() == 0
+
+
+def test_deactivate_restores_every_original(active):
+    patched = torch.empty
+    compat.deactivate()
+    assert torch.empty is not patched
+    assert not compat.is_active()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()
+    compat.activate()
+    assert compat.is_active()
+
+
+def test_refuses_to_activate_where_cuda_exists(inactive, monkeypatch):
+    monkeypatch.setattr(compat, "_cuda_really_available", lambda: True)
+    with pytest.raises(compat.CpuCompatError, match="must not run on a machine with CUDA"):
+        compat.activate()
+    assert compat.maybe_activate() is False
+    assert not compat.is_active()
+
+
+def test_opt_out_by_environment(inactive, monkeypatch):
+    monkeypatch.setenv("HYFLOW_CPU_COMPAT", "0")
+    assert compat.maybe_activate() is False
+    assert not compat.is_active()
+    monkeypatch.setenv("HYFLOW_CPU_COMPAT", "1")
+    assert compat.maybe_activate() is True

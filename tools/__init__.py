@@ -1,0 +1,1 @@
+"""Tools: converters and benchmarks."""
