@@ -13,7 +13,12 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
-JOBS = {"lm": "hyflow.jobs.lm_config:LMJobConfig"}
+#: job name -> (config schema, run function). Schemas are light modules, so a config
+#: validates before torch or Megatron is imported.
+JOBS = {
+    "lm": ("hyflow.jobs.lm_config:LMJobConfig", "hyflow.jobs.lm:run"),
+    "rl": ("hyflow.jobs.rl_config:RLJobConfig", "hyflow.jobs.rl:run"),
+}
 
 #: Modules that add subcommands: each defines ``register(subparsers)`` and sets
 #: ``func`` on its parsers. Imported lazily only to build the parser (keep their
@@ -23,8 +28,6 @@ COMMAND_MODULES: tuple[str, ...] = ()
 
 def _job_schema(yaml_path: Optional[str], overrides: Sequence[str]):
     """Pick the schema class from the config's ``job`` key (default ``lm``)."""
-    import importlib
-
     from hyflow.config import ConfigError
     from hyflow.config.core import _yaml_load
 
@@ -32,16 +35,25 @@ def _job_schema(yaml_path: Optional[str], overrides: Sequence[str]):
     if yaml_path:
         if not os.path.isfile(yaml_path):
             raise ConfigError(f"config file {yaml_path!r} does not exist")
-        with open(yaml_path) as f:
-            data = _yaml_load(f.read()) or {}
+        try:
+            with open(yaml_path) as f:
+                data = _yaml_load(f.read()) or {}
+        except Exception:  # load_config reports the file's problem with its line number
+            data = {}
         job = data.get("job", job) if isinstance(data, dict) else job
     for item in overrides:
         if item.startswith("job="):
             job = item.split("=", 1)[1]
     if job not in JOBS:
         raise ConfigError(f"unknown job {job!r}; one of {sorted(JOBS)}", key="job")
-    module, name = JOBS[job].split(":")
-    return getattr(importlib.import_module(module), name), job
+    return _resolve(JOBS[job][0]), job
+
+
+def _resolve(path: str):
+    import importlib
+
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def load_job_config(yaml_path: Optional[str], overrides: Sequence[str]):
@@ -73,9 +85,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     init_distributed()
     try:
-        from hyflow.jobs import lm
-
-        lm.run(cfg)
+        _resolve(JOBS[cfg.job][1])(cfg)
     finally:
         shutdown()
     return 0

@@ -157,3 +157,28 @@ def test_builder_pads_vocab_and_builds_value_head(tp):
         assert r["value_shape"] == (2, 8, 1)
     if tp == 2:  # both TP ranks see the same (replicated) values
         torch.testing.assert_close(results[0]["values"], results[1]["values"])
+
+
+def _logits_in_dtype(dtype: str):
+    from hyflow.models.builder import build_gpt_model
+    from hyflow.models.weights import load_full_state_dict, random_full_state_dict
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+
+    groups = init_training_groups(Layout())
+    desc = tiny_llama()
+    model = build_gpt_model(desc, groups, dtype=dtype)
+    load_full_state_dict(model, random_full_state_dict(desc, seed=2), desc, groups)
+    tokens = torch.randint(0, desc.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(12).expand(2, 12), None)
+    return {p.dtype for p in model.parameters()}, logits.float()
+
+
+def test_bf16_model_has_bf16_parameters_and_tracks_fp32():
+    dtypes16, logits16 = run_on_ranks(_logits_in_dtype, 1, "bf16")[0]
+    dtypes32, logits32 = run_on_ranks(_logits_in_dtype, 1, "fp32")[0]
+    assert dtypes16 == {torch.bfloat16} and dtypes32 == {torch.float32}
+    assert torch.isfinite(logits16).all()
+    err = (logits16 - logits32).norm() / logits32.norm()
+    assert 0 < err < 0.05  # bf16 rounding is visible but small

@@ -21,11 +21,12 @@ MICRO = 2
 GLOBAL_BATCH = 4
 
 
-def _train(tp: int, pp: int, dp: int, distributed_optimizer: bool, spec: str = "local"):
+def _train(tp: int, pp: int, dp: int, distributed_optimizer: bool, spec: str = "local",
+           vpp=None):
     import torch.distributed as dist
 
     from hyflow.jobs.lm import arith_batch
-    from hyflow.models.builder import build_gpt_model
+    from hyflow.models.builder import build_model_chunks
     from hyflow.models.description import tiny_llama
     from hyflow.models.weights import gather_full_state_dict, load_full_state_dict, random_full_state_dict
     from hyflow.parallel.groups import init_training_groups
@@ -33,11 +34,13 @@ def _train(tp: int, pp: int, dp: int, distributed_optimizer: bool, spec: str = "
     from hyflow.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
     from hyflow.training.step import train_step
 
-    groups = init_training_groups(Layout(tp=tp, pp=pp, dp=dp), seed=7)
+    groups = init_training_groups(Layout(tp=tp, pp=pp, dp=dp, vpp=vpp), seed=7)
     desc = tiny_llama(vocab_size=200)
-    model = build_gpt_model(desc, groups, spec=spec)
-    load_full_state_dict(model, random_full_state_dict(desc, seed=3), desc, groups)
-    chunks = wrap_ddp([model], groups, distributed_optimizer)
+    models = build_model_chunks(desc, groups, spec=spec)
+    initial = random_full_state_dict(desc, seed=3)
+    for vp_stage, model in enumerate(models):
+        load_full_state_dict(model, initial, desc, groups, vp_stage=vp_stage if vpp else None)
+    chunks = wrap_ddp(models, groups, distributed_optimizer)
     optimizer, scheduler = build_optimizer(
         chunks, OptimConfig(lr=2e-3, clip_grad=1.0, distributed_optimizer=distributed_optimizer), STEPS)
     gen = torch.Generator().manual_seed(11)
@@ -50,7 +53,9 @@ def _train(tp: int, pp: int, dp: int, distributed_optimizer: bool, spec: str = "
         loss = torch.tensor([stats["lm_loss"]], dtype=torch.float64)
         dist.all_reduce(loss, group=groups.pgs.dp)
         losses.append(loss.item() / dp)
-    full = gather_full_state_dict(model, desc, groups)
+    full = {}
+    for vp_stage, model in enumerate(models):
+        full.update(gather_full_state_dict(model, desc, groups, vp_stage=vp_stage if vpp else None))
     return (losses, full) if dist.get_rank() == 0 else None
 
 
@@ -89,6 +94,12 @@ def test_reference_run_learns(reference):
 ], ids=["tp2", "pp2-1f1b", "dp2-distopt", "tp2xpp2"])
 def test_layout_matches_single_rank(reference, tp, pp, dp, distopt):
     result = run_on_ranks(_train, tp * pp * dp, tp, pp, dp, distopt)[0]
+    _assert_matches(result, reference)
+
+
+def test_interleaved_pipeline_matches_single_rank(reference):
+    # pp=2 x vpp=2: four one-layer chunks, interleaved 1F1B over 2 micro-batches.
+    result = run_on_ranks(_train, 2, 1, 2, 1, False, "local", 2)[0]
     _assert_matches(result, reference)
 
 

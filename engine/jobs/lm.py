@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hyflow.config import dump_yaml, format_config
 from hyflow.jobs.lm_config import LMJobConfig
-from hyflow.models.builder import build_gpt_model
+from hyflow.models.builder import build_model_chunks
 from hyflow.models.weights import random_full_state_dict, load_full_state_dict
 from hyflow.parallel.groups import init_training_groups
 from hyflow.training.optimizer import build_optimizer, wrap_ddp
@@ -50,11 +50,13 @@ def run(cfg: LMJobConfig) -> list[dict]:
         print(format_config(cfg), flush=True)
         print(f"[hyflow] layout {layout.describe()}", flush=True)
 
-    model = build_gpt_model(cfg.model, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec)
-    load_full_state_dict(model, random_full_state_dict(cfg.model, cfg.trainer.seed), cfg.model, groups)
-    chunks = wrap_ddp([model], groups, cfg.actor.optim.distributed_optimizer)
+    models = build_model_chunks(cfg.model, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec)
+    initial = random_full_state_dict(cfg.model, cfg.trainer.seed)
+    for vp_stage, model in enumerate(models):
+        load_full_state_dict(model, initial, cfg.model, groups, vp_stage=vp_stage if layout.vpp else None)
+    chunks = wrap_ddp(models, groups, cfg.actor.optim.distributed_optimizer)
     optimizer, scheduler = build_optimizer(chunks, cfg.actor.optim, cfg.trainer.total_steps,
-                                           model.config.params_dtype)
+                                           models[0].config.params_dtype)
 
     d = cfg.data
     n_micro = d.global_batch_size // (d.micro_batch_size * layout.dp)

@@ -87,3 +87,8 @@ class LMJobConfig:
             raise ConfigError(
                 f"data.global_batch_size={self.data.global_batch_size} must be a multiple of "
                 f"dp * micro_batch_size = {layout.dp} * {self.data.micro_batch_size}")
+        n_micro = self.data.global_batch_size // (layout.dp * self.data.micro_batch_size)
+        if layout.vpp and n_micro % layout.pp:
+            raise ConfigError(
+                f"the interleaved pipeline (vpp={layout.vpp}) needs the micro-batches per rank "
+                f"({n_micro}) to be a multiple of pp={layout.pp}; raise data.global_batch_size")

@@ -140,7 +140,8 @@ class ValueHead(torch.nn.Module):
 def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: str = "fp32",
                     spec: SpecName = "auto", value_head: bool = False,
                     vp_stage: Optional[int] = None, seed: Optional[int] = None,
-                    config_overrides: Optional[dict] = None) -> GPTModel:
+                    config_overrides: Optional[dict] = None,
+                    padded_vocab_size: Optional[int] = None) -> GPTModel:
     """Build this rank's part of the model (its pipeline stage and TP shard).
 
     Args:
@@ -152,6 +153,8 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
         vp_stage: virtual pipeline chunk index when ``layout.vpp`` is set.
         seed: if given, reseed the CPU generator first so every layout draws the
             same full-size initial weights.
+        padded_vocab_size: vocabulary rows including TP padding; default pads for this
+            layout's TP. A generation-layout copy of a model keeps its training padding.
     """
     desc.validate()
     cfg = transformer_config(desc, groups, dtype, **(config_overrides or {}))
@@ -168,7 +171,7 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=layer_spec(spec),
-        vocab_size=pad_vocab_size(desc.vocab_size, layout.tp),
+        vocab_size=padded_vocab_size or pad_vocab_size(desc.vocab_size, layout.tp),
         max_sequence_length=desc.max_position_embeddings,
         pre_process=pre,
         post_process=post,
@@ -183,6 +186,10 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
     model.rotary_pos_emb.inv_freq = desc.inv_freq().to(torch.float32)
     if value_head and post:
         model.output_layer = ValueHead(cfg, groups.pgs.tp)
+    if cfg.params_dtype != torch.float32:
+        # The local spec's torch norms ignore params_dtype; Megatron-LM casts the whole
+        # module the same way (Float16Module) so every parameter has one dtype.
+        model.to(cfg.params_dtype)
     _zero_vocab_padding(model, desc.vocab_size, groups)
     return model
 
@@ -213,3 +220,10 @@ def _has(model: torch.nn.Module, name: str) -> bool:
 def gpt_model_parameters(model: GPTModel) -> int:
     """Number of parameters held by this rank's model part."""
     return sum(p.numel() for p in model.parameters())
+
+
+def build_model_chunks(desc: ModelDescription, groups: ParallelGroups, **kwargs) -> list[GPTModel]:
+    """This rank's model chunks: one, or ``layout.vpp`` for the interleaved pipeline."""
+    if not groups.layout.vpp:
+        return [build_gpt_model(desc, groups, **kwargs)]
+    return [build_gpt_model(desc, groups, vp_stage=i, **kwargs) for i in range(groups.layout.vpp)]

@@ -98,12 +98,13 @@ def init_training_groups(layout: Layout, seed: int = 1234) -> ParallelGroups:
 
 
 def build_groups(layout: Layout, enumerations: Optional[dict[str, list[list[int]]]] = None,
-                 backend: Optional[str] = None) -> ParallelGroups:
+                 backend: Optional[str] = None, coords: Optional[dict[str, int]] = None) -> ParallelGroups:
     """Create fresh process groups for ``layout`` without touching Megatron's globals.
 
     ``enumerations`` overrides the rank lists of any kind (``tp``, ``pp``, ``dp``,
     ...); by default they come from :meth:`Layout.groups`. The hybrid engine passes
-    its own enumerations for the generation layout (strided TP groups).
+    its own enumerations for the generation layout (strided TP groups) together with
+    this rank's ``coords`` in that layout (default: :meth:`Layout.coords`).
     """
     world = _require_dist()
     layout.check_world(world)
@@ -116,7 +117,7 @@ def build_groups(layout: Layout, enumerations: Optional[dict[str, list[list[int]
         group, _ = dist.new_subgroups_by_enumeration(ranks, backend=backend)
         setattr(pgs, kind, group)
     pgs.intra_dp_cp = pgs.dp_cp
-    return ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=layout.coords(rank))
+    return ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=coords or layout.coords(rank))
 
 
 def _check_partition(kind: str, groups: list[list[int]], world: int) -> None:

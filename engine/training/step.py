@@ -51,11 +51,13 @@ def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
 
 def forward_backward(chunks: Sequence[torch.nn.Module], micro_batches: Sequence[Batch], *,
                      loss_fn: LossFn = lm_loss, with_labels: bool = True,
-                     forward_only: bool = False) -> list[dict[str, torch.Tensor]]:
+                     forward_only: bool = False, pgs=None) -> list[dict[str, torch.Tensor]]:
     """Run forward (and backward) over ``micro_batches``; return per-micro-batch stats.
 
     Stats are only produced on the last pipeline stage (an empty list elsewhere).
     Every micro-batch must have the same [b, s] shape (pipeline sends are sized once).
+    ``pgs`` (a ProcessGroupCollection) runs a model built for a layout other than
+    Megatron's global one, e.g. the actor's generation layout.
     """
     if not micro_batches:
         raise ValueError("forward_backward needs at least one micro-batch")
@@ -66,9 +68,19 @@ def forward_backward(chunks: Sequence[torch.nn.Module], micro_batches: Sequence[
                 f"all micro-batches must share one shape for the pipeline schedule; got "
                 f"{tuple(shape)} and {tuple(mb['tokens'].shape)} (pad to a common length)"
             )
-    schedule = get_forward_backward_func()
     n_chunks = len(chunks)
     iterators = [iter(micro_batches) for _ in range(n_chunks)] if n_chunks > 1 else iter(micro_batches)
+    extra = {}
+    if pgs is not None:
+        pp_size = pgs.pp.size()
+        schedule = get_forward_backward_func(pp_size=pp_size, vp_size=n_chunks if n_chunks > 1 else None)
+        extra["pg_collection"] = pgs
+        if pp_size > 1:
+            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+            extra["p2p_communicator"] = P2PCommunicator(pp_group=pgs.pp, config=chunks[0].config)
+    else:
+        schedule = get_forward_backward_func()
     return schedule(
         forward_step_func=partial(_forward_step, loss_fn, with_labels),
         data_iterator=iterators,
@@ -77,6 +89,7 @@ def forward_backward(chunks: Sequence[torch.nn.Module], micro_batches: Sequence[
         seq_length=shape[1],
         micro_batch_size=shape[0],
         forward_only=forward_only,
+        **extra,
     )
 
 
