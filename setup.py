@@ -48,7 +48,8 @@ setup(
         "gpu": ["triton", "transformer-engine[pytorch]"],
         # triton runs the reshard kernels in interpreter mode on CPU in the tests.
         "test": ["pytest", "pytest-timeout", "triton", "transformers", "tokenizers",
-                 "sentencepiece", "gguf", "accelerate"],
+                 "sentencepiece", "gguf", "accelerate", "pyarrow", "tensorboard", "matplotlib"],
+        "data": ["pyarrow"],
         "logging": ["tensorboard", "matplotlib", "tqdm"],
     },
     entry_points={"console_scripts": ["hyflow=hyflow.cli:main"]},

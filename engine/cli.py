@@ -23,7 +23,7 @@ JOBS = {
 #: Modules that add subcommands: each defines ``register(subparsers)`` and sets
 #: ``func`` on its parsers. Imported lazily only to build the parser (keep their
 #: top-level imports light: no torch / Megatron at import time).
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("hyflow.launch.cli", "hyflow.plan.cli", "hyflow.doctor.cli", "hyflow.tools.convert.cli")
 
 
 def _job_schema(yaml_path: Optional[str], overrides: Sequence[str]):

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
+LM_TINY = os.path.join(REPO, "configs", "lm_tiny.yaml")
 
 
 def hyflow(*args, timeout=300, cwd=None):
@@ -27,7 +27,7 @@ def test_help_lists_subcommands():
 
 def test_misspelled_override_fails_before_any_process_group():
     start = time.perf_counter()
-    out = hyflow("train", QUICKSTART, "trainer.totl_steps=3")
+    out = hyflow("train", LM_TINY, "trainer.totl_steps=3")
     assert out.returncode == 2
     assert "unknown config key 'trainer.totl_steps'; did you mean 'trainer.total_steps'?" in out.stderr
     assert "launching" not in out.stdout  # no ranks were started
@@ -35,7 +35,7 @@ def test_misspelled_override_fails_before_any_process_group():
 
 
 def test_misspelled_key_in_yaml_file(tmp_path):
-    with open(QUICKSTART) as f:
+    with open(LM_TINY) as f:
         data = yaml.safe_load(f)
     data["actor"]["optim"]["lrr"] = 0.1
     path = tmp_path / "bad.yaml"
@@ -46,13 +46,13 @@ def test_misspelled_key_in_yaml_file(tmp_path):
 
 
 def test_layout_that_does_not_divide_is_a_config_error():
-    out = hyflow("train", QUICKSTART, "actor.layout.tp=4", "trainer.nproc=4")
+    out = hyflow("train", LM_TINY, "actor.layout.tp=4", "trainer.nproc=4")
     assert out.returncode == 2
     assert "tp=4 does not divide the 2 key/value groups" in out.stderr
 
 
 def test_config_describe_lists_keys():
-    out = hyflow("config", QUICKSTART, "--describe")
+    out = hyflow("config", LM_TINY, "--describe")
     assert out.returncode == 0
     assert "trainer.total_steps" in out.stdout and "actor.layout.tp" in out.stdout
 
@@ -60,7 +60,7 @@ def test_config_describe_lists_keys():
 @pytest.mark.multirank
 def test_train_runs_two_ranks_and_writes_metrics(tmp_path):
     run_dir = tmp_path / "run"
-    out = hyflow("train", QUICKSTART, "trainer.total_steps=12", f"trainer.output_dir={run_dir}",
+    out = hyflow("train", LM_TINY, "trainer.total_steps=12", f"trainer.output_dir={run_dir}",
                  "actor.optim.warmup_steps=0")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

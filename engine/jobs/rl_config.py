@@ -9,7 +9,7 @@ critic, reward, algorithm, data, trainer, cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from hyflow.config import ConfigError
 from hyflow.models.description import ModelDescription, tiny_llama
@@ -94,6 +94,7 @@ class ActorConfig:
     kl_loss_type: KLKind = "low_var_kl"
     sft_warmup_steps: int = field(default=0, metadata={
         "help": "supervised steps on reference answers before RL (for tasks a random model cannot start)"})
+    sft_lr: float = field(default=1e-3, metadata={"help": "constant learning rate of the SFT warm-up"})
 
     def validate(self) -> None:
         _positive(self, "micro_batch_size", "mini_batch_size", "ppo_epochs")
@@ -108,8 +109,8 @@ class CriticConfig:
     """Value model (needed by GAE; GRPO / RLOO / REINFORCE++ run without it)."""
 
     enable: bool = False
-    checkpoint: Optional[str] = None
-    layout: Layout = field(default_factory=Layout)
+    layout: Layout = field(default_factory=Layout, metadata={
+        "help": "must equal the actor's layout for now; the trunk starts from the actor's weights"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     micro_batch_size: int = 4
     cliprange_value: float = 0.5
@@ -136,6 +137,9 @@ class RewardConfig:
         "help": "python file defining compute_score(data_source, solution_str, ground_truth, extra_info=None)"})
     function_name: str = "compute_score"
     model_checkpoint: Optional[str] = field(default=None, metadata={"help": "reward model (scalar head)"})
+    format_score: float = field(default=0.0, metadata={
+        "help": "partial credit for a wrong answer whose response matches format_pattern"})
+    format_pattern: Optional[str] = field(default=None, metadata={"help": "regex of the `format` rule"})
 
     def validate(self) -> None:
         if self.kind == "function" and not self.function_path:
@@ -179,6 +183,8 @@ class DataConfig:
     task: Optional[str] = field(default=None, metadata={
         "help": "built-in synthetic task generated locally instead of files"})
     task_size: int = field(default=2000, metadata={"help": "prompts generated for a synthetic task"})
+    task_options: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "options of the synthetic task's generator, e.g. {min_digits: 2, max_digits: 4}"})
     tokenizer: Optional[str] = field(default=None, metadata={"help": "HF tokenizer dir / sentencepiece model"})
     prompt_key: str = "prompt"
     train_batch_size: int = field(default=8, metadata={"help": "prompts per RL step"})
@@ -250,6 +256,16 @@ class RLJobConfig:
             raise ConfigError(
                 f"rollout.layout tp={gen.tp} pp={gen.pp} must divide the actor's training layout "
                 f"tp={train.tp} pp={train.pp} (the generation layout is built from the training shards)")
+        if gen.pp != 1:
+            raise ConfigError(
+                f"rollout.layout.pp={gen.pp}: the generation engine runs without pipeline "
+                "parallelism; set rollout.layout.pp=1 (the training layout may keep its pp)")
+        if self.critic.enable and (self.critic.layout.tp, self.critic.layout.pp) not in (
+                (1, 1), (train.tp, train.pp)):
+            raise ConfigError(
+                f"critic.layout tp={self.critic.layout.tp} pp={self.critic.layout.pp}: the critic "
+                f"currently trains in the actor's layout (tp={train.tp} pp={train.pp}); leave "
+                "critic.layout unset or equal to actor.layout")
         if self.algorithm.adv_estimator == "gae" and not self.critic.enable:
             raise ConfigError("algorithm.adv_estimator=gae needs a value model: set critic.enable=true")
         if self.algorithm.adv_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline") \

@@ -80,8 +80,13 @@ def _named_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 @torch.no_grad()
 def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], desc: ModelDescription,
-                         groups: ParallelGroups, vp_stage: Optional[int] = None) -> None:
-    """Copy this rank's shard of ``full`` into ``model`` (any layout)."""
+                         groups: ParallelGroups, vp_stage: Optional[int] = None,
+                         skip_missing: tuple[str, ...] = ()) -> None:
+    """Copy this rank's shard of ``full`` into ``model`` (any layout).
+
+    ``skip_missing`` names parameters the model has but ``full`` may lack (a critic's
+    value head when its trunk comes from a language model).
+    """
     offset = layer_offset(desc, groups, vp_stage)
     tp = groups.layout.tp
     missing = []
@@ -90,7 +95,8 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
         if key == "output_layer.weight" and key not in full and desc.tied_embeddings:
             key = "embedding.word_embeddings.weight"
         if key not in full:
-            missing.append(key)
+            if key not in skip_missing:
+                missing.append(key)
             continue
         tensor = full[key]
         if _is_vocab(key) and param.dim() == 2:

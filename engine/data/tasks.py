@@ -1,0 +1,148 @@
+"""Synthetic verifiable tasks generated locally (no downloads), as verl-format rows.
+
+Character-level tasks for the tiny CPU quickstart model (``CharTokenizer``, exact-match reward):
+
+* ``digits_copy``    -- ``"copy 4821"``    -> ``"4821"``
+* ``digits_reverse`` -- ``"reverse 4821"`` -> ``"1284"``
+* ``digits_sort``    -- ``"sort 4821"``    -> ``"1248"``
+* ``digit_add``      -- ``"3+5="``         -> ``"8"``
+
+Word problems for an instruct model such as SmolLM2-135M-Instruct (numeric-match reward):
+
+* ``arithmetic`` -- ``"What is 17 + 25? Answer with just the number."`` -> ``"42"``
+
+Each row carries the reference answer in ``extra_info["answer"]`` (the SFT warm-up target) as
+well as in ``reward_model.ground_truth``. Generation is deterministic in ``seed``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Callable, Optional
+
+from hyflow.config import ConfigError
+
+__all__ = ["TaskInfo", "TASKS", "task_info", "make_task_rows", "tokenizer_spec_for", "load_data_tokenizer",
+           "QUICKSTART_TASK"]
+
+QUICKSTART_TASK = "digits_reverse"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskInfo:
+    """A synthetic task: how to make its rows, its tokenizer spec and reward rule."""
+
+    name: str
+    description: str
+    make: Callable[..., list[dict]]     # make(size, seed, **options) -> rows
+    tokenizer: Optional[str]            # "char", or None (use data.tokenizer)
+    reward_rule: str                    # the hyflow.rewards rule that scores it
+
+
+def _row(task: str, index: int, question: str, answer: str, ability: str) -> dict:
+    return {
+        "data_source": f"hyflow/{task}",
+        "prompt": [{"role": "user", "content": question}],
+        "ability": ability,
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": "train", "index": index, "question": question, "answer": answer},
+    }
+
+
+def _digit_task(task: str, verb: str, fn: Callable[[str], str]) -> Callable[..., list[dict]]:
+    def make(size: int, seed: int = 0, min_digits: int = 3, max_digits: int = 5) -> list[dict]:
+        if not 1 <= min_digits <= max_digits:
+            raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+        rng = random.Random(f"{task}:{seed}")
+        rows = []
+        for i in range(size):
+            digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(min_digits, max_digits)))
+            rows.append(_row(task, i, f"{verb} {digits}", fn(digits), "copy"))
+        return rows
+    make.__doc__ = f"Rows '{verb} <digits>' -> the task's answer (strings of min..max digits)."
+    return make
+
+
+def _make_digit_add(size: int, seed: int = 0) -> list[dict]:
+    """Rows ``"a+b="`` -> ``"a+b"`` for single digits a, b."""
+    rng = random.Random(f"digit_add:{seed}")
+    rows = []
+    for i in range(size):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append(_row("digit_add", i, f"{a}+{b}=", str(a + b), "math"))
+    return rows
+
+
+_OPS: dict[str, tuple[str, Callable[[int, int], int]]] = {
+    "+": ("+", lambda a, b: a + b),
+    "-": ("-", lambda a, b: a - b),
+    "*": ("*", lambda a, b: a * b),
+}
+
+
+def _make_arithmetic(size: int, seed: int = 0, ops: str = "+-", max_operand: int = 50,
+                     max_factor: int = 12) -> list[dict]:
+    """Rows ``"What is a op b? Answer with just the number."`` -> the result (non-negative)."""
+    unknown = set(ops) - set(_OPS)
+    if not ops or unknown:
+        raise ValueError(f"ops must be drawn from '+-*', got {ops!r}")
+    rng = random.Random(f"arithmetic:{seed}")
+    rows = []
+    for i in range(size):
+        op = rng.choice(ops)
+        hi = max_factor if op == "*" else max_operand
+        a, b = rng.randint(0, hi), rng.randint(0, hi)
+        if op == "-" and b > a:
+            a, b = b, a
+        symbol, fn = _OPS[op]
+        question = f"What is {a} {symbol} {b}? Answer with just the number."
+        rows.append(_row("arithmetic", i, question, str(fn(a, b)), "math"))
+    return rows
+
+
+TASKS: dict[str, TaskInfo] = {
+    t.name: t for t in (
+        TaskInfo("digits_copy", "copy a 3-5 digit string", _digit_task("digits_copy", "copy", lambda s: s),
+                 "char", "exact_match"),
+        TaskInfo("digits_reverse", "reverse a 3-5 digit string",
+                 _digit_task("digits_reverse", "reverse", lambda s: s[::-1]), "char", "exact_match"),
+        TaskInfo("digits_sort", "sort the digits of a 3-5 digit string",
+                 _digit_task("digits_sort", "sort", lambda s: "".join(sorted(s))), "char", "exact_match"),
+        TaskInfo("digit_add", "add two single digits", _make_digit_add, "char", "exact_match"),
+        TaskInfo("arithmetic", "'What is 17 + 25? Answer with just the number.' word problems",
+                 _make_arithmetic, None, "numeric_match"),
+    )
+}
+
+
+def task_info(name: str) -> TaskInfo:
+    """The task called ``name`` (a ConfigError listing the tasks otherwise)."""
+    if name not in TASKS:
+        raise ConfigError(f"unknown synthetic task {name!r}; available: {', '.join(sorted(TASKS))}",
+                          key="data.task")
+    return TASKS[name]
+
+
+def make_task_rows(name: str, size: int, seed: int = 0, **options: Any) -> list[dict]:
+    """``size`` verl-format rows of task ``name`` (``options`` go to the task's generator)."""
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    return task_info(name).make(size, seed, **options)
+
+
+def tokenizer_spec_for(data: Any) -> str:
+    """The tokenizer spec of a ``DataConfig``: ``data.tokenizer``, else the task's own."""
+    if data.tokenizer:
+        return data.tokenizer
+    if data.task and task_info(data.task).tokenizer:
+        return task_info(data.task).tokenizer  # type: ignore[return-value]
+    what = f"task {data.task!r} has no built-in tokenizer" if data.task else "no tokenizer given"
+    raise ConfigError(f"{what}: set data.tokenizer (HF tokenizer dir, .gguf, sentencepiece .model or 'char')",
+                      key="data.tokenizer")
+
+
+def load_data_tokenizer(data: Any) -> Any:
+    """Load the tokenizer a ``DataConfig`` names (see :func:`tokenizer_spec_for`)."""
+    from hyflow.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_spec_for(data))

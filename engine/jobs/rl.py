@@ -1,0 +1,226 @@
+"""The RL job (``job: rl``): PPO / GRPO / RLOO / REINFORCE++ as one readable dataflow.
+
+Per step::
+
+    prompts ──► [reshard train→gen] ──► generate (micro-DP replicas) ──► [reshard gen→train]
+            ──► reward ──► old / reference log-probs, values ──► advantages
+            ──► actor update (mini-batches × PPO epochs) ──► critic update ──► metrics
+
+Every rank holds the whole rollout batch (token ids are small); forward-only scoring
+runs on all rows, updates split mini-batches over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hyflow.config import dump_yaml, format_config
+from hyflow.jobs.rl_config import RLJobConfig
+from hyflow.trainer.advantage import compute_advantages, make_kl_controller
+from hyflow.trainer.batch import build_rollout_batch, micro_batches, position_ids
+from hyflow.trainer.ppo import forward_score, logprob_scorer, policy_loss_fn, value_loss_fn, value_scorer
+from hyflow.trainer.roles import Roles, build_roles
+from hyflow.training.step import train_step
+
+
+def run(cfg: RLJobConfig) -> list[dict]:
+    """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
+    from hyflow.data.dataset import PromptLoader, build_dataset
+    from hyflow.data.tasks import load_data_tokenizer
+    from hyflow.monitor.metrics import MetricsWriter
+    from hyflow.monitor.plot import plot_metrics
+    from hyflow.monitor.progress import Progress
+    from hyflow.monitor.timers import PhaseTimers
+    from hyflow.rewards.manager import RewardManager
+
+    rank = dist.get_rank()
+    tokenizer = load_data_tokenizer(cfg.data)
+    dataset = build_dataset(cfg.data, cfg.rollout, tokenizer)
+    loader = PromptLoader(dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    reward = RewardManager.from_config(cfg.reward)
+    reward.check_records(list(dataset))
+    roles = build_roles(cfg, tokenizer)
+    kl_ctrl = make_kl_controller(cfg.algorithm)
+    if rank == 0:
+        os.makedirs(cfg.trainer.output_dir, exist_ok=True)
+        dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
+        print(format_config(cfg), flush=True)
+        print(f"[hyflow] actor training {roles.groups.layout.describe()} -> generation tp={cfg.rollout.layout.tp} "
+              f"pp={cfg.rollout.layout.pp} with {roles.hybrid.plan.micro_dp_size} micro-DP replicas per "
+              f"model copy; {len(dataset)} prompts", flush=True)
+    writer = MetricsWriter.from_config(cfg.trainer) if rank == 0 else None
+    if cfg.actor.sft_warmup_steps:
+        sft_warmup(cfg, roles, loader, tokenizer)
+    progress = Progress.from_config(cfg.trainer, enabled=rank == 0)
+    timers = PhaseTimers()
+    history = []
+    for step in range(1, cfg.trainer.total_steps + 1):
+        records = loader.next_batch()
+        metrics, _ = rl_step(cfg, roles, records, tokenizer, reward, kl_ctrl, timers)
+        metrics.update(timers.step_summary())
+        metrics["step"] = step
+        history.append(metrics)
+        if writer is not None:
+            writer.log(step, metrics)
+        progress.update(step, metrics)
+    progress.close()
+    if writer is not None:
+        writer.close()
+        plot_metrics(history, os.path.join(cfg.trainer.output_dir, "reward_kl.png"))
+        print(f"[hyflow] done: reward {history[0]['reward/mean']:.3f} -> {history[-1]['reward/mean']:.3f}; "
+              f"run directory {cfg.trainer.output_dir}", flush=True)
+    return history
+
+
+def rl_step(cfg: RLJobConfig, roles: Roles, records, tokenizer, reward, kl_ctrl, timers) -> tuple[dict, dict]:
+    """One RL step; returns its metrics (identical on every rank) and the step's tensors
+    (rollout batch, scores, old / reference log-probs, values, advantages, returns)."""
+    n = cfg.rollout.n
+    # 1. generate with the actor in its generation layout
+    with timers.phase("reshard"):
+        gen_model = roles.hybrid.to_generation()
+    with timers.phase("generate"):
+        result = roles.generate(gen_model, [r.prompt_ids for r in records], n)
+    with timers.phase("reshard"):
+        roles.hybrid.to_training()
+    samples = result.samples  # request order, n per prompt
+    batch = build_rollout_batch([s.prompt_ids for s in samples], [s.token_ids for s in samples],
+                                [s.request_index for s in samples], [s.logprobs for s in samples],
+                                pad_id=tokenizer.pad_token_id or 0)
+    # 2. score responses
+    with timers.phase("reward"):
+        texts = tokenizer.batch_decode([s.token_ids for s in samples])
+        scored = reward.score_records([records[s.request_index] for s in samples], texts)
+        scores = torch.tensor(scored.scores, dtype=torch.float32)
+    # 3. old / reference log-probs and values, forward-only over all rows
+    tensors = {"tokens": batch.tokens, "position_ids": position_ids(batch.tokens),
+               "response_mask": batch.response_mask}
+    rows = list(range(batch.size))
+    mb = cfg.actor.micro_batch_size
+    pad_rows = (-len(rows)) % mb
+    score_rows = rows + rows[:pad_rows]  # pad to whole micro-batches; the extra rows are dropped
+    scoring = micro_batches(tensors, score_rows, mb)
+    tp_group = roles.groups.pgs.tp
+    vocab = roles.sample_vocab  # score over exactly the ids the sampler can draw
+    with timers.phase("ref"):
+        old_logp = forward_score(roles.actor_chunks, scoring, logprob_scorer(vocab, tp_group), roles.groups.pgs)[:batch.size]
+        ref_logp = None
+        if roles.reference is not None:
+            ref_logp = forward_score([roles.reference], scoring, logprob_scorer(vocab, tp_group), roles.groups.pgs)[:batch.size]
+    values = None
+    if roles.critic_chunks is not None:
+        with timers.phase("critic"):
+            values = forward_score(roles.critic_chunks, scoring, value_scorer(), roles.groups.pgs)[:batch.size]
+    # 4. advantages
+    adv = compute_advantages(cfg.algorithm, scores, batch.group_ids, batch.response_mask, old_logp, ref_logp,
+                             values, kl_ctrl)
+    # 5. updates
+    train = dict(tensors, old_logp=old_logp, advantages=adv.advantages)
+    if ref_logp is not None:
+        train["ref_logp"] = ref_logp
+    with timers.phase("update"):
+        actor_stats = _update(cfg, roles.actor_chunks, roles.actor_optimizer, roles.actor_scheduler, train,
+                              policy_loss_fn(cfg.actor, vocab, tp_group), roles, cfg.actor.micro_batch_size)
+        critic_stats = {}
+        if roles.critic_chunks is not None:
+            critic_train = dict(tensors, old_values=values, returns=adv.returns)
+            critic_stats = _update(cfg, roles.critic_chunks, roles.critic_optimizer, roles.critic_scheduler,
+                                   critic_train, value_loss_fn(cfg.critic, cfg.actor.loss_agg_mode), roles,
+                                   cfg.critic.micro_batch_size)
+    if cfg.algorithm.use_kl_in_reward:
+        kl_ctrl.update(adv.kl, len(records))
+    resp_len = batch.response_lengths.float()
+    gen_seconds = timers.step_times.get("generate", 0.0)
+    out = dict(scored.metrics())
+    out.update(actor_stats)
+    out.update(critic_stats)
+    out.update({
+        "kl": adv.kl, "kl_coef": kl_ctrl.value,
+        "response_length/mean": float(resp_len.mean()), "response_length/max": float(resp_len.max()),
+        "response/clip_frac": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
+        "tokens_per_s": float(batch.response_lengths.sum()) / max(gen_seconds, 1e-9),
+        "reshard/bytes_received": roles.hybrid.stats.bytes_received,
+        "reshard/seconds": roles.hybrid.stats.seconds,
+    })
+    data = dict(train, scores=scores, values=values, returns=adv.returns)
+    return out, data
+
+
+def _update(cfg, chunks, optimizer, scheduler, tensors: dict, loss_fn, roles: Roles, micro_size: int) -> dict:
+    """PPO epochs over shuffled mini-batches; each DP rank takes its slice of a mini-batch."""
+    B = tensors["tokens"].shape[0]
+    dp, dp_rank = roles.groups.layout.dp, roles.groups.dp_rank
+    mini = cfg.actor.mini_batch_size
+    gen = torch.Generator().manual_seed(cfg.trainer.seed + roles.step_counter)
+    roles.step_counter += 1
+    sums: dict[str, float] = {}
+    count = 0
+    for _ in range(cfg.actor.ppo_epochs):
+        order = torch.randperm(B, generator=gen).tolist()
+        for start in range(0, B - mini + 1, mini):
+            rows = order[start:start + mini]
+            mine = rows[dp_rank * (mini // dp):(dp_rank + 1) * (mini // dp)]
+            stats = train_step(chunks, optimizer, scheduler, micro_batches(tensors, mine, micro_size),
+                               with_labels=False, loss_fn=loss_fn, pp_group=roles.groups.pgs.pp)
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+            count += 1
+    out = {k: v / max(count, 1) for k, v in sums.items()}
+    prefix = "critic" if any(k.startswith("critic/") for k in out) else "actor"
+    out[f"{prefix}/grad_norm"] = out.pop("grad_norm", float("nan"))
+    out[f"{prefix}/lr"] = out.pop("lr", 0.0)
+    out.pop("update_ok", None)
+    return out
+
+
+def sft_warmup(cfg: RLJobConfig, roles: Roles, loader, tokenizer) -> None:
+    """Supervised steps on the reference answers (``extra_info.answer``) before RL."""
+    from hyflow.training.step import lm_loss
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    rank = dist.get_rank()
+    eos = (tokenizer.stop_token_ids() or [0])[0]
+    # Megatron's scheduler reads each param group's max_lr/min_lr: point them at the SFT rate.
+    lr = cfg.actor.sft_lr
+    saved = [(g.get("max_lr"), g.get("min_lr")) for g in roles.actor_optimizer.param_groups]
+    for g in roles.actor_optimizer.param_groups:
+        g["max_lr"], g["min_lr"] = lr, lr
+    sft_scheduler = OptimizerParamScheduler(
+        roles.actor_optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
+        lr_decay_steps=cfg.actor.sft_warmup_steps, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+        wd_incr_steps=cfg.actor.sft_warmup_steps, wd_incr_style="constant")
+    for step in range(1, cfg.actor.sft_warmup_steps + 1):
+        records = loader.next_batch()
+        seqs, masks = [], []
+        for r in records:
+            if r.reference is None:
+                raise ValueError(f"SFT warm-up needs a reference answer (extra_info.answer) in {r.where}")
+            answer = tokenizer.encode(r.reference) + [eos]
+            seqs.append(r.prompt_ids + answer)
+            masks.append([0] * len(r.prompt_ids) + [1] * len(answer))
+        S = max(len(s) for s in seqs) + 1
+        tokens = torch.zeros(len(seqs), S, dtype=torch.long)
+        loss_mask = torch.zeros(len(seqs), S)
+        for i, (s, m) in enumerate(zip(seqs, masks)):
+            tokens[i, :len(s)] = torch.tensor(s)
+            loss_mask[i, :len(m)] = torch.tensor(m, dtype=torch.float)
+        data = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask[:, 1:],
+                "position_ids": position_ids(tokens[:, :-1])}
+        B = len(seqs)
+        dp, dp_rank = roles.groups.layout.dp, roles.groups.dp_rank
+        mine = list(range(B))[dp_rank * (B // dp):(dp_rank + 1) * (B // dp)]
+        mb = min(cfg.actor.micro_batch_size, len(mine))
+        stats = train_step(roles.actor_chunks, roles.actor_optimizer, sft_scheduler,
+                           micro_batches(data, mine, mb), loss_fn=lm_loss, pp_group=roles.groups.pgs.pp)
+        if rank == 0 and (step % 10 == 0 or step == cfg.actor.sft_warmup_steps):
+            print(f"[hyflow] sft warm-up {step}/{cfg.actor.sft_warmup_steps} loss {stats['lm_loss']:.4f}", flush=True)
+    for g, (max_lr, min_lr) in zip(roles.actor_optimizer.param_groups, saved):
+        g["max_lr"], g["min_lr"] = max_lr, min_lr
+    roles.actor_scheduler.step(0)  # back to the RL learning rate
+    roles.reset_reference()

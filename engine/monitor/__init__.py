@@ -1,0 +1,19 @@
+"""Run monitoring: metrics (jsonl + optional TensorBoard), phase timers, progress, plots.
+
+* :mod:`.metrics` -- :class:`MetricsWriter` (``metrics.jsonl``, one row per step; resumable);
+* :mod:`.timers` -- :class:`PhaseTimers` (``time/<phase>`` per step);
+* :mod:`.progress` -- :class:`Progress` (in-place bar on a TTY, periodic lines in CI logs);
+* :mod:`.plot` -- :func:`plot_metrics` (PNG of reward and KL; matplotlib optional).
+
+Named ``monitor`` rather than ``logging`` so it never shadows the standard library module.
+"""
+from hyflow.monitor.metrics import PHASE_KEYS, REQUIRED_KEYS, MetricsWriter, read_metrics, to_float
+from hyflow.monitor.plot import DEFAULT_PLOT_KEYS, PLOT_FILENAME, plot_metrics
+from hyflow.monitor.progress import DEFAULT_SHOWN, Progress, format_duration
+from hyflow.monitor.timers import PhaseTimers
+
+__all__ = [
+    "PHASE_KEYS", "REQUIRED_KEYS", "MetricsWriter", "read_metrics", "to_float",
+    "DEFAULT_PLOT_KEYS", "PLOT_FILENAME", "plot_metrics",
+    "DEFAULT_SHOWN", "Progress", "format_duration", "PhaseTimers",
+]

@@ -1,0 +1,153 @@
+"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step) and optional TensorBoard.
+
+Values may be Python numbers, numpy scalars or 0-d tensors; non-finite floats are written as
+``null`` (valid JSON) and counted in ``bad_values``. TensorBoard needs the ``tensorboard``
+package; without it (or with ``tensorboard=False``) only the jsonl is written, after a
+one-line warning.
+
+On resume, pass ``resume_step``: rows after it (written by the interrupted run after its last
+checkpoint) are dropped so the file stays one row per step, in order.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any, Mapping, Optional, Sequence
+
+__all__ = ["REQUIRED_KEYS", "PHASE_KEYS", "MetricsWriter", "read_metrics", "to_float"]
+
+_LOG = logging.getLogger(__name__)
+
+#: Phases timed by :class:`hyflow.monitor.PhaseTimers` (``time/<phase>`` keys).
+PHASE_KEYS = ("generate", "reshard", "ref", "critic", "reward", "update")
+#: Keys every RL step row should carry (issue #6); missing ones are warned about once.
+REQUIRED_KEYS = ("step", "reward/mean", "kl", "actor/clip_frac", "actor/entropy", "actor/grad_norm",
+                 "response_length/mean", "tokens_per_s") + tuple(f"time/{p}" for p in PHASE_KEYS)
+
+
+def to_float(value: Any) -> Optional[float]:
+    """A float from a number / numpy scalar / 0-d tensor; ``None`` for NaN and infinities."""
+    if hasattr(value, "item"):
+        value = value.item()
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The rows of a ``metrics.jsonl`` file (a directory means its ``metrics.jsonl``)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+class MetricsWriter:
+    """Writes one row per step to ``<output_dir>/metrics.jsonl`` and, optionally, TensorBoard.
+
+    Only the rank that logs (rank 0) should build one. ``required_keys`` are checked on every
+    row and a warning names the missing ones the first time each goes missing.
+    """
+
+    def __init__(self, output_dir: str, tensorboard: bool = True, resume_step: Optional[int] = None,
+                 required_keys: Sequence[str] = REQUIRED_KEYS, filename: str = "metrics.jsonl") -> None:
+        os.makedirs(output_dir, exist_ok=True)
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, filename)
+        self.required_keys = tuple(required_keys)
+        self.bad_values = 0
+        self.last_step: Optional[int] = None
+        self._warned_missing: set[str] = set()
+        self._prepare_file(resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb: Any = None
+        if tensorboard:
+            self._tb = self._open_tensorboard(os.path.join(output_dir, "tensorboard"), resume_step)
+
+    @classmethod
+    def from_config(cls, trainer: Any, resume_step: Optional[int] = None) -> "MetricsWriter":
+        """From a ``TrainerConfig`` (``output_dir``, ``tensorboard``)."""
+        return cls(trainer.output_dir, tensorboard=trainer.tensorboard, resume_step=resume_step)
+
+    def _prepare_file(self, resume_step: Optional[int]) -> None:
+        if resume_step is None or not os.path.exists(self.path):
+            open(self.path, "w", encoding="utf-8").close()  # a fresh run starts a fresh file
+            return
+        kept = []
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a torn last line from a crash
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= resume_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        with open(self.path, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        if kept:
+            self.last_step = json.loads(kept[-1])["step"]
+
+    @staticmethod
+    def _open_tensorboard(logdir: str, resume_step: Optional[int]) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception as exc:  # noqa: BLE001 - ImportError, or a broken tensorboard install
+            _LOG.warning("TensorBoard logging off (%s): `pip install tensorboard` to enable it; "
+                         "metrics.jsonl is still written", str(exc).splitlines()[0] if str(exc) else exc)
+            return None
+        kwargs = {"purge_step": resume_step + 1} if resume_step is not None else {}
+        return SummaryWriter(log_dir=logdir, **kwargs)
+
+    @property
+    def tensorboard_enabled(self) -> bool:
+        return self._tb is not None
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict:
+        """Write the row for ``step`` (``step`` first, then the metrics in order); returns it."""
+        if self.last_step is not None and step <= self.last_step:
+            raise ValueError(f"metrics step {step} is not after the last logged step {self.last_step}")
+        row: dict[str, Any] = {"step": int(step)}
+        for key, value in metrics.items():
+            if key == "step":
+                continue
+            if isinstance(value, str) or value is None:
+                row[key] = value
+                continue
+            try:
+                row[key] = to_float(value)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"metric {key!r} = {value!r} is not a number") from exc
+            if row[key] is None:
+                self.bad_values += 1
+        missing = [k for k in self.required_keys if k not in row and k not in self._warned_missing]
+        if missing:
+            self._warned_missing.update(missing)
+            _LOG.warning("metrics row for step %d lacks %s", step, ", ".join(missing))
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, float):
+                    self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
+        self.last_step = step
+        return row
+
+    def close(self) -> None:
+        """Flush and close the jsonl file and TensorBoard writer (idempotent)."""
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,83 @@
+"""Per-phase wall-clock timers for the RL step (generate, reshard, ref, critic, reward, update).
+
+    timers = PhaseTimers(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
+    with timers.phase("generate"):
+        ...
+    metrics.update(timers.step_summary())   # {"time/generate": 1.2, ..., "time/step": 3.4}
+
+A phase entered several times in one step accumulates. ``sync`` (e.g. a CUDA synchronize) runs
+at each phase boundary so asynchronous device work is charged to the right phase.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Sequence
+
+from hyflow.monitor.metrics import PHASE_KEYS
+
+__all__ = ["PhaseTimers"]
+
+
+class PhaseTimers:
+    """Accumulates seconds per phase within a step and over the whole run."""
+
+    def __init__(self, phases: Sequence[str] = PHASE_KEYS, sync: Optional[Callable[[], None]] = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.phases = list(phases)
+        self.sync = sync
+        self.clock = clock
+        self.step_times: dict[str, float] = {}
+        self._totals: dict[str, float] = {}
+        self._open: dict[str, float] = {}
+        self._step_start = clock()
+
+    def start(self, name: str) -> None:
+        """Start timing ``name`` (an error if it is already running)."""
+        if name in self._open:
+            raise RuntimeError(f"phase {name!r} is already running")
+        if self.sync is not None:
+            self.sync()
+        self._open[name] = self.clock()
+
+    def stop(self, name: str) -> float:
+        """Stop ``name``; returns the seconds of this interval."""
+        if name not in self._open:
+            raise RuntimeError(f"phase {name!r} was not started")
+        if self.sync is not None:
+            self.sync()
+        seconds = self.clock() - self._open.pop(name)
+        self.add(name, seconds)
+        return seconds
+
+    def add(self, name: str, seconds: float) -> None:
+        """Charge ``seconds`` to ``name`` (for time measured elsewhere)."""
+        self.step_times[name] = self.step_times.get(name, 0.0) + seconds
+        self._totals[name] = self._totals.get(name, 0.0) + seconds
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase over the timer's whole life (all steps), by phase name."""
+        return dict(self._totals)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the body as phase ``name`` (stopped even when the body raises)."""
+        self.start(name)
+        try:
+            yield
+        finally:
+            self.stop(name)
+
+    def step_summary(self, reset: bool = True) -> dict[str, float]:
+        """``time/<phase>`` for every known phase (0.0 when it did not run) plus any other phase
+        timed this step, and ``time/step``: wall time since the last reset."""
+        if self._open:
+            raise RuntimeError(f"phases still running: {', '.join(sorted(self._open))}")
+        names = self.phases + [n for n in self.step_times if n not in self.phases]
+        out = {f"time/{n}": self.step_times.get(n, 0.0) for n in names}
+        now = self.clock()
+        out["time/step"] = now - self._step_start
+        if reset:
+            self.step_times = {}
+            self._step_start = now
+        return out

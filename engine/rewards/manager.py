@@ -1,0 +1,203 @@
+"""Score a batch of decoded responses: rule verifiers, a user function, or a reward model.
+
+:class:`RewardManager` is built from a ``RewardConfig`` (:meth:`RewardManager.from_config`)
+and turns responses plus their rows' ``data_source`` / ``ground_truth`` / ``extra_info`` into
+one float per response (:class:`RewardBatch`). Any failure raises :class:`RewardError` naming
+the scorer, the row and its data source; nothing is silently scored 0.
+
+The reward-model path is an interface: the trainer passes ``model_fn(prompts, responses) ->
+scores`` (a scalar-head model it runs), and the manager validates what comes back.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from hyflow.rewards.rules import DEFAULT_FORMAT_PATTERN, RULES, format_match
+from hyflow.rewards.user_function import RewardError, coerce_score, load_user_function
+
+__all__ = ["RewardBatch", "RewardManager", "RewardModelFn"]
+
+#: ``model_fn(prompts, responses) -> one score per response`` (prompts as chat-formatted text).
+RewardModelFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
+_MAX_LISTED = 5
+
+
+@dataclass
+class RewardBatch:
+    """Scores of a batch, the rows' data sources and per-sample extras from user functions."""
+
+    scores: list[float]
+    data_sources: list[str]
+    extras: dict[str, list[float]] = field(default_factory=dict)  # NaN where a sample lacks the key
+
+    def metrics(self, prefix: str = "reward") -> dict[str, float]:
+        """``reward/mean|std|min|max``, ``reward/<data_source>/mean`` when there are several
+        sources, and ``reward/extra/<key>`` means."""
+        out: dict[str, float] = {}
+        if not self.scores:
+            return out
+        n = len(self.scores)
+        mean = sum(self.scores) / n
+        out[f"{prefix}/mean"] = mean
+        out[f"{prefix}/std"] = math.sqrt(sum((s - mean) ** 2 for s in self.scores) / n)
+        out[f"{prefix}/min"] = min(self.scores)
+        out[f"{prefix}/max"] = max(self.scores)
+        sources = sorted(set(self.data_sources))
+        if len(sources) > 1:
+            for src in sources:
+                vals = [s for s, d in zip(self.scores, self.data_sources) if d == src]
+                out[f"{prefix}/{src}/mean"] = sum(vals) / len(vals)
+        for key, vals in self.extras.items():
+            finite = [v for v in vals if not math.isnan(v)]
+            if finite:
+                out[f"{prefix}/extra/{key}"] = sum(finite) / len(finite)
+        return out
+
+
+class RewardManager:
+    """Scores responses with one scorer: ``kind`` is ``rule``, ``function`` or ``model``.
+
+    ``scorer(data_source, solution_str, ground_truth, extra_info, where) -> (score, extras)``
+    serves the rule and function kinds; ``model_fn`` the model kind. For rules,
+    ``format_score`` is the partial credit given to a wrong answer whose response still
+    matches ``format_pattern`` (0 = plain 0/1 rewards).
+    """
+
+    def __init__(self, kind: str, name: str, scorer: Optional[Callable[..., tuple[float, dict]]] = None,
+                 model_fn: Optional[RewardModelFn] = None) -> None:
+        if kind in ("rule", "function") and scorer is None:
+            raise ValueError(f"reward kind {kind!r} needs a scorer")
+        if kind == "model" and model_fn is None:
+            raise RewardError("reward.kind=model: the trainer must pass the reward model's scoring "
+                              "function (model_fn) to RewardManager.from_config")
+        self.kind, self.name, self.scorer, self.model_fn = kind, name, scorer, model_fn
+
+    # ----------------------------------------------------------------------------- construction
+
+    @classmethod
+    def from_rule(cls, rule: str, format_score: float = 0.0, format_pattern: Optional[str] = None,
+                  **rule_options: Any) -> "RewardManager":
+        """A manager scoring with the built-in rule ``rule`` (``hyflow.rewards.rules.RULES``)."""
+        if rule not in RULES:
+            raise RewardError(f"unknown reward rule {rule!r}; available: {', '.join(sorted(RULES))}")
+        fn = RULES[rule]
+        pattern = format_pattern or DEFAULT_FORMAT_PATTERN
+        if rule == "format":
+            rule_options.setdefault("pattern", pattern)
+
+        def score(data_source: str, solution: str, ground_truth: Any, extra_info: Optional[dict],
+                  where: Optional[str] = None) -> tuple[float, dict]:
+            try:
+                value = fn(solution, ground_truth, extra_info, **rule_options)
+            except (ValueError, TypeError) as exc:
+                raise RewardError(f"reward rule {rule} cannot score {where or 'a sample'} "
+                                  f"(data_source={data_source!r}): {exc}", function=rule, row=where,
+                                  data_source=data_source) from exc
+            if value == 0.0 and format_score and rule != "format":
+                row_pattern = (extra_info or {}).get("format_pattern") or pattern
+                value = format_score * format_match(solution, row_pattern)
+            return float(value), {}
+
+        return cls("rule", f"rule:{rule}", scorer=score)
+
+    @classmethod
+    def from_function(cls, path: str, name: str = "compute_score") -> "RewardManager":
+        """A manager calling the user function ``name`` from the file ``path``."""
+        fn = load_user_function(path, name)
+        return cls("function", f"function:{fn.name}", scorer=fn)
+
+    @classmethod
+    def from_config(cls, cfg: Any, model_fn: Optional[RewardModelFn] = None) -> "RewardManager":
+        """From a ``RewardConfig``; ``model_fn`` is required when ``cfg.kind == "model"``.
+
+        Optional keys read when the config has them: ``format_score``, ``format_pattern``.
+        """
+        if cfg.kind == "rule":
+            return cls.from_rule(cfg.rule, format_score=getattr(cfg, "format_score", 0.0) or 0.0,
+                                 format_pattern=getattr(cfg, "format_pattern", None))
+        if cfg.kind == "function":
+            return cls.from_function(cfg.function_path, cfg.function_name)
+        if cfg.kind == "model":
+            return cls("model", f"model:{cfg.model_checkpoint}", model_fn=model_fn)
+        raise RewardError(f"unknown reward.kind {cfg.kind!r}")
+
+    # ----------------------------------------------------------------------------- scoring
+
+    def score(self, solutions: Sequence[str], data_sources: Sequence[str], ground_truths: Sequence[Any],
+              extra_infos: Optional[Sequence[Optional[dict]]] = None, where: Optional[Sequence[str]] = None,
+              prompts: Optional[Sequence[str]] = None) -> RewardBatch:
+        """One score per response; ``where[i]`` names sample ``i`` in errors (default ``sample i``)."""
+        n = len(solutions)
+        extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
+        where = list(where) if where is not None else [f"sample {i}" for i in range(n)]
+        lengths = {len(data_sources), len(ground_truths), len(extra_infos), len(where)}
+        if prompts is not None:
+            lengths.add(len(prompts))
+        if lengths != {n}:
+            raise ValueError(f"score(): {n} solutions but inputs of lengths {sorted(lengths)}")
+        if self.kind == "model":
+            return self._score_model(solutions, data_sources, prompts, where)
+        assert self.scorer is not None
+        scores: list[float] = []
+        extras: dict[str, list[float]] = {}
+        for i in range(n):
+            s, ex = self.scorer(data_sources[i], solutions[i], ground_truths[i], extra_infos[i], where=where[i])
+            scores.append(s)
+            for key, value in ex.items():
+                extras.setdefault(key, [math.nan] * i).append(value)
+            for vals in extras.values():
+                if len(vals) < i + 1:
+                    vals.append(math.nan)
+        return RewardBatch(scores, list(data_sources), extras)
+
+    def _score_model(self, solutions: Sequence[str], data_sources: Sequence[str],
+                     prompts: Optional[Sequence[str]], where: Sequence[str]) -> RewardBatch:
+        if prompts is None:
+            raise ValueError("reward.kind=model needs the prompts to score responses")
+        assert self.model_fn is not None
+        raw = list(self.model_fn(list(prompts), list(solutions)))
+        if len(raw) != len(solutions):
+            raise RewardError(f"reward model returned {len(raw)} scores for {len(solutions)} responses",
+                              function=self.name)
+        scores = []
+        for value, w, src in zip(raw, where, data_sources):
+            try:
+                scores.append(coerce_score(value, "reward model")[0])
+            except ValueError as exc:
+                raise RewardError(f"{exc} on {w} (data_source={src!r})", function=self.name, row=w,
+                                  data_source=src) from None
+        return RewardBatch(scores, list(data_sources))
+
+    def score_records(self, records: Sequence[Any], solutions: Sequence[str]) -> RewardBatch:
+        """Score responses to ``records`` (:class:`hyflow.data.PromptRecord`).
+
+        ``len(solutions)`` must be a multiple ``n`` of ``len(records)``; responses are grouped per
+        prompt: ``solutions[i*n:(i+1)*n]`` answer ``records[i]`` (the GRPO group layout).
+        """
+        if not records or len(solutions) % len(records):
+            raise ValueError(f"{len(solutions)} responses is not a multiple of {len(records)} prompts")
+        n = len(solutions) // len(records)
+        rep = [r for r in records for _ in range(n)]
+        return self.score(solutions, [r.data_source for r in rep], [r.ground_truth for r in rep],
+                          [r.extra_info for r in rep], where=[r.where for r in rep],
+                          prompts=[r.prompt_text for r in rep])
+
+    def check_records(self, records: Sequence[Any]) -> None:
+        """Fail before training when a rule cannot use some row's ground truth (all bad rows
+        counted, the first few named). Function and model scorers are not checked here."""
+        if self.kind != "rule":
+            return
+        assert self.scorer is not None
+        bad = []
+        for r in records:
+            try:
+                self.scorer(r.data_source, "", r.ground_truth, r.extra_info, where=r.where)
+            except RewardError as exc:
+                bad.append(str(exc))
+        if bad:
+            listed = "\n  ".join(bad[:_MAX_LISTED])
+            more = f"\n  ... and {len(bad) - _MAX_LISTED} more" if len(bad) > _MAX_LISTED else ""
+            raise RewardError(f"{len(bad)} row(s) have ground truths {self.name} cannot use:\n  {listed}{more}",
+                              function=self.name)

@@ -1,0 +1,261 @@
+"""Stopping safely between steps: preemption signals and non-finite updates.
+
+:class:`StepSupervisor` is the trainer's view of both. Used like::
+
+    supervisor = StepSupervisor(max_bad_steps=3, optimizers=[opt], protect=[kl_ctrl]).install()
+    for step in ...:
+        supervisor.begin_step()
+        metrics = train_one_step()
+        outcome = supervisor.end_step(metrics)    # collective: every rank, every step
+        if outcome.stop:
+            save_checkpoint()
+            break                                 # then raise supervisor.divergence_error(...) if diverged
+    supervisor.uninstall()
+
+* SIGTERM and SIGUSR1 (Slurm's warning before the time limit, see :mod:`hyflow.launch.preemption`)
+  only set a flag. :meth:`StepSupervisor.end_step` all-reduces (MAX) the flags of every rank at the
+  step boundary, so all ranks stop after the same step even when the signal reached only some of
+  them, and nothing ever exits inside a collective.
+* :class:`NonFiniteGradGuard` makes the Megatron optimizer skip an update whose gradients hold a
+  NaN / inf (parameters, Adam moments and the LR schedule stay as they were), the way Megatron
+  skips an update on a loss-scale overflow. A step with a skipped update or a non-finite loss is
+  *bad*: the objects in ``protect`` (e.g. the adaptive KL controller) are rolled back to the start
+  of the step, the step is counted (``bad_step``, ``bad_steps_total`` metrics), and after
+  ``max_bad_steps`` consecutive bad steps the outcome says ``diverged``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class DivergenceError(RuntimeError):
+    """Too many consecutive steps with NaN / inf losses or gradients."""
+
+
+@dataclass
+class StepOutcome:
+    """What the ranks agreed on at a step boundary.
+
+    Attributes:
+        bad: the step had a NaN / inf loss or gradient (its non-finite updates were skipped).
+        preempted: a stop signal reached some rank: save and exit cleanly.
+        diverged: ``max_bad_steps`` consecutive bad steps: save and stop with an error.
+    """
+
+    bad: bool = False
+    preempted: bool = False
+    diverged: bool = False
+
+    @property
+    def stop(self) -> bool:
+        return self.preempted or self.diverged
+
+
+def _sub_optimizers(optimizer: Any) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+class NonFiniteGradGuard:
+    """Make ``optimizer`` (a Megatron optimizer) skip updates whose gradients are not finite.
+
+    Wraps the optimizer's ``prepare_grads`` (whose True return makes ``step()`` return
+    ``(False, None, None)`` without touching the parameters): after the gradients are ready it
+    checks them and agrees on the answer over the optimizer's gradient-statistics group, the
+    group Megatron reduces the gradient norm over. :attr:`skipped` counts the skipped updates.
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self.skipped = 0
+        self._original = optimizer.prepare_grads
+        optimizer.prepare_grads = self._prepare_grads
+
+    def _prepare_grads(self) -> bool:
+        found_inf = bool(self._original())
+        if not found_inf:
+            found_inf = self._grads_not_finite()
+        if found_inf:
+            self.skipped += 1
+        return found_inf
+
+    @torch.no_grad()
+    def _grads_not_finite(self) -> bool:
+        grads = [g for opt in _sub_optimizers(self.optimizer)
+                 if not getattr(opt, "is_stub_optimizer", False) for g in opt.get_main_grads_for_grad_norm()]
+        device = grads[0].device if grads else torch.device("cuda" if _nccl() else "cpu")
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:
+            flag[0] = torch.stack([torch.isfinite(g).all() for g in grads]).all().logical_not().float()
+        if dist.is_initialized():
+            try:
+                group = self.optimizer.get_grad_stats_parallel_group()
+            except (AssertionError, AttributeError):  # chained optimizers over different groups
+                group = None
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item() > 0)
+
+    def remove(self) -> None:
+        """Give the optimizer its own ``prepare_grads`` back."""
+        if self.optimizer.prepare_grads == self._prepare_grads:
+            self.optimizer.prepare_grads = self._original
+
+
+def _nccl() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+def _not_finite_losses(metrics: Mapping[str, Any]) -> list[str]:
+    """Names of loss metrics that are NaN / inf, and of infinite gradient norms (a NaN norm
+    alone means "not computed": Megatron reports none without clipping or on a skip)."""
+    bad = []
+    for key, value in metrics.items():
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            continue
+        if ("loss" in key and not math.isfinite(value)) or (key.endswith("grad_norm") and math.isinf(value)):
+            bad.append(key)
+    return bad
+
+
+class StepSupervisor:
+    """Preemption flags and bad-step accounting of a training loop (see the module docstring).
+
+    Args:
+        max_bad_steps: consecutive bad steps after which :meth:`end_step` reports ``diverged``.
+        optimizers: Megatron optimizers to guard against non-finite updates (None entries are
+            ignored).
+        protect: objects with ``state_dict`` / ``load_state_dict`` rolled back after a bad step.
+        signals: the signals that ask for a save-and-exit.
+        group: the process group the flags are agreed over (default: the world).
+    """
+
+    def __init__(self, max_bad_steps: int, optimizers: Iterable[Any] = (), protect: Sequence[Any] = (),
+                 signals: Sequence[int] = STOP_SIGNALS, group: Any = None) -> None:
+        if max_bad_steps < 1:
+            raise ValueError(f"max_bad_steps must be >= 1, got {max_bad_steps}")
+        self.max_bad_steps = max_bad_steps
+        self.optimizers = [o for o in optimizers if o is not None]
+        self.protect = list(protect)
+        self.signals = tuple(signals)
+        self.group = group
+        self.requested = False
+        self.signal_name: Optional[str] = None
+        self._announced = False
+        self.bad_steps_total = 0
+        self.consecutive_bad = 0
+        self.bad_step_numbers: list[int] = []
+        self._guards: list[NonFiniteGradGuard] = []
+        self._previous: dict[int, Any] = {}
+        self._snapshot: list[dict] = []
+        self._skipped_before = 0
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def install(self) -> "StepSupervisor":
+        """Install the signal handlers (main thread only; elsewhere a warning) and the guards."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        else:
+            print("[hyflow] warning: not on the main thread; preemption signals are not handled",
+                  file=sys.stderr, flush=True)
+        self._guards = [NonFiniteGradGuard(o) for o in self.optimizers]
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the previous signal handlers and the optimizers' own ``prepare_grads``."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+        for guard in self._guards:
+            guard.remove()
+        self._guards = []
+
+    def __enter__(self) -> "StepSupervisor":
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        # Only set flags: printing here could re-enter a write the main thread is in.
+        if not self.requested:
+            self.signal_name = signal.Signals(signum).name
+        self.requested = True
+
+    def request_stop(self, reason: str = "request") -> None:
+        """Ask for a save-and-exit at the next step boundary, as a signal would."""
+        self.requested = True
+        self.signal_name = self.signal_name or reason
+
+    # ----------------------------------------------------------------- steps
+
+    @property
+    def skipped_updates(self) -> int:
+        """Optimizer updates skipped for non-finite gradients so far."""
+        return sum(g.skipped for g in self._guards)
+
+    def begin_step(self) -> None:
+        """Remember the protected objects' states and the skip counters."""
+        self._snapshot = [obj.state_dict() for obj in self.protect]
+        self._skipped_before = self.skipped_updates
+
+    def end_step(self, metrics: dict[str, Any], step: Optional[int] = None) -> StepOutcome:
+        """Agree with the other ranks on this step (collective) and account for it.
+
+        Adds ``bad_step`` (0 / 1) and ``bad_steps_total`` to ``metrics``.
+        """
+        if self.requested and not self._announced:
+            self._announced = True
+            print(f"[hyflow] rank {os.environ.get('RANK', '?')}: received {self.signal_name}; saving a "
+                  "checkpoint after this step, then exiting", file=sys.stderr, flush=True)
+        bad_local = self.skipped_updates > self._skipped_before or bool(_not_finite_losses(metrics))
+        device = "cuda" if _nccl() else "cpu"
+        flags = torch.tensor([float(self.requested), float(bad_local)], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        preempted, bad = bool(flags[0].item() > 0), bool(flags[1].item() > 0)
+        if bad:
+            for obj, state in zip(self.protect, self._snapshot):
+                obj.load_state_dict(state)
+            self.bad_steps_total += 1
+            self.consecutive_bad += 1
+            if step is not None:
+                self.bad_step_numbers.append(step)
+        else:
+            self.consecutive_bad = 0
+            self.bad_step_numbers = []
+        metrics["bad_step"] = float(bad)
+        metrics["bad_steps_total"] = float(self.bad_steps_total)
+        return StepOutcome(bad=bad, preempted=preempted, diverged=self.consecutive_bad >= self.max_bad_steps)
+
+    def divergence_error(self, checkpoint: Optional[str] = None) -> DivergenceError:
+        """The error that ends a diverged run, naming the steps and the checkpoint."""
+        steps = ", ".join(str(s) for s in self.bad_step_numbers) or "?"
+        where = f"; the last good state is saved in {checkpoint}" if checkpoint else ""
+        return DivergenceError(
+            f"stopping: {self.consecutive_bad} consecutive steps ({steps}) had a NaN/inf loss or gradient "
+            f"(trainer.max_bad_steps={self.max_bad_steps}); their non-finite updates were skipped{where}. "
+            "Lower the learning rate, check the rewards and data, or raise trainer.max_bad_steps.")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"bad_steps_total": self.bad_steps_total, "consecutive_bad": self.consecutive_bad,
+                "bad_step_numbers": list(self.bad_step_numbers)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.bad_steps_total = int(state.get("bad_steps_total", 0))
+        self.consecutive_bad = int(state.get("consecutive_bad", 0))
+        self.bad_step_numbers = [int(s) for s in state.get("bad_step_numbers", [])]

@@ -1,0 +1,264 @@
+"""Monitoring: metrics.jsonl (+ TensorBoard), phase timers, progress output and the PNG plot."""
+from __future__ import annotations
+
+import glob
+import io
+import json
+import logging
+import math
+import struct
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+from hyflow.jobs.rl_config import TrainerConfig
+from hyflow.monitor import (
+    PHASE_KEYS,
+    REQUIRED_KEYS,
+    MetricsWriter,
+    PhaseTimers,
+    Progress,
+    format_duration,
+    plot_metrics,
+    read_metrics,
+)
+from hyflow.monitor._png import Canvas, decode_png_header
+
+
+def full_row(step: int) -> dict:
+    row = {k: 0.5 for k in REQUIRED_KEYS if k != "step"}
+    row["reward/mean"] = step / 10
+    return row
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+def test_metrics_rows_and_value_conversion(tmp_path, caplog):
+    torch = pytest.importorskip("torch")
+    with MetricsWriter(str(tmp_path), tensorboard=False) as w:
+        with caplog.at_level(logging.WARNING, logger="hyflow.monitor.metrics"):
+            w.log(1, {"reward/mean": torch.tensor(0.25), "kl": np.float32(0.5), "actor/grad_norm": float("nan"),
+                      "tokens_per_s": 7, "note": "warmup"})
+            w.log(2, {"reward/mean": 0.75, "kl": float("inf")})
+        with pytest.raises(ValueError, match="step 2 is not after the last logged step 2"):
+            w.log(2, {})
+        with pytest.raises(TypeError, match="metric 'x' = \\[1\\] is not a number"):
+            w.log(3, {"x": [1]})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]   # strict JSON: NaN/inf became null
+    assert rows[0] == {"step": 1, "reward/mean": 0.25, "kl": 0.5, "actor/grad_norm": None,
+                       "tokens_per_s": 7.0, "note": "warmup"}
+    assert rows[1] == {"step": 2, "reward/mean": 0.75, "kl": None}
+    assert list(rows[0])[0] == "step" and w.bad_values == 2
+    assert read_metrics(str(tmp_path)) == rows
+    # each missing required key is warned about once, when it first goes missing
+    warnings = [r.getMessage() for r in caplog.records if "lacks" in r.getMessage()]
+    assert len(warnings) == 2
+    assert "actor/clip_frac" in warnings[0] and "time/generate" in warnings[0] and "kl" not in warnings[0]
+    assert warnings[1] == "metrics row for step 2 lacks actor/grad_norm, tokens_per_s"
+
+
+def test_required_keys_cover_the_issue():
+    for key in ("step", "reward/mean", "kl", "actor/clip_frac", "actor/entropy", "actor/grad_norm",
+                "response_length/mean", "tokens_per_s"):
+        assert key in REQUIRED_KEYS
+    assert PHASE_KEYS == ("generate", "reshard", "ref", "critic", "reward", "update")
+    assert all(f"time/{p}" in REQUIRED_KEYS for p in PHASE_KEYS)
+
+
+def test_fresh_run_truncates_and_resume_keeps_rows_up_to_the_checkpoint(tmp_path):
+    with MetricsWriter(str(tmp_path), tensorboard=False) as w:
+        for s in range(1, 6):
+            w.log(s, full_row(s))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "rew')                       # torn line from a crash
+    with MetricsWriter(str(tmp_path), tensorboard=False, resume_step=3) as w:
+        assert w.last_step == 3
+        with pytest.raises(ValueError, match="not after"):
+            w.log(3, {})
+        w.log(4, full_row(40))
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3, 4]
+    assert read_metrics(str(tmp_path))[-1]["reward/mean"] == 4.0
+    with MetricsWriter(str(tmp_path), tensorboard=False) as w:   # not resuming: a new file
+        w.log(1, full_row(1))
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1]
+
+
+def test_tensorboard_events_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    cfg = TrainerConfig(output_dir=str(tmp_path / "run"), tensorboard=True)
+    with MetricsWriter.from_config(cfg) as w:
+        assert w.tensorboard_enabled
+        w.log(1, {"reward/mean": 0.5, "note": "x"})
+        w.log(2, {"reward/mean": 0.7})
+    events = glob.glob(str(tmp_path / "run" / "tensorboard" / "events.out.tfevents.*"))
+    assert len(events) == 1
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(events[0])
+    acc.Reload()
+    assert [(e.step, round(e.value, 4)) for e in acc.Scalars("reward/mean")] == [(1, 0.5), (2, 0.7)]
+
+
+def test_tensorboard_missing_degrades_to_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with caplog.at_level(logging.WARNING, logger="hyflow.monitor.metrics"):
+        w = MetricsWriter(str(tmp_path), tensorboard=True)
+    assert not w.tensorboard_enabled
+    assert "TensorBoard logging off" in caplog.text and "pip install tensorboard" in caplog.text
+    w.log(1, full_row(1))
+    w.close()
+    assert read_metrics(str(tmp_path))[0]["step"] == 1
+
+
+# ----------------------------------------------------------------------------- timers
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_phase_timers_accumulate_and_reset():
+    clock, syncs = FakeClock(), []
+    timers = PhaseTimers(clock=clock, sync=lambda: syncs.append(clock.t))
+    with timers.phase("generate"):
+        clock.t += 2.0
+    with timers.phase("update"):
+        clock.t += 1.0
+    with timers.phase("generate"):
+        clock.t += 0.5
+    timers.add("custom", 0.25)
+    clock.t += 0.1
+    s = timers.step_summary()
+    assert s == pytest.approx({"time/generate": 2.5, "time/reshard": 0.0, "time/ref": 0.0, "time/critic": 0.0,
+                               "time/reward": 0.0, "time/update": 1.0, "time/custom": 0.25, "time/step": 3.6})
+    assert len(syncs) == 6                                   # one sync at each phase boundary
+    with timers.phase("ref"):
+        clock.t += 1.0
+    s2 = timers.step_summary()
+    assert s2["time/generate"] == 0.0 and s2["time/ref"] == pytest.approx(1.0)
+    assert s2["time/step"] == pytest.approx(1.0)
+    assert "time/custom" not in s2
+    assert timers.totals() == pytest.approx({"generate": 2.5, "update": 1.0, "custom": 0.25, "ref": 1.0})
+
+
+def test_phase_timer_errors_and_exceptions():
+    clock = FakeClock()
+    timers = PhaseTimers(clock=clock)
+    with pytest.raises(KeyError):
+        with timers.phase("reward"):
+            clock.t += 3.0
+            raise KeyError("boom")
+    assert timers.step_times["reward"] == 3.0                # stopped despite the exception
+    timers.start("generate")
+    with pytest.raises(RuntimeError, match="already running"):
+        timers.start("generate")
+    with pytest.raises(RuntimeError, match="still running: generate"):
+        timers.step_summary()
+    timers.stop("generate")
+    with pytest.raises(RuntimeError, match="was not started"):
+        timers.stop("generate")
+
+
+# ----------------------------------------------------------------------------- progress
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_non_tty_prints_every_n_plus_first_and_last():
+    clock, out = FakeClock(), io.StringIO()
+    bar = Progress(total=10, every=4, stream=out, clock=clock)
+    assert not bar.tty
+    for step in range(1, 11):
+        clock.t += 2.0
+        bar.update(step, {"reward/mean": step / 10, "kl": 0.00012, "other": 1})
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split()[2] for line in lines] == ["1/10", "4/10", "8/10", "10/10"]
+    assert "\r" not in out.getvalue()
+    assert lines[1] == "[hyflow] step  4/10 ( 40%) | reward 0.4 | kl 1.20e-04 | 2 s/step | eta 12s"
+    assert lines[-1].endswith("eta 0s")
+
+
+def test_progress_tty_redraws_in_place_and_resumes():
+    clock, out = FakeClock(), FakeTTY()
+    bar = Progress(total=100, initial=50, stream=out, clock=clock, width=10)
+    assert bar.tty
+    clock.t += 0.5
+    bar.update(51, {"reward/mean": 0.9})
+    bar.write("checkpoint saved")
+    bar.close()
+    text = out.getvalue()
+    assert text.startswith("\r\033[K[hyflow] step  51/100 ( 51%) [#####.....] | reward 0.9 | 2 step/s | eta 24s")
+    assert "\r\033[Kcheckpoint saved\n" in text and text.endswith("\n")
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (5, 65, 3600 * 2 + 7 * 60, -1, math.inf)] == ["5s", "1m05s", "2h07m", "?", "?"]
+
+
+# ----------------------------------------------------------------------------- plot
+
+def _decode_rgb(data: bytes) -> tuple[int, int, bytes]:
+    """Minimal decoder for the builtin writer's output (filter 0, RGB8)."""
+    w, h = decode_png_header(data)
+    pos, idat = 8, b""
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        kind = data[pos + 4:pos + 8]
+        chunk = data[pos + 8:pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + chunk)
+        if kind == b"IDAT":
+            idat += chunk
+        pos += 12 + n
+    raw = zlib.decompress(idat)
+    rows = [raw[y * (3 * w + 1) + 1:(y + 1) * (3 * w + 1)] for y in range(h)]
+    assert all(raw[y * (3 * w + 1)] == 0 for y in range(h))
+    return w, h, b"".join(rows)
+
+
+def test_builtin_png_plot_draws_both_curves(tmp_path):
+    rows = [{"step": s, "reward/mean": s / 20, "kl": None if s == 10 else 0.01 * s} for s in range(1, 21)]
+    path = plot_metrics(rows, str(tmp_path / "p.png"), backend="builtin")
+    w, h, rgb = _decode_rgb(open(path, "rb").read())
+    assert (w, h) == (800, 630)
+    pixels = {tuple(rgb[i:i + 3]) for i in range(0, len(rgb), 3)}
+    assert (31, 119, 180) in pixels and (214, 39, 40) in pixels      # reward (blue) and KL (red) curves
+    top_half = rgb[: 3 * w * 330]
+    assert (214, 39, 40) not in {tuple(top_half[i:i + 3]) for i in range(0, len(top_half), 3)}
+
+
+def test_plot_from_run_dir_and_edge_cases(tmp_path):
+    with MetricsWriter(str(tmp_path), tensorboard=False) as mw:
+        mw.log(1, {"reward/mean": 0.3})                 # a single point, no KL at all
+    path = plot_metrics(str(tmp_path), backend="builtin")
+    assert path == str(tmp_path / "reward_kl.png")
+    assert decode_png_header(open(path, "rb").read()) == (800, 630)
+    with pytest.raises(ValueError, match="out_path is required"):
+        plot_metrics([{"step": 1}])
+    with pytest.raises(ValueError, match="unknown plot backend"):
+        plot_metrics([{"step": 1}], str(tmp_path / "x.png"), backend="svg")
+
+
+def test_plot_auto_backend(tmp_path):
+    rows = [{"step": s, "reward/mean": s / 20, "kl": 0.01 * s} for s in range(1, 21)]
+    path = plot_metrics(rows, str(tmp_path / "auto.png"))   # matplotlib if installed, else builtin
+    data = open(path, "rb").read()
+    assert decode_png_header(data)[0] >= 400 and len(data) > 2000
+
+
+def test_canvas_primitives():
+    c = Canvas(20, 10)
+    c.line(0, 0, 19, 9, (255, 0, 0))
+    assert c.get(0, 0) == (255, 0, 0) and c.get(19, 9) == (255, 0, 0) and c.get(19, 0) == (255, 255, 255)
+    c.text(0, 0, "1", (0, 0, 255), scale=1)
+    assert c.get(1, 0) == (0, 0, 255) and c.get(0, 0) == (255, 0, 0)   # "1" = 010 on its first row
+    c.set(100, 100, (0, 0, 0))                                           # out of bounds: ignored
+    assert decode_png_header(c.to_png()) == (20, 10)
