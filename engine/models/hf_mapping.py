@@ -269,7 +269,7 @@ def megatron_to_hf(mc: Mapping[str, torch.Tensor], desc: ModelDescription) -> di
     """Full Megatron state dict -> HF state dict."""
     out: dict[str, torch.Tensor] = {}
     for mc_name, hf_names in name_map(desc).items():
-        for name, tensor in zip(hf_names, megatron_to_hf_tensors(mc_name, mc[mc_name], desc)):
+        for name, tensor in zip(hf_names, megatron_to_hf_tensors(mc_name, mc[mc_name], desc), strict=True):
             out[name] = tensor.contiguous()
     return out
 

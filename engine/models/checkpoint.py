@@ -1,0 +1,352 @@
+"""Model checkpoints: Megatron-Core distributed checkpoints plus hyflow's metadata.
+
+A hyflow model checkpoint is a directory holding
+
+* a Megatron-Core ``dist_checkpointing`` checkpoint (``torch_dist`` format: one
+  ``__<rank>_<n>.distcp`` file per writing rank, ``.metadata``, ``metadata.json``,
+  ``common.pt``) of ``model.sharded_state_dict()``; it can be loaded under any
+  other TP / PP layout (dist_checkpointing reslices every tensor, and the vocabulary
+  padding, which depends on TP, is re-padded with zeros);
+* ``model.json``: the :class:`~hyflow.models.description.ModelDescription`. A
+  relative ``tokenizer`` path in it is relative to the checkpoint directory;
+* ``hyflow_checkpoint.json``: :class:`CheckpointInfo` (format version, dtype, the
+  layout it was written with). It is written *last*, so a directory without it is
+  an interrupted save.
+
+Entry points (all collective over the model's ranks): :func:`save_model_checkpoint`,
+:func:`load_model_checkpoint` into an existing model, and
+:func:`load_model_from_checkpoint`, which builds the model from ``model.json``
+(without a random initialisation) and loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hyflow.models.description import DESCRIPTION_FILE, ModelDescription, ModelDescriptionError
+from hyflow.parallel.groups import ParallelGroups
+from hyflow.parallel.layout import pad_vocab_size
+
+CHECKPOINT_INFO_FILE = "hyflow_checkpoint.json"
+CHECKPOINT_FORMAT = "hyflow-mcore-dist"
+FORMAT_VERSION = 1
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+#: Fields that must agree between the checkpoint's description and the model's.
+_ARCH_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                "num_query_groups", "ffn_hidden_size", "head_dim", "qkv_bias", "tied_embeddings")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, or does not fit the model."""
+
+
+@dataclass
+class CheckpointInfo:
+    """Contents of ``hyflow_checkpoint.json``.
+
+    Attributes:
+        format: always :data:`CHECKPOINT_FORMAT`.
+        format_version: :data:`FORMAT_VERSION` of the writer.
+        dtype: parameter dtype of the saved model (``fp32``, ``bf16``, ``fp16``).
+        tp: tensor-parallel size it was written with.
+        pp: pipeline-parallel size it was written with.
+        num_layers: transformer layers.
+        vocab_size: unpadded vocabulary.
+        padded_vocab_size: vocabulary rows stored (padded for ``tp``).
+        megatron_core: Megatron-Core version of the writer.
+        extra: free-form writer details (e.g. the converter's source).
+    """
+
+    format: str = CHECKPOINT_FORMAT
+    format_version: int = FORMAT_VERSION
+    dtype: str = "fp32"
+    tp: int = 1
+    pp: int = 1
+    num_layers: int = 0
+    vocab_size: int = 0
+    padded_vocab_size: int = 0
+    megatron_core: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _quiet_dist_checkpointing():
+    """Silence dist_checkpointing's notices that do not apply here.
+
+    Megatron warns "Overwriting old incomplete / corrupted checkpoint" for any
+    non-empty directory (ours already holds the tokenizer), and torch's DCP emits
+    deprecation FutureWarnings about APIs Megatron 0.16 uses internally.
+    """
+    log = logging.getLogger("megatron.core.dist_checkpointing.serialization")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            for module in (r"torch\.distributed\.checkpoint.*", r"megatron\.core\.dist_checkpointing.*"):
+                warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)  # Megatron DDP / Float16Module
+
+
+def model_dtype_name(model: torch.nn.Module) -> str:
+    """``fp32`` / ``bf16`` / ``fp16`` of the model's parameters."""
+    dtype = next(_unwrap(model).parameters()).dtype
+    if dtype not in _DTYPE_NAMES:
+        raise CheckpointError(f"unsupported parameter dtype {dtype}")
+    return _DTYPE_NAMES[dtype]
+
+
+# --------------------------------------------------------------------------- building
+
+
+def mark_tensor_parallel_attributes(model: torch.nn.Module) -> None:
+    """Set Megatron's ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``.
+
+    Megatron sets these only while randomly initialising a weight; a model built with
+    ``perform_initialization=False`` (to be filled from a checkpoint) lacks them, but
+    :mod:`hyflow.models.weights` and the optimizer read them. Same values as
+    Megatron's initialisation: vocabulary and column-parallel weights split dim 0
+    (``linear_fc1`` of a gated MLP with stride 2: each shard is ``[gate_r; up_r]``),
+    row-parallel weights split dim 1.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    from megatron.core.transformer.mlp import MLP
+
+    def mark(param: Optional[torch.Tensor], dim: int, stride: int) -> None:
+        if param is not None:
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
+
+    glu_fc1 = {id(m.linear_fc1) for m in _unwrap(model).modules()
+               if isinstance(m, MLP) and m.config.gated_linear_unit}
+    for module in _unwrap(model).modules():
+        if isinstance(module, (VocabParallelEmbedding, ColumnParallelLinear)):
+            mark(module.weight, 0, 2 if id(module) in glu_fc1 else 1)
+        elif isinstance(module, RowParallelLinear):
+            mark(module.weight, 1, 1)
+
+
+def build_model_for_loading(desc: ModelDescription, groups: ParallelGroups, *, dtype: str = "fp32",
+                            spec: str = "auto") -> torch.nn.Module:
+    """This rank's ``GPTModel`` with uninitialised weights, ready to be loaded into.
+
+    Skips Megatron's random initialisation (which draws every full-size matrix on
+    every rank), so building a large model for a checkpoint load is cheap.
+    """
+    from hyflow.models.builder import build_gpt_model
+
+    model = build_gpt_model(desc, groups, dtype=dtype, spec=spec,
+                            config_overrides={"perform_initialization": False})
+    mark_tensor_parallel_attributes(model)
+    return model
+
+
+@torch.no_grad()
+def zero_vocab_padding(model: torch.nn.Module, vocab_size: int, groups: ParallelGroups) -> None:
+    """Zero the padded vocabulary rows of the embedding and output layer of this rank."""
+    for name, param in _unwrap(model).named_parameters():
+        if name not in ("embedding.word_embeddings.weight", "output_layer.weight") or param.dim() != 2:
+            continue
+        start = groups.tp_rank * param.shape[0]
+        first_pad = max(vocab_size - start, 0)
+        if first_pad < param.shape[0]:
+            param[first_pad:].zero_()
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def read_checkpoint_info(ckpt_dir: str) -> CheckpointInfo:
+    """Read and check ``hyflow_checkpoint.json`` and the files the checkpoint needs.
+
+    Raises :class:`CheckpointError` for a missing directory, a save that did not
+    finish, missing or truncated ``.distcp`` files, or a newer format.
+    """
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
+    info_path = os.path.join(ckpt_dir, CHECKPOINT_INFO_FILE)
+    if not os.path.exists(info_path):
+        if os.path.exists(os.path.join(ckpt_dir, "metadata.json")) or os.path.exists(
+                os.path.join(ckpt_dir, ".metadata")):
+            raise CheckpointError(
+                f"{ckpt_dir} is incomplete: it has Megatron checkpoint files but no "
+                f"{CHECKPOINT_INFO_FILE}, which hyflow writes last (the save was interrupted, or "
+                "the checkpoint was not written by hyflow)")
+        raise CheckpointError(
+            f"{ckpt_dir} is not a hyflow model checkpoint (no {CHECKPOINT_INFO_FILE}); create one "
+            "with `hyflow convert hf2mcore`")
+    try:
+        with open(info_path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{info_path} is not valid JSON: {e}") from None
+    if data.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{info_path}: format {data.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
+    if int(data.get("format_version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{ckpt_dir} has checkpoint format version {data['format_version']}, newer than this "
+            f"hyflow reads ({FORMAT_VERSION}); upgrade hyflow")
+    known = {f.name for f in fields(CheckpointInfo)}
+    info = CheckpointInfo(**{k: v for k, v in data.items() if k in known})
+    _check_dcp_files(ckpt_dir)
+    return info
+
+
+def _check_dcp_files(ckpt_dir: str) -> None:
+    """Every data file named by the torch_dist ``.metadata`` exists and is long enough."""
+    if not os.path.exists(os.path.join(ckpt_dir, ".metadata")):
+        raise CheckpointError(f"{ckpt_dir} is incomplete: the tensor index .metadata is missing")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(ckpt_dir).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any parse failure means a damaged index
+        raise CheckpointError(f"{ckpt_dir}/.metadata cannot be read ({type(e).__name__}: {e})") from None
+    needed: dict[str, int] = {}
+    for item in (metadata.storage_data or {}).values():
+        end = int(item.offset) + int(item.length)
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{ckpt_dir} is incomplete: data file {name} is missing")
+        size = os.path.getsize(path)
+        if size < end:
+            raise CheckpointError(
+                f"{ckpt_dir} is damaged: {name} has {size} bytes but the index needs {end} "
+                "(truncated copy?)")
+
+
+def resolve_tokenizer(ckpt_dir: str, tokenizer: Optional[str]) -> Optional[str]:
+    """A description's tokenizer path, relative paths taken from the checkpoint directory."""
+    if not tokenizer or os.path.isabs(tokenizer):
+        return tokenizer
+    return os.path.abspath(os.path.join(ckpt_dir, tokenizer))
+
+
+def read_description(ckpt_dir: str) -> ModelDescription:
+    """The checkpoint's ``model.json`` with the tokenizer path made absolute."""
+    try:
+        desc = ModelDescription.load(os.path.join(ckpt_dir, DESCRIPTION_FILE))
+    except ModelDescriptionError as e:
+        raise CheckpointError(f"checkpoint {ckpt_dir}: {e}") from None
+    desc.tokenizer = resolve_tokenizer(ckpt_dir, desc.tokenizer)
+    return desc
+
+
+def check_compatible(model_desc: ModelDescription, ckpt_desc: ModelDescription, ckpt_dir: str) -> None:
+    """Raise :class:`CheckpointError` naming every architecture field that differs."""
+    diffs = [f"{name}: checkpoint {getattr(ckpt_desc, name)!r} vs model {getattr(model_desc, name)!r}"
+             for name in _ARCH_FIELDS if getattr(ckpt_desc, name) != getattr(model_desc, name)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {ckpt_dir} does not fit the model: " + "; ".join(diffs))
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: ParallelGroups,
+                          desc: ModelDescription, *, extra: Optional[dict[str, Any]] = None,
+                          overwrite: bool = False) -> CheckpointInfo:
+    """Save ``model`` (every rank's part) to ``ckpt_dir``; collective over all ranks.
+
+    ``model`` is this rank's model (one chunk; virtual-pipeline chunk lists are not
+    handled). Other files already in ``ckpt_dir`` (a tokenizer, say) are kept; an
+    existing checkpoint there is an error unless ``overwrite``, which deletes its
+    files first (a layout with fewer ranks leaves no stale ``.distcp`` behind).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core import __version__ as mcore_version
+
+    info = CheckpointInfo(
+        dtype=model_dtype_name(model), tp=groups.layout.tp, pp=groups.layout.pp,
+        num_layers=desc.num_layers, vocab_size=desc.vocab_size,
+        padded_vocab_size=pad_vocab_size(desc.vocab_size, groups.layout.tp),
+        megatron_core=mcore_version, extra=dict(extra or {}))
+    info_path = os.path.join(ckpt_dir, CHECKPOINT_INFO_FILE)
+    error = None
+    if dist.get_rank() == 0:
+        if os.path.exists(info_path) or os.path.exists(os.path.join(ckpt_dir, ".metadata")):
+            if overwrite:  # marker first: the directory is incomplete until rewritten
+                for name in [CHECKPOINT_INFO_FILE, ".metadata", "metadata.json", "common.pt"] + [
+                        f for f in os.listdir(ckpt_dir) if f.endswith(".distcp")]:
+                    if os.path.exists(os.path.join(ckpt_dir, name)):
+                        os.remove(os.path.join(ckpt_dir, name))
+            else:
+                error = f"{ckpt_dir} already holds a checkpoint; pass overwrite=True to replace it"
+        if error is None:
+            os.makedirs(ckpt_dir, exist_ok=True)
+    errors = [error]
+    dist.broadcast_object_list(errors, src=0)
+    if errors[0]:
+        raise CheckpointError(errors[0])
+    with _quiet_dist_checkpointing():
+        dist_checkpointing.save(_unwrap(model).sharded_state_dict(), ckpt_dir)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        desc.save(ckpt_dir)
+        _write_json_atomic(info_path, asdict(info))
+    dist.barrier()
+    return info
+
+
+def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: ParallelGroups,
+                          desc: Optional[ModelDescription] = None) -> CheckpointInfo:
+    """Load ``ckpt_dir`` into this rank's ``model`` (any layout); collective.
+
+    ``desc`` (the model's description) is checked against the checkpoint's
+    ``model.json`` first, so an architecture mismatch is reported by field name.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    info = read_checkpoint_info(ckpt_dir)
+    ckpt_desc = read_description(ckpt_dir)
+    if desc is not None:
+        check_compatible(desc, ckpt_desc, ckpt_dir)
+    module = _unwrap(model)
+    try:
+        with _quiet_dist_checkpointing():
+            state = dist_checkpointing.load(module.sharded_state_dict(), ckpt_dir,
+                                            strict=StrictHandling.RAISE_UNEXPECTED)
+    except CheckpointingException as e:
+        raise CheckpointError(f"cannot load {ckpt_dir} into this model: {e}") from None
+    module.load_state_dict(state, strict=True)
+    zero_vocab_padding(module, ckpt_desc.vocab_size, groups)
+    return info
+
+
+def load_model_from_checkpoint(
+        ckpt_dir: str, groups: ParallelGroups, *, dtype: Optional[str] = None,
+        spec: str = "auto") -> tuple[torch.nn.Module, ModelDescription, CheckpointInfo]:
+    """Build this rank's model from the checkpoint's ``model.json`` and load it.
+
+    ``dtype`` defaults to the checkpoint's. Returns (model, description, info).
+    """
+    info = read_checkpoint_info(ckpt_dir)
+    desc = read_description(ckpt_dir)
+    model = build_model_for_loading(desc, groups, dtype=dtype or info.dtype, spec=spec)
+    load_model_checkpoint(model, ckpt_dir, groups, desc)
+    return model, desc, info

@@ -1,0 +1,17 @@
+"""HF <-> Megatron-Core checkpoint converters (``hyflow convert``).
+
+* :mod:`.hf2mcore`: HF directory (safetensors, sharded or not, or ``pytorch_model*.bin``)
+  or ``.gguf`` file -> hyflow model checkpoint (Megatron dist checkpoint + ``model.json``,
+  see :mod:`hyflow.models.checkpoint`), written by ``tp * pp`` ranks that each read only
+  the slices they hold (:mod:`.shard_reader`);
+* :mod:`.mcore2hf`: hyflow model checkpoint (any layout) -> HF directory;
+* :mod:`.source`, :mod:`.safetensors_source`, :mod:`.torchbin_source`,
+  :mod:`.gguf_source`, :mod:`.model_source`: streaming weight readers;
+* :mod:`.preflight`: every input check, done before any heavy work;
+* :mod:`.launch`: the local rank launcher; :mod:`.memory`: the peak-memory report;
+* :mod:`.verify`: per-rank logits / greedy decoding of a checkpoint (parity checks);
+* :mod:`.tiny_models`: tiny random HF models of each family (tests, experiments);
+* :mod:`.cli`: the ``hyflow convert`` subcommands.
+
+Nothing here imports torch at package import time.
+"""

@@ -1,0 +1,124 @@
+"""Open a source model: an HF directory or a ``.gguf`` file.
+
+:func:`open_model_source` finds the config, the weights (safetensors, sharded or
+not, preferred over ``pytorch_model.bin``) and the tokenizer files, and checks
+the files are present and complete; no tensor data is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hyflow.tools.convert.errors import ConversionError
+from hyflow.tools.convert.source import WeightSource
+
+#: Files of an HF tokenizer (whichever exist are copied next to the checkpoint).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json")
+GENERATION_CONFIG = "generation_config.json"
+
+
+@dataclass
+class ModelSource:
+    """A model to convert.
+
+    Attributes:
+        path: the HF directory or ``.gguf`` file.
+        format: ``hf`` or ``gguf``.
+        config: HF ``config.json`` dict (built from metadata for GGUF).
+        weights: the tensors by HF name.
+        tokenizer_files: tokenizer files to copy (HF directories).
+        generation_config: ``generation_config.json`` dict, if any.
+    """
+
+    path: str
+    format: str
+    config: dict[str, Any]
+    weights: WeightSource
+    tokenizer_files: list[str] = field(default_factory=list)
+    generation_config: Optional[dict[str, Any]] = None
+
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids from config.json and generation_config.json, in order."""
+        ids: list[int] = []
+        for cfg in (self.config, self.generation_config or {}):
+            eos = cfg.get("eos_token_id")
+            for value in ([eos] if isinstance(eos, int) else list(eos or [])):
+                if isinstance(value, int) and value not in ids:
+                    ids.append(value)
+        return ids
+
+    def write_tokenizer(self, folder: str) -> bool:
+        """Write the tokenizer into ``folder`` (created); False if the source has none.
+
+        GGUF files embed their tokenizer; it is exported through transformers when
+        installed (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``).
+        """
+        if self.format == "gguf":
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:
+                return False
+            tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(self.path)),
+                                                gguf_file=os.path.basename(self.path))
+            tok.save_pretrained(folder)
+            return True
+        if not self.tokenizer_files:
+            return False
+        os.makedirs(folder, exist_ok=True)
+        for path in self.tokenizer_files:
+            shutil.copy2(path, os.path.join(folder, os.path.basename(path)))
+        return True
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversionError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _open_hf_directory(path: str) -> ModelSource:
+    from hyflow.tools.convert.safetensors_source import find_safetensors
+    from hyflow.tools.convert.torchbin_source import find_torch_bin
+
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise ConversionError(f"{path} has no config.json; pass an HF model directory or a .gguf file")
+    config = _read_json(config_path)
+    weights = find_safetensors(path) or find_torch_bin(path)
+    if weights is None:
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        hint = (f"; to convert a GGUF file pass it directly (--hf {os.path.join(path, ggufs[0])})"
+                if ggufs else "")
+        raise ConversionError(
+            f"{path} has no weights: expected model.safetensors, model.safetensors.index.json, "
+            f"pytorch_model.bin or pytorch_model.bin.index.json{hint}")
+    tokenizer = [os.path.join(path, f) for f in TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
+    gen_path = os.path.join(path, GENERATION_CONFIG)
+    generation = _read_json(gen_path) if os.path.exists(gen_path) else None
+    return ModelSource(path=path, format="hf", config=config, weights=weights,
+                       tokenizer_files=tokenizer, generation_config=generation)
+
+
+def open_model_source(path: str) -> ModelSource:
+    """Open ``path`` (HF directory or ``.gguf`` file) and check its files."""
+    from hyflow.tools.convert.gguf_source import GGUFSource, is_gguf
+
+    if not os.path.exists(path):
+        raise ConversionError(f"{path} does not exist")
+    if os.path.isdir(path):
+        return _open_hf_directory(path)
+    if is_gguf(path):
+        source = GGUFSource(path)
+        return ModelSource(path=path, format="gguf", config=source.config, weights=source)
+    raise ConversionError(f"{path} is neither an HF model directory nor a GGUF file")

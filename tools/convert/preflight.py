@@ -1,0 +1,175 @@
+"""Every converter input check, done before any heavy work.
+
+:func:`plan_hf2mcore` and :func:`plan_mcore2hf` open the inputs (headers and
+metadata only), validate them and return a plan; any problem is a
+:class:`~hyflow.tools.convert.errors.ConversionError` whose message names the file,
+tensor or number at fault: unsupported architecture, missing or truncated weight
+files, tensors whose shapes disagree with config.json, a TP that does not divide
+the heads or key/value groups, a PP that does not divide the layers, an output
+directory that exists and is not empty (unless ``force``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hyflow.tools.convert.errors import ConversionError
+from hyflow.tools.convert.model_source import ModelSource, open_model_source
+
+DTYPE_CHOICES = ("auto", "fp32", "bf16")
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def check_output_dir(out_dir: str, force: bool, inputs: tuple[str, ...] = ()) -> None:
+    """``out_dir`` must be absent or empty, or ``force`` given; it may not hold an input."""
+    out = os.path.realpath(out_dir)
+    for path in inputs:
+        src = os.path.realpath(path)
+        if out == src or src.startswith(out + os.sep):
+            raise ConversionError(f"output directory {out_dir} contains the input {path}; "
+                                  "choose another output directory")
+    if os.path.exists(out_dir):
+        if not os.path.isdir(out_dir):
+            raise ConversionError(f"output path {out_dir} exists and is not a directory")
+        if os.listdir(out_dir) and not force:
+            raise ConversionError(f"output directory {out_dir} exists and is not empty; "
+                                  "pass --force to replace its contents")
+
+
+def check_tensors(source: ModelSource, desc) -> None:
+    """Every tensor the description needs exists with the right shape; nothing unexplained."""
+    from hyflow.models.hf_mapping import IGNORED_HF_TENSORS, hf_parameter_shapes
+
+    weights = source.weights
+    expected = hf_parameter_shapes(desc)
+    present = set(weights.names())
+    missing = [n for n in expected if n not in present]
+    if missing:
+        raise ConversionError(
+            f"{source.path}: {len(missing)} tensors that config.json implies are missing from the "
+            f"weights ({weights.kind}), e.g. {missing[:3]}; the files are incomplete or do not "
+            "match config.json")
+    for name, shape in expected.items():
+        got = weights.shape(name)
+        if got != shape:
+            raise ConversionError(
+                f"{source.path}: tensor {name} has shape {list(got)} but config.json implies "
+                f"{list(shape)}; the weights do not match the config")
+        dtype = weights.dtype(name)
+        if not dtype.is_floating_point:
+            raise ConversionError(f"{source.path}: tensor {name} has dtype {dtype}; only float "
+                                  "weights are converted (quantized HF checkpoints are not)")
+    allowed = set(expected) | ({"lm_head.weight"} if desc.tied_embeddings else set())
+    unexpected = sorted(n for n in present - allowed if not IGNORED_HF_TENSORS.match(n))
+    if unexpected:
+        raise ConversionError(
+            f"{source.path}: {len(unexpected)} tensors are not described by config.json, e.g. "
+            f"{unexpected[:3]}; the config and the weights disagree (or the model has parts "
+            "hyflow does not support)")
+
+
+def resolve_dtype(requested: str, source: ModelSource) -> str:
+    """``auto`` -> bf16 for bf16 weights, fp32 otherwise (fp16 widens exactly)."""
+    if requested not in DTYPE_CHOICES:
+        raise ConversionError(f"--dtype {requested!r} is not one of {', '.join(DTYPE_CHOICES)}")
+    if requested != "auto":
+        return requested
+    import torch
+
+    dtypes = {source.weights.dtype(n) for n in source.weights.names()}
+    return "bf16" if dtypes == {torch.bfloat16} else "fp32"
+
+
+@dataclass
+class Hf2McorePlan:
+    """A validated HF -> Megatron conversion.
+
+    Attributes:
+        source: the opened source model.
+        desc: its description (tokenizer and eos ids filled in by the converter).
+        tp: tensor-parallel size to write.
+        pp: pipeline-parallel size to write.
+        dtype: ``fp32`` or ``bf16``.
+        out_dir: output directory.
+        force: replace a non-empty output directory.
+        warnings: features that convert but that the engine does not reproduce.
+    """
+
+    source: ModelSource
+    desc: object
+    tp: int
+    pp: int
+    dtype: str
+    out_dir: str
+    force: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def model_bytes(self) -> int:
+        """Size of the model's parameters in the output dtype (unpadded)."""
+        return self.desc.num_parameters() * _BYTES[self.dtype]
+
+
+def plan_hf2mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str = "auto",
+                  force: bool = False) -> Hf2McorePlan:
+    """Open and validate everything an HF -> Megatron conversion needs."""
+    from hyflow.config import ConfigError
+    from hyflow.models.hf_mapping import description_from_hf_config, hf_config_warnings
+    from hyflow.parallel.layout import Layout
+
+    check_output_dir(out_dir, force, (hf_path,))
+    source = open_model_source(hf_path)
+    try:
+        desc = description_from_hf_config(source.config)
+        layout = Layout(tp=tp, pp=pp)
+        layout.check_model(desc)
+    except ConfigError as e:
+        raise ConversionError(f"{hf_path}: {e}") from None
+    desc.eos_token_ids = source.eos_token_ids()
+    check_tensors(source, desc)
+    return Hf2McorePlan(source=source, desc=desc, tp=tp, pp=pp, dtype=resolve_dtype(dtype, source),
+                        out_dir=out_dir, force=force, warnings=hf_config_warnings(source.config))
+
+
+@dataclass
+class Mcore2HfPlan:
+    """A validated Megatron -> HF export.
+
+    Attributes:
+        ckpt_dir: the hyflow checkpoint.
+        out_dir: HF directory to write.
+        desc: the checkpoint's description.
+        info: the checkpoint's :class:`~hyflow.models.checkpoint.CheckpointInfo`.
+        dtype: dtype of the written tensors (``fp32``, ``bf16``, ``fp16``).
+        force: replace a non-empty output directory.
+    """
+
+    ckpt_dir: str
+    out_dir: str
+    desc: object
+    info: object
+    dtype: str
+    force: bool = False
+
+    @property
+    def model_bytes(self) -> int:
+        return self.desc.num_parameters() * _BYTES[self.dtype]
+
+
+def plan_mcore2hf(ckpt_dir: str, out_dir: str, dtype: Optional[str] = None,
+                  force: bool = False) -> Mcore2HfPlan:
+    """Validate a checkpoint export: the checkpoint is complete, the output is free."""
+    from hyflow.models.checkpoint import CheckpointError, read_checkpoint_info, read_description
+
+    check_output_dir(out_dir, force, (ckpt_dir,))
+    try:
+        info = read_checkpoint_info(ckpt_dir)
+        desc = read_description(ckpt_dir)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
+    if dtype not in (None, "auto", "fp32", "bf16"):
+        raise ConversionError(f"--dtype {dtype!r} is not one of auto, fp32, bf16")
+    return Mcore2HfPlan(ckpt_dir=ckpt_dir, out_dir=out_dir, desc=desc, info=info,
+                        dtype=info.dtype if dtype in (None, "auto") else dtype, force=force)

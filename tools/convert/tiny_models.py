@@ -1,0 +1,78 @@
+"""Tiny random HF models of every supported family, for tests and quick experiments.
+
+:func:`make_tiny_hf_model` builds one with transformers (a few hundred thousand
+parameters, random weights with non-trivial norms and biases) and saves it as
+safetensors, sharded safetensors or ``pytorch_model.bin``. Needs transformers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+_COMMON: dict[str, Any] = dict(vocab_size=300, hidden_size=64, intermediate_size=96,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=256, rms_norm_eps=1e-5)
+
+#: name -> (transformers config class, overrides). Covers GQA and MHA, tied and untied
+#: embeddings, Q/K/V biases, llama3 and linear RoPE scaling, rope_theta, head_dim != hidden/heads.
+TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": ("LlamaConfig", dict(rope_theta=500000.0, tie_word_embeddings=False, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "llama_tied": ("LlamaConfig", dict(num_key_value_heads=4, tie_word_embeddings=True,
+                                       rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(head_dim=32, rope_theta=1000000.0, sliding_window=None,
+                                      tie_word_embeddings=False)),
+}
+
+
+def tiny_hf_config(name: str, **overrides: Any):
+    """The transformers config of tiny model ``name`` (``architectures`` set)."""
+    import transformers
+
+    cls_name, extra = TINY_MODELS[name]
+    kwargs = {**_COMMON, **extra, **overrides}
+    cfg = getattr(transformers, cls_name)(**kwargs)
+    cfg.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    return cfg
+
+
+@torch.no_grad()
+def make_tiny_hf_model(path: str, name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                       weights_format: str = "safetensors", **overrides: Any):
+    """Build, randomise and save tiny model ``name`` at ``path``; returns the model (eval).
+
+    ``weights_format``: ``safetensors``, ``sharded`` (several safetensors shards with
+    an index) or ``bin`` (``pytorch_model.bin``).
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_hf_config(name, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    for pname, p in model.named_parameters():
+        if p.dim() > 1:
+            p.normal_(0.0, 0.08)
+        elif pname.endswith("bias"):
+            p.normal_(0.0, 0.1)
+        else:
+            p.uniform_(0.5, 1.5)
+    model = model.to(dtype)
+    os.makedirs(path, exist_ok=True)
+    if weights_format == "safetensors":
+        model.save_pretrained(path)
+    elif weights_format == "sharded":
+        model.save_pretrained(path, max_shard_size="100KB")
+    elif weights_format == "bin":
+        cfg.save_pretrained(path)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        torch.save(state, os.path.join(path, "pytorch_model.bin"))
+    else:
+        raise ValueError(f"unknown weights_format {weights_format!r}")
+    return model
