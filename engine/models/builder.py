@@ -190,6 +190,8 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
         # The local spec's torch norms ignore params_dtype; Megatron-LM casts the whole
         # module the same way (Float16Module) so every parameter has one dtype.
         model.to(cfg.params_dtype)
+    if not cfg.perform_initialization:
+        mark_tensor_parallel_attributes(model)
     _zero_vocab_padding(model, desc.vocab_size, groups)
     return model
 
@@ -227,3 +229,30 @@ def build_model_chunks(desc: ModelDescription, groups: ParallelGroups, **kwargs)
     if not groups.layout.vpp:
         return [build_gpt_model(desc, groups, **kwargs)]
     return [build_gpt_model(desc, groups, vp_stage=i, **kwargs) for i in range(groups.layout.vpp)]
+
+
+def mark_tensor_parallel_attributes(model: torch.nn.Module) -> None:
+    """Set Megatron's ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``.
+
+    Megatron sets these only while randomly initialising a weight; a model built with
+    ``perform_initialization=False`` (to be filled from a checkpoint) lacks them, but
+    :mod:`hyflow.models.weights` and the optimizer read them. Same values as
+    Megatron's initialisation: vocabulary and column-parallel weights split dim 0
+    (``linear_fc1`` of a gated MLP with stride 2: each shard is ``[gate_r; up_r]``),
+    row-parallel weights split dim 1.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    from megatron.core.transformer.mlp import MLP
+
+    def mark(param: Optional[torch.Tensor], dim: int, stride: int) -> None:
+        if param is not None:
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
+
+    glu_fc1 = {id(m.linear_fc1) for m in getattr(model, 'module', model).modules()
+               if isinstance(m, MLP) and m.config.gated_linear_unit}
+    for module in getattr(model, 'module', model).modules():
+        if isinstance(module, (VocabParallelEmbedding, ColumnParallelLinear)):
+            mark(module.weight, 0, 2 if id(module) in glu_fc1 else 1)
+        elif isinstance(module, RowParallelLinear):
+            mark(module.weight, 1, 1)

@@ -113,33 +113,6 @@ def model_dtype_name(model: torch.nn.Module) -> str:
 # --------------------------------------------------------------------------- building
 
 
-def mark_tensor_parallel_attributes(model: torch.nn.Module) -> None:
-    """Set Megatron's ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``.
-
-    Megatron sets these only while randomly initialising a weight; a model built with
-    ``perform_initialization=False`` (to be filled from a checkpoint) lacks them, but
-    :mod:`hyflow.models.weights` and the optimizer read them. Same values as
-    Megatron's initialisation: vocabulary and column-parallel weights split dim 0
-    (``linear_fc1`` of a gated MLP with stride 2: each shard is ``[gate_r; up_r]``),
-    row-parallel weights split dim 1.
-    """
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
-    from megatron.core.transformer.mlp import MLP
-
-    def mark(param: Optional[torch.Tensor], dim: int, stride: int) -> None:
-        if param is not None:
-            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
-
-    glu_fc1 = {id(m.linear_fc1) for m in _unwrap(model).modules()
-               if isinstance(m, MLP) and m.config.gated_linear_unit}
-    for module in _unwrap(model).modules():
-        if isinstance(module, (VocabParallelEmbedding, ColumnParallelLinear)):
-            mark(module.weight, 0, 2 if id(module) in glu_fc1 else 1)
-        elif isinstance(module, RowParallelLinear):
-            mark(module.weight, 1, 1)
-
-
 def build_model_for_loading(desc: ModelDescription, groups: ParallelGroups, *, dtype: str = "fp32",
                             spec: str = "auto") -> torch.nn.Module:
     """This rank's ``GPTModel`` with uninitialised weights, ready to be loaded into.
@@ -149,10 +122,8 @@ def build_model_for_loading(desc: ModelDescription, groups: ParallelGroups, *, d
     """
     from hyflow.models.builder import build_gpt_model
 
-    model = build_gpt_model(desc, groups, dtype=dtype, spec=spec,
-                            config_overrides={"perform_initialization": False})
-    mark_tensor_parallel_attributes(model)
-    return model
+    return build_gpt_model(desc, groups, dtype=dtype, spec=spec,
+                           config_overrides={"perform_initialization": False})
 
 
 @torch.no_grad()

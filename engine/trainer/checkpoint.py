@@ -40,9 +40,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hyflow.models.checkpoint import (CHECKPOINT_INFO_FILE, CheckpointError, CheckpointInfo, load_model_checkpoint,
-                                      model_dtype_name, read_checkpoint_info)
-from hyflow.models.description import ModelDescription
+from hyflow.models.checkpoint import (CHECKPOINT_INFO_FILE, CheckpointError, CheckpointInfo, check_compatible,
+                                      load_model_checkpoint, model_dtype_name, read_checkpoint_info, read_description)
+from hyflow.models.description import DESCRIPTION_FILE, ModelDescription
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
 
@@ -56,8 +56,6 @@ CONFIG_FILE = "config.resolved.yaml"
 STATE_FORMAT = "hyflow-trainer-checkpoint"
 STATE_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-#: Optimizer state keyed by the model's parameters: loadable under any layout.
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True}
 
 
 def step_dir_name(step: int) -> str:
@@ -198,28 +196,19 @@ def restore_rng(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- files
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old file or the whole new one."""
+    """Write ``text`` to ``path`` durably, so readers see the old file or the whole new one."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself
+    finally:
+        os.close(fd)
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
@@ -259,13 +248,36 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
+def optimizer_format() -> str:
+    """Megatron's distributed-optimizer checkpoint format: ``fully_reshardable`` (loads under any
+    TP / PP / DP layout), or, with torch's own Adam (no Apex / Transformer Engine, e.g. on CPU),
+    ``dp_reshardable``: Megatron 0.16's fully reshardable loader drops that Adam's per-parameter
+    ``step``, so there the state loads only into the same TP / PP (any DP). The plain
+    (non-distributed) optimizer is keyed by the model's parameters and loads anywhere."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    return "fully_reshardable" if distrib_optimizer.HAVE_APEX_OR_TE else "dp_reshardable"
+
+
+def _optimizer_metadata(fmt: str) -> dict[str, Any]:
+    return {"distrib_optim_sharding_type": fmt, "chained_optim_avoid_prefix": True}
+
+
+def _has_tensors(sharded: Any) -> bool:
+    """Whether a sharded state dict holds any sharded tensor (an unstepped optimizer's has none)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    return any(isinstance(v, ShardedBase) for v in nested_values(sharded))
+
+
 def _layout_dict(groups: ParallelGroups) -> dict[str, Any]:
     return dict(asdict(groups.layout), world_size=dist.get_world_size())
 
 
 def _describe_layout(layout: dict[str, Any]) -> str:
     return (f"tp={layout.get('tp')} pp={layout.get('pp')} dp={layout.get('dp')} "
-            f"({layout.get('world_size')} ranks)")
+            f"({layout.get('world_size')} rank{'' if layout.get('world_size') == 1 else 's'})")
 
 
 class Checkpointer:
@@ -290,7 +302,6 @@ class Checkpointer:
         self.async_save = (torch.cuda.is_available() and not cpu.is_active()) if async_save is None else async_save
         self._log = log
         self._queue: Any = None
-        self.last_saved_step: Optional[int] = None
 
     def log(self, message: str) -> None:
         """Print ``message`` on rank 0."""
@@ -316,10 +327,6 @@ class Checkpointer:
             if os.path.exists(path):  # an interrupted save of this step, or a re-save
                 shutil.rmtree(path)
             os.makedirs(os.path.join(path, "rng"))
-            for name in models:
-                os.makedirs(os.path.join(path, name))
-                if models[name].optimizer is not None:
-                    os.makedirs(os.path.join(path, f"{name}_optimizer"))
         dist.barrier()
         start = time.perf_counter()
         torch.save(rng, os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
@@ -332,10 +339,14 @@ class Checkpointer:
             module = model.module
             requests.append(self._dist_save(module.sharded_state_dict(), os.path.join(path, name)))
             infos[name] = self._model_info(module, step, name)
-            entry: dict[str, Any] = {"optimizer": model.optimizer is not None}
+            entry: dict[str, Any] = {"optimizer": False, "optimizer_format": optimizer_format()}
             if model.optimizer is not None:
-                sharded = model.optimizer.sharded_state_dict(module.sharded_state_dict(), metadata=_OPTIM_METADATA)
-                requests.append(self._dist_save(sharded, os.path.join(path, f"{name}_optimizer")))
+                sharded = model.optimizer.sharded_state_dict(
+                    module.sharded_state_dict(), metadata=_optimizer_metadata(entry["optimizer_format"]))
+                # An optimizer that never stepped has no state; a fresh one equals it on load.
+                entry["optimizer"] = _has_tensors(sharded)
+                if entry["optimizer"]:
+                    requests.append(self._dist_save(sharded, os.path.join(path, f"{name}_optimizer")))
             if model.scheduler is not None:
                 entry["scheduler"] = model.scheduler.state_dict()
             state["models"][name] = entry
@@ -357,13 +368,13 @@ class Checkpointer:
                 self._queue.schedule_async_request(request)
         else:
             finalize()
-        self.last_saved_step = step
         restore_rng(rng)
         return path
 
     def _dist_save(self, sharded: dict, directory: str) -> Any:
         from megatron.core import dist_checkpointing
 
+        os.makedirs(directory, exist_ok=True)
         with _quiet_deprecations():
             return dist_checkpointing.save(sharded, directory, async_sharded_save=self.async_save)
 
@@ -382,7 +393,7 @@ class Checkpointer:
         """Rank 0, once every tensor is on disk: the model descriptions and infos, the trainer
         state, the config, and last the marker."""
         for name, info in infos.items():
-            self.desc.save(os.path.join(path, name))
+            _write_json(os.path.join(path, name, DESCRIPTION_FILE), self.desc.to_dict())
             _write_json(os.path.join(path, name, CHECKPOINT_INFO_FILE), asdict(info))
         _write_json(os.path.join(path, STATE_FILE), state)
         if config_text is not None:
@@ -401,13 +412,14 @@ class Checkpointer:
         from hyflow.models.checkpoint import save_model_checkpoint
 
         target = os.path.join(self.root, name)
-        try:
-            read_checkpoint_info(target)
-            ok = True
-        except CheckpointError:
-            ok = False
-        flags = [ok]
-        dist.broadcast_object_list(flags, src=0)  # rank 0's view decides for everyone
+        flags = [False]
+        if dist.get_rank() == 0:  # rank 0's view decides for everyone
+            try:
+                read_checkpoint_info(target)
+                flags[0] = True
+            except CheckpointError:
+                pass
+        dist.broadcast_object_list(flags, src=0)
         if not flags[0]:
             save_model_checkpoint(model, target, self.groups, self.desc, overwrite=True,
                                   extra={"writer": "hyflow trainer", "role": name})
@@ -455,11 +467,15 @@ class Checkpointer:
                                   f"{', '.join(sorted(models))}; the checkpoint {', '.join(sorted(state['models']))})")
         for name, model in models.items():
             entry = state["models"][name]
-            load_model_checkpoint(model.chunks[0], os.path.join(path, name), self.groups, self.desc)
-            if model.optimizer is not None:
-                if not entry.get("optimizer"):
-                    raise CheckpointError(f"checkpoint {path} has no optimizer state for {name}")
-                self._load_optimizer(model, os.path.join(path, f"{name}_optimizer"))
+            self._load_model(model.module, os.path.join(path, name), exact=same_layout)
+            if model.optimizer is not None and entry.get("optimizer"):  # else: saved before its first step
+                fmt = entry.get("optimizer_format", optimizer_format())
+                if fmt == "dp_reshardable" and _distributed_parts(model.optimizer) and \
+                        (saved["tp"], saved["pp"]) != (current["tp"], current["pp"]):
+                    raise CheckpointError(
+                        f"{path}: the {name} distributed-optimizer state is in Megatron's dp_reshardable format "
+                        f"(torch Adam, no Apex / TE), which loads only into tp={saved['tp']} pp={saved['pp']}")
+                self._load_optimizer(model, os.path.join(path, f"{name}_optimizer"), fmt)
             if model.scheduler is not None and "scheduler" in entry:
                 model.scheduler.load_state_dict(entry["scheduler"])
         for name, module in (frozen or {}).items():
@@ -470,15 +486,79 @@ class Checkpointer:
         if same_layout:
             rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank():05d}.pt")
             restore_rng(torch.load(rng_file, weights_only=False))
-        self.last_saved_step = int(state["step"])
         return state
 
-    def _load_optimizer(self, model: TrainedModel, directory: str) -> None:
+    def _load_model(self, module: torch.nn.Module, directory: str, exact: bool) -> None:
+        """Load weights; ``exact`` keeps the padded vocabulary rows as saved (a resume in the
+        same layout must continue bit for bit), otherwise they are zeroed as on any reshard."""
+        if not exact:
+            load_model_checkpoint(module, directory, self.groups, self.desc)
+            return
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        read_checkpoint_info(directory)  # complete, files intact
+        check_compatible(self.desc, read_description(directory), directory)
+        with _quiet_deprecations():
+            state = dist_checkpointing.load(module.sharded_state_dict(), directory,
+                                            strict=StrictHandling.RAISE_UNEXPECTED)
+        module.load_state_dict(state, strict=True)
+
+    def _load_optimizer(self, model: TrainedModel, directory: str, fmt: str) -> None:
         from megatron.core import dist_checkpointing
 
         module = model.module
+        _allocate_distributed_optimizer_state(model.optimizer)
         sharded = model.optimizer.sharded_state_dict(module.sharded_state_dict(), is_loading=True,
-                                                     metadata=_OPTIM_METADATA)
+                                                     metadata=_optimizer_metadata(fmt))
         with _quiet_deprecations():
             loaded = dist_checkpointing.load(sharded, directory)
-        model.optimizer.load_state_dict(loaded)
+        with torch.no_grad():  # Megatron's dp_reshardable loader copies into parameter views
+            model.optimizer.load_state_dict(loaded)
+        _restore_adam_steps(model.optimizer)
+
+
+def _distributed_parts(optimizer: Any) -> list:
+    """The Megatron ``DistributedOptimizer`` parts of ``optimizer`` (chained or not)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return [o for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]
+            if isinstance(o, DistributedOptimizer)]
+
+
+def _torch_adams(optimizer: Any) -> list:
+    """The torch ``Adam`` inside each ``DistributedOptimizer`` part (no Apex / TE fused Adam)."""
+    return [o.optimizer for o in _distributed_parts(optimizer) if isinstance(o.optimizer, torch.optim.Adam)]
+
+
+def _restore_adam_steps(optimizer: Any) -> None:
+    """Repair a torch Adam's ``step`` after Megatron's ``DistributedOptimizer.load_state_dict``.
+
+    Megatron 0.16 gives every parameter the *same* ``step`` tensor (which Adam would then
+    increment once per parameter) and its dp_reshardable loader overwrites it with the loading
+    template's value; the true step is the one it saved with the param groups.
+    """
+    for adam in _torch_adams(optimizer):
+        for group in adam.param_groups:
+            for param in group["params"]:
+                state = adam.state.get(param, {})
+                if "step" in state:
+                    step = group.get("step", state["step"])
+                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def _allocate_distributed_optimizer_state(optimizer: Any) -> None:
+    """Give a fresh Megatron ``DistributedOptimizer`` on torch's Adam (no Apex / TE) its state.
+
+    Its ``state_dict()``, which building the sharded state dict for a load calls, reads the
+    common ``step`` of the allocated Adam state; before the first update there is none. Zero
+    moments and ``step = 0`` are what the first update would allocate; the load overwrites them.
+    """
+    for adam in _torch_adams(optimizer):
+        for group in adam.param_groups:
+            for param in group["params"]:
+                state = adam.state[param]
+                if "step" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state.setdefault("exp_avg", torch.zeros_like(param, memory_format=torch.preserve_format))
+                    state.setdefault("exp_avg_sq", torch.zeros_like(param, memory_format=torch.preserve_format))

@@ -16,12 +16,14 @@
   only set a flag. :meth:`StepSupervisor.end_step` all-reduces (MAX) the flags of every rank at the
   step boundary, so all ranks stop after the same step even when the signal reached only some of
   them, and nothing ever exits inside a collective.
-* :class:`NonFiniteGradGuard` makes the Megatron optimizer skip an update whose gradients hold a
+* :class:`NonFiniteGradGuard` makes the Megatron optimizers skip an update whose gradients hold a
   NaN / inf (parameters, Adam moments and the LR schedule stay as they were), the way Megatron
-  skips an update on a loss-scale overflow. A step with a skipped update or a non-finite loss is
-  *bad*: the objects in ``protect`` (e.g. the adaptive KL controller) are rolled back to the start
-  of the step, the step is counted (``bad_step``, ``bad_steps_total`` metrics), and after
-  ``max_bad_steps`` consecutive bad steps the outcome says ``diverged``.
+  skips an update on a loss-scale overflow, and every later update of the same step (actor and
+  critic alike; mini-batches applied before the first bad one stay applied). A step with a
+  skipped update or a non-finite loss is *bad*: the objects in ``protect`` (e.g. the adaptive
+  KL controller) are rolled back to the start of the step, the step is counted (``bad_step``,
+  ``bad_steps_total`` metrics), and after ``max_bad_steps`` consecutive bad steps the outcome
+  says ``diverged``.
 """
 
 from __future__ import annotations
@@ -67,27 +69,42 @@ def _sub_optimizers(optimizer: Any) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+class _Trip:
+    """Shared by the guards of one step: once an update was skipped inside a step (between
+    ``begin_step`` and ``end_step``), skip the step's other updates too."""
+
+    def __init__(self) -> None:
+        self.tripped = False
+        self.in_step = False
+
+
 class NonFiniteGradGuard:
     """Make ``optimizer`` (a Megatron optimizer) skip updates whose gradients are not finite.
 
     Wraps the optimizer's ``prepare_grads`` (whose True return makes ``step()`` return
     ``(False, None, None)`` without touching the parameters): after the gradients are ready it
     checks them and agrees on the answer over the optimizer's gradient-statistics group, the
-    group Megatron reduces the gradient norm over. :attr:`skipped` counts the skipped updates.
+    group Megatron reduces the gradient norm over (data-parallel replicas hold the same reduced
+    gradients, so every rank decides alike). :attr:`skipped` counts the skipped updates.
+
+    Guards sharing a ``trip`` also skip every later update of a step (``trip.in_step``) once
+    one was skipped, so a bad step leaves all models alone from its first non-finite update on.
     """
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: Any, trip: Optional[_Trip] = None) -> None:
         self.optimizer = optimizer
         self.skipped = 0
+        self.trip = trip or _Trip()
         self._original = optimizer.prepare_grads
         optimizer.prepare_grads = self._prepare_grads
 
     def _prepare_grads(self) -> bool:
-        found_inf = bool(self._original())
+        found_inf = (self.trip.in_step and self.trip.tripped) or bool(self._original())
         if not found_inf:
             found_inf = self._grads_not_finite()
         if found_inf:
             self.skipped += 1
+            self.trip.tripped = True
         return found_inf
 
     @torch.no_grad()
@@ -96,8 +113,9 @@ class NonFiniteGradGuard:
                  if not getattr(opt, "is_stub_optimizer", False) for g in opt.get_main_grads_for_grad_norm()]
         device = grads[0].device if grads else torch.device("cuda" if _nccl() else "cpu")
         flag = torch.zeros(1, dtype=torch.float32, device=device)
-        if grads:
-            flag[0] = torch.stack([torch.isfinite(g).all() for g in grads]).all().logical_not().float()
+        if grads:  # one fused kernel; a NaN / inf element makes its tensor's norm non-finite
+            norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+            flag[0] = torch.isfinite(norms).all().logical_not().float()
         if dist.is_initialized():
             try:
                 group = self.optimizer.get_grad_stats_parallel_group()
@@ -158,6 +176,7 @@ class StepSupervisor:
         self.consecutive_bad = 0
         self.bad_step_numbers: list[int] = []
         self._guards: list[NonFiniteGradGuard] = []
+        self._trip = _Trip()
         self._previous: dict[int, Any] = {}
         self._snapshot: list[dict] = []
         self._skipped_before = 0
@@ -172,7 +191,7 @@ class StepSupervisor:
         else:
             print("[hyflow] warning: not on the main thread; preemption signals are not handled",
                   file=sys.stderr, flush=True)
-        self._guards = [NonFiniteGradGuard(o) for o in self.optimizers]
+        self._guards = [NonFiniteGradGuard(o, self._trip) for o in self.optimizers]
         return self
 
     def uninstall(self) -> None:
@@ -212,6 +231,7 @@ class StepSupervisor:
         """Remember the protected objects' states and the skip counters."""
         self._snapshot = [obj.state_dict() for obj in self.protect]
         self._skipped_before = self.skipped_updates
+        self._trip.tripped, self._trip.in_step = False, True
 
     def end_step(self, metrics: dict[str, Any], step: Optional[int] = None) -> StepOutcome:
         """Agree with the other ranks on this step (collective) and account for it.
@@ -223,6 +243,7 @@ class StepSupervisor:
             print(f"[hyflow] rank {os.environ.get('RANK', '?')}: received {self.signal_name}; saving a "
                   "checkpoint after this step, then exiting", file=sys.stderr, flush=True)
         bad_local = self.skipped_updates > self._skipped_before or bool(_not_finite_losses(metrics))
+        self._trip.tripped, self._trip.in_step = False, False
         device = "cuda" if _nccl() else "cpu"
         flags = torch.tensor([float(self.requested), float(bad_local)], device=device)
         if dist.is_initialized():
@@ -245,7 +266,7 @@ class StepSupervisor:
     def divergence_error(self, checkpoint: Optional[str] = None) -> DivergenceError:
         """The error that ends a diverged run, naming the steps and the checkpoint."""
         steps = ", ".join(str(s) for s in self.bad_step_numbers) or "?"
-        where = f"; the last good state is saved in {checkpoint}" if checkpoint else ""
+        where = f"; the weights, without the skipped updates, are saved in {checkpoint}" if checkpoint else ""
         return DivergenceError(
             f"stopping: {self.consecutive_bad} consecutive steps ({steps}) had a NaN/inf loss or gradient "
             f"(trainer.max_bad_steps={self.max_bad_steps}); their non-finite updates were skipped{where}. "

@@ -54,7 +54,9 @@ class Roles:
         replicas, replica = plan.gen_dp_size, self.hybrid.gen_groups.dp_rank
         per = -(-len(prompts) // replicas)
         mine = prompts[replica * per:(replica + 1) * per]
-        sampling = self.rollout_config.sampling.replace(n=n)
+        # A fresh random stream per step (step_counter is checkpointed, so resume stays exact).
+        sampling = self.rollout_config.sampling.replace(n=n, seed=self.rollout_config.sampling.seed
+                                                        + 1_000_003 * self.step_counter)
         result = self._engine.generate(mine, sampling, request_offset=replica * per) if mine else None
         payload = (replica, result.samples if result else [], result.stats if result else RolloutStats()) \
             if self.hybrid.gen_groups.tp_rank == 0 else None

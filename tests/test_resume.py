@@ -1,0 +1,315 @@
+"""Checkpoint, resume and fault tolerance of the RL job (issue #7) on 2 CPU ranks.
+
+One reference run A trains 6 steps straight (PPO with a critic, GAE and an adaptive KL
+controller, so that the actor, critic, both optimizers and schedulers, the KL controller
+and the frozen post-SFT reference all carry state). Against it:
+
+* a run stopped by SIGTERM on *one* rank stops on every rank after the same step, saves, and
+  resumed reproduces A's metrics rows and final weights bit for bit;
+* a real ``hyflow train`` killed with SIGKILL while saving step 4 is resumed from step 3 (the
+  interrupted checkpoint is named and skipped) and reproduces A bit for bit;
+* A's TP=2 checkpoint resumed into TP=1 (one rank) gives A's loss at the first resumed step;
+* Megatron's distributed optimizer (dp=2) resumes bit for bit as well;
+* NaN gradients skip the updates, are counted, and stop the run after max_bad_steps with a
+  checkpoint.
+
+Timing metrics (``time/*``, throughput) are excluded from the comparisons.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hyflow.testing import run_on_ranks
+from hyflow.trainer.checkpoint import LATEST_FILE, MARKER_FILE, checkpoint_status, step_dir_name
+
+pytestmark = pytest.mark.multirank
+
+CONFIG = """\
+job: rl
+model: {family: llama, vocab_size: 128, hidden_size: 32, num_layers: 2, num_attention_heads: 4,
+        num_query_groups: 2, ffn_hidden_size: 64, max_position_embeddings: 32}
+actor:
+  layout: {tp: 2, pp: 1}
+  optim: {lr: 1.0e-3, clip_grad: 1.0}
+  micro_batch_size: 4
+  mini_batch_size: 8
+  sft_warmup_steps: 2
+  sft_lr: 3.0e-3
+critic: {enable: true, micro_batch_size: 4, optim: {lr: 1.0e-3}}
+rollout: {layout: {tp: 1, pp: 1}, n: 2, max_prompt_length: 16, max_new_tokens: 4}
+algorithm: {adv_estimator: gae, use_kl_in_reward: true, kl_ctrl: {type: adaptive, kl_coef: 0.01}}
+reward: {kind: rule, rule: exact_match}
+data: {task: digit_add, task_size: 64, train_batch_size: 4}
+trainer: {total_steps: 6, nproc: 2, save_every: 3, keep_last: 2, log_every: 1, tensorboard: false}
+"""
+NOT_COMPARED = ("time/", "tokens_per_s", "reshard/seconds")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _train(config: str, overrides: list, sigterm_call: int = 0, nan_from_call: int = 0) -> dict:
+    """Rank function: ``hyflow.jobs.rl.run``; optionally SIGTERM rank 1 during its
+    ``sigterm_call``-th step, or make the policy gradients NaN from step call ``nan_from_call``."""
+    import torch
+    import torch.distributed as dist
+
+    import hyflow.jobs.rl as rl
+    from hyflow.cli import load_job_config
+    from hyflow.trainer.preemption import DivergenceError
+
+    torch.set_num_threads(1)  # as `hyflow train` runs its ranks (OMP_NUM_THREADS=1)
+    cfg = load_job_config(config, overrides)
+    calls, snapshot = [0], {}
+    orig_step, orig_loss = rl.rl_step, rl.policy_loss_fn
+
+    def params(roles):
+        return [p.detach().clone() for c in roles.actor_chunks + roles.critic_chunks for p in c.parameters()]
+
+    def step(cfg_, roles, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == sigterm_call and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if calls[0] == nan_from_call:
+            snapshot["before"] = params(roles)
+        snapshot["roles"] = roles
+        return orig_step(cfg_, roles, *args, **kwargs)
+
+    def loss_fn(*args, **kwargs):
+        fn = orig_loss(*args, **kwargs)
+        if not nan_from_call or calls[0] < nan_from_call:
+            return fn
+
+        def poisoned(output, batch):
+            loss, stats = fn(output, batch)
+            return loss * float("nan"), stats
+        return poisoned
+
+    rl.rl_step, rl.policy_loss_fn = step, loss_fn
+    error = None
+    try:
+        rl.run(cfg)
+    except DivergenceError as e:
+        error = str(e)
+    finally:
+        rl.rl_step, rl.policy_loss_fn = orig_step, orig_loss
+    unchanged = None
+    if "before" in snapshot:
+        unchanged = all(bool((a == b).all()) for a, b in zip(snapshot["before"], params(snapshot["roles"])))
+    return {"error": error, "unchanged": unchanged, "calls": calls[0]}
+
+
+def _rows(run_dir: str) -> dict:
+    from hyflow.monitor.metrics import read_metrics
+
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)}
+            for r in read_metrics(run_dir)}
+
+
+def _weights(model_dir: str, tmp: str) -> dict:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(tmp, "weights.pt")
+    dcp_to_torch_save(model_dir, out)
+    state = torch.load(out, weights_only=False)
+    os.remove(out)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _assert_same_weights(dir_a: str, dir_b: str, tmp: str) -> None:
+    import torch
+
+    a, b = _weights(dir_a, tmp), _weights(dir_b, tmp)
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs between {dir_a} and {dir_b}"
+
+
+def _assert_same_as_a(run_a: str, run_b: str, steps, tmp: str) -> None:
+    rows_a, rows_b = _rows(run_a), _rows(run_b)
+    assert sorted(rows_b) == list(range(1, 7))
+    for step in steps:
+        assert rows_b[step] == rows_a[step], f"step {step} metrics differ"
+    final = os.path.join("checkpoints", step_dir_name(6))
+    for model in ("actor", "critic"):
+        _assert_same_weights(os.path.join(run_a, final, model), os.path.join(run_b, final, model), tmp)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "resume.yaml"
+    path.write_text(CONFIG)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def run_a(config, tmp_path_factory):
+    """The reference: 6 steps straight, checkpoints at steps 3 and 6."""
+    out = str(tmp_path_factory.mktemp("run_a"))
+    result = run_on_ranks(_train, 2, config, [f"trainer.output_dir={out}"], timeout=600)[0]
+    assert result["error"] is None
+    rows = _rows(out)
+    assert sorted(rows) == list(range(1, 7))
+    assert any(rows[s]["actor/grad_norm"] for s in rows), "the test run must actually train"
+    return out
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_sigterm_on_one_rank_stops_all_and_resume_is_exact(run_a, config, tmp_path):
+    out = str(tmp_path / "run")
+    args = [f"trainer.output_dir={out}"]
+    first = run_on_ranks(_train, 2, config, args, 2, timeout=600)[0]  # SIGTERM reaches rank 1 only
+    assert first["calls"] == 2 and first["error"] is None
+    assert sorted(_rows(out)) == [1, 2]
+    root = os.path.join(out, "checkpoints")
+    assert open(os.path.join(root, LATEST_FILE)).read().strip() == step_dir_name(2)
+    assert checkpoint_status(os.path.join(root, step_dir_name(2)))[0]
+    second = run_on_ranks(_train, 2, config, args, timeout=600)[0]
+    assert second["calls"] == 4
+    _assert_same_as_a(run_a, out, range(1, 7), str(tmp_path))
+
+
+def _descendants(pid: int) -> list:
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def test_sigkill_during_save_then_resume_is_exact(run_a, config, tmp_path):
+    """A real `hyflow train` (torchrun, 2 ranks) killed with SIGKILL as it saves step 4."""
+    out = str(tmp_path / "run")
+    args = [sys.executable, "-m", "hyflow.cli", "train", config, f"trainer.output_dir={out}",
+            "trainer.save_every=1"]  # saving more often must not change anything
+    root = os.path.join(out, "checkpoints")
+    log = open(tmp_path / "killed.log", "w")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    step4 = os.path.join(root, step_dir_name(4))
+    deadline = time.time() + 400
+    try:
+        while not os.path.isdir(step4):
+            assert proc.poll() is None, open(tmp_path / "killed.log").read()[-3000:]
+            assert time.time() < deadline, "the run did not reach step 4"
+            time.sleep(0.02)
+    finally:
+        victims = _descendants(proc.pid)  # torchrun may start its ranks in sessions of their own
+        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        log.close()
+    if checkpoint_status(step4)[0]:  # the save won the race: make it look interrupted
+        os.remove(os.path.join(step4, MARKER_FILE))
+    assert open(os.path.join(root, LATEST_FILE)).read().strip() == step_dir_name(3)
+    resumed = subprocess.run(args, capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    text = resumed.stdout + resumed.stderr
+    assert f"skipping incomplete checkpoint {step4}" in text
+    assert f"resuming from {os.path.join(root, step_dir_name(3))} (step 3)" in text
+    _assert_same_as_a(run_a, out, range(4, 7), str(tmp_path))
+
+
+def test_resume_tp2_checkpoint_into_tp1(run_a, config, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(os.path.join(run_a, "checkpoints", step_dir_name(3)),
+                    out / "checkpoints" / step_dir_name(3))
+    shutil.copytree(os.path.join(run_a, "checkpoints", "reference"), out / "checkpoints" / "reference")
+    args = [f"trainer.output_dir={out}", "trainer.nproc=1", "actor.layout.tp=1", "trainer.total_steps=4"]
+    run_on_ranks(_train, 1, config, args, timeout=600)
+    a, b = _rows(run_a)[4], _rows(str(out))[4]
+    for key in ("actor/pg_loss", "critic/value_loss", "actor/entropy", "kl"):
+        assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])
+    assert b["response_length/mean"] == a["response_length/mean"]
+
+
+def test_distributed_optimizer_resume_is_exact(config, tmp_path):
+    """tp=1 dp=2 with Megatron's distributed optimizer (state sharded over the 2 ranks)."""
+    layout = ["actor.layout.tp=1", "actor.optim.distributed_optimizer=true", "critic.optim.distributed_optimizer=true",
+              "trainer.total_steps=3", "trainer.save_every=2"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_on_ranks(_train, 2, config, layout + [f"trainer.output_dir={straight}"], timeout=600)
+    for name in (step_dir_name(2), "reference"):
+        shutil.copytree(straight / "checkpoints" / name, resumed / "checkpoints" / name)
+    run_on_ranks(_train, 2, config, layout + [f"trainer.output_dir={resumed}"], timeout=600)
+    assert _rows(str(resumed))[3] == _rows(str(straight))[3]
+    final = os.path.join("checkpoints", step_dir_name(3))
+    for model in ("actor", "critic"):
+        _assert_same_weights(str(straight / final / model), str(resumed / final / model), str(tmp_path))
+
+
+def test_nan_gradients_are_skipped_counted_and_stop_the_run(config, tmp_path):
+    out = str(tmp_path / "run")
+    args = [f"trainer.output_dir={out}", "trainer.max_bad_steps=2", "trainer.save_every=0"]
+    result = run_on_ranks(_train, 2, config, args, 0, 2, timeout=600)[0]
+    assert result["calls"] == 3
+    assert "2 consecutive steps (2, 3) had a NaN/inf loss or gradient" in result["error"]
+    assert result["unchanged"], "the bad steps' updates must be skipped (actor and critic)"
+    rows = _rows(out)
+    assert [rows[s]["bad_step"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert rows[3]["bad_steps_total"] == 2.0
+    assert rows[2]["actor/grad_norm"] is None and rows[2]["critic/grad_norm"] is None
+    step3 = os.path.join(out, "checkpoints", step_dir_name(3))
+    assert checkpoint_status(step3)[0]
+    assert str(step3) in result["error"]
+    with open(os.path.join(step3, "trainer_state.json")) as f:
+        assert json.load(f)["job"]["supervisor"]["consecutive_bad"] == 2
+
+
+def _async_save_and_load(config: str, out: str) -> dict:
+    """Rank function: an asynchronous save (the GPU path; Megatron's background writer also runs on
+    CPU) counts only once finalized; it loads back exactly. The optimizer has not stepped yet."""
+    import torch
+
+    from hyflow.cli import load_job_config
+    from hyflow.data.tasks import load_data_tokenizer
+    from hyflow.trainer.checkpoint import Checkpointer, TrainedModel, latest_checkpoint
+    from hyflow.trainer.roles import build_roles
+
+    cfg = load_job_config(config, [f"trainer.output_dir={out}", "actor.sft_warmup_steps=0", "critic.enable=false",
+                                   "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false"])
+    roles = build_roles(cfg, load_data_tokenizer(cfg.data))
+    models = {"actor": TrainedModel(roles.actor_chunks, roles.actor_optimizer, roles.actor_scheduler)}
+    ckpt = Checkpointer(out, roles.groups, roles.desc, keep_last=2, async_save=True)
+    path = ckpt.save(1, models, {"position": 7})
+    pending = latest_checkpoint(ckpt.root, lambda m: None)
+    ckpt.wait()
+    done = latest_checkpoint(ckpt.root, lambda m: None)
+    saved = [p.detach().clone() for p in roles.actor_chunks[0].parameters()]
+    with torch.no_grad():
+        for p in roles.actor_chunks[0].parameters():
+            p.add_(1.0)
+    state = ckpt.load(path, models)
+    ckpt.close()
+    same = all(torch.equal(a, b) for a, b in zip(saved, roles.actor_chunks[0].parameters()))
+    return {"pending": pending, "done": done.step if done else None, "job": state["job"], "same": same}
+
+
+def test_async_save_is_complete_only_after_finalize(config, tmp_path):
+    results = run_on_ranks(_async_save_and_load, 2, config, str(tmp_path), timeout=300)
+    for r in results:
+        assert r["pending"] is None and r["done"] == 1
+        assert r["job"] == {"position": 7} and r["same"]

@@ -1,0 +1,189 @@
+"""``hyflow bench reshard``: the hybrid engine's train -> generation transition against
+three alternatives on the same model and ranks, in one run:
+
+* (a) Megatron-Core's ``swap_model_weights`` (gloo copy service on CPU, nccl on GPU) into
+  a model built in the generation layout;
+* (b) a dist-checkpoint round trip: save the training model, load into the generation
+  layout;
+* (c) a naive all-gather of every full parameter on every rank.
+
+Prints a table, then one JSON line. Launches its own ranks (``--nproc``) through torchrun
+unless already launched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--ffn", type=int, default=None, help="default: 4 * hidden")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--tp-gen", type=int, default=1)
+    parser.add_argument("--pp-gen", type=int, default=1)
+    parser.add_argument("--nproc", type=int, default=None, help="default: tp * pp")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip", default="", help="comma list of baselines to skip: swap,ckpt,naive")
+
+
+def run(args: argparse.Namespace) -> int:
+    if "RANK" not in os.environ:
+        nproc = args.nproc or args.tp * args.pp
+        # `hyflow bench reshard ARGS` or `python -m hyflow.tools.bench.reshard ARGS`
+        argv = sys.argv[sys.argv.index("reshard") + 1:] if "reshard" in sys.argv[1:] else sys.argv[1:]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "hyflow.tools.bench.reshard", *argv]
+        return subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+    return _bench(args)
+
+
+def _timed(fn, repeats: int, barrier) -> float:
+    times = []
+    for _ in range(repeats):
+        barrier()
+        start = time.perf_counter()
+        fn()
+        barrier()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    from hyflow.hybrid.executor import HybridEngine
+    from hyflow.models.builder import build_gpt_model
+    from hyflow.models.description import ModelDescription
+    from hyflow.parallel.distributed import init_distributed
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+
+    rank, world = init_distributed()
+    desc = ModelDescription(family="llama", vocab_size=args.vocab, hidden_size=args.hidden,
+                            num_layers=args.layers, num_attention_heads=args.heads,
+                            num_query_groups=args.kv_heads, ffn_hidden_size=args.ffn or 4 * args.hidden,
+                            max_position_embeddings=4096)
+    desc.validate()
+    layout = Layout(tp=args.tp, pp=args.pp).with_dp_for(world)
+    groups = init_training_groups(layout)
+    model = build_gpt_model(desc, groups, config_overrides={"perform_initialization": False})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    barrier = dist.barrier
+    proc = psutil.Process()
+    engine = HybridEngine(model, desc, groups, (args.tp_gen, args.pp_gen))
+    rss0 = proc.memory_info().rss
+    engine.to_generation()
+    rss1 = proc.memory_info().rss
+    bytes_received = engine.stats.bytes_received
+    engine.to_training()
+
+    to_gen, to_train = [], []
+    for _ in range(args.repeats):
+        barrier()
+        t0 = time.perf_counter()
+        engine.to_generation()
+        barrier()
+        t1 = time.perf_counter()
+        engine.to_training()
+        barrier()
+        to_gen.append(t1 - t0)
+        to_train.append(time.perf_counter() - t1)
+    result = {
+        "train_to_gen_s": statistics.median(to_gen), "gen_to_train_s": statistics.median(to_train),
+        "bytes_moved": bytes_received, "planned_bytes": engine.plan.bytes_recv[rank],
+        "formula_bytes": float(engine.plan.formula_bytes),
+        "peak_extra_bytes": engine.plan.peak_extra_bytes, "rss_growth_bytes": max(rss1 - rss0, 0),
+    }
+    skip = set(filter(None, args.skip.split(",")))
+    gen_groups = engine.gen_groups
+    target = None
+    if "swap" not in skip or "ckpt" not in skip:
+        target = build_gpt_model(desc, gen_groups, config_overrides={"perform_initialization": False},
+                                 padded_vocab_size=engine.padded_vocab)
+    if "swap" not in skip:
+        try:
+            from megatron.core.resharding import swap_model_weights
+
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            swap_model_weights([model], [target], backend)  # first call builds and caches its plan
+            result["swap_model_weights_s"] = _timed(lambda: swap_model_weights([model], [target], backend),
+                                                    args.repeats, barrier)
+        except Exception as exc:  # report, do not hide: the baseline may not support a layout pair
+            result["swap_model_weights_s"] = None
+            result["swap_model_weights_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    if "ckpt" not in skip:
+        from megatron.core import dist_checkpointing
+
+        with tempfile.TemporaryDirectory() as tmp:
+            holder = [tmp]
+            dist.broadcast_object_list(holder, src=0)
+            path = os.path.join(holder[0], "ckpt")
+
+            def round_trip():
+                if rank == 0 and os.path.isdir(path):
+                    import shutil
+
+                    shutil.rmtree(path)
+                barrier()
+                os.makedirs(path, exist_ok=True)
+                dist_checkpointing.save(model.sharded_state_dict(), path)
+                # Generation replicas hold identical shards; Megatron's replica ids come from the
+                # training layout's globals, so skip the (save-side) uniqueness validation.
+                state = dist_checkpointing.load(target.sharded_state_dict(), path,
+                                                validate_access_integrity=False)
+                target.load_state_dict(state)
+
+            result["ckpt_roundtrip_s"] = _timed(round_trip, args.repeats, barrier)
+    if "naive" not in skip:
+        def naive():
+            for p in model.parameters():
+                out = [torch.empty_like(p) for _ in range(world)]
+                dist.all_gather(out, p.detach().contiguous())
+
+        result["naive_allgather_s"] = _timed(naive, args.repeats, barrier)
+    for key in ("swap_model_weights_s", "ckpt_roundtrip_s", "naive_allgather_s"):
+        base = result.get(key)
+        if base:
+            result[f"speedup_vs_{key[:-2]}"] = base / result["train_to_gen_s"]
+    if rank == 0:
+        result.update(layers=args.layers, hidden=args.hidden, tp=args.tp, pp=args.pp, tp_gen=args.tp_gen,
+                      pp_gen=args.pp_gen, world=world, params=desc.num_parameters())
+        rows = [("hybrid engine train->gen", result["train_to_gen_s"]),
+                ("hybrid engine gen->train", result["gen_to_train_s"]),
+                ("(a) swap_model_weights", result.get("swap_model_weights_s")),
+                ("(b) dist-ckpt round trip", result.get("ckpt_roundtrip_s")),
+                ("(c) naive all-gather", result.get("naive_allgather_s"))]
+        print(f"reshard {args.layers} layers x hidden {args.hidden} ({desc.num_parameters() / 1e6:.0f}M params), "
+              f"tp={args.tp} pp={args.pp} -> tp={args.tp_gen} pp={args.pp_gen} on {world} ranks")
+        print(f"{'method':32s} {'seconds':>10s}")
+        for name, value in rows:
+            print(f"{name:32s} {value if value is None else f'{value:10.4f}':>10}")
+        print(f"bytes received by rank 0: {bytes_received} (plan {result['planned_bytes']}, "
+              f"formula {result['formula_bytes']:.0f})")
+        print(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="hyflow bench reshard")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
