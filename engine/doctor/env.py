@@ -1,0 +1,95 @@
+"""What ``hyflow doctor`` reports about one machine: versions, GPUs and their topology,
+and the environment variables that change how the job communicates."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import shutil
+import subprocess
+from typing import Any, Optional
+
+PACKAGES = ("hyflow", "torch", "megatron-core", "transformer-engine", "triton", "numpy")
+#: Environment prefixes / names worth showing (never anything that looks like a secret).
+ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED", "CUDA_", "OMP_", "MKL_", "GLOO_",
+                "SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODELIST", "SLURM_JOB_NODELIST",
+                "SLURM_PROCID", "SLURM_NODEID", "HYFLOW_", "PYTORCH_CUDA_ALLOC_CONF",
+                "TORCHELASTIC_", "NVIDIA_VISIBLE_DEVICES")
+ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "PYTHONUNBUFFERED")
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL")
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of hyflow's main dependencies plus CUDA / NCCL / cuDNN."""
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for pkg in PACKAGES:
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    try:
+        import torch
+
+        out["cuda (torch build)"] = torch.version.cuda or "none (CPU build)"
+        out["cuda available"] = str(torch.cuda.is_available())
+        if torch.cuda.is_available():
+            nccl = torch.cuda.nccl.version()
+            out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+            out["cudnn"] = str(torch.backends.cudnn.version())
+        else:
+            out["nccl"] = "n/a (no CUDA)"
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        out["torch"] = "not importable"
+    return out
+
+
+def gpus() -> list[dict[str, Any]]:
+    """One entry per visible GPU (empty without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
+                    "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count})
+    return out
+
+
+def topology() -> Optional[str]:
+    """``nvidia-smi topo -m`` (the GPU/NIC interconnect matrix) when the driver is present."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def relevant_env(environ: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """Communication-relevant environment variables, secrets excluded."""
+    environ = dict(os.environ if environ is None else environ)
+    out = {}
+    for name in sorted(environ):
+        if any(word in name.upper() for word in _SECRET_WORDS):
+            continue
+        if name in ENV_NAMES or name.startswith(ENV_PREFIXES):
+            out[name] = environ[name]
+    return out
+
+
+def cpu_info() -> dict[str, Any]:
+    """CPU count and memory of this machine."""
+    info: dict[str, Any] = {"cpus": os.cpu_count()}
+    try:
+        import psutil
+
+        info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+        info["affinity"] = len(psutil.Process().cpu_affinity() or [])
+    except (ImportError, AttributeError):
+        pass
+    return info

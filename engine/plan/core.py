@@ -1,0 +1,361 @@
+"""Assemble a plan: roles and layouts, generation layout and reshard, memory per phase.
+
+:func:`build_plan` reads a job config (``job: lm`` or ``job: rl``) for a world size and
+returns a :class:`PlanResult`; nothing here needs a GPU. Errors (a layout that does not
+divide, a phase that does not fit in GPU memory) are collected as messages that say what
+to change; :mod:`hyflow.plan.report` prints them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Sequence
+
+from hyflow.config import ConfigError
+from hyflow.hybrid.planner import ReshardPlan, ReshardPlanError, gpt_param_specs, plan_reshard
+from hyflow.models.description import ModelDescription
+from hyflow.parallel.layout import Layout
+from hyflow.plan import memory as mem
+from hyflow.plan.groups import (RankCheck, check_partition, generation_enumerations,
+                                layout_enumerations, summarize, verify_rank)
+
+GIB = 1 << 30
+
+
+@dataclass
+class PlanOptions:
+    """How to plan.
+
+    Attributes:
+        world_size: ranks (default: ``trainer.nproc`` of the config).
+        gpu_memory_gib: memory of one GPU (default: ``cluster.gpu_memory_gib`` of an ``rl``
+            config, else 80 = H100-80GB).
+        device: ``gpu`` (the default attention kernels are TE's / flash) or ``cpu`` (Megatron's
+            local spec, as the CPU runs use it; no reserve).
+        reserve_gib: per-GPU memory kept for the CUDA context, NCCL and library workspaces
+            (default 2.5 on GPU, 0 on CPU).
+        fragmentation: fraction of the estimate added for allocator fragmentation
+            (default 0.05 on GPU, 0 on CPU).
+        megatron_ranks: ranks whose groups are really created in a fake world and checked
+            (default: first and last rank; empty to skip, which avoids importing Megatron).
+    """
+
+    world_size: Optional[int] = None
+    gpu_memory_gib: Optional[float] = None
+    device: Literal["gpu", "cpu"] = "gpu"
+    reserve_gib: Optional[float] = None
+    fragmentation: Optional[float] = None
+    megatron_ranks: Optional[Sequence[int]] = None
+
+
+@dataclass
+class RolePlan:
+    """One model role (actor, reference, critic, reward) in its training layout."""
+
+    name: str
+    layout: Layout
+    model: ModelDescription
+    dtype: str
+    trainable: bool
+    stage_params: list[int]
+    groups: dict[str, dict]
+    note: str = ""
+
+
+@dataclass
+class PlanResult:
+    """Everything ``hyflow plan`` reports."""
+
+    config: str
+    job: str = "?"
+    world_size: int = 0
+    roles: list[RolePlan] = field(default_factory=list)
+    reshard: Optional[ReshardPlan] = None
+    generation: Optional[dict[str, Any]] = None
+    phases: list[mem.MemoryEstimate] = field(default_factory=list)
+    gpu_memory_bytes: int = 0
+    reserve_bytes: int = 0
+    fragmentation: float = 0.0
+    checks: list[RankCheck] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    distributed_optimizer: bool = False
+
+    @property
+    def peak(self) -> Optional[mem.MemoryEstimate]:
+        return mem.worst(self.phases) if self.phases else None
+
+    @property
+    def required_bytes(self) -> int:
+        """Peak estimate plus fragmentation and reserve: what must fit in one GPU."""
+        peak = self.peak
+        return int(peak.total * (1 + self.fragmentation)) + self.reserve_bytes if peak else 0
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.phases) and self.required_bytes <= self.gpu_memory_bytes
+
+
+def _load_model(checkpoint: Optional[str], fallback: ModelDescription, what: str,
+                notes: list[str]) -> ModelDescription:
+    """The description next to a converted checkpoint when it is here, else ``fallback``."""
+    if checkpoint:
+        if os.path.exists(os.path.join(checkpoint, "model.json")):
+            return ModelDescription.load(checkpoint)
+        notes.append(f"{what}: {checkpoint}/model.json is not on this machine; planned with the "
+                     "config's model section")
+    return fallback
+
+
+def _attention(spec: str, device: str) -> mem.Attention:
+    if spec in ("local", "sdpa", "te"):
+        return spec  # type: ignore[return-value]
+    return "te" if device == "gpu" else "local"
+
+
+def _role(name: str, layout: Layout, model: ModelDescription, dtype: str, trainable: bool,
+          value_head: bool = False, note: str = "") -> RolePlan:
+    layout.check_model(model)
+    enums = layout_enumerations(layout)
+    return RolePlan(name, layout, model, dtype, trainable,
+                    mem.stage_params(model, layout, value_head), summarize(enums), note)
+
+
+def _with_resident(base: list[mem.MemoryEstimate], resident: list[tuple[str, int, str]],
+                   phase: str) -> mem.MemoryEstimate:
+    """Worst stage of ``base`` with the other roles' resident bytes added."""
+    worst = mem.worst(base)
+    est = mem.MemoryEstimate(phase, list(worst.items), worst.stage)
+    for name, nbytes, note in resident:
+        est.add(name, nbytes, note)
+    return est
+
+
+def _plan_lm(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> None:
+    layout = cfg.actor.layout.with_dp_for(world)
+    actor = _role("actor", layout, cfg.model, cfg.actor.dtype, True)
+    result.roles.append(actor)
+    d = cfg.data
+    n_micro = d.global_batch_size // (d.micro_batch_size * layout.dp)
+    result.phases.append(mem.worst(mem.training_estimates(
+        cfg.model, layout, dtype=cfg.actor.dtype, seq=d.seq_length,
+        micro_batch_size=d.micro_batch_size, n_micro=n_micro,
+        attention=_attention(cfg.actor.spec, opts.device), recompute="none",
+        distributed_optimizer=cfg.actor.optim.distributed_optimizer, phase="train")))
+
+
+def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> None:
+    notes: list[str] = []
+    model = _load_model(cfg.actor.checkpoint, cfg.model, "actor.checkpoint", notes)
+    layout = cfg.actor_layout(world)
+    dtype, attention = cfg.actor.dtype, _attention(cfg.actor.spec, opts.device)
+    seq = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
+    actor = _role("actor", layout, model, dtype, True)
+    result.roles.append(actor)
+    pbytes = mem.DTYPE_BYTES[dtype]
+
+    def worst_static(role: RolePlan, per_param: int) -> int:
+        return max(role.stage_params) * per_param
+
+    # Frozen and auxiliary roles, resident in every phase (worst stage each: an upper bound).
+    frozen: list[tuple[str, int, str]] = []
+    if cfg.reference.enable:
+        ref_layout = (cfg.reference.layout or cfg.actor.layout).with_dp_for(world)
+        ref = _role("reference", ref_layout, model, dtype, False)
+        result.roles.append(ref)
+        frozen.append(("reference weights", worst_static(ref, pbytes), f"frozen, {dtype}"))
+    critic = None
+    if cfg.critic.enable:
+        cmodel = _load_model(cfg.critic.checkpoint, model, "critic.checkpoint", notes)
+        clayout = cfg.critic.layout.with_dp_for(world)
+        critic = _role("critic", clayout, cmodel, dtype, True, value_head=True)
+        result.roles.append(critic)
+    if cfg.reward.kind == "model":
+        rmodel = _load_model(cfg.reward.model_checkpoint, model, "reward.model_checkpoint", notes)
+        reward = _role("reward", layout, rmodel, dtype, False, value_head=True,
+                       note="reward model in the actor's training layout")
+        result.roles.append(reward)
+        frozen.append(("reward weights", worst_static(reward, pbytes), f"frozen, {dtype}"))
+    result.warnings.extend(notes)
+
+    mini = cfg.actor.mini_batch_size
+    actor_train = mem.training_estimates(
+        model, layout, dtype=dtype, seq=seq, micro_batch_size=cfg.actor.micro_batch_size,
+        n_micro=mini // (layout.dp * cfg.actor.micro_batch_size), attention=attention,
+        recompute=cfg.actor.recompute, distributed_optimizer=cfg.actor.optim.distributed_optimizer,
+        logits_copies=3, phase="actor update")  # log-prob exp; entropy exp and mask (always logged)
+    actor_static = max(e.get("weights") + e.get("grads") + e.get("optimizer") for e in actor_train)
+    actor_state = max(e.get("grads") + e.get("optimizer") for e in actor_train)
+    critic_static: list[tuple[str, int, str]] = []
+    if critic is not None:
+        critic_train = mem.training_estimates(
+            critic.model, critic.layout, dtype=dtype, seq=seq,
+            micro_batch_size=cfg.critic.micro_batch_size,
+            n_micro=max(1, mini // (critic.layout.dp * cfg.critic.micro_batch_size)),
+            attention=attention, recompute=cfg.actor.recompute,
+            distributed_optimizer=cfg.critic.optim.distributed_optimizer, head="value",
+            phase="critic update")
+        cstat = max(e.get("weights") + e.get("grads") + e.get("optimizer") for e in critic_train)
+        critic_static = [("critic weights+grads+optimizer", cstat, "resident")]
+        result.phases.append(_with_resident(
+            critic_train, [("actor weights+grads+optimizer", actor_static, "resident")] + frozen,
+            "critic update"))
+    result.phases.insert(0, _with_resident(actor_train, frozen + critic_static, "actor update"))
+
+    fwd = mem.inference_estimates(model, layout, dtype=dtype, seq=seq,
+                                  micro_batch_size=cfg.actor.micro_batch_size,
+                                  attention=attention, phase="log-probs")
+    result.phases.append(_with_resident(
+        fwd, [("actor weights+grads+optimizer", actor_static, "resident")] + frozen + critic_static,
+        "log-probs"))
+
+    # Generation: the actor's weights live in the generation buffer (its training shard is
+    # a slice of it); grads and optimizer state stay where they are.
+    gen = cfg.rollout.layout
+    specs = gpt_param_specs(model.num_layers, model.hidden_size, model.num_attention_heads,
+                            model.num_query_groups, model.head_dim, model.ffn_hidden_size,
+                            mem.padded_vocab(model, layout.tp), tied_embeddings=model.tied_embeddings,
+                            qkv_bias=model.qkv_bias, dtype_bytes=pbytes)
+    plan = plan_reshard(specs, layout, (gen.tp, gen.pp), world_size=world,
+                        num_layers=model.num_layers)
+    result.reshard = plan
+    enums = generation_enumerations(plan)
+    for kind in ("tp", "pp", "dp", "micro_dp"):
+        problem = check_partition(kind, enums[kind], world)
+        if problem:
+            result.errors.append("generation " + problem)
+    gen_layout = Layout(tp=gen.tp, pp=gen.pp, dp=plan.gen_dp_size)
+    capacity = seq
+    slots = cfg.rollout.max_concurrent
+    # a prompt is prefilled once for its n samples (the engine's share_prompt_prefill)
+    prompts = -(-slots // cfg.rollout.n) if _engine_default(cfg.rollout, "share_prompt_prefill", True) \
+        else slots
+    prefill = min(_engine_default(cfg.rollout, "max_prefill_tokens", 8192),
+                  prompts * cfg.rollout.max_prompt_length)
+    est = mem.MemoryEstimate("generation")
+    est.add("generation weights", max(plan.gen_bytes),
+            f"actor in TP_g={gen.tp} PP_g={gen.pp} (holds the training shard)")
+    est.add("reshard scratch", max(plan.scratch_bytes), "fix-up gather buffer")
+    est.add("actor grads+optimizer", actor_state, "resident during generation")
+    for name, nbytes, note in frozen + critic_static:
+        est.add(name, nbytes, note)
+    est.add("KV cache", mem.kv_cache_bytes(model, gen.tp, gen.pp, slots, capacity, dtype),
+            f"{slots} sequences x {capacity} tokens, {model.num_query_groups // gen.tp} "
+            f"KV group(s) x {model.num_layers // gen.pp} layer(s)")
+    est.add("forward transient", mem.generation_transient(
+        model, gen.tp, prefill_tokens=prefill, rows=slots, dtype=dtype),
+        f"prefill of {prefill} tokens, logits + sampling of {slots} rows")
+    result.phases.append(est)
+    result.generation = {
+        "tp": gen.tp, "pp": gen.pp, "dp": plan.gen_dp_size, "micro_dp_size": plan.micro_dp_size,
+        "layout": gen_layout.describe(), "groups": summarize(enums),
+        "kv_cache_bytes": est.get("KV cache"), "slots": slots, "capacity": capacity,
+    }
+
+
+def _engine_default(rollout: Any, name: str, fallback: Any) -> Any:
+    """A rollout-engine setting: the job's value when its schema has the key, else the
+    engine's own default (:class:`hyflow.rollout.config.RolloutConfig`)."""
+    if hasattr(rollout, name):
+        return getattr(rollout, name)
+    try:
+        from hyflow.rollout.config import RolloutConfig as EngineRollout
+
+        return getattr(EngineRollout(), name)
+    except (ImportError, AttributeError, TypeError):
+        return fallback
+
+
+def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) -> PlanResult:
+    """Plan a job; every problem found ends up in ``result.errors`` (nothing is raised for a
+    bad config)."""
+    from hyflow.cli import load_job_config
+
+    t0 = time.perf_counter()
+    result = PlanResult(config=config_path)
+    overrides = list(overrides)
+    try:
+        if opts.world_size is None:
+            cfg = load_job_config(config_path, overrides)
+            world = cfg.trainer.nproc
+        else:
+            world = opts.world_size
+            overrides = [o for o in overrides if not o.startswith("trainer.nproc=")]
+            cfg = load_job_config(config_path, overrides + [f"trainer.nproc={world}"])
+    except ConfigError as e:
+        result.errors.append(f"config: {e}")
+        return result
+    result.job, result.world_size = cfg.job, world
+    result.distributed_optimizer = bool(cfg.actor.optim.distributed_optimizer)
+    cluster = getattr(cfg, "cluster", None)
+    gib = opts.gpu_memory_gib or (cluster.gpu_memory_gib if cluster else 80.0)
+    result.gpu_memory_bytes = int(gib * GIB)
+    gpu = opts.device == "gpu"
+    result.reserve_bytes = int((opts.reserve_gib if opts.reserve_gib is not None
+                                else (2.5 if gpu else 0.0)) * GIB)
+    result.fragmentation = opts.fragmentation if opts.fragmentation is not None else (0.05 if gpu else 0.0)
+    try:
+        (_plan_rl if cfg.job == "rl" else _plan_lm)(cfg, world, opts, result)
+    except (ConfigError, ReshardPlanError) as e:
+        result.errors.append(f"layout: {e}")
+        return result
+    result.timings["plan_s"] = time.perf_counter() - t0
+    if cluster and gpu:
+        per_node = cluster.gpus_per_node
+        if world % per_node:
+            result.warnings.append(f"world size {world} is not a multiple of cluster.gpus_per_node="
+                                   f"{per_node}: the last node is partly idle")
+        for role in result.roles:
+            if role.layout.tp > per_node:
+                result.warnings.append(f"{role.name}: tp={role.layout.tp} spans nodes "
+                                       f"(gpus_per_node={per_node}); keep tp within a node")
+    _check_memory(result)
+    ranks = opts.megatron_ranks if opts.megatron_ranks is not None else sorted({0, world - 1})
+    if ranks:
+        t1 = time.perf_counter()
+        import megatron.core.parallel_state  # noqa: F401  (timed apart from group creation)
+
+        result.timings["megatron_import_s"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        actor = result.roles[0]
+        train_enums = layout_enumerations(actor.layout)
+        gen_enums = generation_enumerations(result.reshard) if result.reshard else None
+        for rank in ranks:
+            if not 0 <= rank < world:
+                result.errors.append(f"--megatron-rank {rank} is outside 0..{world - 1}")
+                continue
+            check = verify_rank(actor.layout, rank, result.reshard, train_enums, gen_enums)
+            result.checks.append(check)
+            result.errors.extend(check.mismatches)
+        result.timings["megatron_groups_s"] = time.perf_counter() - t1
+    result.timings["total_s"] = time.perf_counter() - t0
+    return result
+
+
+def _check_memory(result: PlanResult) -> None:
+    peak = result.peak
+    if peak is None or result.fits:
+        return
+    biggest = sorted(peak.items, key=lambda i: -i.bytes)[:3]
+    hints = {
+        "KV cache": "lower rollout.max_concurrent or max lengths, or raise rollout.layout.tp",
+        "forward transient": "lower the rollout engine's max_prefill_tokens",
+        "generation weights": "raise rollout.layout.tp / pp",
+        "optimizer": "raise dp" if result.distributed_optimizer else
+                     "set actor.optim.distributed_optimizer=true or raise dp",
+        "activations": "set actor.recompute=selective/full or lower the micro-batch size",
+        "weights": "raise tp / pp", "grads": "raise tp / pp",
+        "logits": "lower the micro-batch size or raise tp",
+        "actor grads+optimizer": "raise tp / pp" if result.distributed_optimizer else
+                                 "set actor.optim.distributed_optimizer=true",
+    }
+    parts = ", ".join(f"{i.name} {i.bytes / GIB:.1f} GiB" for i in biggest)
+    hint = "; ".join(dict.fromkeys(hints[i.name] for i in biggest if i.name in hints))
+    result.errors.append(
+        f"memory: phase '{peak.phase}' needs {result.required_bytes / GIB:.1f} GiB per GPU "
+        f"(estimate {peak.total / GIB:.1f} GiB + {result.fragmentation:.0%} fragmentation + "
+        f"{result.reserve_bytes / GIB:.1f} GiB reserve) but a GPU has "
+        f"{result.gpu_memory_bytes / GIB:.1f} GiB; largest: {parts}" + (f". Try: {hint}" if hint else ""))

@@ -1,0 +1,288 @@
+"""Per-GPU memory estimate of a role (pure arithmetic; no torch).
+
+What is counted, per rank, for the worst pipeline stage:
+
+* **weights**: this rank's shard in the parameter dtype. Layers split evenly over ``pp``
+  stages; the first stage adds the (vocabulary-padded) embedding, the last the final norm
+  and the output layer (a tied embedding is a second copy there when ``pp > 1``; a value
+  head replaces the output layer for critics). TP shards everything but the norms.
+* **grads**: Megatron DDP's contiguous gradient buffer, fp32 (``grad_reduce_in_fp32``).
+* **optimizer**: Adam moments (8 B/param) plus fp32 master weights when the parameters are
+  bf16/fp16 (4 B/param); divided by ``dp * cp`` with the distributed optimizer.
+* **activations**: what autograd keeps per micro-batch, counted tensor by tensor for the
+  layer spec in use (:func:`layer_activation_bytes`), times the layers a stage holds,
+  times the micro-batches in flight under 1F1B / interleaved 1F1B; plus the stage input,
+  the output head's fp32 logits and a backward transient (one weight-gradient temporary and
+  two activation gradients).
+* **KV cache** (generation): keys and values of ``slots`` sequences of ``capacity`` tokens for
+  the layers and query groups a generation rank holds.
+
+Not counted: the CUDA context, NCCL buffers and allocator fragmentation (the planner adds a
+configurable reserve for them), Python objects, and host-side (CPU) copies made while
+loading a checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Sequence
+
+from hyflow.models.description import ModelDescription
+from hyflow.parallel.layout import Layout, pad_vocab_size
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+Attention = Literal["local", "sdpa", "te"]
+Recompute = Literal["none", "selective", "full"]
+
+
+@dataclass
+class MemoryItem:
+    """One line of an estimate: ``bytes`` with a short explanation."""
+
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class MemoryEstimate:
+    """Items that are resident together at one moment (a phase) on the worst rank."""
+
+    phase: str
+    items: list[MemoryItem] = field(default_factory=list)
+    stage: Optional[int] = None
+
+    @property
+    def total(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+    def add(self, name: str, nbytes: float, note: str = "") -> "MemoryEstimate":
+        self.items.append(MemoryItem(name, int(nbytes), note))
+        return self
+
+    def get(self, name: str) -> int:
+        return sum(i.bytes for i in self.items if i.name == name)
+
+
+def padded_vocab(desc: ModelDescription, tp: int) -> int:
+    """Megatron's padded vocabulary for ``tp`` (what the embedding really holds)."""
+    return pad_vocab_size(desc.vocab_size, tp)
+
+
+def layer_params(desc: ModelDescription, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank."""
+    h, d, f = desc.hidden_size, desc.head_dim, desc.ffn_hidden_size
+    qkv_rows = (desc.num_attention_heads + 2 * desc.num_query_groups) * d
+    sharded = qkv_rows * h + h * desc.num_attention_heads * d + 3 * f * h
+    if desc.qkv_bias:
+        sharded += qkv_rows
+    return sharded // tp + 2 * h
+
+
+def stage_params(desc: ModelDescription, layout: Layout, value_head: bool = False) -> list[int]:
+    """Parameters held by one rank of each pipeline stage (index = stage)."""
+    tp, pp = layout.tp, layout.pp
+    h = desc.hidden_size
+    emb = padded_vocab(desc, tp) * h // tp
+    out = []
+    for q in range(pp):
+        n = desc.num_layers // pp * layer_params(desc, tp)
+        if q == 0:
+            n += emb
+        if q == pp - 1:
+            n += h  # final norm
+            if value_head:
+                n += h
+            elif not desc.tied_embeddings or pp > 1:
+                n += emb  # output layer, or the tied embedding's copy on the last stage
+        out.append(n)
+    return out
+
+
+def optimizer_bytes_per_param(dtype: str) -> int:
+    """Adam state per parameter: 2 fp32 moments, plus an fp32 master copy for 16-bit params."""
+    return 8 if dtype == "fp32" else 12
+
+
+def layer_activation_bytes(desc: ModelDescription, layout: Layout, seq: int, mbs: int,
+                           attention: Attention, recompute: Recompute, dtype: str) -> float:
+    """Bytes autograd keeps for one layer and one micro-batch.
+
+    Counted from the tensors each spec saves for backward (t = tp, ts = tp under sequence
+    parallelism else 1, sb = tokens of the micro-batch on this rank, a/g heads/query groups
+    per TP rank x t, d head size, f ffn size, p = bytes of the activation dtype):
+
+    * ``local`` (Megatron's local spec, unfused attention; what CPU runs use): each RMSNorm
+      keeps ``x * rsqrt`` in fp32, its output, an fp32 copy of its input when p < 4 and the
+      fp32 ``rsqrt`` (``sbh (4 + p [+ 4]) + 4 sb``, over ts); residual outputs ``2 sbh p / ts``;
+      rotated q, repeated k and v and the context ``4 sb a d p / t``; the fp32 softmax
+      ``4 b a s^2 / t`` (plus its p-byte copy when p < 4); SwiGLU ``5 sb f p / t`` (fc1
+      output, silu, offset input, product);
+    * ``sdpa``: as local, but memory-efficient attention: no ``s^2`` term; q, repeated k/v,
+      output and reshaped context ``5 sb a d p / t`` and an fp32 log-sum-exp;
+    * ``te``: fused RMSNorm-linear keeps the normalised input and fp32 ``rsigma``
+      (``sbh p + 4 sb``, over ts), q/k/v and the attention output ``sb (2a + 2g) d p / t``,
+      log-sum-exp, SwiGLU ``3 sb f p / t``.
+
+    ``selective`` recomputes core attention (keeps its inputs q, k, v and output);
+    ``full`` keeps only each layer's input (the recomputed layer is a backward transient).
+    """
+    p = DTYPE_BYTES[dtype]
+    t = layout.tp
+    ts = t if layout.sequence_parallel else 1
+    s = seq // layout.cp
+    b = mbs
+    h, d, f = desc.hidden_size, desc.head_dim, desc.ffn_hidden_size
+    a, g = desc.num_attention_heads / t, desc.num_query_groups / t
+    sb = s * b
+    if recompute == "full":
+        return sb * h * p / ts
+    lse = 4 * b * a * s  # fp32 softmax statistics of memory-efficient kernels
+    residual = 2 * sb * h * p / ts
+    if attention == "te":
+        norms = 2 * (sb * h * p + 4 * sb) / ts
+        return norms + residual + sb * (2 * a + 2 * g) * d * p + lse + 3 * sb * f * p / t
+    upcast = 4 if p < 4 else 0
+    norms = 2 * (sb * h * (4 + p + upcast) + 4 * sb) / ts
+    mlp = 5 * sb * f * p / t
+    if recompute == "selective":
+        attn = sb * (2 * a + 2 * g) * d * p
+    elif attention == "sdpa":
+        attn = 5 * sb * a * d * p + lse
+    else:
+        attn = 4 * sb * a * d * p + b * a * s * s * (4 + (p if p < 4 else 0))
+    return norms + residual + attn + mlp
+
+
+def forward_layer_bytes(desc: ModelDescription, layout: Layout, seq: int, mbs: int,
+                        attention: Attention, dtype: str) -> float:
+    """Peak bytes inside one layer's forward without autograd (scoring, prefill, decode).
+
+    Intermediates die as soon as they are consumed, so a layer needs the residual stream
+    (input and output, ``2 sbh p / ts``), one RMSNorm's working set (as in
+    :func:`layer_activation_bytes`) and the larger of the two blocks: attention with q/k/v,
+    their rotated / repeated copies, output and context (``sb (6a + 3g) d p / t``, plus the
+    ``s^2`` scores for ``local``; ``sb (2a + 2g) d p / t`` for ``te``) or SwiGLU (``5 sb f p / t``,
+    ``3 sb f p / t`` for ``te``).
+    """
+    p = DTYPE_BYTES[dtype]
+    t = layout.tp
+    ts = t if layout.sequence_parallel else 1
+    s, b = seq // layout.cp, mbs
+    h, d, f = desc.hidden_size, desc.head_dim, desc.ffn_hidden_size
+    a, g = desc.num_attention_heads / t, desc.num_query_groups / t
+    sb = s * b
+    if attention == "te":
+        norm = (sb * h * p + 4 * sb) / ts
+        attn, mlp = sb * (2 * a + 2 * g) * d * p, 3 * sb * f * p / t
+    else:
+        norm = (sb * h * (4 + p + (4 if p < 4 else 0)) + 4 * sb) / ts
+        attn, mlp = sb * (6 * a + 3 * g) * d * p, 5 * sb * f * p / t
+        if attention == "local":
+            attn += b * a * s * s * (4 + (p if p < 4 else 0))
+    return 2 * sb * h * p / ts + norm + max(attn, mlp)
+
+
+def microbatches_in_flight(layout: Layout, stage: int, n_micro: int) -> int:
+    """Model chunks (micro-batch x virtual stage) whose activations ``stage`` keeps at once.
+
+    No pipeline: one micro-batch at a time. 1F1B: stage q keeps ``pp - q`` micro-batches.
+    Interleaved (vpp chunks): ``2 (pp - q - 1) + (vpp - 1) pp + 1`` chunks. Capped by the
+    number of micro-batches.
+    """
+    pp, vpp = layout.pp, layout.vpp or 1
+    if pp == 1:
+        return 1
+    if vpp == 1:
+        return min(pp - stage, n_micro)
+    return min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, n_micro * vpp)
+
+
+def training_estimates(desc: ModelDescription, layout: Layout, *, dtype: str, seq: int,
+                       micro_batch_size: int, n_micro: int, attention: Attention,
+                       recompute: Recompute, distributed_optimizer: bool,
+                       head: Literal["lm", "value"] = "lm", logits_copies: int = 1,
+                       phase: str = "train") -> list[MemoryEstimate]:
+    """Training-step memory of one rank of every pipeline stage (index = stage).
+
+    ``logits_copies`` counts the fp32 vocabulary-sized tensors the loss keeps for backward
+    (1 for Megatron's cross entropy; 3 for the RL policy loss: the log-prob ``exp`` and the
+    entropy's ``exp`` and masked logits), on top of the logits themselves.
+    """
+    pbytes = DTYPE_BYTES[dtype]
+    vp = padded_vocab(desc, layout.tp)
+    params = stage_params(desc, layout, value_head=head == "value")
+    layer_bytes = layer_activation_bytes(desc, layout, seq, micro_batch_size, attention, recompute, dtype)
+    ts = layout.tp if layout.sequence_parallel else 1
+    tokens = seq // layout.cp * micro_batch_size
+    per_token_h = tokens * desc.hidden_size / ts * pbytes
+    vpp = layout.vpp or 1
+    per_chunk_layers = desc.num_layers // (layout.pp * vpp)
+    h, f, t = desc.hidden_size, desc.ffn_hidden_size, layout.tp
+    biggest_weight = max(vp * h // t, 2 * f * h // t, h * f // t)
+    out = []
+    for q, n in enumerate(params):
+        est = MemoryEstimate(phase, stage=q)
+        est.add("weights", n * pbytes, f"{n:,} params x {pbytes} B ({dtype})")
+        est.add("grads", n * 4, "fp32 DDP gradient buffer")
+        shard = layout.dp * layout.cp if distributed_optimizer else 1
+        obytes = optimizer_bytes_per_param(dtype)
+        est.add("optimizer", n * obytes / shard,
+                f"Adam {obytes} B/param" + (f" / {shard} (distributed)" if shard > 1 else ""))
+        chunks = microbatches_in_flight(layout, q, n_micro)
+        act = chunks * per_chunk_layers * layer_bytes + chunks * per_token_h  # + stage input
+        note = f"{chunks} micro-batch chunk(s) x {per_chunk_layers} layer(s), recompute={recompute}"
+        if recompute == "full":  # one layer recomputed with everything during backward
+            act += layer_activation_bytes(desc, layout, seq, micro_batch_size, attention, "none", dtype)
+        est.add("activations", act, note)
+        if q == layout.pp - 1:
+            width = 1 if head == "value" else vp // t
+            logits = tokens * width * 4 * logits_copies + tokens * width * pbytes
+            est.add("logits", logits, f"fp32 log-softmax over {width} vocab rows x {tokens} tokens")
+        transient = biggest_weight * pbytes + 2 * max(per_token_h * ts, tokens * 2 * f / t * pbytes)
+        est.add("backward transient", transient, "weight-grad temporary + activation grads")
+        out.append(est)
+    return out
+
+
+def inference_estimates(desc: ModelDescription, layout: Layout, *, dtype: str, seq: int,
+                        micro_batch_size: int, attention: Attention,
+                        head: Literal["lm", "value"] = "lm", phase: str = "forward") -> list[MemoryEstimate]:
+    """Forward-only transient (log-prob / value computation) of each stage: one layer's
+    working set at a time (:func:`forward_layer_bytes`) and, on the last stage, fp32 logits."""
+    pbytes = DTYPE_BYTES[dtype]
+    layer = forward_layer_bytes(desc, layout, seq, micro_batch_size, attention, dtype)
+    tokens = seq // layout.cp * micro_batch_size
+    out = []
+    for q in range(layout.pp):
+        est = MemoryEstimate(phase, stage=q)
+        est.add("activations", layer, "one layer at a time (no autograd graph)")
+        if q == layout.pp - 1 and head == "lm":
+            width = padded_vocab(desc, layout.tp) // layout.tp
+            est.add("logits", tokens * width * (4 + pbytes), f"fp32 log-softmax over {width} rows")
+        out.append(est)
+    return out
+
+
+def generation_transient(desc: ModelDescription, gen_tp: int, *, prefill_tokens: int, rows: int,
+                         dtype: str) -> int:
+    """Largest forward-time transient of a generation rank: one layer's working set for a
+    prefill forward of ``prefill_tokens`` (memory-efficient attention over the cache), and
+    fp32 logits plus sampler work copies for the ``rows`` sequences sampled at once."""
+    pbytes = DTYPE_BYTES[dtype]
+    layer = forward_layer_bytes(desc, Layout(tp=gen_tp), prefill_tokens, 1, "sdpa", dtype)
+    width = padded_vocab(desc, gen_tp) // gen_tp
+    return int(layer + rows * width * (pbytes + 4 * 4))
+
+
+def kv_cache_bytes(desc: ModelDescription, gen_tp: int, gen_pp: int, slots: int, capacity: int,
+                   dtype: str) -> int:
+    """Keys and values of ``slots`` x ``capacity`` tokens on one generation rank."""
+    layers = desc.num_layers // gen_pp
+    groups = desc.num_query_groups // gen_tp
+    return 2 * layers * slots * groups * capacity * desc.head_dim * DTYPE_BYTES[dtype]
+
+
+def worst(estimates: Sequence[MemoryEstimate]) -> MemoryEstimate:
+    """The estimate with the largest total."""
+    return max(estimates, key=lambda e: e.total)

@@ -1,0 +1,200 @@
+"""``hyflow generate``: try a model by hand with the rollout engine.
+
+    hyflow generate --ckpt DIR --prompts FILE [--tp N] [--temperature T --top-k K --top-p P --n N ...]
+    hyflow generate --hf PATH  --prompts FILE ...     (HF directory or .gguf file)
+
+``--prompts`` is a ``.jsonl`` file whose lines hold ``{"prompt": text}``,
+``{"messages": [...]}`` (chat; formatted with the tokenizer's template) or
+``{"prompt_ids": [ids]}``, or a text file with one prompt per line. With
+``--chat`` plain-text prompts are wrapped as one user message. ``--tp N`` (or
+``--dp N``) starts ``N`` ranks on this machine through torchrun. Rank 0 prints
+each response and, with ``--output``, writes one JSON line per sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Optional
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate responses with the rollout engine",
+                              description=__doc__.split("\n\n")[1] if __doc__ else None)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", help="hyflow model checkpoint directory (hyflow convert hf2mcore output)")
+    src.add_argument("--hf", help="Hugging Face model directory or .gguf file")
+    p.add_argument("--prompts", required=True, help=".jsonl (prompt / messages / prompt_ids) or .txt file")
+    p.add_argument("--tokenizer", help="tokenizer spec (default: the checkpoint's / the HF model's)")
+    p.add_argument("--chat", action="store_true", help="wrap plain-text prompts as a user chat message")
+    p.add_argument("--tp", type=int, default=1, help="generation tensor parallel size")
+    p.add_argument("--dp", type=int, default=1, help="generation data parallel replicas")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-token-ids", type=int, nargs="*", default=[], help="extra stop ids")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-concurrent", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--prefill-chunk-size", type=int, default=0)
+    p.add_argument("--truncate-long-prompts", action="store_true")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="parameter dtype (default: the checkpoint's, fp32 for --hf)")
+    p.add_argument("--output", help="write one JSON line per sample here")
+    p.set_defaults(func=cmd_generate)
+
+
+def _configs(args: argparse.Namespace):
+    from hyflow.rollout.config import RolloutConfig, SamplingConfig
+
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, n=args.n,
+                              max_new_tokens=args.max_new_tokens, seed=args.seed,
+                              stop_token_ids=list(args.stop_token_ids), ignore_eos=args.ignore_eos)
+    cfg = RolloutConfig(sampling=sampling, max_concurrent=args.max_concurrent, max_seq_len=args.max_seq_len,
+                        prefill_chunk_size=args.prefill_chunk_size,
+                        truncate_long_prompts=args.truncate_long_prompts)
+    cfg.validate()
+    return cfg
+
+
+def read_prompts(path: str, tokenizer: Any, chat: bool) -> list[list[int]]:
+    """Token ids of every prompt in ``path`` (see the module docstring for the formats)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompts file {path} does not exist")
+    entries: list[Any] = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if path.endswith(".jsonl"):
+                try:
+                    entries.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON: {e}") from None
+            else:
+                entries.append(line)
+    out = []
+    for n, item in enumerate(entries):
+        if isinstance(item, dict) and "prompt_ids" in item:
+            out.append([int(t) for t in item["prompt_ids"]])
+            continue
+        if tokenizer is None:
+            raise ValueError(f"prompt {n} is text but no tokenizer is available; pass --tokenizer "
+                             "or give prompt_ids")
+        if isinstance(item, dict) and "messages" in item:
+            out.append(tokenizer.encode_chat(item["messages"]))
+            continue
+        text = item["prompt"] if isinstance(item, dict) else item
+        if not isinstance(text, str):
+            raise ValueError(f"prompt {n}: expected 'prompt', 'messages' or 'prompt_ids'")
+        if chat:
+            out.append(tokenizer.encode_chat([{"role": "user", "content": text}]))
+        else:
+            out.append(tokenizer.encode_prompt_texts([text])[0])
+    if not out:
+        raise ValueError(f"no prompts in {path}")
+    return out
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from hyflow.config import ConfigError
+    from hyflow.parallel.distributed import launched_by_torchrun
+
+    try:
+        _configs(args)
+    except ConfigError as e:
+        print(f"hyflow: config error: {e}", file=sys.stderr)
+        return 2
+    world = args.tp * args.dp
+    if world < 1:
+        print("hyflow: --tp and --dp must be >= 1", file=sys.stderr)
+        return 2
+    if world > 1 and not launched_by_torchrun():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               "-m", "hyflow.cli", *sys.argv[1:]] if sys.argv[1:2] == ["generate"] else None
+        if cmd is None:
+            print("hyflow: run `hyflow generate ...` from the command line for --tp/--dp > 1",
+                  file=sys.stderr)
+            return 2
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        return subprocess.call(cmd, env=env)
+    from hyflow.parallel.distributed import init_distributed, shutdown
+
+    init_distributed()
+    try:
+        return _generate(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hyflow generate: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from hyflow.data.tokenizer import TokenizerError, load_tokenizer
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.rollout.dp import generate_data_parallel
+    from hyflow.rollout.engine import GenerationEngine
+    from hyflow.rollout.loading import load_checkpoint, load_hf, megatron_from_hf
+
+    if dist.get_world_size() != args.tp * args.dp:
+        raise ValueError(f"{dist.get_world_size()} ranks running but --tp {args.tp} x --dp {args.dp} "
+                         f"= {args.tp * args.dp}")
+    groups = init_training_groups(Layout(tp=args.tp, dp=args.dp))
+    if args.ckpt:
+        model, desc = load_checkpoint(args.ckpt, groups, dtype=args.dtype)
+        spec = args.tokenizer or desc.tokenizer
+    else:
+        hf, _ = load_hf(args.hf, args.dtype or "fp32", tokenizer=False)
+        model, desc = megatron_from_hf(hf, groups, dtype=args.dtype or "fp32")
+        del hf
+        spec = args.tokenizer or args.hf
+    tokenizer = None
+    if spec:
+        try:
+            tokenizer = load_tokenizer(spec)
+        except TokenizerError as e:
+            if args.tokenizer:  # asked for explicitly: a real error
+                raise ValueError(str(e)) from None
+            print(f"hyflow generate: no tokenizer ({e}); prompts must be token ids", file=sys.stderr)
+    prompts = read_prompts(args.prompts, tokenizer, args.chat)
+    eos = list(desc.eos_token_ids or [])
+    if tokenizer is not None:
+        eos = list(dict.fromkeys(eos + list(tokenizer.stop_token_ids())))
+    engine = GenerationEngine(model, _configs(args), vocab_size=desc.vocab_size, eos_token_ids=eos,
+                              tp_group=groups.pgs.tp, max_position_embeddings=desc.max_position_embeddings)
+    result = generate_data_parallel(engine, prompts, groups.pgs.dp)
+    if dist.get_rank() == 0:
+        _report(result, prompts, tokenizer, args.output)
+    return 0
+
+
+def _report(result: Any, prompts: list[list[int]], tokenizer: Any, output: Optional[str]) -> None:
+    rows = []
+    for s in result.samples:
+        text = tokenizer.decode(s.token_ids) if tokenizer is not None else None
+        prompt = tokenizer.decode(s.prompt_ids) if tokenizer is not None else None
+        rows.append({"index": s.request_index, "sample": s.sample_index, "prompt": prompt, "response": text,
+                     "token_ids": s.token_ids, "logprobs": [round(x, 6) for x in s.logprobs],
+                     "finish_reason": s.finish_reason, "prompt_tokens": len(s.prompt_ids)})
+        head = f"[{s.request_index}.{s.sample_index}] {s.finish_reason}, {len(s.token_ids)} tokens"
+        print(head)
+        print(text if text is not None else s.token_ids)
+        print()
+    st = result.stats
+    print(f"{st.samples} samples, {st.generated_tokens} tokens in {st.seconds:.2f} s "
+          f"({st.tokens_per_s:.1f} tokens/s)")
+    if output:
+        with open(output, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")

@@ -1,0 +1,162 @@
+"""The rollout engine: batched KV-cache generation with the actor's Megatron model.
+
+Typical use on one generation replica (all TP ranks of it call the same)::
+
+    engine = GenerationEngine.from_description(model, desc, RolloutConfig(...))
+    result = engine.generate([[1, 2, 3], [4, 5]])
+    batch = result.to_tensors()            # responses, response_mask, logprobs, ...
+
+With several micro-DP replicas use :func:`hyflow.rollout.dp.generate_data_parallel`.
+
+The engine validates requests (empty prompts, prompts over the context limit:
+an error, or left truncation with a logged count when ``truncate_long_prompts``),
+turns every (request, sample) into a scheduler sequence, allocates a KV cache
+sized for this call (``min(max_concurrent, samples)`` slots x the longest
+prompt + response) and frees it on return, so the memory goes back to training.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Sequence as Seq
+
+import torch
+
+from hyflow.config import ConfigError
+from hyflow.rollout.config import RolloutConfig, SamplingConfig
+from hyflow.rollout.request import GenerationRequest, RolloutResult, RolloutStats, SampleOutput, as_requests
+from hyflow.rollout.runner import ModelRunner
+from hyflow.rollout.sampler import VocabParallelSampler, stream_seed
+from hyflow.rollout.scheduler import Scheduler, Sequence, capacity_needed, stop_ids
+
+LOG = logging.getLogger("hyflow.rollout")
+
+
+class PromptTooLongError(ValueError):
+    """A prompt does not fit the context limit (and truncation is off)."""
+
+
+class GenerationEngine:
+    """Generates responses on one replica of the generation layout.
+
+    Args:
+        model: the actor's ``GPTModel`` in the generation layout (PP = 1).
+        config: engine and default sampling settings.
+        vocab_size: the real (unpadded) vocabulary size; padded ids are never sampled.
+        eos_token_ids: default end-of-sequence ids (``SamplingConfig.eos_token_ids`` overrides).
+        tp_group: the generation TP group (default: the model's).
+        max_position_embeddings: the model's context length (default: the model's
+            ``max_sequence_length``); ``config.max_seq_len`` may lower it.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Optional[RolloutConfig] = None, *,
+                 vocab_size: int, eos_token_ids: Seq[int] = (), tp_group=None,
+                 max_position_embeddings: Optional[int] = None) -> None:
+        self.config = config or RolloutConfig()
+        self.config.validate()
+        self.runner = ModelRunner(model, tp_group, self.config.layer_impl)
+        if not 0 < vocab_size <= self.runner.padded_vocab:
+            raise ConfigError(f"vocab_size={vocab_size} must be in [1, {self.runner.padded_vocab}] "
+                              "(the model's padded vocabulary)")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        model_len = max_position_embeddings or int(getattr(self.runner.model, "max_sequence_length", 0) or 0)
+        limit = self.config.max_seq_len or model_len
+        if not limit:
+            raise ConfigError("set RolloutConfig.max_seq_len (the model does not report its context length)",
+                              key="max_seq_len")
+        if model_len and limit > model_len:
+            raise ConfigError(f"max_seq_len={limit} exceeds the model's context length {model_len}",
+                              key="max_seq_len")
+        self.max_seq_len = limit
+        self.max_prompt_length = self.config.max_prompt_length or limit - 1
+        self.sampler = VocabParallelSampler(vocab_size, self.runner.local_vocab, self.runner.tp_group)
+        self.last_stats = RolloutStats()
+
+    @classmethod
+    def from_description(cls, model: torch.nn.Module, desc, config: Optional[RolloutConfig] = None,
+                         tp_group=None) -> "GenerationEngine":
+        """Engine for a model built from a :class:`~hyflow.models.description.ModelDescription`."""
+        return cls(model, config, vocab_size=desc.vocab_size, eos_token_ids=desc.eos_token_ids,
+                   tp_group=tp_group, max_position_embeddings=desc.max_position_embeddings)
+
+    # -------------------------------------------------------------- requests
+    def prepare(self, requests: Seq, sampling: Optional[SamplingConfig] = None,
+                request_offset: int = 0) -> tuple[list[Sequence], int]:
+        """Validate ``requests`` and expand them into sequences (one per sample).
+
+        Returns (sequences, number of truncated prompts). ``request_offset`` is the
+        index of ``requests[0]`` in the whole batch (seeds and output indices use it).
+        """
+        default = sampling or self.config.sampling
+        default.validate()
+        seqs: list[Sequence] = []
+        truncated = 0
+        too_long = []
+        for i, req in enumerate(as_requests(requests)):
+            index = request_offset + i
+            params = req.sampling or default
+            params.validate()
+            prompt = [int(t) for t in req.prompt_ids]
+            if not prompt:
+                raise ValueError(f"request {index}: empty prompt (at least one token is needed)")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"request {index}: token ids {bad[:4]} outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+            cut = 0
+            if len(prompt) > self.max_prompt_length:
+                if not self.config.truncate_long_prompts:
+                    too_long.append((index, len(prompt)))
+                    continue
+                cut = len(prompt) - self.max_prompt_length
+                prompt = prompt[cut:]
+                truncated += 1
+            seed = req.seed if req.seed is not None else stream_seed(params.seed, index, 0)
+            max_new = min(params.max_new_tokens, self.max_seq_len - len(prompt))
+            stops = stop_ids(params, self.eos_token_ids)
+            for j in range(params.n):
+                out = SampleOutput(request_index=index, sample_index=j, prompt_ids=prompt,
+                                   prompt_truncated=cut)
+                seqs.append(Sequence(out=out, params=params, stream=stream_seed(seed, index, j),
+                                     stops=stops, max_new=max_new))
+        if too_long:
+            shown = ", ".join(f"request {i}: {n} tokens" for i, n in too_long[:5])
+            raise PromptTooLongError(
+                f"{len(too_long)} prompt(s) exceed the prompt limit of {self.max_prompt_length} tokens "
+                f"(context limit max_seq_len={self.max_seq_len} minus room for one new token): {shown}. "
+                "Shorten them, raise max_seq_len, or set truncate_long_prompts=true to keep their last "
+                f"{self.max_prompt_length} tokens.")
+        if truncated:
+            LOG.warning("truncated %d prompt(s) to their last %d tokens (truncate_long_prompts)",
+                        truncated, self.max_prompt_length)
+        return seqs, truncated
+
+    # -------------------------------------------------------------- generate
+    def generate(self, requests: Seq, sampling: Optional[SamplingConfig] = None,
+                 request_offset: int = 0) -> RolloutResult:
+        """Generate every sample of ``requests`` (token-id lists or :class:`GenerationRequest`).
+
+        Collective over the replica's TP group. Returns samples ordered by
+        (request, sample) with per-call :class:`RolloutStats`.
+        """
+        start = time.perf_counter()
+        seqs, truncated = self.prepare(requests, sampling, request_offset)
+        stats = RolloutStats(samples=len(seqs), truncated_prompts=truncated,
+                             prompt_tokens=sum(len(s.prompt) for s in seqs))
+        if seqs:
+            cache = self.runner.new_cache(min(self.config.max_concurrent, len(seqs)), capacity_needed(seqs))
+            scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats)
+            with torch.inference_mode(), self.runner.attach(cache, self.config.cpu_weight_packing):
+                scheduler.run(seqs)
+            del cache, scheduler
+        stats.generated_tokens = sum(len(s.out.token_ids) for s in seqs)
+        stats.seconds = time.perf_counter() - start
+        self.last_stats = stats
+        return RolloutResult(samples=[s.out for s in seqs], stats=stats)
+
+    def generate_one(self, prompt_ids: list[int], **sampling) -> SampleOutput:
+        """Convenience: one prompt, one sample, sampling fields as keywords."""
+        params = (self.config.sampling.replace(**sampling) if sampling else self.config.sampling)
+        return self.generate([GenerationRequest(prompt_ids, sampling=params.replace(n=1))]).samples[0]

@@ -1,0 +1,226 @@
+"""``hyflow launch slurm``: render an sbatch script into the run directory and submit it.
+
+The script (:mod:`hyflow.launch.sbatch_template`) runs one ``srun`` task per node; each
+runs ``torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint
+<first node>:<port>``, the first node coming from ``scontrol show hostnames``. Logs go to
+``<run dir>/logs/slurm-<job id>.out`` (the batch script) and ``<run dir>/logs/<job
+id>/node-<n>.out`` (one file per node). ``--signal=USR1@120`` and ``--requeue`` make a
+time-limited or preempted job save, requeue itself and resume (``trainer.resume=auto``).
+
+Quoting: every value that reaches bash goes through :func:`shlex.quote`; ``#SBATCH``
+values, which Slurm (not bash) parses, go through :func:`sbatch_quote`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hyflow.launch.local import LaunchError, Target
+from hyflow.launch.sbatch_template import TEMPLATE
+
+#: NCCL / torch environment defaults (each overridable by the submitting environment).
+ENV_DEFAULTS: dict[str, tuple[str, str]] = {
+    "NCCL_DEBUG": ("WARN", "NCCL log level (INFO to debug hangs and topology)"),
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("1", "abort the job on a failed or timed-out collective"),
+    "TORCH_NCCL_AVOID_RECORD_STREAMS": ("1", "free NCCL buffers promptly"),
+    "CUDA_DEVICE_MAX_CONNECTIONS": ("1", "Megatron: keep TP/SP communication ordered with compute"),
+    "NCCL_IB_TIMEOUT": ("22", "longer InfiniBand retry timeout for large jobs"),
+    "NCCL_NVLS_ENABLE": ("0", "NVLink SHARP buffers cost GPU memory; enable explicitly"),
+    "PYTHONUNBUFFERED": ("1", "logs appear as they are written"),
+    "OMP_NUM_THREADS": ("8", "CPU threads per rank"),
+}
+
+_SAFE_DIRECTIVE = re.compile(r"^[A-Za-z0-9_./:@+=,%-]+$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass
+class SlurmOptions:
+    """What ``hyflow launch slurm`` was asked for.
+
+    Attributes:
+        nodes: number of nodes (one srun task each).
+        gpus_per_node: ranks per node (one per GPU).
+        partition, time, account: the usual sbatch options (omitted when None).
+        container_image, container_mounts: pyxis/enroot container for the ranks.
+        job_name: Slurm job name (default ``hyflow-<run dir name>``).
+        torchrun: the torchrun command on the compute nodes, shell-split (default: the one
+            next to this Python when it exists and no container is used, else ``torchrun``).
+        cpus_per_node: CPUs for the node's srun task (default: all of the node's CPUs).
+        env: ``KEY=VALUE`` pairs exported before srun (they override the defaults).
+        sbatch_args: extra ``#SBATCH`` options, e.g. ``--qos=high``.
+        grace_s: seconds before the time limit at which SIGUSR1 is sent.
+        max_requeues: how often a preempted job requeues itself.
+        workdir: the job's working directory (default: the current one).
+    """
+
+    nodes: int
+    gpus_per_node: int
+    partition: Optional[str] = None
+    time: Optional[str] = None
+    account: Optional[str] = None
+    container_image: Optional[str] = None
+    container_mounts: Optional[str] = None
+    job_name: Optional[str] = None
+    torchrun: Optional[str] = None
+    cpus_per_node: Optional[int] = None
+    env: list[str] = field(default_factory=list)
+    sbatch_args: list[str] = field(default_factory=list)
+    grace_s: int = 120
+    max_requeues: int = 50
+    workdir: Optional[str] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def validate(self) -> None:
+        """Raise :class:`LaunchError` for options that cannot produce a working job."""
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise LaunchError(f"--nodes and --gpus-per-node must be >= 1, got {self.nodes} and "
+                              f"{self.gpus_per_node}")
+        if self.grace_s < 1 or self.max_requeues < 0:
+            raise LaunchError("--grace must be >= 1 s and --max-requeues >= 0")
+        if self.container_mounts and not self.container_image:
+            raise LaunchError("--container-mounts needs --container-image")
+        for item in self.env:
+            name = item.split("=", 1)[0]
+            if "=" not in item or not _ENV_NAME.match(name):
+                raise LaunchError(f"--env {item!r}: expected KEY=VALUE with a shell variable name")
+        for arg in self.sbatch_args:
+            if not arg.startswith("-"):
+                raise LaunchError(f"--sbatch-arg {arg!r}: expected an sbatch option such as --qos=high")
+
+
+def sbatch_quote(value: str) -> str:
+    """Quote a value for an ``#SBATCH`` line (Slurm's own parser: quotes and backslashes)."""
+    if "\n" in value or "\r" in value:
+        raise LaunchError(f"value {value!r} for an #SBATCH line contains a newline")
+    if _SAFE_DIRECTIVE.match(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def torchrun_argv(opts: SlurmOptions) -> list[str]:
+    """The torchrun command compute nodes run (see :class:`SlurmOptions`); ``--torchrun`` is
+    split like a shell would (``--torchrun "python -m torch.distributed.run"``)."""
+    if opts.torchrun:
+        return shlex.split(opts.torchrun)
+    local = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not opts.container_image and os.path.exists(local):
+        return [local]
+    return ["torchrun"]
+
+
+def _needs_resume(target: Target) -> list[str]:
+    """``trainer.resume=auto`` when the job schema has that key and the user did not set it."""
+    if target.command != "train" or any(a.startswith("trainer.resume=") for a in target.args):
+        return []
+    from hyflow.cli import _job_schema
+    from hyflow.config import config_keys
+
+    schema, _ = _job_schema(target.config, target.args)
+    return ["trainer.resume=auto"] if "trainer.resume" in config_keys(schema) else []
+
+
+def run_dir_for(target: Target, workdir: str) -> str:
+    """The run directory: ``trainer.output_dir`` of a job, ``runs/doctor`` for doctor."""
+    if target.output_dir:
+        return target.output_dir
+    return os.path.join(workdir, "runs", target.command)
+
+
+def render_sbatch(target: Target, opts: SlurmOptions, script_path: Optional[str] = None) -> str:
+    """The sbatch script for ``target`` under ``opts`` (pure: writes nothing)."""
+    opts.validate()
+    workdir = os.path.abspath(opts.workdir or os.getcwd())
+    run_dir = run_dir_for(target, workdir)
+    script_path = script_path or os.path.join(run_dir, "hyflow.sbatch")
+    job_name = opts.job_name or f"hyflow-{os.path.basename(run_dir.rstrip(os.sep)) or 'run'}"
+    args = list(target.args) + _needs_resume(target)
+    hyflow_cmd = ["-m", "hyflow.cli", target.command] + ([target.config] if target.config else [])
+    hyflow_cmd += args
+
+    directives = []
+    for flag, value in (("partition", opts.partition), ("time", opts.time),
+                        ("account", opts.account)):
+        if value:
+            directives.append(f"#SBATCH --{flag}={sbatch_quote(value)}")
+    for arg in opts.sbatch_args:
+        name, eq, value = arg.partition("=")
+        directives.append(f"#SBATCH {name}={sbatch_quote(value)}" if eq else f"#SBATCH {name}")
+
+    cpus = str(opts.cpus_per_node) if opts.cpus_per_node else '"${SLURM_CPUS_ON_NODE:-1}"'
+    srun = [f"--nodes={opts.nodes}", f"--ntasks={opts.nodes}", "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1", f"--cpus-per-task={cpus}",
+            '--output="$LOG_DIR/node-%n.out"']
+    if opts.container_image:
+        srun.append("--container-image=" + shlex.quote(opts.container_image))
+        if opts.container_mounts:
+            srun.append("--container-mounts=" + shlex.quote(opts.container_mounts))
+        srun.append("--container-workdir=" + shlex.quote(workdir))
+
+    defaults = [f'export {k}="${{{k}:-{v}}}"  # {why}' for k, (v, why) in ENV_DEFAULTS.items()]
+    forced = [f"export {k}={shlex.quote(v)}" for k, _, v in (e.partition("=") for e in opts.env)]
+    world = opts.world_size
+    title = (f"hyflow {target.command}"
+             + (f" {os.path.basename(target.config)}" if target.config else "")
+             + f" on Slurm: {opts.nodes} node(s) x {opts.gpus_per_node} GPU(s) = {world} ranks"
+             + f" (rendered {datetime.datetime.now().isoformat(timespec='seconds')})")
+    output = os.path.join(run_dir, "logs").replace("%", "%%") + "/slurm-%j.out"
+    values = {
+        "TITLE": title.replace("\n", " "),
+        "SCRIPT": shlex.quote(script_path),
+        "JOB_NAME": sbatch_quote(job_name),
+        "NODES": str(opts.nodes),
+        "GPUS": str(opts.gpus_per_node),
+        "WORKDIR_DIRECTIVE": sbatch_quote(workdir),
+        "OUTPUT_DIRECTIVE": sbatch_quote(output),
+        "GRACE": str(opts.grace_s),
+        "EXTRA_DIRECTIVES": "".join(d + "\n" for d in directives),
+        "RUN_DIR": shlex.quote(run_dir),
+        "MAX_REQUEUES": str(opts.max_requeues),
+        "HYFLOW_CMD": "\n".join("    " + shlex.quote(a) for a in hyflow_cmd),
+        "ENV_DEFAULTS": "\n".join(defaults),
+        "ENV_FORCED": "\n".join(forced) or "# (none)",
+        "SRUN_ARGS": " \\\n    ".join(srun),
+        "TORCHRUN": " ".join(shlex.quote(p) for p in torchrun_argv(opts)),
+    }
+    text = TEMPLATE
+    for key, value in values.items():
+        text = text.replace(f"@@{key}@@", value)
+    if "@@" in text.replace("USR1@", ""):
+        raise AssertionError("unfilled placeholder in the sbatch template")
+    return text
+
+
+def write_sbatch(text: str, target: Target, opts: SlurmOptions) -> str:
+    """Write the script into the run directory (and create ``logs/``); returns its path."""
+    workdir = os.path.abspath(opts.workdir or os.getcwd())
+    run_dir = run_dir_for(target, workdir)
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    path = os.path.join(run_dir, "hyflow.sbatch")
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o755)
+    return path
+
+
+def submit(path: str) -> str:
+    """``sbatch --parsable PATH``; returns the job id."""
+    sbatch = shutil.which("sbatch")
+    if not sbatch:
+        raise LaunchError("sbatch is not on PATH (not a Slurm login node?); use --dry-run to "
+                          f"print the script, or submit {path} from a machine that has Slurm")
+    out = subprocess.run([sbatch, "--parsable", path], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise LaunchError(f"sbatch failed (exit {out.returncode}): {out.stderr.strip()}")
+    return out.stdout.strip().split(";")[0]

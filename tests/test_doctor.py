@@ -1,0 +1,70 @@
+"""``hyflow doctor``: one process (versions, environment) and under ``hyflow launch local``
+(collective bandwidth over gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hyflow.doctor import bandwidth as bw
+from hyflow.doctor.env import relevant_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _json_tail(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_single_process_reports_versions_and_points_to_the_launcher():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "-m", "hyflow.cli", "doctor"], capture_output=True,
+                         text=True, timeout=120, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr
+    report = _json_tail(out.stdout)
+    assert report["world_size"] == 1 and report["bandwidth"] == [] and report["status"] == "pass"
+    for key in ("torch", "megatron-core", "transformer-engine", "triton", "nccl", "cuda available"):
+        assert key in report["versions"]
+    assert "hyflow launch local doctor --nproc N" in out.stdout
+
+
+@pytest.mark.multirank
+def test_doctor_under_launch_local_measures_bandwidth():
+    out = subprocess.run(
+        [sys.executable, "-m", "hyflow.cli", "launch", "local", "doctor", "--nproc", "2", "--",
+         "configs/quickstart.yaml", "--max-size", "4MB", "--iters", "2", "--warmup", "1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = _json_tail(out.stdout)
+    assert report["world_size"] == 2 and report["backend"] == "gloo" and not report["errors"]
+    rows = report["bandwidth"]
+    assert {(r["op"], r["group"]) for r in rows} == {
+        (op, g) for op in ("all_reduce", "all_gather") for g in ("world", "actor tp")}
+    assert sorted({r["size"] for r in rows}) == [1 << 20, 4 << 20]
+    assert all(r["busbw_gbps"] > 0 and r["seconds"] > 0 for r in rows)
+    checked = [r for r in rows if r["status"] != "-"]
+    assert len(checked) == 4 and all(r["size"] == 4 << 20 for r in checked)
+    assert report["status"] in ("pass", "warn")
+    assert "Collective bandwidth" in out.stdout and "busbw" in out.stdout
+
+
+def test_environment_filter_hides_secrets():
+    env = {"NCCL_DEBUG": "INFO", "HF_TOKEN": "x", "NCCL_IB_KEY": "y", "RANK": "0", "HOME": "/root",
+           "SLURM_JOB_ID": "7", "AWS_SECRET_ACCESS_KEY": "z", "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert relevant_env(env) == {"CUDA_VISIBLE_DEVICES": "0,1", "NCCL_DEBUG": "INFO", "RANK": "0",
+                                 "SLURM_JOB_ID": "7"}
+
+
+def test_bandwidth_helpers():
+    assert bw.default_sizes(on_gpu=True)[-1] == 1 << 30 and bw.default_sizes(on_gpu=True)[0] == 1 << 20
+    assert bw.default_sizes(on_gpu=False)[-1] == 64 << 20
+    assert bw.default_sizes(on_gpu=False, max_size=16 << 20) == [1 << 20, 4 << 20, 16 << 20]
+    assert bw.bus_factor("all_reduce", 8) == pytest.approx(1.75)
+    assert bw.bus_factor("all_gather", 8) == pytest.approx(0.875)
+    intra, inter = bw.node_groups(["a", "a", "b", "b"])
+    assert intra == [[0, 1], [2, 3]] and inter == [[0, 2], [1, 3]]
+    assert bw.node_groups(["a", "a", "b"])[1] == []

@@ -1,0 +1,85 @@
+"""``hyflow plan``: the presets pass at their world sizes on H100-80GB, and configs that do not
+divide or do not fit fail with a message that names the numbers and the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from hyflow.cli import main
+from hyflow.plan.core import PlanOptions, build_plan
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(REPO, "configs")
+
+
+def _plan(capsys, *args):
+    code = main(["plan", *args, "--no-megatron"])
+    out, err = capsys.readouterr()
+    return code, out, err, json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name, world, gen", [
+    ("llama3_8b_8gpu", 8, (2, 1)),
+    ("qwen2_72b_128gpu", 128, (8, 1)),
+    ("qwen2_72b_1024gpu", 1024, (4, 1)),
+])
+def test_presets_fit_h100_80gb(name, world, gen):
+    result = build_plan(os.path.join(CONFIGS, name + ".yaml"), [],
+                        PlanOptions(world_size=world, gpu_memory_gib=80, megatron_ranks=()))
+    assert not result.errors, result.errors
+    assert result.fits and result.required_bytes < 80 * 2**30
+    assert result.job == "rl" and result.world_size == world
+    assert (result.generation["tp"], result.generation["pp"]) == gen
+    phases = {p.phase for p in result.phases}
+    assert {"actor update", "log-probs", "generation"} <= phases
+    assert result.reshard.world_size == world
+    assert {r.name for r in result.roles} >= {"actor", "reference"}
+
+
+def test_seed_deployment_layout(capsys):
+    code, out, err, report = _plan(capsys, os.path.join(CONFIGS, "qwen2_72b_1024gpu.yaml"),
+                                   "--world-size", "1024")
+    assert code == 0, err
+    actor = report["roles"]["actor"]["layout"]
+    assert (actor["tp"], actor["pp"], actor["dp"]) == (8, 4, 32)
+    assert report["generation"]["micro_dp_size"] == 8 and report["generation"]["dp"] == 256
+    assert "Generation layout of the actor: TP_g=4 PP_g=1 DP_g=256 (micro-DP 8)" in out
+    assert "KV cache" in out and "fits" in out
+
+
+def test_quickstart_and_lm_on_cpu(capsys):
+    code, out, err, report = _plan(capsys, os.path.join(CONFIGS, "quickstart.yaml"), "--device", "cpu")
+    assert code == 0, err
+    assert report["job"] == "rl" and report["world_size"] == 2
+    assert report["memory"]["reserve_bytes"] == 0
+    assert report["generation"]["micro_dp_size"] == 2 and report["generation"]["tp"] == 1
+    assert report["reshard"]["bytes_recv_max"] > 0
+    code, out, err, report = _plan(capsys, os.path.join(CONFIGS, "lm_tiny.yaml"), "--device", "cpu")
+    assert code == 0, err
+    assert report["job"] == "lm" and report["generation"] is None and report["reshard"] is None
+    assert set(report["memory"]["phases"]["train"]["items"]) == {
+        "weights", "grads", "optimizer", "activations", "logits", "backward transient"}
+
+
+@pytest.mark.parametrize("args, code, needles", [
+    (["qwen2_72b_1024gpu.yaml", "--world-size", "1000"], 2,
+     ["world size 1000 is not divisible by tp*pp*cp = 8*4*1 = 32"]),
+    (["qwen2_72b_1024gpu.yaml", "actor.layout.tp=16"], 2,
+     ["tp=16 does not divide the 8 key/value groups"]),
+    (["qwen2_72b_1024gpu.yaml", "rollout.layout.tp=3"], 2, ["rollout.layout tp=3 pp=1 must divide"]),
+    (["llama3_8b_8gpu.yaml", "rollout.max_concurrent=1024"], 1,
+     ["memory: phase 'generation' needs", "of 80 GiB per GPU: DOES NOT FIT",
+      "KV cache 256.0 GiB", "lower rollout.max_concurrent"]),
+    (["qwen2_72b_128gpu.yaml", "--gpu-memory", "40"], 1,
+     ["memory: phase 'generation' needs", "but a GPU has 40.0 GiB"]),
+])
+def test_failures_are_clear(capsys, args, code, needles):
+    got, out, err, report = _plan(capsys, os.path.join(CONFIGS, args[0]), *args[1:])
+    assert got == code, out + err
+    assert not report["ok"] and report["errors"]
+    for needle in needles:
+        assert needle in out + err, needle
+    assert err.startswith("hyflow plan: ")

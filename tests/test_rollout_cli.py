@@ -1,0 +1,92 @@
+"""``hyflow generate`` and ``hyflow bench rollout`` end to end (subprocesses), plus config checks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hyflow.config import ConfigError
+from hyflow.rollout.config import RolloutConfig, SamplingConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _hyflow(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "hyflow.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize("changes, key", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(n=0), "n"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(stop_token_ids=[-3]), "stop_token_ids"),
+])
+def test_sampling_config_errors_name_the_key(changes, key):
+    with pytest.raises(ConfigError) as info:
+        SamplingConfig(**changes).validate()
+    assert info.value.key == key
+
+
+def test_rollout_config_errors_and_job_mapping():
+    with pytest.raises(ConfigError) as info:
+        RolloutConfig(max_seq_len=64, max_prompt_length=64).validate()
+    assert info.value.key == "max_prompt_length"
+    with pytest.raises(ConfigError):
+        RolloutConfig(batching="dynamic").validate()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        RolloutConfig(prefill_chunk_size=-1).validate()
+
+    class JobRollout:  # the RL job's rollout section uses the same field names
+        n, max_new_tokens, temperature, top_k, top_p = 4, 32, 0.7, 20, 0.9
+        stop_token_ids, truncate_long_prompts, prefill_chunk_size, max_concurrent = [7], True, 16, 8
+        layout = object()
+
+    cfg = RolloutConfig.from_job(JobRollout(), pad_token_id=3)
+    assert (cfg.sampling.n, cfg.sampling.top_k, cfg.sampling.stop_token_ids) == (4, 20, [7])
+    assert (cfg.max_concurrent, cfg.prefill_chunk_size, cfg.truncate_long_prompts, cfg.pad_token_id) == \
+        (8, 16, True, 3)
+
+
+def test_generate_command_on_a_hf_directory(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.1, eos_token_id=299)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "hf")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_ids": p}) for p in ([5, 6, 7], [9] * 11)) + "\n")
+    out = tmp_path / "out.jsonl"
+    proc = _hyflow("generate", "--hf", str(tmp_path / "hf"), "--prompts", str(prompts), "--max-new-tokens", "6",
+                   "--ignore-eos", "--n", "2", "--temperature", "0.7", "--top-p", "0.9", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["index"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(len(r["token_ids"]) == 6 and len(r["logprobs"]) == 6 for r in rows)
+    assert all(r["finish_reason"] == "length" for r in rows)
+    ids = torch.tensor([[5, 6, 7] + rows[0]["token_ids"]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0] / 0.7, dim=-1)
+    want = logp[torch.arange(2, 8), torch.tensor(rows[0]["token_ids"])]
+    assert torch.allclose(want, torch.tensor(rows[0]["logprobs"]), atol=1e-4)
+    bad = _hyflow("generate", "--hf", str(tmp_path / "hf"), "--prompts", str(tmp_path / "missing.jsonl"))
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def test_bench_rollout_prints_a_table_then_json():
+    proc = _hyflow("bench", "rollout", "--model", "tiny", "--batch", "4", "--new-tokens", "8", "--repeats", "1",
+                   "--compare-batching")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    row = json.loads(lines[-1])
+    for key in ("tokens_per_s", "hf_tokens_per_s", "speedup"):
+        assert row[key] > 0
+    assert row["greedy_match"] == "4/4"
+    assert set(row["batching"]) == {"continuous", "static"}
+    assert any("transformers generate" in line for line in lines)

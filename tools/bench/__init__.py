@@ -1,0 +1,35 @@
+"""``hyflow bench NAME``: benchmarks of hyflow's components.
+
+Each benchmark is a module with light top-level imports that defines
+``add_arguments(parser)`` and ``run(args) -> int``; list it in :data:`BENCHMARKS`
+(name -> (module, help)) to make it a ``hyflow bench`` subcommand. Every
+benchmark prints a human-readable table and, last, one JSON line with its numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+#: name -> (module, one-line help). Add an entry to register a new benchmark.
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "rollout": ("hyflow.tools.bench.rollout",
+                "generation tokens/s of the rollout engine vs transformers generate"),
+    "reshard": ("hyflow.tools.bench.reshard",
+                "hybrid engine train<->generation transition vs swap_model_weights, ckpt, all-gather"),
+}
+
+
+def _run(module: str, args: argparse.Namespace) -> int:
+    return importlib.import_module(module).run(args)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``bench`` and one sub-subcommand per entry of :data:`BENCHMARKS`."""
+    parser = subparsers.add_parser("bench", help="benchmarks (" + ", ".join(BENCHMARKS) + ")")
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    for name, (module, help_text) in BENCHMARKS.items():
+        bench = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(bench)
+        bench.set_defaults(func=lambda args, _m=module: _run(_m, args))
+    parser.set_defaults(func=lambda args: (parser.print_help(), 0)[1])
