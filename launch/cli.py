@@ -98,13 +98,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     modes = launch.add_subparsers(dest="mode", metavar="MODE", parser_class=IntermixedParser)
     launch.set_defaults(func=lambda a: (launch.print_help(), 2)[1])
 
-    local = modes.add_parser("local", help="torchrun on this machine (gloo on CPU, NCCL on GPU)")
+    local = modes.add_parser("local", help="torchrun on this machine (gloo on CPU, NCCL on GPU)",
+                             description="Start ranks on this machine with torchrun --standalone; "
+                                         "the config is validated for --nproc ranks first.")
     _common(local)
     local.add_argument("--nproc", type=int, help="ranks to start (default: trainer.nproc, 1 for doctor)")
     local.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
     local.set_defaults(func=cmd_local)
 
-    slurm = modes.add_parser("slurm", help="render an sbatch script into the run directory and submit it")
+    slurm = modes.add_parser(
+        "slurm", help="render an sbatch script into the run directory and submit it",
+        description="Render <run dir>/hyflow.sbatch (one srun task per node running torchrun with a "
+                    "c10d rendezvous on the first node; logs in <run dir>/logs/<job id>/; "
+                    "SIGUSR1 before the time limit saves, requeues and resumes) and submit it "
+                    "with sbatch. The config and `hyflow plan` are checked first.")
     _common(slurm)
     slurm.add_argument("--nodes", type=int, required=True, help="nodes (one srun task each)")
     slurm.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node")

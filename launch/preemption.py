@@ -1,8 +1,14 @@
-"""Preemption for the ranks: notice Slurm's SIGUSR1, agree on a step, save, exit.
+"""Preemption contract between ``hyflow launch slurm`` and the ranks.
 
-``hyflow launch slurm`` submits with ``--signal=USR1@<grace>`` and ``--requeue``; the sbatch
-script starts torchrun with SIGUSR1 ignored and forwards the signal to the ranks. A trainer
-uses this module like so::
+Launcher side: the job is submitted with ``--signal=USR1@<grace>`` and ``--requeue``. On every
+node the sbatch script starts torchrun with SIGUSR1 ignored (torchrun would die of it and take
+the ranks along), forwards the signal to the ranks (torchrun's children) and marks it; when
+the ranks have exited, a marked job requeues itself (``scontrol requeue``) and the new run
+resumes from the last checkpoint (``trainer.resume=auto``).
+
+Rank side: on SIGUSR1 (or SIGTERM), finish the current step, agree across ranks, save, exit
+0. The RL trainer does this with :class:`hyflow.trainer.preemption.StepSupervisor`; other
+entry points (scripts, the ``lm`` job) can use the minimal :class:`PreemptionFlag`::
 
     stop = PreemptionFlag.install()          # once, after init_distributed()
     for step in ...:

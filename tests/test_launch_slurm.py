@@ -172,7 +172,8 @@ def test_rank_argv_survives_spaces_and_quotes(tmp_path, fake_slurm):
         assert f"--rdzv-endpoint=localhost:{env['HYFLOW_MASTER_PORT']}" in argv
         i = argv.index("-m")
         assert argv[i:i + 4] == ["-m", "hyflow.cli", "train", QUICKSTART]
-        assert argv[i + 4:] == [weird, "actor.optim.lr=0.001", "trainer.nproc=2"]
+        # the rl job resumes after a requeue: trainer.resume=auto is appended
+        assert argv[i + 4:] == [weird, "actor.optim.lr=0.001", "trainer.nproc=2", "trainer.resume=auto"]
     assert not (d / "scontrol.log").exists()  # no preemption, no requeue
 
 

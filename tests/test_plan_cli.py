@@ -72,7 +72,7 @@ def test_quickstart_and_lm_on_cpu(capsys):
     (["qwen2_72b_1024gpu.yaml", "rollout.layout.tp=3"], 2, ["rollout.layout tp=3 pp=1 must divide"]),
     (["llama3_8b_8gpu.yaml", "rollout.max_concurrent=1024"], 1,
      ["memory: phase 'generation' needs", "of 80 GiB per GPU: DOES NOT FIT",
-      "KV cache 256.0 GiB", "lower rollout.max_concurrent"]),
+      "KV cache 64.0 GiB", "256 sequences x 4096 tokens", "lower rollout.max_concurrent"]),
     (["qwen2_72b_128gpu.yaml", "--gpu-memory", "40"], 1,
      ["memory: phase 'generation' needs", "but a GPU has 40.0 GiB"]),
 ])

@@ -91,8 +91,7 @@ def test_estimate_within_15_percent_of_measured_peak(overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("HYFLOW_RUN_SLOW"),
-                    reason="runs a whole RL step under the tensor tracker (minutes); HYFLOW_RUN_SLOW=1")
+@pytest.mark.multirank
 def test_rl_quickstart_estimate_within_15_percent(tmp_path):
     """The README quickstart (GRPO, job rl): one step, whole-run peak vs the plan's peak phase.
 

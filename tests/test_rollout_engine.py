@@ -48,18 +48,30 @@ def _tiny_hf(family: str, seed: int = 0) -> Any:
     return model
 
 
-def _engine(family: str, tp: int, pp: int = 1, dp: int = 1, **config: Any):
+def _model(family: str, tp: int, pp: int = 1, dp: int = 1):
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.rollout import GenerationEngine, RolloutConfig, SamplingConfig
     from hyflow.rollout.loading import megatron_from_hf
 
     groups = init_training_groups(Layout(tp=tp, pp=pp, dp=dp))
     hf = _tiny_hf(family)
     model, desc = megatron_from_hf(hf, groups)
+    return model, desc, hf, groups
+
+
+def _make(built, **config: Any):
+    """An engine over an already built (model, desc, hf, groups) with ``config`` overrides."""
+    from hyflow.rollout import GenerationEngine, RolloutConfig, SamplingConfig
+
+    model, desc, _, groups = built
     sampling = SamplingConfig(**config.pop("sampling", dict(temperature=0, max_new_tokens=NEW, ignore_eos=True)))
-    cfg = RolloutConfig(sampling=sampling, **config)
-    return GenerationEngine.from_description(model, desc, cfg, tp_group=groups.pgs.tp), hf, groups
+    return GenerationEngine.from_description(model, desc, RolloutConfig(sampling=sampling, **config),
+                                             tp_group=groups.pgs.tp)
+
+
+def _engine(family: str, tp: int, pp: int = 1, dp: int = 1, **config: Any):
+    built = _model(family, tp, pp, dp)
+    return _make(built, **config), built[2], built[3]
 
 
 def _hf_greedy(hf: Any, prompt: list[int], new: int) -> list[int]:
@@ -79,21 +91,27 @@ def _hf_logprobs(hf: Any, prompt: list[int], response: list[int], temperature: f
 
 
 def _parity(tp: int) -> dict:
-    """Rank fn: greedy tokens, HF greedy tokens, sampled log-prob error, sampled tokens per family."""
+    """Rank fn: per family and layer implementation, greedy tokens, the sampled log-prob error
+    against HF and the sampled tokens; plus HF's greedy tokens."""
     from hyflow.rollout import SamplingConfig
 
-    out = {}
+    out: dict = {}
     for family in FAMILIES:
-        engine, hf, _ = _engine(family, tp, max_concurrent=3, prefill_chunk_size=8)
-        greedy = [s.token_ids for s in engine.generate(PROMPTS).samples]
-        reference = [_hf_greedy(hf, p, NEW) for p in PROMPTS]
-        res = engine.generate(PROMPTS, SamplingConfig(**SAMPLED))
-        err = 0.0
-        for s in res.samples:
-            want = _hf_logprobs(hf, s.prompt_ids, s.token_ids, SAMPLED["temperature"])
-            err = max(err, max(abs(a - b) for a, b in zip(s.logprobs, want)))
-        out[family] = {"greedy": greedy, "hf": reference, "logprob_err": err,
-                       "sampled": [s.token_ids for s in res.samples]}
+        out[family] = {}
+        built = _model(family, tp)
+        hf = built[2]
+        for impl in ("lean", "megatron"):
+            engine = _make(built, max_concurrent=3, prefill_chunk_size=8, layer_impl=impl)
+            assert (engine.runner.lean is not None) == (impl == "lean")
+            greedy = [s.token_ids for s in engine.generate(PROMPTS).samples]
+            res = engine.generate(PROMPTS, SamplingConfig(**SAMPLED))
+            err = 0.0
+            for s in res.samples:
+                want = _hf_logprobs(hf, s.prompt_ids, s.token_ids, SAMPLED["temperature"])
+                err = max(err, max(abs(a - b) for a, b in zip(s.logprobs, want)))
+            out[family][impl] = {"greedy": greedy, "logprob_err": err,
+                                 "sampled": [s.token_ids for s in res.samples]}
+        out[family]["hf"] = [_hf_greedy(hf, p, NEW) for p in PROMPTS]
     return out
 
 
@@ -102,25 +120,29 @@ def tp1() -> dict:
     return run_on_ranks(_parity, 1, 1, timeout=300)[0]
 
 
+@pytest.mark.parametrize("impl", ["lean", "megatron"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_matches_hf_generate_tp1(tp1, family):
-    assert tp1[family]["greedy"] == tp1[family]["hf"]
+def test_greedy_matches_hf_generate_tp1(tp1, family, impl):
+    assert tp1[family][impl]["greedy"] == tp1[family]["hf"]
 
 
+@pytest.mark.parametrize("impl", ["lean", "megatron"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sampled_logprobs_equal_full_forward_tp1(tp1, family):
-    assert tp1[family]["logprob_err"] <= 1e-4
+def test_sampled_logprobs_equal_full_forward_tp1(tp1, family, impl):
+    assert tp1[family][impl]["logprob_err"] <= 1e-4
+    assert tp1[family][impl]["sampled"] == tp1[family]["lean"]["sampled"]
 
 
 def test_tp2_greedy_parity_logprobs_and_tp_invariant_samples(tp1):
     results = run_on_ranks(_parity, 2, 2, timeout=300)
     for family in FAMILIES:
         for rank in range(2):
-            got = results[rank][family]
-            assert got["greedy"] == got["hf"], (family, rank)
-            assert got["logprob_err"] <= 1e-4, (family, rank)
-        # Same seeds -> same samples at TP 1 and TP 2 (the draw is in global vocabulary order).
-        assert results[0][family]["sampled"] == results[1][family]["sampled"] == tp1[family]["sampled"]
+            for impl in ("lean", "megatron"):
+                got = results[rank][family][impl]
+                assert got["greedy"] == results[rank][family]["hf"], (family, impl, rank)
+                assert got["logprob_err"] <= 1e-4, (family, impl, rank)
+                # Same seeds -> same samples at TP 1 and TP 2 (the draw is in global vocabulary order).
+                assert got["sampled"] == tp1[family]["lean"]["sampled"], (family, impl, rank)
 
 
 # ----------------------------------------------------------------------------- behaviours
@@ -131,7 +153,8 @@ def _behaviour() -> dict:
     from hyflow.rollout import GenerationRequest, SamplingConfig
     from hyflow.rollout.engine import PromptTooLongError
 
-    engine, hf, _ = _engine("llama", 1, max_concurrent=2)
+    built = _model("llama", 1)
+    engine = _make(built, max_concurrent=2)
     prompt = PROMPTS[3]
     ref = engine.generate([prompt], SamplingConfig(temperature=0, max_new_tokens=10, ignore_eos=True)).samples[0]
     i = next(j for j in range(2, 10) if ref.token_ids[j] not in ref.token_ids[:j])
@@ -152,15 +175,15 @@ def _behaviour() -> dict:
     r["mixed"] = [(s.token_ids, s.finish_reason) for s in mixed.samples]
 
     # Context limit and prompts over it.
-    small, _, _ = _engine("llama", 1, max_seq_len=len(prompt) + 4)
+    small = _make(built, max_seq_len=len(prompt) + 4)
     r["context"] = small.generate([prompt]).samples[0]
-    tight, _, _ = _engine("llama", 1, max_seq_len=20)
+    tight = _make(built, max_seq_len=20)
     try:
         tight.generate([PROMPTS[4]])
         r["too_long"] = None
     except PromptTooLongError as e:
         r["too_long"] = str(e)
-    trunc, _, _ = _engine("llama", 1, max_seq_len=20, truncate_long_prompts=True)
+    trunc = _make(built, max_seq_len=20, truncate_long_prompts=True)
     res = trunc.generate([PROMPTS[4], PROMPTS[1]])
     r["truncated"] = (res.samples[0], res.stats.truncated_prompts,
                       trunc.generate([PROMPTS[4][-19:]]).samples[0].token_ids)
@@ -178,7 +201,7 @@ def _behaviour() -> dict:
     for name, kw in {"base": {}, "chunked": {"prefill_chunk_size": 4}, "static": {"batching": "static"},
                      "one_slot": {"max_concurrent": 1}, "no_share": {"share_prompt_prefill": False},
                      "many_slots": {"max_concurrent": 16}}.items():
-        eng, _, _ = _engine("llama", 1, **{"max_concurrent": 4, **kw})
+        eng = _make(built, **{"max_concurrent": 4, **kw})
         res = eng.generate(PROMPTS, sampled)
         variants[name] = ([s.token_ids for s in res.samples], [s.logprobs for s in res.samples], res.stats)
     r["variants"] = variants
@@ -283,5 +306,5 @@ def test_data_parallel_split_gathers_in_request_order(tp1):
         tokens, order, count = results[0][family]
         assert results[1][family] == results[0][family]
         assert order == [(i, j) for i in range(len(PROMPTS)) for j in range(2)]
-        assert tokens == tp1[family]["sampled"] and count == 2 * len(PROMPTS)
+        assert tokens == tp1[family]["lean"]["sampled"] and count == 2 * len(PROMPTS)
     assert "pipeline" in results[0]["pp_error"] and "pp=1" in results[0]["pp_error"]

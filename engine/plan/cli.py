@@ -25,10 +25,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.megatron_rank:
         ranks = tuple(args.megatron_rank)
     if args.all_ranks:
-        ranks = tuple(range(args.world_size)) if args.world_size else ()
-        if not ranks:
-            print("hyflow plan: --all-ranks needs --world-size", file=sys.stderr)
-            return 2
+        ranks = "all"
     if args.no_megatron:
         ranks = ()
     opts = PlanOptions(world_size=args.world_size, gpu_memory_gib=args.gpu_memory,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence, Union
 
 from hyflow.config import ConfigError
 from hyflow.hybrid.planner import ReshardPlan, ReshardPlanError, gpt_param_specs, plan_reshard
@@ -39,7 +39,8 @@ class PlanOptions:
         fragmentation: fraction of the estimate added for allocator fragmentation
             (default 0.05 on GPU, 0 on CPU).
         megatron_ranks: ranks whose groups are really created in a fake world and checked
-            (default: first and last rank; empty to skip, which avoids importing Megatron).
+            (default: first and last rank; ``"all"`` for every rank; empty to skip, which
+            avoids importing Megatron).
     """
 
     world_size: Optional[int] = None
@@ -47,7 +48,7 @@ class PlanOptions:
     device: Literal["gpu", "cpu"] = "gpu"
     reserve_gib: Optional[float] = None
     fragmentation: Optional[float] = None
-    megatron_ranks: Optional[Sequence[int]] = None
+    megatron_ranks: Optional[Union[Sequence[int], str]] = None
 
 
 @dataclass
@@ -229,7 +230,9 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
             result.errors.append("generation " + problem)
     gen_layout = Layout(tp=gen.tp, pp=gen.pp, dp=plan.gen_dp_size)
     capacity = seq
-    slots = cfg.rollout.max_concurrent
+    # the engine sizes its cache for min(max_concurrent, the samples of its replica)
+    per_replica = -(-cfg.data.train_batch_size * cfg.rollout.n // plan.gen_dp_size)
+    slots = min(cfg.rollout.max_concurrent, per_replica)
     # a prompt is prefilled once for its n samples (the engine's share_prompt_prefill)
     prompts = -(-slots // cfg.rollout.n) if _engine_default(cfg.rollout, "share_prompt_prefill", True) \
         else slots
@@ -314,6 +317,8 @@ def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) ->
                                        f"(gpus_per_node={per_node}); keep tp within a node")
     _check_memory(result)
     ranks = opts.megatron_ranks if opts.megatron_ranks is not None else sorted({0, world - 1})
+    if ranks == "all":
+        ranks = range(world)
     if ranks:
         t1 = time.perf_counter()
         import megatron.core.parallel_state  # noqa: F401  (timed apart from group creation)

@@ -70,7 +70,7 @@ class GenerationEngine:
             raise ConfigError(f"max_seq_len={limit} exceeds the model's context length {model_len}",
                               key="max_seq_len")
         self.max_seq_len = limit
-        self.max_prompt_length = self.config.max_prompt_length or limit - 1
+        self.max_prompt_length = min(self.config.max_prompt_length or limit - 1, limit - 1)
         self.sampler = VocabParallelSampler(vocab_size, self.runner.local_vocab, self.runner.tp_group)
         self.last_stats = RolloutStats()
 
@@ -113,19 +113,21 @@ class GenerationEngine:
                 cut = len(prompt) - self.max_prompt_length
                 prompt = prompt[cut:]
                 truncated += 1
+            # A request's own seed gives the same samples wherever the request sits in the batch.
             seed = req.seed if req.seed is not None else stream_seed(params.seed, index, 0)
             max_new = min(params.max_new_tokens, self.max_seq_len - len(prompt))
             stops = stop_ids(params, self.eos_token_ids)
             for j in range(params.n):
                 out = SampleOutput(request_index=index, sample_index=j, prompt_ids=prompt,
                                    prompt_truncated=cut)
-                seqs.append(Sequence(out=out, params=params, stream=stream_seed(seed, index, j),
+                seqs.append(Sequence(out=out, params=params, stream=stream_seed(seed, 0, j),
                                      stops=stops, max_new=max_new))
         if too_long:
             shown = ", ".join(f"request {i}: {n} tokens" for i, n in too_long[:5])
             raise PromptTooLongError(
                 f"{len(too_long)} prompt(s) exceed the prompt limit of {self.max_prompt_length} tokens "
-                f"(context limit max_seq_len={self.max_seq_len} minus room for one new token): {shown}. "
+                f"(max_prompt_length, at most the context limit max_seq_len={self.max_seq_len} minus one "
+                f"new token): {shown}. "
                 "Shorten them, raise max_seq_len, or set truncate_long_prompts=true to keep their last "
                 f"{self.max_prompt_length} tokens.")
         if truncated:

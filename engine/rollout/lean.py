@@ -45,6 +45,11 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
         return "fp32 residual connection or attention output gate"
     if getattr(model.rotary_pos_emb, "rotary_interleaved", False):
         return "interleaved RoPE"
+    head_dim = model.decoder.layers[0].self_attention.hidden_size_per_attention_head
+    if 2 * model.rotary_pos_emb.inv_freq.numel() != head_dim:
+        return "partial rotary embedding (rotary_percent < 1)"
+    if getattr(cfg, "qk_layernorm", False):
+        return "QK layernorm"
     for layer in model.decoder.layers:
         attn, mlp = layer.self_attention, layer.mlp
         if not isinstance(attn.linear_qkv, ColumnParallelLinear) or not isinstance(attn.linear_proj, RowParallelLinear):
