@@ -162,7 +162,8 @@ def _behaviour() -> dict:
     r: dict = {"ref": ref.token_ids, "i": i}
 
     def one(**kw):
-        return engine.generate([prompt], SamplingConfig(**{"temperature": 0, "max_new_tokens": 10, **kw})).samples[0]
+        params = SamplingConfig(**{"temperature": 0, "max_new_tokens": 10, **kw})
+        return engine.generate([prompt], params).samples[0]
 
     r["eos"] = one(eos_token_ids=[stop])
     r["eos_excluded"] = one(eos_token_ids=[stop], include_stop_token=False)
@@ -170,8 +171,9 @@ def _behaviour() -> dict:
     r["ignore_eos"] = one(eos_token_ids=[stop], ignore_eos=True)
     r["max_new"] = one(max_new_tokens=4, ignore_eos=True)
     # Per-request sampling overrides in one batch.
-    mixed = engine.generate([GenerationRequest(prompt, SamplingConfig(temperature=0, max_new_tokens=3, ignore_eos=True)),
-                             GenerationRequest(prompt, SamplingConfig(temperature=0, max_new_tokens=6, eos_token_ids=[stop]))])
+    short = SamplingConfig(temperature=0, max_new_tokens=3, ignore_eos=True)
+    stopping = SamplingConfig(temperature=0, max_new_tokens=6, eos_token_ids=[stop])
+    mixed = engine.generate([GenerationRequest(prompt, short), GenerationRequest(prompt, stopping)])
     r["mixed"] = [(s.token_ids, s.finish_reason) for s in mixed.samples]
 
     # Context limit and prompts over it.

@@ -66,4 +66,4 @@ def test_smollm2_greedy_equals_hf_generate():
         assert len(ours) == NEW
         assert ours == theirs
     assert "Paris" in r["text"]
-    assert r["logprob_err"] <= 1e-3
+    assert r["logprob_err"] <= 1e-4

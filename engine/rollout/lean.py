@@ -28,6 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+#: ``linear(module, weight, x)``: the product of a parallel linear's local shard.
+LinearFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     """Why the lean path cannot run ``model`` (None when it can)."""
@@ -52,9 +55,11 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
         return "QK layernorm"
     for layer in model.decoder.layers:
         attn, mlp = layer.self_attention, layer.mlp
-        if not isinstance(attn.linear_qkv, ColumnParallelLinear) or not isinstance(attn.linear_proj, RowParallelLinear):
+        if not (isinstance(attn.linear_qkv, ColumnParallelLinear)
+                and isinstance(attn.linear_proj, RowParallelLinear)):
             return f"attention linears are {type(attn.linear_qkv).__name__} (e.g. TE fused layernorm-linear)"
-        if not all(isinstance(getattr(attn, n, None), (IdentityOp, type(None))) for n in ("q_layernorm", "k_layernorm")):
+        norms = (getattr(attn, n, None) for n in ("q_layernorm", "k_layernorm"))
+        if not all(isinstance(n, (IdentityOp, type(None))) for n in norms):
             return "QK layernorm"
         if not hasattr(mlp, "linear_fc1") or not isinstance(mlp.linear_fc2, RowParallelLinear):
             return "MLP without linear_fc1 / linear_fc2"
@@ -75,8 +80,7 @@ class LeanDecoder:
             default ``F.linear``.
     """
 
-    def __init__(self, model: torch.nn.Module, tp_group=None,
-                 linear: Optional[Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> None:
+    def __init__(self, model: torch.nn.Module, tp_group=None, linear: Optional[LinearFn] = None) -> None:
         self.model = model
         self.layers = list(model.decoder.layers)
         self.final_norm = model.decoder.final_layernorm

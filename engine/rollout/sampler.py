@@ -114,7 +114,8 @@ class VocabParallelSampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row; returns (global token ids [b] long, log-probs [b] float32)."""
-        b = logits.shape[0]
+        b, dev = logits.shape[0], logits.device
+        params = RowParams(*(t.to(dev) for t in (params.temperature, params.top_k, params.top_p, params.uniform)))
         x = logits.float()
         if self.valid < self.local_size:
             x = x.clone()
@@ -156,7 +157,7 @@ class VocabParallelSampler:
             owner = ((before <= target) & (masses > 0)).long().cumsum(dim=0).argmax(dim=0)
             my_rank = self.start // self.local_size
             mine = sampled & (owner == my_rank)
-            token_val = torch.zeros(b, 2, dtype=torch.float64)
+            token_val = torch.zeros(b, 2, dtype=torch.float64, device=dev)
             if bool(mine.any()):
                 rows = mine.nonzero().squeeze(1)
                 w = e[rows].double() * torch.exp(safe_max[rows] - gmax[rows]).double().unsqueeze(1)
@@ -195,7 +196,7 @@ class VocabParallelSampler:
         rank_max, rank_sum = g[:, :, 0].float(), g[:, :, 1].float()
         gmax = rank_max.max(dim=0).values
         best_rank = (rank_max == gmax.unsqueeze(0)).long().argmax(dim=0)  # first rank holding the max
-        arg = g[best_rank, torch.arange(g.shape[1]), 2].long()
+        arg = g[best_rank, torch.arange(g.shape[1], device=g.device), 2].long()
         scale = torch.exp(torch.where(torch.isfinite(rank_max), rank_max, gmax) - gmax)
         lse = gmax + torch.log((rank_sum * scale).sum(dim=0))
         out = {"gmax": gmax, "lse": lse, "arg": arg, "rank_max": rank_max, "rank_sum": rank_sum,
@@ -211,12 +212,12 @@ class VocabParallelSampler:
     def _thresholds(self, stats: dict, params: RowParams, truncate: torch.Tensor) -> Optional[torch.Tensor]:
         """Per-row logit threshold (``-inf`` = keep all); None when more candidates are needed."""
         b = truncate.shape[0]
-        ninf = torch.full((b,), float("-inf"))
+        ninf = torch.full((b,), float("-inf"), device=truncate.device)
         if not bool(truncate.any()):
             return ninf
         merged, bound, lse = stats["merged"], stats["bound"], stats["lse"]
         n = merged.shape[1]
-        pos = torch.arange(n).unsqueeze(0)
+        pos = torch.arange(n, device=merged.device).unsqueeze(0)
         k = params.top_k
         use_k = truncate & (k > 0) & (k < self.vocab_size)
         kept = torch.where(use_k.unsqueeze(1), pos < k.unsqueeze(1), torch.ones_like(pos, dtype=torch.bool))

@@ -160,22 +160,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"speedup {row['speedup']:.2f}x (process CPU time: {row['cpu_speedup']:.2f}x); "
               f"greedy outputs identical for {row['greedy_match']} prompts")
         if args.compare_batching:
-            row["batching"] = _compare_batching(engine, prompts, args)
+            # The random tiny model almost never samples its EOS: give it 1 stop id in 40 so
+            # response lengths vary as they do for a real model.
+            stops = list(range(0, desc.vocab_size, 40)) if args.model == "tiny" else None
+            row["batching"] = _compare_batching(engine, prompts, args, stops)
         print(json.dumps(row), flush=True)
     finally:
         shutdown()
     return 0
 
 
-def _compare_batching(engine: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+def _compare_batching(engine: Any, prompts: list[list[int]], args: argparse.Namespace,
+                      stop_ids: Any = None) -> dict:
     """Continuous vs static batching on sampled responses whose lengths vary (EOS on)."""
     from hyflow.rollout import SamplingConfig
 
-    params = SamplingConfig(temperature=1.0, n=2, max_new_tokens=args.new_tokens, seed=3)
+    params = SamplingConfig(temperature=1.0, n=4, max_new_tokens=args.new_tokens, seed=3, eos_token_ids=stop_ids)
     out = {}
-    print(f"\nbatching comparison: {len(prompts)} prompts x n=2 sampled (T=1, EOS on), "
+    print(f"\nbatching comparison: {len(prompts)} prompts x n=4 sampled (T=1, EOS on), "
           f"{args.batch} slots")
-    print(f"{'policy':<12}{'seconds':>9}{'tokens':>8}{'tokens/s':>10}{'decode rows':>13}{'padded rows*':>14}")
+    print(f"{'policy':<12}{'seconds':>9}{'tokens':>8}{'tokens/s':>10}{'steps':>7}{'decode rows':>13}"
+          f"{'padded rows*':>14}")
     for policy in ("continuous", "static"):
         engine.config.batching = policy
         res = engine.generate(prompts, params)
@@ -187,7 +192,7 @@ def _compare_batching(engine: Any, prompts: list[list[int]], args: argparse.Name
         out[policy] = {"seconds": round(s.seconds, 3), "tokens": s.generated_tokens,
                        "tokens_per_s": round(s.tokens_per_s, 1), "decode_rows": s.decode_rows,
                        "decode_steps": s.decode_steps, "padded_rows": padded}
-        print(f"{policy:<12}{s.seconds:>9.2f}{s.generated_tokens:>8}{s.tokens_per_s:>10.1f}"
+        print(f"{policy:<12}{s.seconds:>9.2f}{s.generated_tokens:>8}{s.tokens_per_s:>10.1f}{s.decode_steps:>7}"
               f"{s.decode_rows:>13}{padded:>14}")
     engine.config.batching = "continuous"
     print("* row-forwards a static batch needs if finished rows stay in the batch (as in HF generate)")
