@@ -7,7 +7,7 @@ import torch
 
 from hyflow.kernels import reshard_reference as reference
 
-__all__ = ["ASSEMBLE_KINDS", "assemble", "reference"]
+__all__ = ["ASSEMBLE_KINDS", "assemble", "place_shard", "reference"]
 
 # kind -> what ``gathered`` is and what comes back
 ASSEMBLE_KINDS = {
@@ -94,3 +94,28 @@ _INTO_SHAPES = {
     "row_concat": lambda g: (g.shape[1], g.shape[0] * g.shape[2]),
     "column_concat": lambda g: (g.shape[0] * g.shape[1], *g.shape[2:]),
 }
+
+
+def place_shard(kind: str, piece: torch.Tensor, index: int, s: int, out: torch.Tensor, row0: int = 0) -> None:
+    """Write rows ``[row0, row0 + len(piece))`` of training shard ``index`` (of ``s``) into
+    its place in the generation tensor ``out``: the per-shard form of :func:`assemble`,
+    for transports that deliver shards one at a time (e.g. shared memory on one host).
+    Placing every row of every shard gives exactly ``assemble(kind, stacked shards)``.
+    """
+    if kind == "column_concat":  # out = [shard_0; ...; shard_{s-1}]
+        rows = out.shape[0] // s
+        out.view(s, rows, *out.shape[1:])[index, row0:row0 + piece.shape[0]].copy_(piece)
+    elif kind == "row_concat":  # out [h, s*k]: shard j is columns [j*k, (j+1)*k)
+        k = out.shape[1] // s
+        out[row0:row0 + piece.shape[0], index * k:(index + 1) * k].copy_(piece)
+    elif kind == "gate_up":  # shard j = [gate_j; up_j]; out = [gate_0..gate_{s-1}; up_0..up_{s-1}]
+        f = out.shape[0] // (2 * s)
+        halves = out.view(2, s, f, *out.shape[1:])
+        end = row0 + piece.shape[0]
+        for half in (0, 1):  # a piece may straddle the gate/up boundary of its shard
+            lo, hi = max(row0, half * f), min(end, (half + 1) * f)
+            if lo < hi:
+                halves[half, index, lo - half * f:hi - half * f].copy_(piece[lo - row0:hi - row0])
+    else:
+        raise ValueError(f"place_shard: unsupported kind {kind!r}; expected gate_up, row_concat "
+                         "or column_concat")

@@ -83,3 +83,38 @@ def test_failures_are_clear(capsys, args, code, needles):
     for needle in needles:
         assert needle in out + err, needle
     assert err.startswith("hyflow plan: ")
+
+
+def test_generation_phase_counts_offloaded_state_out():
+    path = os.path.join(CONFIGS, "llama3_8b_8gpu.yaml")
+    opts = PlanOptions(world_size=8, gpu_memory_gib=80, megatron_ranks=())
+
+    def resident(*overrides):
+        result = build_plan(path, list(overrides), opts)
+        gen = next(p for p in result.phases if p.phase == "generation")
+        update = next(p for p in result.phases if p.phase == "actor update")
+        return gen.get("actor grads+optimizer"), update.get("grads"), update.get("optimizer")
+
+    kept, grads, optim = resident("rollout.offload_grad_buffers=false", "rollout.offload_optimizer=false")
+    assert kept == grads + optim > 0
+    assert resident("rollout.offload_grad_buffers=true", "rollout.offload_optimizer=false")[0] == optim
+    assert resident("rollout.offload_grad_buffers=false", "rollout.offload_optimizer=true")[0] == grads
+    assert resident("rollout.offload_grad_buffers=true", "rollout.offload_optimizer=true")[0] == 0
+
+
+def test_plan_with_critic_and_cpu_staging():
+    """PPO with a critic plans (the critic is a role of its own); on CPU every phase counts the
+    TP merge's shared-memory staging, sized like the executor's."""
+    from hyflow.hybrid.planner import staging_bytes_per_rank
+
+    path = os.path.join(CONFIGS, "quickstart.yaml")
+    result = build_plan(path, ["critic.enable=true", "algorithm.adv_estimator=gae"],
+                        PlanOptions(world_size=2, device="cpu", megatron_ranks=()))
+    assert not result.errors, result.errors
+    assert {r.name for r in result.roles} >= {"actor", "critic"}
+    s = result.reshard.tp_ratio
+    assert s == 2
+    want = staging_bytes_per_rank(max(result.reshard.bytes_recv) // (s - 1), s)
+    assert want > 0 and all(p.get("reshard staging") == want for p in result.phases)
+    gpu = build_plan(path, [], PlanOptions(world_size=2, megatron_ranks=()))
+    assert all(p.get("reshard staging") == 0 for p in gpu.phases)

@@ -128,3 +128,30 @@ def test_reward_model_interface():
     nan = RewardManager("model", "model:x", model_fn=lambda p, r: [float("nan")] * len(r))
     with pytest.raises(RewardError, match=r"non-finite score .* on mem.jsonl row 0"):
         nan.score_records(recs[:1], ["a"])
+
+
+def test_reward_model_combined_with_a_rule_and_token_ids_passed():
+    seen = {}
+
+    def model_fn(prompts, responses, sequences):
+        seen["sequences"] = sequences
+        return [float(len(s)) for s in sequences]
+
+    recs = records(["1", "2"])
+    sequences = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
+    combined = RewardConfig(kind="rule", rule="exact_match", model_checkpoint="/ckpt/rm", model_coef=0.5)
+    with pytest.raises(RewardError, match="model_checkpoint is set with reward.kind=rule: the trainer must pass"):
+        RewardManager.from_config(combined)
+    rm = RewardManager.from_config(combined, model_fn=model_fn)
+    batch = rm.score_records(recs, ["1", "x", "2", "y"], sequences=sequences)
+    assert seen["sequences"] == sequences
+    assert batch.scores == [1.0 + 1.5, 0.0 + 0.5, 1.0 + 1.0, 0.0 + 2.0]  # rule + 0.5 * model
+    assert batch.extras["reward_model"] == [3.0, 1.0, 2.0, 4.0]
+    assert batch.metrics()["reward/extra/reward_model"] == 2.5
+    only = RewardManager.from_config(RewardConfig(kind="model", model_checkpoint="/ckpt/rm", model_coef=2.0),
+                                     model_fn=model_fn)
+    assert only.score_records(recs, ["1", "x", "2", "y"], sequences=sequences).scores == [6.0, 2.0, 4.0, 8.0]
+    # without a checkpoint a rule manager has no model part, as before
+    assert RewardManager.from_config(RewardConfig(kind="rule", rule="exact_match")).model_fn is None
+    with pytest.raises(ValueError, match="4 solutions but inputs of lengths"):
+        rm.score_records(recs, ["1", "x", "2", "y"], sequences=sequences[:3])

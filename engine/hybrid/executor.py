@@ -8,10 +8,13 @@ plan (:mod:`hyflow.hybrid.planner`). Then, as often as the trainer alternates:
   model's parameters into it:
 
   1. *TP merge* — inside each group of the ``s = TP/TP_g`` consecutive TP ranks of a
-     stage, one all-gather per sharded parameter; the gathered shards are laid out by
-     the fix-up kernels of :mod:`hyflow.kernels` (gate/up de-interleave, row-parallel
-     concatenation, plain concatenation) straight into the buffer. Replicated
-     parameters (norms) are copied locally.
+     stage, an all-gather of every sharded parameter; the shards are laid out by the
+     fix-up kernels of :mod:`hyflow.kernels` (gate/up de-interleave, row-parallel
+     concatenation, plain concatenation) straight into the buffer. The transport
+     (:mod:`hyflow.hybrid.transport`) is a collective per parameter (NCCL on GPU) or,
+     for CPU ranks on one host, a shared-memory staging area. Replicated parameters
+     (norms) are copied locally. The buffer faults in huge pages on CPU
+     (:mod:`hyflow.hybrid.memory`).
   2. *PP merge* (when ``PP_g < PP``) — inside each group of ``p = PP/PP_g``
      consecutive stages with the same TP rank, point-to-point sends carry each
      stage's generation shards to the stages that need them.
@@ -21,7 +24,9 @@ plan (:mod:`hyflow.hybrid.planner`). Then, as often as the trainer alternates:
 * :meth:`to_training` restores the training parameters from their slice of the
   generation buffer (a local copy: bit-identical) and frees the buffer.
 
-Optimizer state is never touched. Bytes received are measured and can be compared
+Optimizer state is never read or changed; with ``offload_optimizer`` / ``offload_grad_buffers``
+it (and the gradient buffers) leave device memory during generation
+(:mod:`hyflow.hybrid.offload`) and come back bit for bit. Bytes received are measured and can be compared
 with the plan (:attr:`plan`).
 """
 
@@ -34,8 +39,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hyflow.hybrid.planner import GenerationShape, ReshardPlan, gpt_param_specs, plan_reshard
-from hyflow.kernels import assemble
+from hyflow.hybrid.planner import (STAGING_SLACK, GenerationShape, ReshardPlan, gpt_param_specs,
+                                   plan_reshard)
+from hyflow.hybrid.memory import advise_huge_pages, empty_buffer
+from hyflow.hybrid.offload import OptimizerStateOffload
+from hyflow.hybrid.transport import GatherItem, make_transport
 from hyflow.models.builder import build_gpt_model
 from hyflow.models.description import ModelDescription
 from hyflow.models.weights import _tp_slice, global_name
@@ -73,12 +81,25 @@ class HybridEngine:
 
     def __init__(self, train_model: torch.nn.Module, desc: ModelDescription,
                  train_groups: ParallelGroups, generation: tuple[int, int] | GenerationShape, *,
-                 dtype: str = "fp32", spec: str = "auto", release_training_weights: bool = True):
+                 dtype: str = "fp32", spec: str = "auto", release_training_weights: bool = True,
+                 transport: str = "auto", staging_slot_bytes: int = 64 << 20,
+                 optimizer=None, offload_grad_buffers: bool = False, offload_optimizer: bool = False):
         layout = train_groups.layout
         if layout.vpp or layout.cp > 1:
             raise ValueError("the hybrid engine reshards layouts without vpp or cp")
         self.desc = desc
         self.train_model = _unwrap(train_model)
+        # During generation, optionally free the DDP gradient buffers (they are zeroed before
+        # every step anyway; Megatron-Core's ``offload_grad_buffers``) and move the optimizer
+        # state to host memory (:mod:`hyflow.hybrid.offload`).
+        self._ddp = train_model if hasattr(train_model, "offload_grad_buffers") else None
+        if offload_grad_buffers and self._ddp is None:
+            raise ValueError("offload_grad_buffers needs the DDP-wrapped training model (wrap_ddp)")
+        if offload_optimizer and optimizer is None:
+            raise ValueError("offload_optimizer needs the training optimizer (optimizer=...)")
+        self.offload_grads = offload_grad_buffers
+        self._optimizer_offload = OptimizerStateOffload(optimizer, train_model.parameters()) \
+            if offload_optimizer else None
         self.train_groups = train_groups
         self.gen_shape = generation if isinstance(generation, GenerationShape) else GenerationShape(*generation)
         self.padded_vocab = pad_vocab_size(desc.vocab_size, layout.tp)
@@ -101,6 +122,12 @@ class HybridEngine:
         self._gen_shapes = {n: tuple(p_.shape) for n, p_ in self._gen_params.items()}
         self._train_params = dict(self.train_model.named_parameters())
         self._map_parameters()
+        # Staging slots never larger than what this group gathers (tiny models stay tiny).
+        sharded = [self._train_params[local] for src, local in self._sources.values() if src == self.stage]
+        total = sum(p_.numel() * p_.element_size() for p_ in sharded if getattr(p_, "tensor_model_parallel", False))
+        slot = max(min(staging_slot_bytes, total + STAGING_SLACK), 4096)
+        self.transport = make_transport(transport, self.tp_merge_group, self.tp_merge_ranks,
+                                        next(self.train_model.parameters()).device, slot)
         for p_ in self._gen_params.values():
             p_.data = p_.data.new_empty(0)
         self._buffer: Optional[torch.Tensor] = None
@@ -118,6 +145,7 @@ class HybridEngine:
         pp_merge = [[rk(tp, k * p + l, dp) for l in range(p)]
                     for dp in range(L.dp) for tp in range(L.tp) for k in range(plan.gen.pp)]
         self.tp_merge_group, _ = dist.new_subgroups_by_enumeration(tp_merge)
+        self.tp_merge_ranks = next(g for g in tp_merge if rank in g)
         self.pp_merge_group, _ = dist.new_subgroups_by_enumeration(pp_merge)
         self.pp_merge_ranks = next(g for g in pp_merge if rank in g)
         gen_layout = Layout(tp=plan.gen.tp, pp=plan.gen.pp, dp=plan.gen_dp_size)
@@ -182,23 +210,34 @@ class HybridEngine:
         received = 0
         numel = sum(self._gen_numel(n) for n in self._gen_params)
         dtype = next(iter(self._train_params.values())).dtype
-        self._buffer = torch.empty(numel, dtype=dtype, device=next(iter(self._train_params.values())).device)
+        self._buffer = empty_buffer(numel, dtype, next(iter(self._train_params.values())).device)
         views, offset = {}, 0
         for name in self._gen_params:
             n = self._gen_numel(name)
             views[name] = self._buffer[offset:offset + n].view(self._gen_shapes[name])
             offset += n
-        # 1. TP merge of the parameters this rank's own stage holds.
+        # 1. TP merge of the parameters this rank's own stage holds: replicated ones are
+        #    copied, sharded ones all-gathered by the transport (with their fix-ups).
+        items = []
         for name, (src, local) in self._sources.items():
             if src != self.stage:
                 continue
-            received += self._fill_from_stage(views[name], self._train_params[local])
+            param = self._train_params[local].detach()
+            if getattr(self._train_params[local], "tensor_model_parallel", False) and self.s > 1:
+                items.append(GatherItem(param, _kind(self._train_params[local]), views[name]))
+            else:
+                views[name].copy_(param)
+        received += self.transport.gather(items)
         # 2. PP merge: point-to-point from the stage that holds each parameter.
         if self.p > 1:
             received += self._pp_merge(views)
         for name, param in self._gen_params.items():
             param.data = views[name]
         self._views = views
+        if self._optimizer_offload is not None:  # first: it must tell the weights' storage apart
+            self._optimizer_offload.offload()
+        if self.offload_grads:
+            self._ddp.offload_grad_buffers()
         if self.release_training_weights:
             self._release_training()
         self.in_generation = True
@@ -214,9 +253,14 @@ class HybridEngine:
         if not self.in_generation:
             return
         start = time.perf_counter()
+        if self._optimizer_offload is not None:
+            self._optimizer_offload.restore()
+        if self.offload_grads:
+            self._ddp.restore_grad_buffers()
         if self._released:
             for storage, nbytes in self._released:
                 storage.resize_(nbytes)
+                advise_huge_pages(storage)  # before the first touch (see hyflow.hybrid.memory)
                 torch.empty(0, dtype=torch.uint8).set_(storage).zero_()  # no stale bytes in padding
             for name, (src, local) in self._sources.items():
                 if src == self.stage:
@@ -236,21 +280,6 @@ class HybridEngine:
         for d in self._gen_shapes[name]:
             n *= d
         return n
-
-    def _fill_from_stage(self, out: torch.Tensor, param: torch.Tensor) -> int:
-        """Generation shard of ``param`` (held by this stage) into ``out``; returns bytes received."""
-        if not getattr(param, "tensor_model_parallel", False) or self.s == 1:
-            out.copy_(param.detach())
-            return 0
-        kind = _kind(param)
-        if kind == "column_concat":  # the gathered [s, rows, ...] *is* the generation shard
-            dist.all_gather_into_tensor(out, param.detach().contiguous(), group=self.tp_merge_group)
-        else:  # gather into scratch, then one strided pass (a Triton kernel on GPU)
-            scratch = torch.empty((self.s,) + tuple(param.shape), dtype=param.dtype, device=param.device)
-            dist.all_gather_into_tensor(scratch.view(-1, *param.shape[1:]), param.detach().contiguous(),
-                                        group=self.tp_merge_group)
-            assemble(kind, scratch, out=out)
-        return (self.s - 1) * param.numel() * param.element_size()
 
     def _pp_merge(self, views: dict[str, torch.Tensor]) -> int:
         """Exchange generation shards between the stages of this rank's generation stage."""

@@ -611,3 +611,15 @@ def plan_reshard(params: Iterable[ParamSpec], train: Any, gen: Any,
         gen_bytes=ranks(gen_b, True), scratch_bytes=ranks(scratch, True),
         model_bytes=model_bytes, formula_bytes=reshard_formula_bytes(model_bytes, train, gen),
         _by_name={pr.name: pr for pr in plans})
+
+
+#: Room for the 64-byte alignment of pieces in a staging slot sized to a group's whole gather.
+STAGING_SLACK = 64 * 1024
+
+
+def staging_bytes_per_rank(shard_bytes: int, s: int, slot_bytes: int = 64 << 20) -> int:
+    """Shared-memory staging a CPU rank maps (its two slots and its ``s - 1`` peers'),
+    when it gathers ``shard_bytes`` of its own shards in a TP-merge group of ``s``."""
+    if s <= 1:
+        return 0
+    return 2 * s * max(min(slot_bytes, shard_bytes + STAGING_SLACK), 4096)

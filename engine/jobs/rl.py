@@ -6,6 +6,9 @@ Per step::
             ──► reward ──► old / reference log-probs, values ──► advantages
             ──► actor update (mini-batches × PPO epochs) ──► critic update ──► metrics
 
+ReMax adds one greedy response per prompt to the generate phase; its reward (same scorer)
+is the baseline of that prompt's samples, and it is never trained on.
+
 Every rank holds the whole rollout batch (token ids are small); forward-only scoring
 runs on all rows, updates split mini-batches over data-parallel ranks.
 """
@@ -44,9 +47,9 @@ def run(cfg: RLJobConfig) -> list[dict]:
     tokenizer = load_data_tokenizer(cfg.data)
     dataset = build_dataset(cfg.data, cfg.rollout, tokenizer)
     loader = PromptLoader(dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-    reward = RewardManager.from_config(cfg.reward)
-    reward.check_records(list(dataset))
     roles = build_roles(cfg, tokenizer)
+    reward = RewardManager.from_config(cfg.reward, model_fn=roles.reward_model)  # model_fn: None without one
+    reward.check_records(list(dataset))
     kl_ctrl = make_kl_controller(cfg.algorithm)
     # SIGTERM / SIGUSR1 flags and NaN/inf guards, installed before the long set-up so no signal is lost
     supervisor = StepSupervisor(cfg.trainer.max_bad_steps, [roles.actor_optimizer, roles.critic_optimizer],
@@ -101,11 +104,15 @@ def rl_step(cfg: RLJobConfig, roles: Roles, records, tokenizer, reward, kl_ctrl,
     """One RL step; returns its metrics (identical on every rank) and the step's tensors
     (rollout batch, scores, old / reference log-probs, values, advantages, returns)."""
     n = cfg.rollout.n
+    prompts = [r.prompt_ids for r in records]
+    remax = cfg.algorithm.adv_estimator == "remax"
     # 1. generate with the actor in its generation layout
     with timers.phase("reshard"):
         gen_model = roles.hybrid.to_generation()
     with timers.phase("generate"):
-        result = roles.generate(gen_model, [r.prompt_ids for r in records], n)
+        result = roles.generate(gen_model, prompts, n)
+        # ReMax: one greedy response per prompt, a baseline only (scored, never trained on)
+        greedy = roles.generate(gen_model, prompts, 1, greedy=True) if remax else None
     with timers.phase("reshard"):
         roles.hybrid.to_training()
     samples = result.samples  # request order, n per prompt
@@ -114,9 +121,14 @@ def rl_step(cfg: RLJobConfig, roles: Roles, records, tokenizer, reward, kl_ctrl,
                                 pad_id=tokenizer.pad_token_id or 0)
     # 2. score responses
     with timers.phase("reward"):
-        texts = tokenizer.batch_decode([s.token_ids for s in samples])
-        scored = reward.score_records([records[s.request_index] for s in samples], texts)
+        scored = score_samples(reward, records, samples, tokenizer)
         scores = torch.tensor(scored.scores, dtype=torch.float32)
+    # 2b. ReMax: each sample's baseline is the score of its prompt's greedy response
+    greedy_scored, greedy_scores = None, None
+    if greedy is not None:
+        with timers.phase("reward"):
+            greedy_scored = score_samples(reward, records, greedy.samples, tokenizer)
+        greedy_scores = torch.tensor(greedy_scored.scores, dtype=torch.float32)[batch.group_ids]
     # 3. old / reference log-probs and values, forward-only over all rows
     tensors = {"tokens": batch.tokens, "position_ids": position_ids(batch.tokens),
                "response_mask": batch.response_mask}
@@ -138,7 +150,7 @@ def rl_step(cfg: RLJobConfig, roles: Roles, records, tokenizer, reward, kl_ctrl,
             values = forward_score(roles.critic_chunks, scoring, value_scorer(), roles.groups.pgs)[:batch.size]
     # 4. advantages
     adv = compute_advantages(cfg.algorithm, scores, batch.group_ids, batch.response_mask, old_logp, ref_logp,
-                             values, kl_ctrl)
+                             values, kl_ctrl, greedy_scores=greedy_scores)
     # 5. updates
     train = dict(tensors, old_logp=old_logp, advantages=adv.advantages)
     if ref_logp is not None:
@@ -156,19 +168,31 @@ def rl_step(cfg: RLJobConfig, roles: Roles, records, tokenizer, reward, kl_ctrl,
         kl_ctrl.update(adv.kl, len(records))
     resp_len = batch.response_lengths.float()
     gen_seconds = timers.step_times.get("generate", 0.0)
+    gen_tokens = float(batch.response_lengths.sum()) + (
+        sum(len(s.token_ids) for s in greedy.samples) if greedy is not None else 0)
     out = dict(scored.metrics())
+    if greedy_scored is not None:
+        out["reward/greedy_mean"] = sum(greedy_scored.scores) / len(greedy_scored.scores)
     out.update(actor_stats)
     out.update(critic_stats)
     out.update({
         "kl": adv.kl, "kl_coef": kl_ctrl.value,
         "response_length/mean": float(resp_len.mean()), "response_length/max": float(resp_len.max()),
         "response/clip_frac": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
-        "tokens_per_s": float(batch.response_lengths.sum()) / max(gen_seconds, 1e-9),
+        "tokens_per_s": gen_tokens / max(gen_seconds, 1e-9),
         "reshard/bytes_received": roles.hybrid.stats.bytes_received,
         "reshard/seconds": roles.hybrid.stats.seconds,
     })
-    data = dict(train, scores=scores, values=values, returns=adv.returns)
+    data = dict(train, scores=scores, values=values, returns=adv.returns, greedy_scores=greedy_scores)
     return out, data
+
+
+def score_samples(reward, records, samples, tokenizer):
+    """Rewards of generated ``samples`` to ``records`` (one score each, in order); a reward
+    model reads their ``prompt + response`` token ids."""
+    texts = tokenizer.batch_decode([s.token_ids for s in samples])
+    return reward.score_records([records[s.request_index] for s in samples], texts,
+                                sequences=[list(s.prompt_ids) + list(s.token_ids) for s in samples])
 
 
 def _update(cfg, chunks, optimizer, scheduler, tensors: dict, loss_fn, roles: Roles, micro_size: int) -> dict:

@@ -57,6 +57,10 @@ class RolloutConfig:
         "help": "left-truncate prompts over max_prompt_length instead of dropping them"})
     prefill_chunk_size: int = field(default=0, metadata={"help": "chunked prefill size (0 = whole prompt)"})
     max_concurrent: int = field(default=64, metadata={"help": "sequences decoded at once per replica"})
+    offload_grad_buffers: bool = field(default=False, metadata={
+        "help": "free the actor's gradient buffers while generating (memory for the KV cache)"})
+    offload_optimizer: bool = field(default=False, metadata={
+        "help": "move the actor's optimizer state to host memory while generating (GPU)"})
 
     def validate(self) -> None:
         _positive(self, "n", "max_prompt_length", "max_new_tokens", "max_concurrent")
@@ -129,14 +133,29 @@ class ReferenceConfig:
 
 @dataclass
 class RewardConfig:
-    """Where scores come from."""
+    """Where scores come from: a rule, a user function, a reward model, or a rule / function
+    plus a reward model (``kind: rule|function`` with ``model_checkpoint`` set):
 
-    kind: Literal["rule", "function", "model"] = "rule"
+    * ``kind: model``: score = model_coef * RM;
+    * ``kind: rule|function`` and ``model_checkpoint``: score = rule/function score + model_coef * RM;
+
+    RM is the reward model's scalar value head at the last response token of prompt + response
+    (the actor's token ids; the reward model must use the actor's tokenizer).
+    """
+
+    kind: Literal["rule", "function", "model"] = field(default="rule", metadata={
+        "help": "rule | function | model (model: the reward model's score alone)"})
     rule: Literal["exact_match", "numeric_match", "format"] = "numeric_match"
     function_path: Optional[str] = field(default=None, metadata={
         "help": "python file defining compute_score(data_source, solution_str, ground_truth, extra_info=None)"})
     function_name: str = "compute_score"
-    model_checkpoint: Optional[str] = field(default=None, metadata={"help": "reward model (scalar head)"})
+    model_checkpoint: Optional[str] = field(default=None, metadata={
+        "help": "reward model: hyflow checkpoint directory of a GPTModel with a scalar value head (same "
+                "tokenizer as the actor), run frozen in the actor's training layout; needed by kind=model, "
+                "added to the rule / function score when set with kind=rule|function"})
+    model_coef: float = field(default=1.0, metadata={
+        "help": "weight of the reward model's score: kind=model -> model_coef * RM; "
+                "kind=rule|function -> rule/function score + model_coef * RM"})
     format_score: float = field(default=0.0, metadata={
         "help": "partial credit for a wrong answer whose response matches format_pattern"})
     format_pattern: Optional[str] = field(default=None, metadata={"help": "regex of the `format` rule"})

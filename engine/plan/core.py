@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, Union
 
 from hyflow.config import ConfigError
-from hyflow.hybrid.planner import ReshardPlan, ReshardPlanError, gpt_param_specs, plan_reshard
+from hyflow.hybrid.planner import (ReshardPlan, ReshardPlanError, gpt_param_specs, plan_reshard,
+                                   staging_bytes_per_rank)
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.layout import Layout
 from hyflow.plan import memory as mem
@@ -170,11 +171,11 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         frozen.append(("reference weights", worst_static(ref, pbytes), f"frozen, {dtype}"))
     critic = None
     if cfg.critic.enable:
-        cmodel = _load_model(cfg.critic.checkpoint, model, "critic.checkpoint", notes)
+        cmodel = _load_model(getattr(cfg.critic, "checkpoint", None), model, "critic.checkpoint", notes)
         clayout = cfg.critic.layout.with_dp_for(world)
         critic = _role("critic", clayout, cmodel, dtype, True, value_head=True)
         result.roles.append(critic)
-    if cfg.reward.kind == "model":
+    if cfg.reward.model_checkpoint:  # kind=model, or a rule / function plus a reward model
         rmodel = _load_model(cfg.reward.model_checkpoint, model, "reward.model_checkpoint", notes)
         reward = _role("reward", layout, rmodel, dtype, False, value_head=True,
                        note="reward model in the actor's training layout")
@@ -189,7 +190,10 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         recompute=cfg.actor.recompute, distributed_optimizer=cfg.actor.optim.distributed_optimizer,
         logits_copies=3, phase="actor update")  # log-prob exp; entropy exp and mask (always logged)
     actor_static = max(e.get("weights") + e.get("grads") + e.get("optimizer") for e in actor_train)
-    actor_state = max(e.get("grads") + e.get("optimizer") for e in actor_train)
+    # What stays in device memory while generating (rollout.offload_* free the rest).
+    actor_state = max((0 if _engine_default(cfg.rollout, "offload_grad_buffers", False) else e.get("grads"))
+                      + (0 if _engine_default(cfg.rollout, "offload_optimizer", False) else e.get("optimizer"))
+                      for e in actor_train)
     critic_static: list[tuple[str, int, str]] = []
     if critic is not None:
         critic_train = mem.training_estimates(
@@ -242,7 +246,7 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     est.add("generation weights", max(plan.gen_bytes),
             f"actor in TP_g={gen.tp} PP_g={gen.pp} (holds the training shard)")
     est.add("reshard scratch", max(plan.scratch_bytes), "fix-up gather buffer")
-    est.add("actor grads+optimizer", actor_state, "resident during generation")
+    est.add("actor grads+optimizer", actor_state, "resident during generation (minus rollout.offload_*)")
     for name, nbytes, note in frozen + critic_static:
         est.add(name, nbytes, note)
     est.add("KV cache", mem.kv_cache_bytes(model, gen.tp, gen.pp, slots, capacity, dtype),
@@ -252,6 +256,11 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         model, gen.tp, prefill_tokens=prefill, rows=slots, dtype=dtype),
         f"prefill of {prefill} tokens, logits + sampling of {slots} rows")
     result.phases.append(est)
+    if opts.device == "cpu" and plan.tp_ratio > 1:  # the TP merge's shared-memory staging, mapped for the run
+        own = max(plan.bytes_recv) // (plan.tp_ratio - 1)
+        for phase in result.phases:
+            phase.add("reshard staging", staging_bytes_per_rank(own, plan.tp_ratio),
+                      "CPU shared-memory slots of the TP merge (all of the group's, mapped)")
     result.generation = {
         "tp": gen.tp, "pp": gen.pp, "dp": plan.gen_dp_size, "micro_dp_size": plan.micro_dp_size,
         "layout": gen_layout.describe(), "groups": summarize(enums),
@@ -354,8 +363,9 @@ def _check_memory(result: PlanResult) -> None:
         "activations": "set actor.recompute=selective/full or lower the micro-batch size",
         "weights": "raise tp / pp", "grads": "raise tp / pp",
         "logits": "lower the micro-batch size or raise tp",
-        "actor grads+optimizer": "raise tp / pp" if result.distributed_optimizer else
-                                 "set actor.optim.distributed_optimizer=true",
+        "actor grads+optimizer": ("set rollout.offload_optimizer / offload_grad_buffers=true, or "
+                                  + ("raise tp / pp" if result.distributed_optimizer else
+                                     "set actor.optim.distributed_optimizer=true")),
     }
     parts = ", ".join(f"{i.name} {i.bytes / GIB:.1f} GiB" for i in biggest)
     hint = "; ".join(dict.fromkeys(hints[i.name] for i in biggest if i.name in hints))

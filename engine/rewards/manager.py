@@ -6,7 +6,10 @@ one float per response (:class:`RewardBatch`). Any failure raises :class:`Reward
 the scorer, the row and its data source; nothing is silently scored 0.
 
 The reward-model path is an interface: the trainer passes ``model_fn(prompts, responses) ->
-scores`` (a scalar-head model it runs), and the manager validates what comes back.
+scores`` (a scalar-head model it runs), and the manager validates what comes back. With
+``kind=model`` the reward model's score is the reward (``model_coef * rm``); with ``kind=rule`` or
+``function`` and a ``model_fn`` (the trainer passes one when ``reward.model_checkpoint`` is set)
+the two are combined: ``rule/function score + model_coef * rm``.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ from hyflow.rewards.user_function import RewardError, coerce_score, load_user_fu
 __all__ = ["RewardBatch", "RewardManager", "RewardModelFn"]
 
 #: ``model_fn(prompts, responses) -> one score per response`` (prompts as chat-formatted text).
-RewardModelFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
+#: When the caller has the token ids it passes them too, as ``sequences=`` (one ``prompt ids +
+#: response ids`` list per response); the trainer's reward model scores exactly those tokens.
+RewardModelFn = Callable[..., Sequence[float]]
 _MAX_LISTED = 5
 
 
@@ -63,16 +68,21 @@ class RewardManager:
     serves the rule and function kinds; ``model_fn`` the model kind. For rules,
     ``format_score`` is the partial credit given to a wrong answer whose response still
     matches ``format_pattern`` (0 = plain 0/1 rewards).
+
+    A ``model_fn`` given with a rule / function scorer is added to it: ``score = scorer +
+    model_coef * model_fn`` (the reward model's raw score is kept as the ``reward_model`` extra);
+    with ``kind=model`` the score is ``model_coef * model_fn``.
     """
 
     def __init__(self, kind: str, name: str, scorer: Optional[Callable[..., tuple[float, dict]]] = None,
-                 model_fn: Optional[RewardModelFn] = None) -> None:
+                 model_fn: Optional[RewardModelFn] = None, model_coef: float = 1.0) -> None:
         if kind in ("rule", "function") and scorer is None:
             raise ValueError(f"reward kind {kind!r} needs a scorer")
         if kind == "model" and model_fn is None:
             raise RewardError("reward.kind=model: the trainer must pass the reward model's scoring "
                               "function (model_fn) to RewardManager.from_config")
         self.kind, self.name, self.scorer, self.model_fn = kind, name, scorer, model_fn
+        self.model_coef = float(model_coef)
 
     # ----------------------------------------------------------------------------- construction
 
@@ -110,35 +120,61 @@ class RewardManager:
 
     @classmethod
     def from_config(cls, cfg: Any, model_fn: Optional[RewardModelFn] = None) -> "RewardManager":
-        """From a ``RewardConfig``; ``model_fn`` is required when ``cfg.kind == "model"``.
+        """From a ``RewardConfig``; ``model_fn`` is required when ``cfg.kind == "model"`` or a
+        rule / function is combined with ``cfg.model_checkpoint``.
 
-        Optional keys read when the config has them: ``format_score``, ``format_pattern``.
+        Optional keys read when the config has them: ``format_score``, ``format_pattern``,
+        ``model_coef``.
         """
-        if cfg.kind == "rule":
-            return cls.from_rule(cfg.rule, format_score=getattr(cfg, "format_score", 0.0) or 0.0,
-                                 format_pattern=getattr(cfg, "format_pattern", None))
-        if cfg.kind == "function":
-            return cls.from_function(cfg.function_path, cfg.function_name)
+        coef = getattr(cfg, "model_coef", 1.0)
         if cfg.kind == "model":
-            return cls("model", f"model:{cfg.model_checkpoint}", model_fn=model_fn)
-        raise RewardError(f"unknown reward.kind {cfg.kind!r}")
+            return cls("model", f"model:{cfg.model_checkpoint}", model_fn=model_fn, model_coef=coef)
+        if cfg.kind == "rule":
+            out = cls.from_rule(cfg.rule, format_score=getattr(cfg, "format_score", 0.0) or 0.0,
+                                format_pattern=getattr(cfg, "format_pattern", None))
+        elif cfg.kind == "function":
+            out = cls.from_function(cfg.function_path, cfg.function_name)
+        else:
+            raise RewardError(f"unknown reward.kind {cfg.kind!r}")
+        if getattr(cfg, "model_checkpoint", None):
+            if model_fn is None:
+                raise RewardError(f"reward.model_checkpoint is set with reward.kind={cfg.kind}: the trainer "
+                                  "must pass the reward model's scoring function (model_fn) to "
+                                  "RewardManager.from_config")
+            out.model_fn, out.model_coef = model_fn, float(coef)
+            out.name += f"+model:{cfg.model_checkpoint}"
+        return out
 
     # ----------------------------------------------------------------------------- scoring
 
     def score(self, solutions: Sequence[str], data_sources: Sequence[str], ground_truths: Sequence[Any],
               extra_infos: Optional[Sequence[Optional[dict]]] = None, where: Optional[Sequence[str]] = None,
-              prompts: Optional[Sequence[str]] = None) -> RewardBatch:
-        """One score per response; ``where[i]`` names sample ``i`` in errors (default ``sample i``)."""
+              prompts: Optional[Sequence[str]] = None,
+              sequences: Optional[Sequence[Sequence[int]]] = None) -> RewardBatch:
+        """One score per response; ``where[i]`` names sample ``i`` in errors (default ``sample i``).
+        ``sequences`` (prompt + response token ids) are handed to ``model_fn`` when given."""
         n = len(solutions)
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
         where = list(where) if where is not None else [f"sample {i}" for i in range(n)]
         lengths = {len(data_sources), len(ground_truths), len(extra_infos), len(where)}
         if prompts is not None:
             lengths.add(len(prompts))
+        if sequences is not None:
+            lengths.add(len(sequences))
         if lengths != {n}:
             raise ValueError(f"score(): {n} solutions but inputs of lengths {sorted(lengths)}")
         if self.kind == "model":
-            return self._score_model(solutions, data_sources, prompts, where)
+            return self._score_model(solutions, data_sources, prompts, where, sequences)
+        base = self._score_scorer(solutions, data_sources, ground_truths, extra_infos, where)
+        if self.model_fn is None:
+            return base
+        model = self._score_model(solutions, data_sources, prompts, where, sequences, coef=1.0)
+        scores = [b + self.model_coef * m for b, m in zip(base.scores, model.scores)]
+        return RewardBatch(scores, base.data_sources, dict(base.extras, reward_model=model.scores))
+
+    def _score_scorer(self, solutions: Sequence[str], data_sources: Sequence[str], ground_truths: Sequence[Any],
+                      extra_infos: Sequence[Optional[dict]], where: Sequence[str]) -> RewardBatch:
+        n = len(solutions)
         assert self.scorer is not None
         scores: list[float] = []
         extras: dict[str, list[float]] = {}
@@ -153,11 +189,14 @@ class RewardManager:
         return RewardBatch(scores, list(data_sources), extras)
 
     def _score_model(self, solutions: Sequence[str], data_sources: Sequence[str],
-                     prompts: Optional[Sequence[str]], where: Sequence[str]) -> RewardBatch:
+                     prompts: Optional[Sequence[str]], where: Sequence[str],
+                     sequences: Optional[Sequence[Sequence[int]]] = None,
+                     coef: Optional[float] = None) -> RewardBatch:
         if prompts is None:
-            raise ValueError("reward.kind=model needs the prompts to score responses")
+            raise ValueError("a reward model needs the prompts to score responses")
         assert self.model_fn is not None
-        raw = list(self.model_fn(list(prompts), list(solutions)))
+        kwargs = {} if sequences is None else {"sequences": [list(s) for s in sequences]}
+        raw = list(self.model_fn(list(prompts), list(solutions), **kwargs))
         if len(raw) != len(solutions):
             raise RewardError(f"reward model returned {len(raw)} scores for {len(solutions)} responses",
                               function=self.name)
@@ -168,13 +207,18 @@ class RewardManager:
             except ValueError as exc:
                 raise RewardError(f"{exc} on {w} (data_source={src!r})", function=self.name, row=w,
                                   data_source=src) from None
+        coef = self.model_coef if coef is None else coef
+        if coef != 1.0:
+            scores = [coef * s for s in scores]
         return RewardBatch(scores, list(data_sources))
 
-    def score_records(self, records: Sequence[Any], solutions: Sequence[str]) -> RewardBatch:
+    def score_records(self, records: Sequence[Any], solutions: Sequence[str],
+                      sequences: Optional[Sequence[Sequence[int]]] = None) -> RewardBatch:
         """Score responses to ``records`` (:class:`hyflow.data.PromptRecord`).
 
         ``len(solutions)`` must be a multiple ``n`` of ``len(records)``; responses are grouped per
         prompt: ``solutions[i*n:(i+1)*n]`` answer ``records[i]`` (the GRPO group layout).
+        ``sequences[i]`` (optional) are response ``i``'s prompt + response token ids, for a reward model.
         """
         if not records or len(solutions) % len(records):
             raise ValueError(f"{len(solutions)} responses is not a multiple of {len(records)} prompts")
@@ -182,7 +226,7 @@ class RewardManager:
         rep = [r for r in records for _ in range(n)]
         return self.score(solutions, [r.data_source for r in rep], [r.ground_truth for r in rep],
                           [r.extra_info for r in rep], where=[r.where for r in rep],
-                          prompts=[r.prompt_text for r in rep])
+                          prompts=[r.prompt_text for r in rep], sequences=sequences)
 
     def check_records(self, records: Sequence[Any]) -> None:
         """Fail before training when a rule cannot use some row's ground truth (all bad rows

@@ -14,7 +14,7 @@ import torch
 
 from hyflow.algorithms import (AdaptiveKLController, FixedKLController, apply_kl_penalty, gae,
                                grpo_outcome, kl_estimate, masked_mean, reinforce_pp,
-                               reinforce_pp_baseline, rloo, scatter_to_last_token)
+                               reinforce_pp_baseline, remax, rloo, scatter_to_last_token)
 
 
 @dataclass
@@ -34,8 +34,13 @@ def make_kl_controller(alg_cfg):
 
 def compute_advantages(alg_cfg, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
                        old_logp: torch.Tensor, ref_logp: Optional[torch.Tensor],
-                       values: Optional[torch.Tensor], kl_ctrl) -> Advantages:
-    """Advantages for a rollout batch (all tensors [B, S] except scores / group ids [B])."""
+                       values: Optional[torch.Tensor], kl_ctrl,
+                       greedy_scores: Optional[torch.Tensor] = None) -> Advantages:
+    """Advantages for a rollout batch (all tensors [B, S] except scores / group ids [B]).
+
+    ``greedy_scores`` [B] (ReMax): the score of the greedy response to each row's prompt,
+    the baseline subtracted from the row's (KL-penalised, when configured) outcome.
+    """
     kl_tokens = kl_estimate(old_logp, ref_logp, alg_cfg.kl_penalty) if ref_logp is not None else None
     kl_mean = float(masked_mean(kl_tokens, mask)) if kl_tokens is not None else 0.0
     if alg_cfg.use_kl_in_reward and ref_logp is not None:
@@ -56,8 +61,11 @@ def compute_advantages(alg_cfg, scores: torch.Tensor, group_ids: torch.Tensor, m
         adv, returns = reinforce_pp(token_rewards, mask, alg_cfg.gamma)
     elif name == "reinforce_plus_plus_baseline":
         adv = reinforce_pp_baseline(outcome, group_ids, mask)
+    elif name == "remax":
+        if greedy_scores is None:
+            raise ValueError("remax needs greedy_scores: the scores of each prompt's greedy response")
+        adv = remax(outcome, greedy_scores.to(outcome), mask)
     else:
-        raise ValueError(f"advantage estimator {name!r} needs inputs the trainer does not provide yet "
-                         "(remax needs greedy baselines)")
+        raise ValueError(f"unknown advantage estimator {name!r}")
     return Advantages(advantages=adv.float(), returns=None if returns is None else returns.float(),
                       token_rewards=token_rewards, kl=kl_mean)

@@ -1,5 +1,5 @@
 """The models of an RL run and how they are built: actor (+ hybrid engine and generation
-engine), reference, critic. Everything a step needs, in one object.
+engine), reference, critic, reward model. Everything a step needs, in one object.
 """
 
 from __future__ import annotations
@@ -35,12 +35,14 @@ class Roles:
     critic_chunks: Optional[list] = None
     critic_optimizer: Any = None
     critic_scheduler: Any = None
+    reward_model: Any = None  # hyflow.trainer.reward_model.RewardModel when reward.model_checkpoint is set
     step_counter: int = 0
     _engine: Any = field(default=None, repr=False)
 
-    def generate(self, gen_model, prompts: list[list[int]], n: int):
+    def generate(self, gen_model, prompts: list[list[int]], n: int, greedy: bool = False):
         """Generate ``n`` samples per prompt on the micro-DP replicas; every rank gets all
-        samples in request order."""
+        samples in request order. ``greedy``: argmax decoding (temperature 0), the same
+        ``max_new_tokens`` and stop ids (ReMax's baseline responses)."""
         from hyflow.rollout.config import SamplingConfig
         from hyflow.rollout.engine import GenerationEngine
         from hyflow.rollout.request import RolloutResult, RolloutStats
@@ -57,6 +59,8 @@ class Roles:
         # A fresh random stream per step (step_counter is checkpointed, so resume stays exact).
         sampling = self.rollout_config.sampling.replace(n=n, seed=self.rollout_config.sampling.seed
                                                         + 1_000_003 * self.step_counter)
+        if greedy:
+            sampling = sampling.replace(temperature=0.0)
         result = self._engine.generate(mine, sampling, request_offset=replica * per) if mine else None
         payload = (replica, result.samples if result else [], result.stats if result else RolloutStats()) \
             if self.hybrid.gen_groups.tp_rank == 0 else None
@@ -90,9 +94,13 @@ def _initial_state(cfg, desc: ModelDescription, model, groups: ParallelGroups, c
 
 
 def build_roles(cfg, tokenizer) -> Roles:
-    """Groups, actor (+ optimizer, hybrid engine), reference and critic for ``cfg``."""
+    """Groups, actor (+ optimizer, hybrid engine), reference, critic and reward model for ``cfg``."""
     from hyflow.rollout.config import RolloutConfig
 
+    if cfg.reward.model_checkpoint:  # a bad path fails here, before any model is built
+        from hyflow.trainer.reward_model import check_reward_model_checkpoint
+
+        check_reward_model_checkpoint(cfg.reward.model_checkpoint)
     world = dist.get_world_size()
     layout = cfg.actor_layout(world)
     groups = init_training_groups(layout, seed=cfg.trainer.seed)
@@ -107,7 +115,9 @@ def build_roles(cfg, tokenizer) -> Roles:
         1, cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.mini_batch_size) + cfg.actor.sft_warmup_steps
     optimizer, scheduler = build_optimizer(chunks, cfg.actor.optim, total_updates, actor.config.params_dtype)
     hybrid = HybridEngine(chunks[0], desc, groups, (cfg.rollout.layout.tp, cfg.rollout.layout.pp),
-                          dtype=cfg.actor.dtype, spec=cfg.actor.spec)
+                          dtype=cfg.actor.dtype, spec=cfg.actor.spec, optimizer=optimizer,
+                          offload_grad_buffers=cfg.rollout.offload_grad_buffers,
+                          offload_optimizer=cfg.rollout.offload_optimizer)
     eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
     rollout_config = RolloutConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
     if desc.vocab_size < tokenizer.vocab_size:
@@ -133,6 +143,10 @@ def build_roles(cfg, tokenizer) -> Roles:
         roles.critic_chunks = critic_chunks
         roles.critic_optimizer, roles.critic_scheduler = build_optimizer(
             critic_chunks, cfg.critic.optim, total_updates, critic.config.params_dtype)
+    if cfg.reward.model_checkpoint:  # frozen, eval, in the actor's training layout (like the reference)
+        from hyflow.trainer.reward_model import build_reward_model
+
+        roles.reward_model = build_reward_model(cfg, groups, roles.sample_vocab, tokenizer.pad_token_id or 0)
     return roles
 
 

@@ -36,7 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp-gen", type=int, default=1)
     parser.add_argument("--nproc", type=int, default=None, help="default: tp * pp")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--skip", default="", help="comma list of baselines to skip: swap,ckpt,naive")
+    parser.add_argument("--skip", default="",
+                        help="comma list of rows to skip: swap,ckpt,naive,collective")
+    parser.add_argument("--transport", default="auto", choices=("auto", "collective", "shared_memory"),
+                        help="hybrid engine TP-merge transport (auto: shared memory for CPU ranks on one host)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +62,22 @@ def _timed(fn, repeats: int, barrier) -> float:
         barrier()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _cycle(engine, repeats: int, barrier) -> tuple[float, float]:
+    """Median seconds of train->gen and gen->train over ``repeats`` round trips."""
+    to_gen, to_train = [], []
+    for _ in range(repeats):
+        barrier()
+        t0 = time.perf_counter()
+        engine.to_generation()
+        barrier()
+        t1 = time.perf_counter()
+        engine.to_training()
+        barrier()
+        to_gen.append(t1 - t0)
+        to_train.append(time.perf_counter() - t1)
+    return statistics.median(to_gen), statistics.median(to_train)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -87,31 +106,30 @@ def _bench(args: argparse.Namespace) -> int:
             p.normal_(0, 0.02)
     barrier = dist.barrier
     proc = psutil.Process()
-    engine = HybridEngine(model, desc, groups, (args.tp_gen, args.pp_gen))
+    engine = HybridEngine(model, desc, groups, (args.tp_gen, args.pp_gen), transport=args.transport)
     rss0 = proc.memory_info().rss
     engine.to_generation()
     rss1 = proc.memory_info().rss
     bytes_received = engine.stats.bytes_received
     engine.to_training()
 
-    to_gen, to_train = [], []
-    for _ in range(args.repeats):
-        barrier()
-        t0 = time.perf_counter()
-        engine.to_generation()
-        barrier()
-        t1 = time.perf_counter()
-        engine.to_training()
-        barrier()
-        to_gen.append(t1 - t0)
-        to_train.append(time.perf_counter() - t1)
+    to_gen, to_train = _cycle(engine, args.repeats, barrier)
     result = {
-        "train_to_gen_s": statistics.median(to_gen), "gen_to_train_s": statistics.median(to_train),
+        "train_to_gen_s": to_gen, "gen_to_train_s": to_train, "transport": engine.transport.name,
+        "staging_bytes": engine.transport.staging_bytes,
         "bytes_moved": bytes_received, "planned_bytes": engine.plan.bytes_recv[rank],
         "formula_bytes": float(engine.plan.formula_bytes),
         "peak_extra_bytes": engine.plan.peak_extra_bytes, "rss_growth_bytes": max(rss1 - rss0, 0),
     }
     skip = set(filter(None, args.skip.split(",")))
+    if "collective" not in skip and engine.transport.name != "collective":
+        # The same engine with per-parameter collectives (the GPU path; gloo here), for reference.
+        other = HybridEngine(model, desc, groups, (args.tp_gen, args.pp_gen), transport="collective")
+        other.to_generation()
+        other.to_training()
+        result["collective_train_to_gen_s"], result["collective_gen_to_train_s"] = _cycle(
+            other, args.repeats, barrier)
+        del other
     gen_groups = engine.gen_groups
     target = None
     if "swap" not in skip or "ckpt" not in skip:
@@ -165,18 +183,22 @@ def _bench(args: argparse.Namespace) -> int:
     if rank == 0:
         result.update(layers=args.layers, hidden=args.hidden, tp=args.tp, pp=args.pp, tp_gen=args.tp_gen,
                       pp_gen=args.pp_gen, world=world, params=desc.num_parameters())
-        rows = [("hybrid engine train->gen", result["train_to_gen_s"]),
-                ("hybrid engine gen->train", result["gen_to_train_s"]),
+        rows = [(f"hybrid engine train->gen ({result['transport']})", result["train_to_gen_s"]),
+                (f"hybrid engine gen->train ({result['transport']})", result["gen_to_train_s"]),
+                ("hybrid engine train->gen (collective)", result.get("collective_train_to_gen_s")),
+                ("hybrid engine gen->train (collective)", result.get("collective_gen_to_train_s")),
                 ("(a) swap_model_weights", result.get("swap_model_weights_s")),
                 ("(b) dist-ckpt round trip", result.get("ckpt_roundtrip_s")),
                 ("(c) naive all-gather", result.get("naive_allgather_s"))]
         print(f"reshard {args.layers} layers x hidden {args.hidden} ({desc.num_parameters() / 1e6:.0f}M params), "
               f"tp={args.tp} pp={args.pp} -> tp={args.tp_gen} pp={args.pp_gen} on {world} ranks")
-        print(f"{'method':32s} {'seconds':>10s}")
+        print(f"{'method':42s} {'seconds':>10s}")
         for name, value in rows:
-            print(f"{name:32s} {value if value is None else f'{value:10.4f}':>10}")
+            print(f"{name:42s} {'-' if value is None else f'{value:10.4f}':>10}")
         print(f"bytes received by rank 0: {bytes_received} (plan {result['planned_bytes']}, "
               f"formula {result['formula_bytes']:.0f})")
+        print(f"transport {result['transport']}: {result['staging_bytes']} staging bytes per rank (fixed); "
+              f"planned peak extra {result['peak_extra_bytes']} bytes")
         print(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,204 @@
+"""How the TP merge moves training shards inside one group of ``s`` ranks.
+
+The TP merge of :mod:`hyflow.hybrid.executor` is an all-gather of every sharded parameter
+inside each TP-merge group, followed by a layout fix-up. Two transports do it:
+
+* :class:`CollectiveGather` — one ``all_gather_into_tensor`` per parameter, then the
+  fix-up kernel (:func:`hyflow.kernels.assemble`). The GPU path (NCCL), and any group
+  that spans hosts.
+* :class:`SharedMemoryGather` — for groups whose ranks share one host, on CPU. gloo
+  moves bytes through loopback TCP at 0.4-0.7 GB/s on the dev box, which made it the
+  whole cost of a transition; here each rank copies a bucket of its shards into its own
+  slot of a small shared-memory staging area (two slots, double buffered), one barrier,
+  then every rank copies each peer's shards out of the peer's slot straight into their
+  places in the generation buffer (:func:`hyflow.kernels.place_shard`: the fix-up *is*
+  that strided copy). Staging is ``2 * slot_bytes`` per rank, fixed for the run.
+
+:func:`make_transport` picks one (``"auto"``: shared memory when it applies).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hyflow.kernels import assemble, place_shard
+
+TRANSPORTS = ("auto", "collective", "shared_memory")
+_ALIGN = 64
+
+
+@dataclass
+class GatherItem:
+    """One sharded parameter: this rank's training shard, its fix-up kind, its destination."""
+
+    shard: torch.Tensor
+    kind: str  # "gate_up" | "row_concat" | "column_concat"
+    out: torch.Tensor
+
+
+class CollectiveGather:
+    """All-gather per parameter through the process group (NCCL on GPU, gloo elsewhere)."""
+
+    name = "collective"
+    staging_bytes = 0
+
+    def __init__(self, group, s: int) -> None:
+        self.group, self.s = group, s
+
+    def gather(self, items: list[GatherItem]) -> int:
+        received = 0
+        for it in items:
+            shard = it.shard.detach().contiguous()
+            if it.kind == "column_concat":  # the gathered [s, rows, ...] *is* the destination
+                dist.all_gather_into_tensor(it.out, shard, group=self.group)
+            else:  # gather into scratch, then one strided pass (a Triton kernel on GPU)
+                scratch = torch.empty((self.s,) + tuple(shard.shape), dtype=shard.dtype, device=shard.device)
+                dist.all_gather_into_tensor(scratch.view(-1, *shard.shape[1:]), shard, group=self.group)
+                assemble(it.kind, scratch, out=it.out)
+            received += (self.s - 1) * shard.numel() * shard.element_size()
+        return received
+
+    def close(self) -> None:
+        pass
+
+
+class SharedMemoryGather:
+    """All-gather through a shared-memory staging area; every rank of ``ranks`` on one host.
+
+    Args:
+        group: the process group of ``ranks`` (used for barriers and the set-up exchange).
+        ranks: global ranks of the group, in shard order.
+        slot_bytes: size of each of the two staging slots of this rank.
+        directory: where the segments are created (``/dev/shm``: memory, not disk).
+    """
+
+    name = "shared_memory"
+
+    def __init__(self, group, ranks: list[int], slot_bytes: int = 64 << 20,
+                 directory: str = "/dev/shm") -> None:
+        self.group, self.ranks, self.s = group, list(ranks), len(ranks)
+        self.index = self.ranks.index(dist.get_rank())
+        agreed = torch.tensor([slot_bytes // _ALIGN * _ALIGN])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)  # bucket boundaries must agree
+        self.slot_bytes = int(agreed.item())
+        self.staging_bytes = 2 * self.slot_bytes
+        names: list[Optional[str]] = [None] * self.s
+        mine = os.path.join(directory, f"hyflow-reshard-{uuid.uuid4().hex}-{dist.get_rank()}")
+        try:
+            segment = torch.from_file(mine, shared=True, size=self.staging_bytes, dtype=torch.uint8)
+            segment.zero_()  # map every page now, not during the first transition
+            error = None
+        except (OSError, RuntimeError) as exc:
+            segment, error = None, f"{type(exc).__name__}: {exc}"
+        dist.all_gather_object(names, (mine, error), group=group)
+        failed = [(r, e) for r, (_, e) in zip(self.ranks, names) if e]
+        try:
+            if failed:
+                raise RuntimeError(f"shared-memory staging could not be created in {directory} on rank "
+                                   f"{failed[0][0]} ({failed[0][1]}); free space there or use "
+                                   "transport='collective'")
+            self.segments = [segment if j == self.index else
+                             torch.from_file(path, shared=True, size=self.staging_bytes, dtype=torch.uint8)
+                             for j, (path, _) in enumerate(names)]
+            dist.barrier(group=group)  # everyone has mapped every segment
+        finally:
+            if segment is not None and os.path.exists(mine):
+                os.unlink(mine)  # the mappings stay; nothing is left behind in /dev/shm
+
+    def _pieces(self, items: list[GatherItem]):
+        """Cut items into (item, row0, rows, nbytes) pieces that fit one slot."""
+        for it in items:
+            rows = it.shard.shape[0]
+            row_bytes = it.shard[:1].numel() * it.shard.element_size() if rows else 0
+            if row_bytes > self.slot_bytes:
+                raise ValueError(f"a row of {row_bytes} bytes does not fit the {self.slot_bytes}-byte "
+                                 "staging slot; raise slot_bytes")
+            per = max(1, self.slot_bytes // max(row_bytes, 1))
+            for r0 in range(0, rows, per):
+                n = min(per, rows - r0)
+                yield it, r0, n, n * row_bytes
+
+    def _buckets(self, items: list[GatherItem]):
+        bucket, used = [], 0
+        for it, r0, n, nbytes in self._pieces(items):
+            padded = -(-nbytes // _ALIGN) * _ALIGN
+            if used + padded > self.slot_bytes and bucket:
+                yield bucket
+                bucket, used = [], 0
+            bucket.append((it, r0, n, used))
+            used += padded
+        if bucket:
+            yield bucket
+
+    @torch.no_grad()
+    def gather(self, items: list[GatherItem]) -> int:
+        received = 0
+        for k, bucket in enumerate(self._buckets(items)):
+            base = (k % 2) * self.slot_bytes
+            own = self.segments[self.index]
+            for it, r0, n, off in bucket:  # publish this rank's pieces, and place them here
+                piece = it.shard.detach()[r0:r0 + n]
+                nbytes = piece.numel() * piece.element_size()
+                own[base + off:base + off + nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
+                place_shard(it.kind, piece, self.index, self.s, it.out, row0=r0)
+            # One barrier per bucket is enough with two slots: a rank reuses slot k % 2 for
+            # bucket k + 2 only after the barrier of bucket k + 1, which every peer reaches
+            # after it finished reading bucket k.
+            dist.barrier(group=self.group)
+            for j in range(self.s):
+                if j == self.index:
+                    continue
+                for it, r0, n, off in bucket:
+                    shape = (n,) + tuple(it.shard.shape[1:])
+                    nbytes = n * it.shard[:1].numel() * it.shard.element_size()
+                    piece = self.segments[j][base + off:base + off + nbytes].view(it.shard.dtype).view(shape)
+                    place_shard(it.kind, piece, j, self.s, it.out, row0=r0)
+                    received += nbytes
+        dist.barrier(group=self.group)  # peers are done reading before the next call writes
+        return received
+
+    def close(self) -> None:
+        self.segments = []
+
+
+def same_host(group) -> bool:
+    """Whether every rank of ``group`` runs on this host (hostname and boot id agree)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    ident = (socket.gethostname(), boot)
+    seen: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, ident, group=group)
+    return all(s == ident for s in seen)
+
+
+def make_transport(kind: str, group, ranks: list[int], device: torch.device,
+                   slot_bytes: int = 64 << 20):
+    """Build the transport for one TP-merge group (collective calls on all its ranks)."""
+    if kind not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
+    if len(ranks) == 1 or kind == "collective":
+        return CollectiveGather(group, len(ranks))
+    if device.type != "cpu":
+        if kind == "shared_memory":
+            raise ValueError("transport='shared_memory' moves CPU tensors; GPU weights use 'collective' (NCCL)")
+        return CollectiveGather(group, len(ranks))
+    if kind == "auto":
+        usable = torch.tensor([int(os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK))])
+        dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)
+        if not bool(usable.item()) or not same_host(group):
+            return CollectiveGather(group, len(ranks))
+        try:
+            return SharedMemoryGather(group, ranks, slot_bytes)
+        except RuntimeError:  # every rank sees the same failure list: all fall back together
+            return CollectiveGather(group, len(ranks))
+    return SharedMemoryGather(group, ranks, slot_bytes)

@@ -1,0 +1,148 @@
+"""ReMax in the RL trainer, on 2 ranks (TP=2 training, TP=1 generation with 2 micro-DP replicas).
+
+Checked against references computed here, not by the trainer's code:
+
+* the greedy baselines equal an argmax decode by full forwards of the actor in its training
+  layout (no KV cache, no rollout engine), with the same length limit and stop ids;
+* every response token's advantage is ``exact_match(sample) - exact_match(greedy response of
+  its prompt)``, both scored here with the rule itself; ``reward/greedy_mean`` is their mean;
+* learning signal: after the update, responses with positive advantage became more likely and
+  responses with negative advantage less likely.
+"""
+
+import os
+
+import pytest
+import torch
+
+from hyflow.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OVERRIDES = [
+    "trainer.nproc=2", "actor.layout.tp=2", "rollout.layout.tp=1", "data.task=digit_add",
+    "data.task_size=400", "data.train_batch_size=16", "rollout.n=4", "actor.micro_batch_size=16",
+    "actor.mini_batch_size=32", "actor.sft_warmup_steps=40", "actor.sft_lr=3e-3", "actor.optim.lr=1e-3",
+    "rollout.max_new_tokens=4", "algorithm.adv_estimator=remax",
+]
+
+
+def _argmax_decode(roles, prompts, max_new, stops):
+    """Greedy responses by repeated full forwards of the training-layout actor (vocab-parallel
+    logits all-gathered over TP, argmax over the ids the sampler may draw)."""
+    import torch.distributed as dist
+
+    from hyflow.trainer.batch import micro_batches, position_ids
+    from hyflow.trainer.ppo import forward_score
+
+    tp = roles.groups.pgs.tp
+
+    def argmax(logits, batch):
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp))]
+        dist.all_gather(parts, logits.contiguous(), group=tp)
+        return torch.cat(parts, dim=-1)[..., :roles.sample_vocab].argmax(-1).float()
+
+    responses = [[] for _ in prompts]
+    for _ in range(max_new):
+        live = [i for i, r in enumerate(responses) if not (r and r[-1] in stops)]
+        if not live:
+            break
+        seqs = [prompts[i] + responses[i] for i in live]
+        tokens = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+        for j, s in enumerate(seqs):
+            tokens[j, :len(s)] = torch.tensor(s)
+        mbs = micro_batches({"tokens": tokens, "position_ids": position_ids(tokens)}, list(range(len(seqs))),
+                            len(seqs))
+        best = forward_score(roles.actor_chunks, mbs, argmax, roles.groups.pgs)
+        for j, i in enumerate(live):
+            responses[i].append(int(best[j, len(seqs[j]) - 1]))
+    return responses
+
+
+def _remax_steps():
+    import torch.distributed as dist
+
+    import hyflow.jobs.rl as rl
+    from hyflow.cli import load_job_config
+    from hyflow.data.dataset import PromptLoader, build_dataset
+    from hyflow.data.tasks import load_data_tokenizer
+    from hyflow.monitor.timers import PhaseTimers
+    from hyflow.rewards.manager import RewardManager
+    from hyflow.rewards.rules import exact_match
+    from hyflow.trainer.advantage import make_kl_controller
+    from hyflow.trainer.batch import micro_batches
+    from hyflow.trainer.ppo import forward_score, logprob_scorer
+    from hyflow.trainer.roles import build_roles
+
+    cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"), OVERRIDES)
+    assert cfg.reward.kind == "rule" and cfg.reward.rule == "exact_match"
+    tok = load_data_tokenizer(cfg.data)
+    loader = PromptLoader(build_dataset(cfg.data, cfg.rollout, tok), cfg.data.train_batch_size, seed=3)
+    reward = RewardManager.from_config(cfg.reward)
+    roles = build_roles(cfg, tok)
+    kl = make_kl_controller(cfg.algorithm)
+    rl.sft_warmup(cfg, roles, loader, tok)
+    calls = []
+    generate = roles.generate
+    timers = PhaseTimers()
+
+    def spy(gen_model, prompts, n, greedy=False):
+        result = generate(gen_model, prompts, n, greedy=greedy)
+        calls.append((n, greedy, result, "generate" in timers._open))  # timed as the generate phase?
+        return result
+
+    roles.generate = spy
+    stops = set(roles.eos_token_ids) | set(cfg.rollout.stop_token_ids)
+    n = cfg.rollout.n
+    out = {"greedy_ref": [], "greedy_used": [], "adv_error": [], "greedy_mean": [], "greedy_mean_ref": [],
+           "pos": [], "neg": [], "calls": [], "rows": []}
+    for _ in range(3):
+        records = loader.next_batch()
+        prompts = [r.prompt_ids for r in records]
+        reference = _argmax_decode(roles, prompts, cfg.rollout.max_new_tokens, stops)  # weights before the step
+        calls.clear()
+        m, data = rl.rl_step(cfg, roles, records, tok, reward, kl, timers)
+        out["calls"].append([(c[0], c[1], len(c[2].samples), c[3]) for c in calls])
+        greedy = [c[2] for c in calls if c[1]][0].samples
+        out["greedy_ref"].append(reference)
+        out["greedy_used"].append([s.token_ids for s in greedy])
+        out["rows"].append(data["tokens"].shape[0])  # the greedy responses are not in the training batch
+        # independent scores: the rule itself on the decoded responses
+        mask = data["response_mask"]
+        tokens = data["tokens"]
+        texts = tok.batch_decode([tokens[i][mask[i] > 0].tolist() for i in range(tokens.shape[0])])
+        score = torch.tensor([exact_match(t, records[i // n].ground_truth) for i, t in enumerate(texts)])
+        greedy_score = torch.tensor([exact_match(t, r.ground_truth)
+                                     for t, r in zip(tok.batch_decode(reference), records)])
+        expected = (score - greedy_score.repeat_interleave(n))[:, None] * mask
+        out["adv_error"].append(float((data["advantages"] - expected).abs().max()))
+        out["greedy_mean"].append(m["reward/greedy_mean"])
+        out["greedy_mean_ref"].append(float(greedy_score.mean()))
+        # learning signal
+        rows = list(range(tokens.shape[0]))
+        mbs = micro_batches({k: v for k, v in data.items() if v is not None}, rows, len(rows))
+        new = forward_score(roles.actor_chunks, mbs, logprob_scorer(roles.sample_vocab, roles.groups.pgs.tp),
+                            roles.groups.pgs)
+        change = ((new - data["old_logp"]) * mask).sum(-1)
+        adv = (data["advantages"] * mask).sum(-1)
+        out["pos"].append(change[adv > 0])
+        out["neg"].append(change[adv < 0])
+    if dist.get_rank() != 0:
+        return None
+    out["pos"], out["neg"] = torch.cat(out["pos"]), torch.cat(out["neg"])
+    return out
+
+
+def test_remax_baseline_is_the_greedy_response_score_and_the_policy_learns():
+    out = run_on_ranks(_remax_steps, 2, timeout=600)[0]
+    for calls in out["calls"]:  # n samples per prompt, then one greedy response per prompt, both timed
+        assert calls == [(4, False, 64, True), (1, True, 16, True)], calls
+    assert out["rows"] == [64, 64, 64]
+    assert out["greedy_used"] == out["greedy_ref"]
+    assert max(out["adv_error"]) < 1e-6, out["adv_error"]
+    assert out["greedy_mean"] == pytest.approx(out["greedy_mean_ref"], abs=1e-6)
+    pos, neg = out["pos"], out["neg"]
+    assert len(pos) >= 2 and len(neg) >= 2, (len(pos), len(neg))
+    assert pos.mean() > 0, pos
+    assert neg.mean() < 0, neg
