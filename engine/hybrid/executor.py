@@ -39,8 +39,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hyflow.hybrid.planner import (STAGING_SLACK, GenerationShape, ReshardPlan, gpt_param_specs,
-                                   plan_reshard)
+from hyflow.hybrid.planner import (STAGING_SLACK, GenerationShape, ReshardPlan, generation_enumerations,
+                                   gpt_param_specs, plan_reshard)
 from hyflow.hybrid.memory import advise_huge_pages, empty_buffer
 from hyflow.hybrid.offload import OptimizerStateOffload
 from hyflow.hybrid.transport import GatherItem, make_transport
@@ -137,30 +137,17 @@ class HybridEngine:
 
     # ------------------------------------------------------------------ setup
     def _build_groups(self, rank: int) -> None:
-        plan, L = self.plan, self.train_groups.layout
-        s, p = self.s, self.p
-        rk = plan.rank_of
-        tp_merge = [[rk(g * s + t, pp, dp) for t in range(s)]
-                    for dp in range(L.dp) for pp in range(L.pp) for g in range(plan.gen.tp)]
-        pp_merge = [[rk(tp, k * p + l, dp) for l in range(p)]
-                    for dp in range(L.dp) for tp in range(L.tp) for k in range(plan.gen.pp)]
+        plan = self.plan
+        enums = generation_enumerations(plan)
+        tp_merge, pp_merge = enums["tp_merge"], enums["pp_merge"]
         self.tp_merge_group, _ = dist.new_subgroups_by_enumeration(tp_merge)
         self.tp_merge_ranks = next(g for g in tp_merge if rank in g)
         self.pp_merge_group, _ = dist.new_subgroups_by_enumeration(pp_merge)
         self.pp_merge_ranks = next(g for g in pp_merge if rank in g)
         gen_layout = Layout(tp=plan.gen.tp, pp=plan.gen.pp, dp=plan.gen_dp_size)
         tg, pg, dg = plan.gen_coord(rank)
-        by_dp: dict[int, list[int]] = {}
-        for r in range(plan.world_size):
-            by_dp.setdefault(plan.gen_coord(r)[2], []).append(r)
-        pp_groups = _enumerate(plan.gen_pp_groups)
-        enumerations = {
-            "tp": _enumerate(plan.gen_tp_groups), "pp": pp_groups, "dp": _enumerate(plan.gen_dp_groups),
-            "cp": [[r] for r in range(plan.world_size)], "mp": _enumerate(by_dp.values()),
-            "tp_cp": _enumerate(plan.gen_tp_groups), "dp_cp": _enumerate(plan.gen_dp_groups),
-            "embd": [sorted({g[0], g[-1]}) for g in plan.gen_pp_groups],
-            "pos_embd": [[g[0]] for g in plan.gen_pp_groups],
-        }
+        kinds = ("tp", "pp", "dp", "cp", "mp", "tp_cp", "dp_cp", "embd", "pos_embd")
+        enumerations = {k: _enumerate(enums[k]) for k in kinds}
         self.gen_groups = build_groups(gen_layout, enumerations,
                                        coords={"tp": tg, "cp": 0, "dp": dg, "pp": pg})
 

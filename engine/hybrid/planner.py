@@ -623,3 +623,32 @@ def staging_bytes_per_rank(shard_bytes: int, s: int, slot_bytes: int = 64 << 20)
     if s <= 1:
         return 0
     return 2 * s * max(min(slot_bytes, shard_bytes + STAGING_SLACK), 4096)
+
+
+def _as_lists(groups) -> list[list[int]]:
+    return [list(g) for g in groups]
+
+
+def generation_enumerations(plan: ReshardPlan) -> dict[str, list[list[int]]]:
+    """Every group the hybrid engine builds from ``plan`` (the executor creates exactly these;
+    ``hyflow plan`` reports them): the generation layout's Megatron kinds, ``micro_dp``, and
+    the two merge groups of the reshard (``tp_merge`` members in shard order)."""
+    s, p = plan.tp_ratio, plan.pp_ratio
+    rk = plan.rank_of
+    by_dp: dict[int, list[int]] = {}
+    for r in range(plan.world_size):
+        by_dp.setdefault(plan.gen_coord(r)[2], []).append(r)
+    train = plan.train
+    return {
+        "tp": _as_lists(plan.gen_tp_groups), "pp": _as_lists(plan.gen_pp_groups),
+        "dp": _as_lists(plan.gen_dp_groups), "cp": [[r] for r in range(plan.world_size)],
+        "mp": _as_lists(by_dp.values()), "tp_cp": _as_lists(plan.gen_tp_groups),
+        "dp_cp": _as_lists(plan.gen_dp_groups),
+        "embd": [sorted({g[0], g[-1]}) for g in plan.gen_pp_groups],
+        "pos_embd": [[g[0]] for g in plan.gen_pp_groups],
+        "micro_dp": _as_lists(plan.micro_dp_groups),
+        "tp_merge": [[rk(g * s + t, pp, dp) for t in range(s)] for dp in range(train.dp)
+                     for pp in range(train.pp) for g in range(plan.gen.tp)],
+        "pp_merge": [[rk(tp, k * p + l, dp) for l in range(p)] for dp in range(train.dp)
+                     for tp in range(train.tp) for k in range(plan.gen.pp)],
+    }

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from hyflow.hybrid.planner import ReshardPlan
+from hyflow.hybrid.planner import ReshardPlan, generation_enumerations  # noqa: F401 (re-exported)
 from hyflow.parallel.layout import Layout
 
 #: Kinds of training groups Megatron creates (and hyflow's ``ParallelGroups`` carries).
@@ -31,30 +31,6 @@ def layout_enumerations(layout: Layout) -> dict[str, list[list[int]]]:
 
 def _lists(groups: Sequence[Sequence[int]]) -> list[list[int]]:
     return [list(g) for g in groups]
-
-
-def generation_enumerations(plan: ReshardPlan) -> dict[str, list[list[int]]]:
-    """The generation-layout groups the hybrid engine builds from ``plan`` (as its executor
-    does), plus ``micro_dp`` and the two merge groups of the reshard."""
-    s, p = plan.tp_ratio, plan.pp_ratio
-    rk = plan.rank_of
-    by_dp: dict[int, list[int]] = {}
-    for r in range(plan.world_size):
-        by_dp.setdefault(plan.gen_coord(r)[2], []).append(r)
-    train = plan.train
-    return {
-        "tp": _lists(plan.gen_tp_groups), "pp": _lists(plan.gen_pp_groups),
-        "dp": _lists(plan.gen_dp_groups), "cp": [[r] for r in range(plan.world_size)],
-        "mp": _lists(by_dp.values()), "tp_cp": _lists(plan.gen_tp_groups),
-        "dp_cp": _lists(plan.gen_dp_groups),
-        "embd": [sorted({g[0], g[-1]}) for g in plan.gen_pp_groups],
-        "pos_embd": [[g[0]] for g in plan.gen_pp_groups],
-        "micro_dp": _lists(plan.micro_dp_groups),
-        "tp_merge": [[rk(g * s + t, pp, dp) for t in range(s)] for dp in range(train.dp)
-                     for pp in range(train.pp) for g in range(plan.gen.tp)],
-        "pp_merge": [[rk(tp, k * p + l, dp) for l in range(p)] for dp in range(train.dp)
-                     for tp in range(train.tp) for k in range(plan.gen.pp)],
-    }
 
 
 def digest(groups: Sequence[Sequence[int]]) -> str:
