@@ -89,3 +89,33 @@ def test_update_moves_probability_towards_positive_advantages(overrides):
             assert key in m and m[key] == m[key], key  # present and not NaN
     if before:
         assert all(a < b for a, b in zip(after, before)), (before, after)
+
+
+def _step_metrics(overrides):
+    import hyflow.jobs.rl as rl
+    from hyflow.cli import load_job_config
+    from hyflow.data.dataset import PromptLoader, build_dataset
+    from hyflow.data.tasks import load_data_tokenizer
+    from hyflow.monitor.timers import PhaseTimers
+    from hyflow.rewards.manager import RewardManager
+    from hyflow.trainer.advantage import make_kl_controller
+    from hyflow.trainer.roles import build_roles
+
+    cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"), BASE + overrides)
+    tok = load_data_tokenizer(cfg.data)
+    loader = PromptLoader(build_dataset(cfg.data, cfg.rollout, tok), cfg.data.train_batch_size, seed=3)
+    roles = build_roles(cfg, tok)
+    m, _ = rl.rl_step(cfg, roles, loader.next_batch(), tok, RewardManager.from_config(cfg.reward),
+                      make_kl_controller(cfg.algorithm), PhaseTimers())
+    return m
+
+
+def test_metrics_cover_all_data_parallel_ranks():
+    """With DP=2 each rank trains on half of every mini-batch; the step's actor metrics are
+    the mean over both halves, hence identical on the two ranks."""
+    a, b = run_on_ranks(_step_metrics, 2, ["actor.layout.tp=1", "actor.sft_warmup_steps=0",
+                                           "rollout.temperature=1.5"], timeout=600)
+    for key in ("actor/clip_frac", "actor/entropy", "actor/pg_loss", "actor/grad_norm", "reward/mean"):
+        if key in a:
+            assert a[key] == b[key], (key, a[key], b[key])
+    assert a["actor/entropy"] > 0

@@ -215,6 +215,14 @@ def _update(cfg, chunks, optimizer, scheduler, tensors: dict, loss_fn, roles: Ro
                 sums[k] = sums.get(k, 0.0) + v
             count += 1
     out = {k: v / max(count, 1) for k, v in sums.items()}
+    # Each DP rank saw its slice of every mini-batch: report the mean over DP ranks, so the
+    # metrics describe the whole batch and are identical on every rank (grad norm and lr
+    # already are).
+    local = sorted(k for k in out if k not in ("grad_norm", "lr", "update_ok"))
+    if dp > 1 and local:
+        vec = torch.tensor([out[k] for k in local], dtype=torch.float64)
+        dist.all_reduce(vec, group=roles.groups.pgs.dp)
+        out.update(zip(local, (vec / dp).tolist()))
     prefix = "critic" if any(k.startswith("critic/") for k in out) else "actor"
     out[f"{prefix}/grad_norm"] = out.pop("grad_norm", float("nan"))
     out[f"{prefix}/lr"] = out.pop("lr", 0.0)
