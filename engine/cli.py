@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from typing import Optional, Sequence
 
@@ -81,7 +80,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                args.config, *args.overrides]
         print(f"[hyflow] launching {cfg.trainer.nproc} ranks: {' '.join(cmd[2:])}", flush=True)
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        return subprocess.call(cmd, env=env)
+        from hyflow.launch.local import run_forwarding_signals
+
+        return run_forwarding_signals(cmd, env)
     from hyflow.parallel.distributed import init_distributed, shutdown
 
     init_distributed()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -111,4 +112,25 @@ def launch_local(target: Target, nproc: int, dry_run: bool = False) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return subprocess.call(cmd, env=env)
+    return run_forwarding_signals(cmd, env)
+
+
+def run_forwarding_signals(cmd: list[str], env: Optional[dict] = None,
+                           signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)) -> int:
+    """Run ``cmd`` (torchrun) and wait; SIGTERM / SIGINT / SIGUSR1 sent to this process are
+    passed on to it (torchrun hands them to the ranks, which checkpoint and stop), instead of
+    killing the launcher and leaving the ranks running. Returns the child's exit code."""
+    child = subprocess.Popen(cmd, env=env)
+    previous = {}
+
+    def forward(signum, _frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in signals:
+        previous[sig] = signal.signal(sig, forward)
+    try:
+        return child.wait()  # (interrupted waits are retried after the handler runs)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -67,3 +67,28 @@ def test_intermixed_parser_and_sizes():
             parse_size(bad)
     assert format_bytes(64 << 20) == "64 MiB" and format_bytes(1536) == "1.50 KiB"
     assert format_bytes(3) == "3 B"
+
+
+def test_launcher_passes_sigterm_to_its_child(tmp_path):
+    """SIGTERM to the launcher reaches torchrun (here: a stand-in child that traps it and
+    exits 7) instead of killing the launcher and orphaning the ranks."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "got"
+    child = ("import signal,sys,time,pathlib\n"
+             f"def h(s,f): pathlib.Path({str(marker)!r}).write_text(str(s)); sys.exit(7)\n"
+             "signal.signal(signal.SIGTERM,h)\n"
+             f"pathlib.Path({str(marker)!r} + '.ready').write_text('1')\n"
+             "time.sleep(60)\n")
+    launcher = ("import sys\nfrom hyflow.launch.local import run_forwarding_signals\n"
+                f"sys.exit(run_forwarding_signals([sys.executable, '-c', {child!r}]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", launcher])
+    deadline = time.time() + 60
+    while not (tmp_path / "got.ready").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 7
+    assert marker.read_text() == str(int(signal.SIGTERM))
