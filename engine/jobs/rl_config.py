@@ -275,10 +275,6 @@ class RLJobConfig:
             raise ConfigError(
                 f"rollout.layout tp={gen.tp} pp={gen.pp} must divide the actor's training layout "
                 f"tp={train.tp} pp={train.pp} (the generation layout is built from the training shards)")
-        if gen.pp != 1:
-            raise ConfigError(
-                f"rollout.layout.pp={gen.pp}: the generation engine runs without pipeline "
-                "parallelism; set rollout.layout.pp=1 (the training layout may keep its pp)")
         if self.critic.enable and (self.critic.layout.tp, self.critic.layout.pp) not in (
                 (1, 1), (train.tp, train.pp)):
             raise ConfigError(

@@ -1,13 +1,13 @@
 """``hyflow generate``: try a model by hand with the rollout engine.
 
-    hyflow generate --ckpt DIR --prompts FILE [--tp N] [--temperature T --top-k K --top-p P --n N ...]
+    hyflow generate --ckpt DIR --prompts FILE [--tp N] [--pp N] [--temperature T --top-k K --top-p P --n N ...]
     hyflow generate --hf PATH  --prompts FILE ...     (HF directory or .gguf file)
 
 ``--prompts`` is a ``.jsonl`` file whose lines hold ``{"prompt": text}``,
 ``{"messages": [...]}`` (chat; formatted with the tokenizer's template) or
 ``{"prompt_ids": [ids]}``, or a text file with one prompt per line. With
-``--chat`` plain-text prompts are wrapped as one user message. ``--tp N`` (or
-``--dp N``) starts ``N`` ranks on this machine through torchrun. Rank 0 prints
+``--chat`` plain-text prompts are wrapped as one user message. ``--tp``, ``--pp``
+and ``--dp`` start ``tp x pp x dp`` ranks on this machine through torchrun. Rank 0 prints
 each response and, with ``--output``, writes one JSON line per sample.
 """
 
@@ -31,6 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", help="tokenizer spec (default: the checkpoint's / the HF model's)")
     p.add_argument("--chat", action="store_true", help="wrap plain-text prompts as a user chat message")
     p.add_argument("--tp", type=int, default=1, help="generation tensor parallel size")
+    p.add_argument("--pp", type=int, default=1,
+                   help="generation pipeline stages (run one after another: saves memory, not time)")
     p.add_argument("--dp", type=int, default=1, help="generation data parallel replicas")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -112,15 +114,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"hyflow: config error: {e}", file=sys.stderr)
         return 2
-    world = args.tp * args.dp
-    if world < 1:
-        print("hyflow: --tp and --dp must be >= 1", file=sys.stderr)
+    world = args.tp * args.pp * args.dp
+    if min(args.tp, args.pp, args.dp) < 1:
+        print("hyflow: --tp, --pp and --dp must be >= 1", file=sys.stderr)
         return 2
     if world > 1 and not launched_by_torchrun():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                "-m", "hyflow.cli", *sys.argv[1:]] if sys.argv[1:2] == ["generate"] else None
         if cmd is None:
-            print("hyflow: run `hyflow generate ...` from the command line for --tp/--dp > 1",
+            print("hyflow: run `hyflow generate ...` from the command line for --tp/--pp/--dp > 1",
                   file=sys.stderr)
             return 2
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -147,10 +149,10 @@ def _generate(args: argparse.Namespace) -> int:
     from hyflow.rollout.engine import GenerationEngine
     from hyflow.rollout.loading import load_checkpoint, load_hf, megatron_from_hf
 
-    if dist.get_world_size() != args.tp * args.dp:
-        raise ValueError(f"{dist.get_world_size()} ranks running but --tp {args.tp} x --dp {args.dp} "
-                         f"= {args.tp * args.dp}")
-    groups = init_training_groups(Layout(tp=args.tp, dp=args.dp))
+    if dist.get_world_size() != args.tp * args.pp * args.dp:
+        raise ValueError(f"{dist.get_world_size()} ranks running but --tp {args.tp} x --pp {args.pp} x "
+                         f"--dp {args.dp} = {args.tp * args.pp * args.dp}")
+    groups = init_training_groups(Layout(tp=args.tp, pp=args.pp, dp=args.dp))
     if args.ckpt:
         model, desc = load_checkpoint(args.ckpt, groups, dtype=args.dtype)
         spec = args.tokenizer or desc.tokenizer
@@ -172,7 +174,8 @@ def _generate(args: argparse.Namespace) -> int:
     if tokenizer is not None:
         eos = list(dict.fromkeys(eos + list(tokenizer.stop_token_ids())))
     engine = GenerationEngine(model, _configs(args), vocab_size=desc.vocab_size, eos_token_ids=eos,
-                              tp_group=groups.pgs.tp, max_position_embeddings=desc.max_position_embeddings)
+                              tp_group=groups.pgs.tp, max_position_embeddings=desc.max_position_embeddings,
+                              pp_group=groups.pgs.pp)
     result = generate_data_parallel(engine, prompts, groups.pgs.dp)
     if dist.get_rank() == 0:
         _report(result, prompts, tokenizer, args.output)

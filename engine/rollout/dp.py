@@ -1,9 +1,10 @@
 """Micro-DP: split a rollout batch over generation replicas and gather it back.
 
-In the generation layout the actor's ranks form ``DP_g`` replicas of TP_g ranks.
-Replica ``r`` generates a contiguous share of the requests (sizes differ by at
-most one), every rank of a replica runs the same engine call, and the shares are
-gathered over the generation DP group, so every rank ends with all samples in
+In the generation layout the actor's ranks form ``DP_g`` replicas of TP_g x PP_g
+ranks. Replica ``r`` generates a contiguous share of the requests (sizes differ by
+at most one), every rank of a replica (every TP rank of every stage) runs the same
+engine call and gets the replica's full results, and the shares are gathered over
+the generation DP group (per TP rank and stage), so every rank ends with all samples in
 the original (request, sample) order. Seeds are keyed by the *global* request
 index (``request_offset``), so the samples do not depend on the number of replicas.
 """

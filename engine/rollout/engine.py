@@ -27,7 +27,7 @@ from hyflow.config import ConfigError
 from hyflow.rollout.config import RolloutConfig, SamplingConfig
 from hyflow.rollout.request import GenerationRequest, RolloutResult, RolloutStats, SampleOutput, as_requests
 from hyflow.rollout.runner import ModelRunner
-from hyflow.rollout.sampler import VocabParallelSampler, stream_seed
+from hyflow.rollout.sampler import PipelineSampler, VocabParallelSampler, stream_seed
 from hyflow.rollout.scheduler import Scheduler, Sequence, capacity_needed, stop_ids
 
 LOG = logging.getLogger("hyflow.rollout")
@@ -41,21 +41,26 @@ class GenerationEngine:
     """Generates responses on one replica of the generation layout.
 
     Args:
-        model: the actor's ``GPTModel`` in the generation layout (PP = 1).
+        model: the actor's ``GPTModel`` in the generation layout: the whole model, or
+            this rank's pipeline stage of it (generation PP > 1; every rank of the
+            replica, all stages and TP ranks, calls :meth:`generate` with the same
+            requests and gets the full results; the stages run one after another,
+            see :mod:`hyflow.rollout.runner`).
         config: engine and default sampling settings.
         vocab_size: the real (unpadded) vocabulary size; padded ids are never sampled.
         eos_token_ids: default end-of-sequence ids (``SamplingConfig.eos_token_ids`` overrides).
         tp_group: the generation TP group (default: the model's).
+        pp_group: the generation PP group (default: the model's ``pg_collection.pp``).
         max_position_embeddings: the model's context length (default: the model's
             ``max_sequence_length``); ``config.max_seq_len`` may lower it.
     """
 
     def __init__(self, model: torch.nn.Module, config: Optional[RolloutConfig] = None, *,
                  vocab_size: int, eos_token_ids: Seq[int] = (), tp_group=None,
-                 max_position_embeddings: Optional[int] = None) -> None:
+                 max_position_embeddings: Optional[int] = None, pp_group=None) -> None:
         self.config = config or RolloutConfig()
         self.config.validate()
-        self.runner = ModelRunner(model, tp_group, self.config.layer_impl)
+        self.runner = ModelRunner(model, tp_group, self.config.layer_impl, pp_group=pp_group)
         if not 0 < vocab_size <= self.runner.padded_vocab:
             raise ConfigError(f"vocab_size={vocab_size} must be in [1, {self.runner.padded_vocab}] "
                               "(the model's padded vocabulary)")
@@ -72,14 +77,18 @@ class GenerationEngine:
         self.max_seq_len = limit
         self.max_prompt_length = min(self.config.max_prompt_length or limit - 1, limit - 1)
         self.sampler = VocabParallelSampler(vocab_size, self.runner.local_vocab, self.runner.tp_group)
+        if self.runner.pp_size > 1:
+            self.sampler = PipelineSampler(self.sampler, self.runner.pp_group, self.runner.is_last_stage,
+                                           self.runner.last_stage_rank)
         self.last_stats = RolloutStats()
 
     @classmethod
     def from_description(cls, model: torch.nn.Module, desc, config: Optional[RolloutConfig] = None,
-                         tp_group=None) -> "GenerationEngine":
+                         tp_group=None, pp_group=None) -> "GenerationEngine":
         """Engine for a model built from a :class:`~hyflow.models.description.ModelDescription`."""
         return cls(model, config, vocab_size=desc.vocab_size, eos_token_ids=desc.eos_token_ids,
-                   tp_group=tp_group, max_position_embeddings=desc.max_position_embeddings)
+                   tp_group=tp_group, max_position_embeddings=desc.max_position_embeddings,
+                   pp_group=pp_group)
 
     # -------------------------------------------------------------- requests
     def prepare(self, requests: Seq, sampling: Optional[SamplingConfig] = None,
@@ -140,7 +149,7 @@ class GenerationEngine:
                  request_offset: int = 0) -> RolloutResult:
         """Generate every sample of ``requests`` (token-id lists or :class:`GenerationRequest`).
 
-        Collective over the replica's TP group. Returns samples ordered by
+        Collective over the replica's TP (and PP) groups. Returns samples ordered by
         (request, sample) with per-call :class:`RolloutStats`.
         """
         start = time.perf_counter()

@@ -83,7 +83,7 @@ class LeanDecoder:
     def __init__(self, model: torch.nn.Module, tp_group=None, linear: Optional[LinearFn] = None) -> None:
         self.model = model
         self.layers = list(model.decoder.layers)
-        self.final_norm = model.decoder.final_layernorm
+        self.final_norm = model.decoder.final_layernorm  # None on a pipeline stage before the last
         self.tp_group = tp_group if tp_group is not None and tp_group.size() > 1 else None
         attn = self.layers[0].self_attention
         self.heads = attn.num_attention_heads_per_partition
@@ -102,7 +102,10 @@ class LeanDecoder:
         return t
 
     def forward(self, hidden: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """``hidden [s, b, h]`` and RoPE angles ``[s, b, 1, d]`` -> final-normed hidden ``[s, b, h]``."""
+        """``hidden [s, b, h]`` and RoPE angles ``[s, b, 1, d]`` -> final-normed hidden ``[s, b, h]``.
+
+        On a pipeline stage the layers are the stage's own; the final norm is applied only
+        on the last stage (the others have none and return the residual stream)."""
         s, b = hidden.shape[0], hidden.shape[1]
         cos, sin = torch.cos(rope).to(hidden.dtype), torch.sin(rope).to(hidden.dtype)
         half = self.head_dim // 2
@@ -124,4 +127,4 @@ class LeanDecoder:
             gate, up = torch.chunk(self._linear(mlp.linear_fc1, h), 2, dim=-1)
             down = self._reduce(self._linear(mlp.linear_fc2, F.silu(gate) * up))
             x = x + down
-        return self.final_norm(x)
+        return self.final_norm(x) if self.final_norm is not None else x

@@ -13,6 +13,18 @@ positions):
 
 Only the requested rows' last hidden states go through the output layer, and the
 logits stay vocab-parallel (``[n, V / TP]`` on each TP rank).
+
+Pipeline parallelism (generation PP > 1): each rank holds one stage's model (the
+first stage has the embedding, the last the final norm and the output layer) and
+caches only its own layers. A forward runs stage after stage: stage 0 embeds and
+runs its layers, every stage sends its hidden states ``[s, b, h]`` to the next one
+(point-to-point on the generation PP group), and the last stage computes the
+logits. Other stages return an empty ``[n, 0]`` placeholder; the engine's
+:class:`~hyflow.rollout.sampler.PipelineSampler` samples on the last stage and
+broadcasts the tokens and log-probs to every stage, so all stages run the same
+scheduler steps. There is no micro-batch overlap between stages in this version:
+while one stage computes, the others wait (a pipeline bubble of ``(PP - 1) / PP``
+of each rank's time); PP in generation buys memory (layers per rank), not speed.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import contextlib
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from hyflow.rollout.kv_cache import CachedAttention, ForwardBatch, KVCache
 
@@ -39,27 +52,46 @@ class ModelRunner:
     """Prefill / decode forwards of one generation replica's model part.
 
     Args:
-        model: the ``GPTModel`` (possibly DDP-wrapped) in the generation layout; it
-            must hold the whole depth (PP = 1) and the output layer.
+        model: the ``GPTModel`` (possibly DDP-wrapped) in the generation layout: the
+            whole depth, or one pipeline stage of it (built with Megatron's
+            ``pre_process`` / ``post_process`` for its stage).
         tp_group: tensor-parallel group of the generation layout (``None``: the
             model's own ``pg_collection.tp``).
         layer_impl: ``megatron`` runs Megatron's ``TransformerBlock``; ``lean`` the
             :class:`~hyflow.rollout.lean.LeanDecoder` over the same modules (error if
             the model is outside what it covers); ``auto`` picks lean when it can.
+        pp_group: pipeline-parallel group of the generation layout (``None``: the
+            model's own ``pg_collection.pp``); its rank order is the stage order.
     """
 
-    def __init__(self, model: torch.nn.Module, tp_group=None, layer_impl: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, tp_group=None, layer_impl: str = "auto",
+                 pp_group=None) -> None:
         self.model = _unwrap(model)
         m = self.model
         cfg = m.config
-        if not (getattr(m, "pre_process", True) and getattr(m, "post_process", True)):
+        if pp_group is None:
+            pp_group = getattr(getattr(m, "pg_collection", None), "pp", None)
+        self.pp_group = pp_group
+        self.pp_size = pp_group.size() if pp_group is not None else 1
+        self.pp_rank = pp_group.rank() if pp_group is not None else 0
+        self.is_first_stage = bool(getattr(m, "pre_process", True))
+        self.is_last_stage = bool(getattr(m, "post_process", True))
+        if self.pp_size == 1 and not (self.is_first_stage and self.is_last_stage):
             raise GenerationLayoutError(
-                "generation needs the whole model on each rank (generation PP = 1); this model is "
-                "one pipeline stage. Set rollout.layout.pp=1 (the hybrid engine merges stages).")
-        if cfg.pipeline_model_parallel_size != 1:
+                "this model is one pipeline stage but its pipeline group has one rank; pass the "
+                "generation pp_group the stages were built with")
+        if (self.is_first_stage, self.is_last_stage) != (self.pp_rank == 0, self.pp_rank == self.pp_size - 1):
             raise GenerationLayoutError(
-                f"generation with pipeline parallelism (pp={cfg.pipeline_model_parallel_size}) is "
-                "not supported; use a generation layout with pp=1")
+                f"pipeline rank {self.pp_rank} of {self.pp_size} holds a model with pre_process="
+                f"{self.is_first_stage}, post_process={self.is_last_stage}; the pp_group must be the "
+                "one the stages were built for (stage i = group rank i)")
+        if cfg.pipeline_model_parallel_size != self.pp_size:
+            raise GenerationLayoutError(
+                f"the model was built for pipeline size {cfg.pipeline_model_parallel_size} but its "
+                f"generation pp_group has {self.pp_size} ranks")
+        if getattr(cfg, "virtual_pipeline_model_parallel_size", None) or getattr(m, "mtp_process", False):
+            raise GenerationLayoutError(
+                "generation does not support virtual pipeline stages (vpp) or multi-token prediction")
         if cfg.sequence_parallel:
             raise GenerationLayoutError(
                 "the generation model must be built without sequence parallelism (decode steps have "
@@ -76,6 +108,15 @@ class ModelRunner:
         self.tp_size = tp_group.size() if tp_group is not None else 1
         self.tp_rank = tp_group.rank() if tp_group is not None else 0
         self.layers = list(m.decoder.layers)
+        if not self.layers:
+            raise GenerationLayoutError("a pipeline stage without transformer layers is not supported")
+        self.hidden_size = cfg.hidden_size
+        self.hidden_dtype = torch.float32 if cfg.fp32_residual_connection else cfg.params_dtype
+        if self.pp_size > 1:  # global ranks of the neighbouring stages and of the last stage
+            self._prev = dist.get_global_rank(pp_group, self.pp_rank - 1) if self.pp_rank > 0 else None
+            self._next = dist.get_global_rank(pp_group, self.pp_rank + 1) \
+                if self.pp_rank < self.pp_size - 1 else None
+            self.last_stage_rank = dist.get_global_rank(pp_group, self.pp_size - 1)
         attn = self.layers[0].self_attention
         self.heads = attn.num_attention_heads_per_partition
         self.groups = attn.num_query_groups_per_partition
@@ -102,7 +143,7 @@ class ModelRunner:
 
     @property
     def device(self) -> torch.device:
-        return self.model.embedding.word_embeddings.weight.device
+        return next(self.model.parameters()).device
 
     @property
     def num_layers(self) -> int:
@@ -141,6 +182,8 @@ class ModelRunner:
                 for layer, module in zip(self.layers, saved):
                     layer.self_attention.core_attention = module
                 self.model.train(was_training)
+                if not self.is_first_stage:
+                    self.model.decoder.set_input_tensor(None)
                 self.cache = None
                 cache.batch = None
                 if self.lean is not None:
@@ -167,20 +210,31 @@ class ModelRunner:
         Returns fp32 vocab-parallel logits ``[n, V / TP]`` of the hidden state at
         (``rows[i]``, ``cols[i]``) (default: every row's last column), or None when
         ``rows`` is empty (a prefill chunk that ends no prompt). Requires :meth:`attach`.
+        With pipeline parallelism every stage is called with the same arguments; a
+        stage other than the last returns an empty ``[n, 0]`` placeholder.
         """
         if self.cache is None:
             raise RuntimeError("ModelRunner.forward needs an attached cache (use `with runner.attach(cache)`)")
         m = self.model
         self.cache.batch = ForwardBatch.build(slots, positions)
-        hidden = m.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
+        b, s = tokens.shape
+        if self.is_first_stage:
+            hidden = m.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
+        else:
+            hidden = torch.empty(s, b, self.hidden_size, dtype=self.hidden_dtype, device=tokens.device)
+            dist.recv(hidden, src=self._prev, group=self.pp_group)
         if self.lean is not None:
             hidden = self.lean.forward(hidden, self.rope(positions))
         else:
+            if not self.is_first_stage:
+                m.decoder.set_input_tensor(hidden)
             hidden = m.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=self.rope(positions))
-        b, s = tokens.shape
         if rows is None:
             rows = torch.arange(b, device=hidden.device)
             cols = torch.full((b,), s - 1, device=hidden.device)
+        if not self.is_last_stage:
+            dist.send(hidden.contiguous(), dst=self._next, group=self.pp_group)
+            return torch.empty(rows.numel(), 0, device=hidden.device) if rows.numel() else None
         if rows.numel() == 0:
             return None
         picked = hidden[cols, rows].unsqueeze(0)  # [1, n, h]

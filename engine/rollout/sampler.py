@@ -241,3 +241,34 @@ class VocabParallelSampler:
             return None
         thr = torch.where(use_p, torch.maximum(thr, cut_p), thr)
         return torch.where(truncate, thr, ninf)
+
+
+class PipelineSampler:
+    """Samples on the last pipeline stage and broadcasts the result to every stage.
+
+    With generation PP > 1 only the last stage has logits (other stages pass an empty
+    ``[b, 0]`` placeholder). The last stage runs ``sampler`` (vocab-parallel over its
+    TP group, so its TP ranks agree), then one broadcast of ``[b, 2]`` float64 (token
+    id, log-prob; both exact in float64) over the PP group hands the tokens and
+    log-probs to the other stages, which is all the scheduler's decisions depend on.
+
+    Args:
+        sampler: this stage's :class:`VocabParallelSampler` (used on the last stage only).
+        pp_group: the generation pipeline group (ranks of every stage at this TP rank).
+        is_last_stage: whether this rank is on the last stage.
+        src: global rank of the last stage in ``pp_group``.
+    """
+
+    def __init__(self, sampler: VocabParallelSampler, pp_group, is_last_stage: bool, src: int) -> None:
+        self.sampler, self.pp_group, self.is_last_stage, self.src = sampler, pp_group, is_last_stage, src
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
+        b = logits.shape[0]
+        buf = torch.empty(b, 2, dtype=torch.float64, device=logits.device)
+        if self.is_last_stage:
+            tokens, logprobs = self.sampler(logits, params)
+            buf[:, 0] = tokens.to(torch.float64)
+            buf[:, 1] = logprobs.to(torch.float64)
+        dist.broadcast(buf, src=self.src, group=self.pp_group)
+        return buf[:, 0].long(), buf[:, 1].float()

@@ -17,7 +17,10 @@ never carry finished rows. The ``static`` policy admits only when nothing is
 running (whole batches; finished rows still leave the forward).
 
 All TP ranks of a replica run this loop in lockstep: every decision depends only
-on sampled tokens, which the sampler makes identical on all of them.
+on sampled tokens, which the sampler makes identical on all of them. With
+pipeline parallelism the stages do too: the last stage samples and the
+:class:`~hyflow.rollout.sampler.PipelineSampler` broadcasts the tokens (and
+log-probs) to the others.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ class Roles:
     _engine: Any = field(default=None, repr=False)
 
     def generate(self, gen_model, prompts: list[list[int]], n: int, greedy: bool = False):
-        """Generate ``n`` samples per prompt on the micro-DP replicas; every rank gets all
+        """Generate ``n`` samples per prompt on the micro-DP replicas (each TP_g x PP_g ranks of
+        the generation layout; with PP_g > 1 the stages run one after another); every rank gets all
         samples in request order. ``greedy``: argmax decoding (temperature 0), the same
         ``max_new_tokens`` and stop ids (ReMax's baseline responses)."""
         from hyflow.rollout.config import SamplingConfig
@@ -51,6 +52,7 @@ class Roles:
             self._engine = GenerationEngine(gen_model, self.rollout_config, vocab_size=self.sample_vocab,
                                             eos_token_ids=self.eos_token_ids,
                                             tp_group=self.hybrid.gen_groups.pgs.tp,
+                                            pp_group=self.hybrid.gen_groups.pgs.pp,
                                             max_position_embeddings=self.desc.max_position_embeddings)
         plan = self.hybrid.plan
         replicas, replica = plan.gen_dp_size, self.hybrid.gen_groups.dp_rank
@@ -62,8 +64,11 @@ class Roles:
         if greedy:
             sampling = sampling.replace(temperature=0.0)
         result = self._engine.generate(mine, sampling, request_offset=replica * per) if mine else None
+        # Every rank of a replica (all TP ranks, all pipeline stages) holds its full results:
+        # one representative each (TP rank 0 of the first stage) contributes them.
+        gen = self.hybrid.gen_groups
         payload = (replica, result.samples if result else [], result.stats if result else RolloutStats()) \
-            if self.hybrid.gen_groups.tp_rank == 0 else None
+            if gen.tp_rank == 0 and gen.pp_rank == 0 else None
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, payload)
         samples, stats = [], RolloutStats()
