@@ -8,6 +8,7 @@ srun) or starts ``trainer.nproc`` ranks on this machine through torchrun.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Optional, Sequence
@@ -146,8 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Set by a launcher that starts ranks through torchrun: the ranks' hyflow arguments as a JSON
+# list. torchrun's own parser would otherwise read options after ``-m hyflow.cli`` as its own
+# (``--n`` is an ambiguous prefix of ``--nnodes`` / ``--nproc-per-node``) and stop with an error.
+RANK_ARGV_ENV = "HYFLOW_RANK_ARGV"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
+    if argv is None and len(sys.argv) == 1 and os.environ.get(RANK_ARGV_ENV):
+        argv = json.loads(os.environ.pop(RANK_ARGV_ENV))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

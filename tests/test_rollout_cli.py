@@ -75,6 +75,16 @@ def test_generate_command_on_a_hf_directory(tmp_path):
         logp = torch.log_softmax(model(ids).logits[0] / 0.7, dim=-1)
     want = logp[torch.arange(2, 8), torch.tensor(rows[0]["token_ids"])]
     assert torch.allclose(want, torch.tensor(rows[0]["logprobs"]), atol=1e-4)
+    # The same request on 2 tensor-parallel ranks (started through torchrun, whose own parser must
+    # not see options such as --n): sampling is keyed by request, so the samples are the same.
+    out_tp2 = tmp_path / "out_tp2.jsonl"
+    proc = _hyflow("generate", "--hf", str(tmp_path / "hf"), "--prompts", str(prompts), "--max-new-tokens", "6",
+                   "--ignore-eos", "--n", "2", "--temperature", "0.7", "--top-p", "0.9", "--output", str(out_tp2),
+                   "--tp", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows_tp2 = [json.loads(line) for line in out_tp2.read_text().splitlines()]
+    assert [r["token_ids"] for r in rows_tp2] == [r["token_ids"] for r in rows]
+    assert max(abs(a - b) for r, q in zip(rows, rows_tp2) for a, b in zip(r["logprobs"], q["logprobs"])) < 1e-4
     bad = _hyflow("generate", "--hf", str(tmp_path / "hf"), "--prompts", str(tmp_path / "missing.jsonl"))
     assert bad.returncode == 2 and "does not exist" in bad.stderr
 

@@ -119,13 +119,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("hyflow: --tp, --pp and --dp must be >= 1", file=sys.stderr)
         return 2
     if world > 1 and not launched_by_torchrun():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", "hyflow.cli", *sys.argv[1:]] if sys.argv[1:2] == ["generate"] else None
-        if cmd is None:
+        if sys.argv[1:2] != ["generate"]:
             print("hyflow: run `hyflow generate ...` from the command line for --tp/--pp/--dp > 1",
                   file=sys.stderr)
             return 2
+        from hyflow.cli import RANK_ARGV_ENV
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               "-m", "hyflow.cli"]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env[RANK_ARGV_ENV] = json.dumps(sys.argv[1:])  # not on torchrun's command line: see RANK_ARGV_ENV
         return subprocess.call(cmd, env=env)
     from hyflow.parallel.distributed import init_distributed, shutdown
 
