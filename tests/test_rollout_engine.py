@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hyflow.testing import run_on_ranks
+from hyflow.testing.references import hf_response_logprobs
 
 pytestmark = pytest.mark.multirank
 
@@ -82,15 +83,6 @@ def _hf_greedy(hf: Any, prompt: list[int], new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def _hf_logprobs(hf: Any, prompt: list[int], response: list[int], temperature: float) -> list[float]:
-    ids = torch.tensor([prompt + response])
-    with torch.no_grad():
-        logits = hf(ids).logits[0].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    idx = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
-    return logp[idx, torch.tensor(response)].tolist()
-
-
 def _parity(tp: int) -> dict:
     """Rank fn: per family and layer implementation, greedy tokens, the sampled log-prob error
     against HF and the sampled tokens; plus HF's greedy tokens."""
@@ -108,7 +100,7 @@ def _parity(tp: int) -> dict:
             res = engine.generate(PROMPTS, SamplingConfig(**SAMPLED))
             err = 0.0
             for s in res.samples:
-                want = _hf_logprobs(hf, s.prompt_ids, s.token_ids, SAMPLED["temperature"])
+                want = hf_response_logprobs(hf, s.prompt_ids, s.token_ids, SAMPLED["temperature"])
                 err = max(err, max(abs(a - b) for a, b in zip(s.logprobs, want)))
             out[family][impl] = {"greedy": greedy, "logprob_err": err,
                                  "sampled": [s.token_ids for s in res.samples]}

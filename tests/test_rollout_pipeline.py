@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hyflow.testing import run_on_ranks
+from hyflow.testing.references import hf_response_logprobs
 
 pytestmark = pytest.mark.multirank
 
@@ -46,15 +47,6 @@ def _tiny_hf(family: str, seed: int = 0) -> Any:
     return model
 
 
-def _hf_logprobs(hf: Any, prompt: list[int], response: list[int], temperature: float) -> list[float]:
-    ids = torch.tensor([prompt + response])
-    with torch.no_grad():
-        logits = hf(ids).logits[0].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    idx = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
-    return logp[idx, torch.tensor(response)].tolist()
-
-
 def _suite(engine: Any, hf: Any) -> dict:
     """Greedy, sampled and stop-rule generations of ``engine``; plain data for comparison."""
     from hyflow.rollout import GenerationRequest, SamplingConfig
@@ -63,7 +55,7 @@ def _suite(engine: Any, hf: Any) -> dict:
     sampled = engine.generate(PROMPTS, SamplingConfig(**SAMPLED)).samples
     err = 0.0
     for s in sampled:
-        want = _hf_logprobs(hf, s.prompt_ids, s.token_ids, SAMPLED["temperature"])
+        want = hf_response_logprobs(hf, s.prompt_ids, s.token_ids, SAMPLED["temperature"])
         err = max(err, max(abs(a - b) for a, b in zip(s.logprobs, want)))
     # Stop ids taken from the greedy responses, so the stop rules fire mid-batch.
     ref = greedy[3].token_ids

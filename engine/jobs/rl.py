@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Optional
 
 import torch

@@ -70,7 +70,6 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
         raise ValueError(f"dtype {dtype!r} not supported; one of {sorted(DTYPES)}")
     layout = groups.layout
     layout.check_model(desc)
-    on_gpu = torch.cuda.is_available()
     kwargs = dict(
         num_layers=desc.num_layers,
         hidden_size=desc.hidden_size,

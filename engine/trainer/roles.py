@@ -44,7 +44,6 @@ class Roles:
         the generation layout; with PP_g > 1 the stages run one after another); every rank gets all
         samples in request order. ``greedy``: argmax decoding (temperature 0), the same
         ``max_new_tokens`` and stop ids (ReMax's baseline responses)."""
-        from hyflow.rollout.config import SamplingConfig
         from hyflow.rollout.engine import GenerationEngine
         from hyflow.rollout.request import RolloutResult, RolloutStats
 

@@ -1,0 +1,138 @@
+"""What the resharding planner knows about a model: one :class:`ParamSpec` per parameter (global
+shape, how tensor parallelism shards it, which pipeline stage holds it, which layout fix-up it
+needs), and the list of a Megatron-Core ``GPTModel``'s parameters. Pure data, no torch."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["ReshardPlanError", "ParamSpec", "gpt_param_specs", "megatron_local_name",
+           "TP_KINDS", "FIXUPS", "PP_STAGES"]
+
+TP_KINDS = ("column", "row", "vocab", "replicated")
+FIXUPS = (None, "gate_up", "row_concat", "qkv_grouped")
+PP_STAGES = ("first", "last", "first_and_last")
+
+class ReshardPlanError(ValueError):
+    """A training/generation layout pair the hybrid engine cannot reshard between."""
+
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One model parameter as the planner sees it.
+
+    ``global_shape`` is the unsharded shape. ``layer`` is the GLOBAL layer index for decoder
+    parameters; non-layer parameters set ``pp_stage`` instead ("first", "last", or
+    "first_and_last" for a tied embedding, which Megatron keeps on both ends when PP > 1).
+    ``shard_units`` counts the indivisible units along the shard dim (heads, query groups, ffn
+    rows, vocab rows) and ``unit_name`` names them in error messages.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    dtype_bytes: int = 2
+    tp_kind: str = "replicated"
+    fixup: Optional[str] = None
+    layer: Optional[int] = None
+    pp_stage: Optional[str] = None
+    shard_units: Optional[int] = None
+    unit_name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "global_shape", tuple(int(x) for x in self.global_shape))
+        if self.tp_kind not in TP_KINDS:
+            raise ReshardPlanError(f"{self.name}: tp_kind {self.tp_kind!r} not in {TP_KINDS}")
+        if self.fixup not in FIXUPS:
+            raise ReshardPlanError(f"{self.name}: fixup {self.fixup!r} not in {FIXUPS}")
+        if (self.layer is None) == (self.pp_stage is None):
+            raise ReshardPlanError(f"{self.name}: set exactly one of layer= or pp_stage=")
+        if self.pp_stage is not None and self.pp_stage not in PP_STAGES:
+            raise ReshardPlanError(f"{self.name}: pp_stage {self.pp_stage!r} not in {PP_STAGES}")
+        need = {"gate_up": "column", "qkv_grouped": "column", "row_concat": "row"}.get(self.fixup)
+        if need is not None and self.tp_kind != need:
+            raise ReshardPlanError(f"{self.name}: fixup {self.fixup!r} needs tp_kind {need!r}")
+        shape, dim = self.global_shape, self.shard_dim
+        if dim is not None and len(shape) <= dim:
+            raise ReshardPlanError(f"{self.name}: shape {shape} has no dim {dim}")
+        if self.fixup == "gate_up" and shape[0] % 2:
+            raise ReshardPlanError(f"{self.name}: gate_up dim 0 ({shape[0]}) must be even")
+
+    @property
+    def shard_dim(self) -> Optional[int]:
+        """Dim TP shards along: 0 for column/vocab, 1 for row, None when replicated."""
+        return {"column": 0, "vocab": 0, "row": 1}.get(self.tp_kind)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.global_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype_bytes
+
+    def stages(self, pp: int, num_layers: int) -> tuple[int, ...]:
+        """Pipeline stages (out of ``pp``) that hold this parameter."""
+        if self.layer is not None:
+            return (self.layer // (num_layers // pp),)
+        return {"first": (0,), "last": (pp - 1,)}.get(self.pp_stage, tuple(sorted({0, pp - 1})))
+
+
+def gpt_param_specs(num_layers: int, hidden: int, num_heads: int, num_query_groups: int,
+                    head_dim: int, ffn_hidden: int, padded_vocab: int, *,
+                    tied_embeddings: bool = False, qkv_bias: bool = False, dtype_bytes: int = 2,
+                    gated_mlp: bool = True, qk_layernorm: bool = False) -> list[ParamSpec]:
+    """Megatron-Core ``GPTModel`` parameters (local spec names, GLOBAL layer indices)."""
+    qkv_rows = (num_heads + 2 * num_query_groups) * head_dim
+    fc1_rows = 2 * ffn_hidden if gated_mlp else ffn_hidden
+    vocab = dict(tp_kind="vocab", shard_units=padded_vocab, unit_name="padded vocab size")
+    out = [ParamSpec("embedding.word_embeddings.weight", (padded_vocab, hidden), dtype_bytes,
+                     pp_stage="first_and_last" if tied_embeddings else "first", **vocab)]
+    qkv = dict(tp_kind="column", fixup="qkv_grouped", shard_units=num_query_groups,
+               unit_name="query groups")
+    for i in range(num_layers):
+        pre = f"decoder.layers.{i}."
+        rep = dict(tp_kind="replicated", layer=i)
+        out.append(ParamSpec(pre + "input_layernorm.weight", (hidden,), dtype_bytes, **rep))
+        out.append(ParamSpec(pre + "self_attention.linear_qkv.weight", (qkv_rows, hidden),
+                             dtype_bytes, layer=i, **qkv))
+        if qkv_bias:
+            out.append(ParamSpec(pre + "self_attention.linear_qkv.bias", (qkv_rows,),
+                                 dtype_bytes, layer=i, **qkv))
+        if qk_layernorm:
+            for n in ("q_layernorm", "k_layernorm"):
+                out.append(ParamSpec(pre + f"self_attention.{n}.weight", (head_dim,),
+                                     dtype_bytes, **rep))
+        out.append(ParamSpec(pre + "self_attention.linear_proj.weight",
+                             (hidden, num_heads * head_dim), dtype_bytes, tp_kind="row",
+                             fixup="row_concat", layer=i, shard_units=num_heads,
+                             unit_name="attention heads"))
+        out.append(ParamSpec(pre + "pre_mlp_layernorm.weight", (hidden,), dtype_bytes, **rep))
+        out.append(ParamSpec(pre + "mlp.linear_fc1.weight", (fc1_rows, hidden), dtype_bytes,
+                             tp_kind="column", fixup="gate_up" if gated_mlp else None, layer=i,
+                             shard_units=ffn_hidden, unit_name="ffn hidden size"))
+        out.append(ParamSpec(pre + "mlp.linear_fc2.weight", (hidden, ffn_hidden), dtype_bytes,
+                             tp_kind="row", fixup="row_concat", layer=i,
+                             shard_units=ffn_hidden, unit_name="ffn hidden size"))
+    out.append(ParamSpec("decoder.final_layernorm.weight", (hidden,), dtype_bytes,
+                         pp_stage="last"))
+    if not tied_embeddings:
+        out.append(ParamSpec("output_layer.weight", (padded_vocab, hidden), dtype_bytes,
+                             pp_stage="last", **vocab))
+    return out
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def megatron_local_name(spec: ParamSpec, pp: int, num_layers: int, stage: int) -> str:
+    """State-dict name of ``spec`` on training stage ``stage``: local layer numbering, and a tied
+    embedding shows up as ``output_layer.weight`` on the last stage when PP > 1."""
+    if spec.layer is not None:
+        local = spec.layer - stage * (num_layers // pp)
+        return _LAYER_RE.sub(f"decoder.layers.{local}.", spec.name, count=1)
+    if spec.pp_stage == "first_and_last" and stage == pp - 1 and pp > 1:
+        return "output_layer.weight"
+    return spec.name
