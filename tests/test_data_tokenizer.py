@@ -69,19 +69,9 @@ def test_char_tokenizer_small_alphabet():
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from hyflow.testing.fixtures import write_tiny_hf_tokenizer
 
-    words = ["<unk>", "<eos>", "<|im_start|>", "<|im_end|>", "user", "assistant", "what", "is", "2", "+", "3", "?"]
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="<unk>",
-                                  additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    tok.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
-    path = tmp_path_factory.mktemp("hftok")
-    tok.save_pretrained(str(path))
-    return str(path)
+    return write_tiny_hf_tokenizer(str(tmp_path_factory.mktemp("hftok")))
 
 
 def test_hf_adapter_chat_pad_and_stops(hf_dir):

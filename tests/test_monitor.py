@@ -22,6 +22,8 @@ from hyflow.monitor import (
     Progress,
     format_duration,
     plot_metrics,
+    trailing_mean,
+    auto_smooth_window,
     read_metrics,
 )
 from hyflow.monitor._png import Canvas, decode_png_header
@@ -233,6 +235,37 @@ def test_builtin_png_plot_draws_both_curves(tmp_path):
     assert (31, 119, 180) in pixels and (214, 39, 40) in pixels      # reward (blue) and KL (red) curves
     top_half = rgb[: 3 * w * 330]
     assert (214, 39, 40) not in {tuple(top_half[i:i + 3]) for i in range(0, len(top_half), 3)}
+
+
+def test_trailing_mean_matches_a_direct_computation():
+    values = [0.2, None, 0.5, 0.9, 0.1, 0.4, None, 0.7]
+    points = [(float(i + 1), v) for i, v in enumerate(values)]
+    for window in (1, 2, 3, 8, 20):
+        got = trailing_mean(points, window)
+        assert [x for x, _ in got] == [x for x, _ in points]
+        for i, (_, y) in enumerate(got):
+            if values[i] is None:
+                assert y is None
+                continue
+            present = [v for v in values[max(0, i - window + 1):i + 1] if v is not None]
+            assert y == pytest.approx(sum(present) / len(present), abs=1e-12)
+    with pytest.raises(ValueError, match="window"):
+        trailing_mean(points, 0)
+    assert [auto_smooth_window(n) for n in (1, 19, 20, 45, 250, 1000)] == [1, 1, 5, 5, 12, 50]
+
+
+def test_builtin_plot_draws_faint_raw_curve_under_the_trailing_mean(tmp_path):
+    rows = [{"step": s, "reward/mean": (s % 2) * 0.8 + s / 100, "kl": 0.01 * s} for s in range(1, 41)]
+    colours = []
+    for smooth in (1, None):
+        path = plot_metrics(rows, str(tmp_path / f"s{smooth}.png"), backend="builtin", smooth=smooth)
+        w, _, rgb = _decode_rgb(open(path, "rb").read())
+        colours.append({tuple(rgb[i:i + 3]) for i in range(0, len(rgb), 3)})
+    faint_blue = (177, 207, 229)        # (31, 119, 180) 65% of the way to white
+    assert faint_blue not in colours[0] and (31, 119, 180) in colours[0]
+    assert faint_blue in colours[1] and (31, 119, 180) in colours[1]
+    with pytest.raises(ValueError, match="window"):
+        plot_metrics(rows, str(tmp_path / "bad.png"), backend="builtin", smooth=0)
 
 
 def test_plot_from_run_dir_and_edge_cases(tmp_path):

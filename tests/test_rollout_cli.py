@@ -100,3 +100,43 @@ def test_bench_rollout_prints_a_table_then_json():
     assert row["greedy_match"] == "4/4"
     assert set(row["batching"]) == {"continuous", "static"}
     assert any("transformers generate" in line for line in lines)
+
+
+def test_make_task_writes_rl_rows_and_names_bad_options(tmp_path, capsys):
+    from hyflow.cli import main
+    from hyflow.data.dataset import read_rows
+    from hyflow.data.tasks import make_task_rows
+
+    out = str(tmp_path / "eval.jsonl")
+    assert main(["make-task", "arithmetic", "--size", "5", "--seed", "7", "--out", out, "ops=+-",
+                 "max_operand=20"]) == 0
+    assert read_rows(out) == make_task_rows("arithmetic", 5, seed=7, ops="+-", max_operand=20)
+    assert main(["make-task", "arithmetic", "--out", out, "op=+"]) == 2
+    assert "has no option op; its options: ops, max_operand, max_factor" in capsys.readouterr().err
+    assert main(["make-task", "arith", "--out", out]) == 2
+    assert "unknown task 'arith'" in capsys.readouterr().err
+
+
+def test_generate_reads_rl_rows_and_scores_responses_against_ground_truth(tmp_path):
+    from types import SimpleNamespace
+
+    from hyflow.data.tokenizer import load_tokenizer
+    from hyflow.rollout.cli import read_ground_truths, read_prompts, score_samples
+    from hyflow.testing.fixtures import write_tiny_hf_tokenizer
+
+    tok = load_tokenizer(write_tiny_hf_tokenizer(str(tmp_path / "tok")))
+    rows = [{"prompt": [{"role": "user", "content": "what is 2 + 3 ?"}], "reward_model": {"ground_truth": "5"}},
+            {"prompt": "what is 2", "ground_truth": 2, "extra_info": {"k": 1}},
+            {"prompt_ids": [4, 7], "reward_model": {"ground_truth": "3"}}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_prompts(str(path), tok, chat=False) == [
+        tok.encode_chat(rows[0]["prompt"]), tok.encode_prompt_texts(["what is 2"])[0], [4, 7]]
+    truths = read_ground_truths(str(path))
+    assert truths == [("5", {}), (2, {"k": 1}), ("3", {})]
+    samples = [SimpleNamespace(request_index=i) for i in (0, 0, 1, 2)]    # n=2 for the first prompt
+    texts = ["The answer is 5.", "6", "2.0", "three"]
+    assert score_samples(samples, texts, truths, "numeric_match") == [1.0, 0.0, 1.0, 0.0]
+    path.write_text(json.dumps({"prompt": "what is 2"}) + "\n")
+    with pytest.raises(ValueError, match="row 0 has no reward_model.ground_truth"):
+        read_ground_truths(str(path))

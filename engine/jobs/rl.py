@@ -36,7 +36,7 @@ from hyflow.training.step import train_step
 def run(cfg: RLJobConfig) -> list[dict]:
     """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
     from hyflow.data.dataset import PromptLoader, build_dataset
-    from hyflow.data.tasks import load_data_tokenizer
+    from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
     from hyflow.monitor.metrics import MetricsWriter
     from hyflow.monitor.progress import Progress
     from hyflow.monitor.timers import PhaseTimers
@@ -55,7 +55,8 @@ def run(cfg: RLJobConfig) -> list[dict]:
     # SIGTERM / SIGUSR1 flags and NaN/inf guards, installed before the long set-up so no signal is lost
     supervisor = StepSupervisor(cfg.trainer.max_bad_steps, [roles.actor_optimizer, roles.critic_optimizer],
                                 protect=[kl_ctrl]).install()
-    ckpt = Checkpointer(cfg.trainer.output_dir, roles.groups, roles.desc, cfg.trainer.keep_last)
+    ckpt = Checkpointer(cfg.trainer.output_dir, roles.groups, roles.desc, cfg.trainer.keep_last,
+                        tokenizer=tokenizer_spec_for(cfg.data))
     start = _resume(cfg, ckpt, roles, loader, kl_ctrl, supervisor)  # the checkpoint's step; 0: fresh run
     if rank == 0:
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
@@ -210,10 +211,28 @@ def _check_dcp_files(ckpt_dir: str) -> None:
 
 
 def resolve_tokenizer(ckpt_dir: str, tokenizer: Optional[str]) -> Optional[str]:
-    """A description's tokenizer path, relative paths taken from the checkpoint directory."""
-    if not tokenizer or os.path.isabs(tokenizer):
+    """A description's tokenizer path, relative paths taken from the checkpoint directory
+    (the built-in ``char`` tokenizer is a name, not a path)."""
+    if not tokenizer or tokenizer == "char" or os.path.isabs(tokenizer):
         return tokenizer
     return os.path.abspath(os.path.join(ckpt_dir, tokenizer))
+
+
+def store_tokenizer(spec: Optional[str], directory: str, name: str = "tokenizer") -> Optional[str]:
+    """Make a checkpoint self-contained: copy a tokenizer *directory* (HF files: small) to
+    ``directory/name`` and return ``name``; a file (sentencepiece ``.model``, ``.gguf``) is
+    referenced by its absolute path rather than copied, ``char`` and hub names are kept as
+    they are. The result is what ``model.json``'s ``tokenizer`` should hold, relative to
+    ``directory``."""
+    if not spec or spec == "char":
+        return spec
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        target = os.path.join(directory, name)
+        if os.path.abspath(target) != os.path.abspath(path):
+            shutil.copytree(path, target, dirs_exist_ok=True)
+        return name
+    return os.path.abspath(path) if os.path.exists(path) else spec
 
 
 def read_description(ckpt_dir: str) -> ModelDescription:

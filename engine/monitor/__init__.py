@@ -8,12 +8,12 @@
 Named ``monitor`` rather than ``logging`` so it never shadows the standard library module.
 """
 from hyflow.monitor.metrics import PHASE_KEYS, REQUIRED_KEYS, MetricsWriter, read_metrics, to_float
-from hyflow.monitor.plot import DEFAULT_PLOT_KEYS, PLOT_FILENAME, plot_metrics
+from hyflow.monitor.plot import DEFAULT_PLOT_KEYS, PLOT_FILENAME, auto_smooth_window, plot_metrics, trailing_mean
 from hyflow.monitor.progress import DEFAULT_SHOWN, Progress, format_duration
 from hyflow.monitor.timers import PhaseTimers
 
 __all__ = [
     "PHASE_KEYS", "REQUIRED_KEYS", "MetricsWriter", "read_metrics", "to_float",
-    "DEFAULT_PLOT_KEYS", "PLOT_FILENAME", "plot_metrics",
+    "DEFAULT_PLOT_KEYS", "PLOT_FILENAME", "plot_metrics", "trailing_mean", "auto_smooth_window",
     "DEFAULT_SHOWN", "Progress", "format_duration", "PhaseTimers",
 ]

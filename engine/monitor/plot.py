@@ -2,7 +2,9 @@
 
 Uses matplotlib when it is installed; otherwise (or with ``backend="builtin"``) a small
 pure-Python renderer (:mod:`hyflow.monitor._png`) writes the PNG, so the file always exists.
-Rows whose value is missing or ``null`` leave a gap in the curve.
+Rows whose value is missing or ``null`` leave a gap in the curve. Per-step RL rewards are noisy
+(a handful of prompts per step), so with 20 or more points each curve is drawn faint and a
+trailing mean over ``smooth`` steps is drawn over it in full colour.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from hyflow.monitor._png import Canvas, Color
 from hyflow.monitor.metrics import read_metrics
 
-__all__ = ["plot_metrics", "DEFAULT_PLOT_KEYS", "PLOT_FILENAME"]
+__all__ = ["plot_metrics", "trailing_mean", "auto_smooth_window", "DEFAULT_PLOT_KEYS", "PLOT_FILENAME"]
 
 _LOG = logging.getLogger(__name__)
 DEFAULT_PLOT_KEYS = ("reward/mean", "kl")
@@ -31,12 +33,34 @@ def _series(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[float, Op
     return out
 
 
+def trailing_mean(points: Sequence[tuple[float, Optional[float]]], window: int
+                  ) -> list[tuple[float, Optional[float]]]:
+    """Mean of the values present among each point and the ``window - 1`` points before it;
+    a missing value stays a gap."""
+    if window < 1:
+        raise ValueError(f"smoothing window must be >= 1, got {window}")
+    out = []
+    for i, (x, y) in enumerate(points):
+        recent = [v for _, v in points[max(0, i - window + 1):i + 1] if v is not None]
+        out.append((x, None if y is None else sum(recent) / len(recent)))
+    return out
+
+
+def auto_smooth_window(num_points: int) -> int:
+    """1 (no smoothing) below 20 points, else 5, growing to 1/20 of the run for long runs."""
+    return 1 if num_points < 20 else max(5, num_points // 20)
+
+
+def _tint(color: Color, amount: float = 0.65) -> Color:
+    return tuple(round(c + (255 - c) * amount) for c in color)  # type: ignore[return-value]
+
+
 def _fmt(v: float) -> str:
     return f"{v:.3g}"
 
 
-def _plot_builtin(series: dict[str, list], out_path: str, title: str, width: int = 800,
-                  height: int = 300) -> None:
+def _plot_builtin(series: dict[str, list], out_path: str, title: str, window: int = 1,
+                  width: int = 800, height: int = 300) -> None:
     panels = max(1, len(series))
     canvas = Canvas(width, height * panels + 30)
     canvas.text(10, 8, title, (0, 0, 0), scale=2)
@@ -45,7 +69,8 @@ def _plot_builtin(series: dict[str, list], out_path: str, title: str, width: int
         y0 = 30 + p * height
         box = (left, y0 + top, width - right, y0 + height - bottom)
         canvas.rect(*box, (120, 120, 120))
-        canvas.text(left, y0 + 10, key, _COLORS[p % len(_COLORS)], scale=2)
+        label = key if window == 1 else f"{key}: mean of last {window} steps (faint: per step)"
+        canvas.text(left, y0 + 10, label, _COLORS[p % len(_COLORS)], scale=2)
         vals = [v for _, v in points if v is not None]
         if not vals:
             canvas.text(left + 10, y0 + top + 10, "NO DATA", (150, 150, 150), scale=2)
@@ -74,18 +99,22 @@ def _plot_builtin(series: dict[str, list], out_path: str, title: str, width: int
         canvas.text(bx0, by1 + 8, _fmt(xmin), (60, 60, 60))
         last = f"STEP {_fmt(xmax)}"
         canvas.text(bx1 - Canvas.text_width(last), by1 + 8, last, (60, 60, 60))
-        run: list[tuple[int, int]] = []
-        for x, y in points + [(0.0, None)]:
-            if y is None:
-                canvas.polyline(run, _COLORS[p % len(_COLORS)], thickness=2)
-                run = []
-            else:
-                run.append(to_px(x, y))
+        color = _COLORS[p % len(_COLORS)]
+        curves = [(points, color)] if window == 1 else \
+            [(points, _tint(color)), (trailing_mean(points, window), color)]
+        for curve, curve_color in curves:
+            run: list[tuple[int, int]] = []
+            for x, y in curve + [(0.0, None)]:
+                if y is None:
+                    canvas.polyline(run, curve_color, thickness=2)
+                    run = []
+                else:
+                    run.append(to_px(x, y))
     with open(out_path, "wb") as f:
         f.write(canvas.to_png())
 
 
-def _plot_matplotlib(series: dict[str, list], out_path: str, title: str) -> None:
+def _plot_matplotlib(series: dict[str, list], out_path: str, title: str, window: int = 1) -> None:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -97,7 +126,13 @@ def _plot_matplotlib(series: dict[str, list], out_path: str, title: str) -> None
         xs = [x for x, _ in points]
         ys = [float("nan") if y is None else y for _, y in points]
         color = tuple(c / 255 for c in _COLORS[p % len(_COLORS)])
-        ax.plot(xs, ys, color=color, marker="o" if len(xs) < 30 else None, markersize=3)
+        if window == 1:
+            ax.plot(xs, ys, color=color, marker="o" if len(xs) < 30 else None, markersize=3)
+        else:
+            ax.plot(xs, ys, color=color, alpha=0.35, label="per step")
+            smooth = [float("nan") if y is None else y for _, y in trailing_mean(points, window)]
+            ax.plot(xs, smooth, color=color, label=f"trailing mean of {window}")
+            ax.legend(loc="best", fontsize="small")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         if all(y is None for _, y in points):
@@ -111,12 +146,13 @@ def _plot_matplotlib(series: dict[str, list], out_path: str, title: str) -> None
 
 def plot_metrics(source: Union[str, Sequence[Mapping[str, Any]]], out_path: Optional[str] = None,
                  keys: Sequence[str] = DEFAULT_PLOT_KEYS, title: str = "hyflow run",
-                 backend: str = "auto") -> str:
+                 backend: str = "auto", smooth: Optional[int] = None) -> str:
     """Write a PNG of ``keys`` against ``step``; returns its path.
 
     ``source`` is a list of metric rows, a ``metrics.jsonl`` path or a run directory;
     ``out_path`` defaults to ``reward_kl.png`` next to the metrics. ``backend``: ``auto``
-    (matplotlib when importable), ``matplotlib`` or ``builtin``.
+    (matplotlib when importable), ``matplotlib`` or ``builtin``. ``smooth``: trailing-mean
+    window in steps (1 draws the raw curve only; ``None`` picks :func:`auto_smooth_window`).
     """
     if isinstance(source, str):
         base = source if os.path.isdir(source) else os.path.dirname(source)
@@ -130,13 +166,16 @@ def plot_metrics(source: Union[str, Sequence[Mapping[str, Any]]], out_path: Opti
         raise ValueError(f"unknown plot backend {backend!r}")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     series = {key: _series(rows, key) for key in keys}
+    window = auto_smooth_window(len(rows)) if smooth is None else int(smooth)
+    if window < 1:
+        raise ValueError(f"smoothing window must be >= 1, got {smooth}")
     if backend in ("auto", "matplotlib"):
         try:
-            _plot_matplotlib(series, out_path, title)
+            _plot_matplotlib(series, out_path, title, window)
             return out_path
         except ImportError:
             if backend == "matplotlib":
                 raise
             _LOG.info("matplotlib not installed; drawing %s with the built-in PNG writer", out_path)
-    _plot_builtin(series, out_path, title)
+    _plot_builtin(series, out_path, title, window)
     return out_path

@@ -5,7 +5,10 @@
 
 ``--prompts`` is a ``.jsonl`` file whose lines hold ``{"prompt": text}``,
 ``{"messages": [...]}`` (chat; formatted with the tokenizer's template) or
-``{"prompt_ids": [ids]}``, or a text file with one prompt per line. With
+``{"prompt_ids": [ids]}``, or rows in the RL data format (``.jsonl`` or ``.parquet``,
+``prompt`` holding chat messages; ``hyflow make-task`` writes them), or a text file with one
+prompt per line. ``--reward RULE`` scores every response against its row's
+``reward_model.ground_truth`` and prints the mean. With
 ``--chat`` plain-text prompts are wrapped as one user message. ``--tp``, ``--pp``
 and ``--dp`` start ``tp x pp x dp`` ranks on this machine through torchrun. Rank 0 prints
 each response and, with ``--output``, writes one JSON line per sample.
@@ -19,6 +22,12 @@ import os
 import subprocess
 import sys
 from typing import Any, Optional
+
+
+def rule_names() -> list[str]:
+    from hyflow.rewards.rules import rule_names as names
+
+    return names()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="parameter dtype (default: the checkpoint's, fp32 for --hf)")
     p.add_argument("--output", help="write one JSON line per sample here")
+    p.add_argument("--reward", choices=rule_names(), default=None,
+                   help="score each response with this rule against its row's reward_model.ground_truth "
+                        "and report the mean (prompts in the RL data format, e.g. from hyflow make-task)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -65,44 +77,68 @@ def _configs(args: argparse.Namespace):
     return cfg
 
 
-def read_prompts(path: str, tokenizer: Any, chat: bool) -> list[list[int]]:
-    """Token ids of every prompt in ``path`` (see the module docstring for the formats)."""
+def read_prompt_rows(path: str) -> list[Any]:
+    """The entries of a prompts file: JSON objects of a ``.jsonl`` / ``.parquet`` file, or the
+    lines of a text file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path} does not exist")
-    entries: list[Any] = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if path.endswith(".jsonl"):
-                try:
-                    entries.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON: {e}") from None
-            else:
-                entries.append(line)
+    if path.endswith((".jsonl", ".parquet")):
+        from hyflow.data.dataset import read_rows
+
+        entries = read_rows(path)
+    else:
+        with open(path) as f:
+            entries = [line.rstrip("\n") for line in f if line.strip()]
+    if not entries:
+        raise ValueError(f"no prompts in {path}")
+    return entries
+
+
+def read_prompts(path: str, tokenizer: Any, chat: bool) -> list[list[int]]:
+    """Token ids of every prompt in ``path`` (see the module docstring for the formats)."""
     out = []
-    for n, item in enumerate(entries):
+    for n, item in enumerate(read_prompt_rows(path)):
         if isinstance(item, dict) and "prompt_ids" in item:
             out.append([int(t) for t in item["prompt_ids"]])
             continue
         if tokenizer is None:
             raise ValueError(f"prompt {n} is text but no tokenizer is available; pass --tokenizer "
                              "or give prompt_ids")
-        if isinstance(item, dict) and "messages" in item:
-            out.append(tokenizer.encode_chat(item["messages"]))
+        messages = item.get("messages", item.get("prompt")) if isinstance(item, dict) else None
+        if isinstance(messages, list):  # chat messages ("prompt" holds them in verl's format)
+            out.append(tokenizer.encode_chat(messages))
             continue
-        text = item["prompt"] if isinstance(item, dict) else item
+        text = item["prompt"] if isinstance(item, dict) and "prompt" in item else item
         if not isinstance(text, str):
             raise ValueError(f"prompt {n}: expected 'prompt', 'messages' or 'prompt_ids'")
         if chat:
             out.append(tokenizer.encode_chat([{"role": "user", "content": text}]))
         else:
             out.append(tokenizer.encode_prompt_texts([text])[0])
-    if not out:
-        raise ValueError(f"no prompts in {path}")
     return out
+
+
+def read_ground_truths(path: str) -> list[tuple[Any, dict]]:
+    """(ground truth, extra_info) of every row, for ``--reward``: ``reward_model.ground_truth``
+    (verl's format) or a top-level ``ground_truth``."""
+    out = []
+    for n, item in enumerate(read_prompt_rows(path)):
+        gt = None
+        if isinstance(item, dict):
+            gt = (item.get("reward_model") or {}).get("ground_truth", item.get("ground_truth"))
+        if gt is None:
+            raise ValueError(f"{path} row {n} has no reward_model.ground_truth (or ground_truth); --reward "
+                             "scores every response against its row's ground truth")
+        out.append((gt, item.get("extra_info") or {}))
+    return out
+
+
+def score_samples(samples: Any, texts: list[str], truths: list[tuple[Any, dict]], rule: str) -> list[float]:
+    """The reward rule's score of each sample's decoded text against its prompt's ground truth."""
+    from hyflow.rewards.rules import RULES
+
+    return [float(RULES[rule](text, truths[s.request_index][0], extra_info=truths[s.request_index][1]))
+            for s, text in zip(samples, texts)]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -173,6 +209,9 @@ def _generate(args: argparse.Namespace) -> int:
                 raise ValueError(str(e)) from None
             print(f"hyflow generate: no tokenizer ({e}); prompts must be token ids", file=sys.stderr)
     prompts = read_prompts(args.prompts, tokenizer, args.chat)
+    truths = read_ground_truths(args.prompts) if args.reward else None
+    if truths is not None and tokenizer is None:
+        raise ValueError("--reward scores decoded text: it needs a tokenizer (--tokenizer)")
     eos = list(desc.eos_token_ids or [])
     if tokenizer is not None:
         eos = list(dict.fromkeys(eos + list(tokenizer.stop_token_ids())))
@@ -181,25 +220,35 @@ def _generate(args: argparse.Namespace) -> int:
                               pp_group=groups.pgs.pp)
     result = generate_data_parallel(engine, prompts, groups.pgs.dp)
     if dist.get_rank() == 0:
-        _report(result, prompts, tokenizer, args.output)
+        _report(result, prompts, tokenizer, args.output, truths, args.reward)
     return 0
 
 
-def _report(result: Any, prompts: list[list[int]], tokenizer: Any, output: Optional[str]) -> None:
+def _report(result: Any, prompts: list[list[int]], tokenizer: Any, output: Optional[str],
+            truths: Optional[list[tuple[Any, dict]]] = None, rule: Optional[str] = None) -> None:
     rows = []
-    for s in result.samples:
-        text = tokenizer.decode(s.token_ids) if tokenizer is not None else None
+    texts = [tokenizer.decode(s.token_ids) if tokenizer is not None else None for s in result.samples]
+    scores = score_samples(result.samples, texts, truths, rule) if truths is not None else None
+    for k, (s, text) in enumerate(zip(result.samples, texts)):
         prompt = tokenizer.decode(s.prompt_ids) if tokenizer is not None else None
         rows.append({"index": s.request_index, "sample": s.sample_index, "prompt": prompt, "response": text,
                      "token_ids": s.token_ids, "logprobs": [round(x, 6) for x in s.logprobs],
                      "finish_reason": s.finish_reason, "prompt_tokens": len(s.prompt_ids)})
         head = f"[{s.request_index}.{s.sample_index}] {s.finish_reason}, {len(s.token_ids)} tokens"
+        if scores is not None:
+            rows[-1]["score"] = scores[k]
+            head += f", score {scores[k]:g}"
         print(head)
         print(text if text is not None else s.token_ids)
         print()
     st = result.stats
     print(f"{st.samples} samples, {st.generated_tokens} tokens in {st.seconds:.2f} s "
           f"({st.tokens_per_s:.1f} tokens/s)")
+    if scores is not None:
+        reasons = [s.finish_reason for s in result.samples]
+        ended = ", ".join(f"{reasons.count(r)} {r}" for r in sorted(set(reasons)))
+        print(f"{rule}: mean score {sum(scores) / len(scores):.4f} over {len(scores)} samples "
+              f"of {len(prompts)} prompts (finish: {ended})")
     if output:
         with open(output, "w") as f:
             for row in rows:

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from hyflow.models.checkpoint import (CHECKPOINT_INFO_FILE, CheckpointError, CheckpointInfo, check_compatible,
-                                      load_model_checkpoint, model_dtype_name, read_checkpoint_info, read_description)
+                                      load_model_checkpoint, model_dtype_name, read_checkpoint_info, read_description,
+                                      store_tokenizer)
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
@@ -288,17 +289,21 @@ class Checkpointer:
         groups: the training layout's process groups.
         desc: the models' description (written as each model's ``model.json``).
         keep_last: complete checkpoints kept; older ones are deleted after each save.
+        tokenizer: the run's tokenizer spec; a tokenizer directory is copied next to each saved
+            model's ``model.json`` so checkpoints load (``hyflow generate``, ``hyflow export``) on
+            their own.
         async_save: write in the background (default: on GPU only; CPU tensors would be
             written while training changes them).
         log: where rank 0's progress lines go.
     """
 
     def __init__(self, output_dir: str, groups: ParallelGroups, desc: ModelDescription, keep_last: int = 2, *,
-                 async_save: Optional[bool] = None, log: Callable[[str], None] = print) -> None:
+                 async_save: Optional[bool] = None, log: Callable[[str], None] = print,
+                 tokenizer: Optional[str] = None) -> None:
         from hyflow.compat import cpu
 
         self.root = checkpoints_root(output_dir)
-        self.groups, self.desc, self.keep_last = groups, desc, keep_last
+        self.groups, self.desc, self.keep_last, self.tokenizer = groups, desc, keep_last, tokenizer
         self.async_save = (torch.cuda.is_available() and not cpu.is_active()) if async_save is None else async_save
         self._log = log
         self._queue: Any = None
@@ -393,7 +398,7 @@ class Checkpointer:
         """Rank 0, once every tensor is on disk: the model descriptions and infos, the trainer
         state, the config, and last the marker."""
         for name, info in infos.items():
-            _write_json(os.path.join(path, name, DESCRIPTION_FILE), self.desc.to_dict())
+            _write_json(os.path.join(path, name, DESCRIPTION_FILE), self._description_in(os.path.join(path, name)))
             _write_json(os.path.join(path, name, CHECKPOINT_INFO_FILE), asdict(info))
         _write_json(os.path.join(path, STATE_FILE), state)
         if config_text is not None:
@@ -423,7 +428,17 @@ class Checkpointer:
         if not flags[0]:
             save_model_checkpoint(model, target, self.groups, self.desc, overwrite=True,
                                   extra={"writer": "hyflow trainer", "role": name})
+            if dist.get_rank() == 0:
+                _write_json(os.path.join(target, DESCRIPTION_FILE), self._description_in(target))
+            dist.barrier()
         return os.path.join("..", name)
+
+    def _description_in(self, model_dir: str) -> dict[str, Any]:
+        """``model.json`` for a model saved in ``model_dir``, its tokenizer stored beside it."""
+        data = self.desc.to_dict()
+        if self.tokenizer:
+            data["tokenizer"] = store_tokenizer(self.tokenizer, model_dir)
+        return data
 
     def wait(self) -> None:
         """Block until every save in flight has its marker (collective; no-op on CPU)."""
