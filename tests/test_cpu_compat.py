@@ -152,3 +152,24 @@ def test_opt_out_by_environment(inactive, monkeypatch):
     assert not compat.is_active()
     monkeypatch.setenv("HYFLOW_CPU_COMPAT", "1")
     assert compat.maybe_activate() is True
+
+
+def _layer_state() -> tuple:
+    return compat.is_active(), torch.tensor is _ORIGINAL_TENSOR
+
+
+_ORIGINAL_TENSOR = torch.tensor
+
+
+def test_single_rank_in_process_run_leaves_the_callers_process_unpatched(inactive):
+    """``run_ranks(fn, 1)`` runs ``fn`` in this process (``hyflow export`` does): the layer is on
+    for ``fn`` and off again afterwards, so the caller's torch (and HF models it loads later,
+    whose rotary buffers the patched ``torch.tensor`` corrupts) is left as it was."""
+    import torch.distributed as dist
+
+    from hyflow.tools.convert.launch import run_ranks
+
+    if dist.is_initialized():
+        pytest.skip("needs a process without a process group")
+    assert run_ranks(_layer_state, 1) == [(True, False)]
+    assert _layer_state() == (False, True)

@@ -92,11 +92,16 @@ def _in_process(fn: Callable[..., Any], args: tuple) -> list[Any]:
             raise RuntimeError("run_ranks(world_size=1) inside a multi-rank job; call the rank "
                                "function directly on every rank instead")
         return [fn(*args)]
+    from hyflow.compat import cpu
+
+    was_active = cpu.is_active()
     _init_gloo(0, 1, _free_port())
     try:
         return [fn(*args)]
     finally:
         _shutdown()
+        if not was_active and cpu.is_active():
+            cpu.deactivate()  # leave the caller's process as it was (its torch is not ours to patch)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
