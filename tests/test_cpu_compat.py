@@ -173,3 +173,29 @@ def test_single_rank_in_process_run_leaves_the_callers_process_unpatched(inactiv
         pytest.skip("needs a process without a process group")
     assert run_ranks(_layer_state, 1) == [(True, False)]
     assert _layer_state() == (False, True)
+
+
+def test_device_context_still_sees_wrapped_factories():
+    """In a fresh interpreter (torch's cache of factory functions not yet built), factories
+    called inside ``with torch.device("meta")`` land on meta while the layer is active, and an
+    HF Llama-3 model loaded meanwhile has the same rotary frequencies as one built without it."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, tempfile
+from hyflow.compat import cpu
+from hyflow.tools.convert.tiny_models import make_tiny_hf_model
+path = tempfile.mkdtemp()
+ref = make_tiny_hf_model(path, "llama3", weights_format="safetensors").model.rotary_emb.inv_freq
+cpu.activate()
+with torch.device("meta"):
+    devices = {torch.tensor([1.0]).device.type, torch.zeros(2).device.type, torch.arange(3).device.type,
+               torch.full((2,), 1.0).device.type}
+from transformers import AutoModelForCausalLM
+loaded = AutoModelForCausalLM.from_pretrained(path).model.rotary_emb.inv_freq
+print(sorted(devices), torch.equal(ref, loaded))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "['meta'] True"

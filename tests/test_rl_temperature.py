@@ -12,6 +12,7 @@ the response tokens equal the log-probs the sampler reported.
 import os
 
 import pytest
+import torch
 
 from hyflow.testing import run_on_ranks
 
@@ -25,7 +26,7 @@ OVERRIDES = [
 ]
 
 
-def _old_vs_rollout_logprobs(temperature: float):
+def _old_vs_rollout_logprobs(temperature: float, old_logprobs: str = "recompute"):
     import torch
 
     import hyflow.jobs.rl as rl
@@ -39,7 +40,7 @@ def _old_vs_rollout_logprobs(temperature: float):
 
     torch.set_num_threads(1)
     cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"),
-                          OVERRIDES + [f"rollout.temperature={temperature}"])
+                          OVERRIDES + [f"rollout.temperature={temperature}", f"actor.old_logprobs={old_logprobs}"])
     tok = load_data_tokenizer(cfg.data)
     loader = PromptLoader(build_dataset(cfg.data, cfg.rollout, tok), cfg.data.train_batch_size, seed=3)
     roles = build_roles(cfg, tok)
@@ -53,19 +54,29 @@ def _old_vs_rollout_logprobs(temperature: float):
 
     rl.build_rollout_batch = capture
     try:
-        _, data = rl.rl_step(cfg, roles, loader.next_batch(), tok, RewardManager.from_config(cfg.reward),
+        metrics, data = rl.rl_step(cfg, roles, loader.next_batch(), tok, RewardManager.from_config(cfg.reward),
                              make_kl_controller(cfg.algorithm), PhaseTimers())
     finally:
         rl.build_rollout_batch = original
     mask = data["response_mask"].bool()
-    return data["old_logp"][mask], batches[0].rollout_logprobs[mask], data["ref_logp"][mask]
+    return data["old_logp"][mask], batches[0].rollout_logprobs[mask], data["ref_logp"][mask], metrics
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_old_logprobs_are_the_sampling_distributions(temperature):
-    old, sampled, ref = run_on_ranks(_old_vs_rollout_logprobs, 2, temperature, timeout=600)[0]
+    old, sampled, ref, metrics = run_on_ranks(_old_vs_rollout_logprobs, 2, temperature, timeout=600)[0]
     assert old.numel() > 0 and bool((sampled < 0).all())
     diff = float((old - sampled).abs().max())
     assert diff < 1e-4, f"trainer log-probs differ from the sampler's by {diff} at T={temperature}"
+    assert metrics["rollout/logprob_diff_max"] == pytest.approx(diff, abs=1e-7)
     # the reference is the initial actor: it scores with the same temperature
     assert float((ref - sampled).abs().max()) < 1e-4
+
+
+def test_old_logprobs_from_the_rollout_skip_the_recomputation():
+    """``actor.old_logprobs=rollout``: every rank's PPO denominators are the sampler's own
+    log-probs, bit for bit, and the recomputation's diagnostic is absent."""
+    for old, sampled, ref, metrics in run_on_ranks(_old_vs_rollout_logprobs, 2, 0.7, "rollout", timeout=600):
+        assert old.numel() > 0 and torch.equal(old, sampled)
+        assert float((ref - sampled).abs().max()) < 1e-4   # the reference is still a real forward
+        assert "rollout/logprob_diff_max" not in metrics

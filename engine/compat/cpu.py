@@ -218,6 +218,12 @@ def activate() -> None:
             "(it would silently move Megatron-Core onto the CPU). Use "
             "maybe_activate(), which leaves GPU machines alone."
         )
+    # `with torch.device(...)` recognises factories by identity in a set cached on first use:
+    # cache torch's own functions before wrapping them, or meta-device model construction
+    # (transformers' from_pretrained) silently builds some buffers on the CPU instead.
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in _FACTORIES:
         _patch(torch, name, _wrap_factory(getattr(torch, name)))
     _patch(torch.Tensor, "to", _tensor_to(torch.Tensor.to))

@@ -142,8 +142,13 @@ def rl_step(cfg: RLJobConfig, roles: Roles, records, tokenizer, reward, kl_ctrl,
     tp_group = roles.groups.pgs.tp
     vocab = roles.sample_vocab  # score over exactly the ids the sampler can draw
     temp = cfg.rollout.temperature  # score the distribution the rollout sampled from
+    logprob_diff = None
     with timers.phase("ref"):
-        old_logp = forward_score(roles.actor_chunks, scoring, logprob_scorer(vocab, tp_group, temp), roles.groups.pgs)[:batch.size]
+        if cfg.actor.old_logprobs == "rollout":  # the weights that sampled are the ones about to be updated
+            old_logp = batch.rollout_logprobs
+        else:
+            old_logp = forward_score(roles.actor_chunks, scoring, logprob_scorer(vocab, tp_group, temp), roles.groups.pgs)[:batch.size]
+            logprob_diff = float(((old_logp - batch.rollout_logprobs).abs() * batch.response_mask).max())
         ref_logp = None
         if roles.reference is not None:
             ref_logp = forward_score([roles.reference], scoring, logprob_scorer(vocab, tp_group, temp), roles.groups.pgs)[:batch.size]
@@ -186,6 +191,8 @@ def rl_step(cfg: RLJobConfig, roles: Roles, records, tokenizer, reward, kl_ctrl,
         "reshard/bytes_received": roles.hybrid.stats.bytes_received,
         "reshard/seconds": roles.hybrid.stats.seconds,
     })
+    if logprob_diff is not None:  # generation-layout sampler vs training-layout forward, same weights
+        out["rollout/logprob_diff_max"] = logprob_diff
     data = dict(train, scores=scores, values=values, returns=adv.returns, greedy_scores=greedy_scores)
     return out, data
 

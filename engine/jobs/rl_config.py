@@ -88,6 +88,11 @@ class ActorConfig:
     mini_batch_size: int = field(default=16, metadata={
         "help": "sequences per optimizer step (all data-parallel ranks together)"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each rollout batch"})
+    old_logprobs: Literal["recompute", "rollout"] = field(default="recompute", metadata={
+        "help": "PPO's old log-probs: 'recompute' scores the batch with a training-layout forward; "
+                "'rollout' reuses the log-probs the sampler reported (same weights, one forward pass "
+                "less per step; equal to ~1e-5 in fp32, but generation kernels or bf16 can differ more: "
+                "watch rollout/logprob_diff_max under 'recompute')"})
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: Optional[float] = field(default=None, metadata={"help": "dual-clip constant (> 1) or null"})
