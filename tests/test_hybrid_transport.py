@@ -14,7 +14,7 @@ from hyflow.testing import run_on_ranks
 pytestmark = pytest.mark.multirank
 
 
-def _engines_agree(tp: int, slot_bytes: int) -> dict:
+def _engines_agree(tp: int, slot_bytes: int, pp: int = 1, gen_shape: tuple = (1, 1)) -> dict:
     import glob
 
     import torch.distributed as dist
@@ -27,7 +27,7 @@ def _engines_agree(tp: int, slot_bytes: int) -> dict:
     from hyflow.parallel.layout import Layout
 
     world = dist.get_world_size()
-    groups = init_training_groups(Layout(tp=tp, dp=world // tp), seed=3)
+    groups = init_training_groups(Layout(tp=tp, pp=pp, dp=world // (tp * pp)), seed=3)
     desc = tiny_llama(vocab_size=200, num_attention_heads=8, num_query_groups=4)
     model = build_gpt_model(desc, groups)
     load_full_state_dict(model, random_full_state_dict(desc, seed=1), desc, groups)
@@ -35,8 +35,12 @@ def _engines_agree(tp: int, slot_bytes: int) -> dict:
     leftovers = set(glob.glob("/dev/shm/hyflow-reshard-*"))
     out = {}
     for transport in ("shared_memory", "collective"):
-        engine = HybridEngine(model, desc, groups, (1, 1), transport=transport, staging_slot_bytes=slot_bytes)
+        engine = HybridEngine(model, desc, groups, gen_shape, transport=transport, staging_slot_bytes=slot_bytes)
         out[f"{transport}_name"] = engine.transport.name
+        out[f"{transport}_pp"] = engine.pp_exchange.name if engine.pp_exchange is not None else None
+        if engine.pp_exchange is not None:   # what this rank maps: its own slots and its peers'
+            out["pp_staging_mapped"] = engine.pp_exchange.staging_bytes * len(engine.pp_exchange.segments)
+            out["max_planned"] = max(engine.plan.bytes_recv)
         gen = engine.to_generation()
         out[transport] = {n: p.detach().clone() for n, p in gen.named_parameters()}
         out[f"{transport}_bytes"] = engine.stats.bytes_received
@@ -47,11 +51,23 @@ def _engines_agree(tp: int, slot_bytes: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("tp,world,slot_bytes", [(2, 2, 8192), (2, 2, 1 << 20), (4, 4, 4000)],
-                         ids=["tp2-small-slots", "tp2-large-slots", "tp4-unaligned-slots"])
-def test_shared_memory_transport_equals_collectives(tp, world, slot_bytes):
-    for rank, r in enumerate(run_on_ranks(_engines_agree, world, tp, slot_bytes)):
-        assert r["shared_memory_name"] == "shared_memory" and r["collective_name"] == "collective"
+@pytest.mark.parametrize("tp,pp,gen,world,slot_bytes", [
+    (2, 1, (1, 1), 2, 8192), (2, 1, (1, 1), 2, 1 << 20), (4, 1, (1, 1), 4, 4000),
+    (1, 2, (1, 1), 2, 5000), (1, 2, (1, 1), 2, 1 << 20), (2, 2, (1, 1), 4, 8192), (1, 4, (1, 2), 4, 4096),
+], ids=["tp2-small-slots", "tp2-large-slots", "tp4-unaligned-slots", "pp2-small-slots", "pp2-large-slots",
+        "tp2pp2-to-1x1", "pp4-to-pp2"])
+def test_shared_memory_transport_equals_collectives(tp, pp, gen, world, slot_bytes):
+    """TP merge by shared memory == all-gathers; PP merge by shared memory == gloo send/recv."""
+    for rank, r in enumerate(run_on_ranks(_engines_agree, world, tp, slot_bytes, pp, gen)):
+        tp_name = "shared_memory" if tp > 1 else "collective"   # no TP merge: nothing to share
+        assert r["shared_memory_name"] == tp_name and r["collective_name"] == "collective"
+        assert r["shared_memory_pp"] == ("shared_memory" if pp > gen[1] else None)
+        assert r["collective_pp"] is None
+        if (tp, pp, gen) == (1, 2, (1, 1)):   # `hyflow plan` sizes the PP staging the same way
+            from hyflow.hybrid.planner import PP_STAGING_SLOT, staging_bytes_per_rank
+
+            slot = min(slot_bytes, PP_STAGING_SLOT)
+            assert r["pp_staging_mapped"] == staging_bytes_per_rank(r["max_planned"], 2, slot), rank
         assert r["shared_memory"].keys() == r["collective"].keys()
         for name, value in r["collective"].items():
             assert torch.equal(r["shared_memory"][name], value), (rank, name)

@@ -16,8 +16,9 @@ plan (:mod:`hyflow.hybrid.planner`). Then, as often as the trainer alternates:
      (norms) are copied locally. The buffer faults in huge pages on CPU
      (:mod:`hyflow.hybrid.memory`).
   2. *PP merge* (when ``PP_g < PP``) — inside each group of ``p = PP/PP_g``
-     consecutive stages with the same TP rank, point-to-point sends carry each
-     stage's generation shards to the stages that need them.
+     consecutive stages with the same TP rank, each stage's generation shards reach the
+     stages that need them: point-to-point sends (NCCL on GPU), or on one CPU host a
+     shared-memory exchange (each rank publishes once, every peer copies what it takes).
 
   Then (``release_training_weights``) the training parameters' storage is freed: its
   contents are a slice of the generation buffer, so no rank holds more than one copy.
@@ -39,11 +40,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hyflow.hybrid.planner import (STAGING_SLACK, GenerationShape, ReshardPlan, generation_enumerations,
+from hyflow.hybrid.planner import (PP_STAGING_SLOT, STAGING_SLACK, GenerationShape, ReshardPlan, generation_enumerations,
                                    gpt_param_specs, plan_reshard)
 from hyflow.hybrid.memory import advise_huge_pages, empty_buffer
 from hyflow.hybrid.offload import OptimizerStateOffload
-from hyflow.hybrid.transport import GatherItem, make_transport
+from hyflow.hybrid.transport import GatherItem, make_pp_exchange, make_transport
 from hyflow.models.builder import build_gpt_model
 from hyflow.models.description import ModelDescription
 from hyflow.models.weights import _tp_slice, global_name
@@ -128,6 +129,13 @@ class HybridEngine:
         slot = max(min(staging_slot_bytes, total + STAGING_SLACK), 4096)
         self.transport = make_transport(transport, self.tp_merge_group, self.tp_merge_ranks,
                                         next(self.train_model.parameters()).device, slot)
+        self.pp_exchange = None
+        if self.p > 1:  # the PP merge: shared memory on one CPU host, else point to point
+            stages = [self.plan.train_coord(r)[1] for r in self.pp_merge_ranks]
+            published = sum(self._gen_numel(n) for n in self._published_by(self.stage, stages)) * param_bytes
+            self.pp_exchange = make_pp_exchange(transport, self.pp_merge_group, self.pp_merge_ranks,
+                                                next(self.train_model.parameters()).device,
+                                                max(min(staging_slot_bytes, PP_STAGING_SLOT, published + STAGING_SLACK), 4096))
         for p_ in self._gen_params.values():
             p_.data = p_.data.new_empty(0)
         self._buffer: Optional[torch.Tensor] = None
@@ -268,9 +276,21 @@ class HybridEngine:
             n *= d
         return n
 
+    def _published_by(self, stage: int, group_stages: list[int]) -> list[str]:
+        """Generation parameters some other stage of the PP-merge group takes from ``stage``."""
+        return [n for n in self._gen_params
+                if any(self._source(q, self._holders(n)[0]) == stage for q in group_stages if q != stage)]
+
     def _pp_merge(self, views: dict[str, torch.Tensor]) -> int:
         """Exchange generation shards between the stages of this rank's generation stage."""
         group_stages = [self.plan.train_coord(r)[1] for r in self.pp_merge_ranks]
+        if self.pp_exchange is not None:  # each rank publishes what any peer takes from its stage
+            nbytes = self._buffer.element_size()
+            receive = {j: [(views[n] if self._sources[n][0] == stage else None, self._gen_numel(n) * nbytes)
+                           for n in self._published_by(stage, group_stages)]
+                       for j, stage in enumerate(group_stages) if stage != self.stage}
+            publish = [views[n] for n in self._published_by(self.stage, group_stages)]
+            return self.pp_exchange.exchange(publish, receive)
         ops, received = [], 0
         for peer, stage in zip(self.pp_merge_ranks, group_stages):
             if stage == self.stage:

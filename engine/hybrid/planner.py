@@ -493,6 +493,8 @@ def plan_reshard(params: Iterable[ParamSpec], train: Any, gen: Any,
 
 #: Room for the 64-byte alignment of pieces in a staging slot sized to a group's whole gather.
 STAGING_SLACK = 64 * 1024
+#: Slot size of the PP merge's shared-memory exchange (two per rank, mapped by its peers too).
+PP_STAGING_SLOT = 16 << 20
 
 
 def staging_bytes_per_rank(shard_bytes: int, s: int, slot_bytes: int = 64 << 20) -> int:
@@ -500,7 +502,7 @@ def staging_bytes_per_rank(shard_bytes: int, s: int, slot_bytes: int = 64 << 20)
     when it gathers ``shard_bytes`` of its own shards in a TP-merge group of ``s``."""
     if s <= 1:
         return 0
-    return 2 * s * max(min(slot_bytes, shard_bytes + STAGING_SLACK), 4096)
+    return 2 * s * (max(min(slot_bytes, shard_bytes + STAGING_SLACK), 4096) // 64 * 64)  # 64-byte aligned slots
 
 
 def _as_lists(groups) -> list[list[int]]:

@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 from hyflow.config import ConfigError
 from hyflow.hybrid.planner import (ReshardPlan, ReshardPlanError, gpt_param_specs, plan_reshard,
-                                   staging_bytes_per_rank)
+                                   PP_STAGING_SLOT, staging_bytes_per_rank)
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.layout import Layout
 from hyflow.plan import memory as mem
@@ -261,6 +261,11 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         for phase in result.phases:
             phase.add("reshard staging", staging_bytes_per_rank(own, plan.tp_ratio),
                       "CPU shared-memory slots of the TP merge (all of the group's, mapped)")
+    if opts.device == "cpu" and plan.pp_ratio > 1:  # the PP merge's exchange slots, likewise
+        own = max(plan.bytes_recv) // (plan.pp_ratio - 1)
+        for phase in result.phases:
+            phase.add("reshard staging (PP)", staging_bytes_per_rank(own, plan.pp_ratio, PP_STAGING_SLOT),
+                      "CPU shared-memory slots of the PP merge (all of the group's, mapped)")
     result.generation = {
         "tp": gen.tp, "pp": gen.pp, "dp": plan.gen_dp_size, "micro_dp_size": plan.micro_dp_size,
         "layout": gen_layout.describe(), "groups": summarize(enums),

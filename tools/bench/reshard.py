@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", default="",
                         help="comma list of rows to skip: swap,ckpt,naive,collective")
     parser.add_argument("--transport", default="auto", choices=("auto", "collective", "shared_memory"),
-                        help="hybrid engine TP-merge transport (auto: shared memory for CPU ranks on one host)")
+                        help="hybrid engine transport of the TP and PP merges (auto: shared memory for CPU ranks "
+                             "on one host; collective: per-parameter collectives and PP point-to-point)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,13 +117,15 @@ def _bench(args: argparse.Namespace) -> int:
     to_gen, to_train = _cycle(engine, args.repeats, barrier)
     result = {
         "train_to_gen_s": to_gen, "gen_to_train_s": to_train, "transport": engine.transport.name,
+        "pp_transport": engine.pp_exchange.name if engine.pp_exchange is not None else ("p2p" if engine.p > 1 else "none"),
         "staging_bytes": engine.transport.staging_bytes,
+        "pp_staging_bytes": engine.pp_exchange.staging_bytes if engine.pp_exchange is not None else 0,
         "bytes_moved": bytes_received, "planned_bytes": engine.plan.bytes_recv[rank],
         "formula_bytes": float(engine.plan.formula_bytes),
         "peak_extra_bytes": engine.plan.peak_extra_bytes, "rss_growth_bytes": max(rss1 - rss0, 0),
     }
     skip = set(filter(None, args.skip.split(",")))
-    if "collective" not in skip and engine.transport.name != "collective":
+    if "collective" not in skip and (engine.transport.name != "collective" or engine.pp_exchange is not None):
         # The same engine with per-parameter collectives (the GPU path; gloo here), for reference.
         other = HybridEngine(model, desc, groups, (args.tp_gen, args.pp_gen), transport="collective")
         other.to_generation()
@@ -170,10 +173,20 @@ def _bench(args: argparse.Namespace) -> int:
 
             result["ckpt_roundtrip_s"] = _timed(round_trip, args.repeats, barrier)
     if "naive" not in skip:
+        # Every rank all-gathers every parameter of every rank; with PP the stages hold different
+        # parameters, so the i-th parameters of all ranks travel together, padded to the largest.
+        local = [p.detach().reshape(-1) for p in model.parameters()]
+        sizes: list = [None] * world
+        dist.all_gather_object(sizes, [t.numel() for t in local])
+        widths = [max(s[i] if i < len(s) else 0 for s in sizes) for i in range(max(map(len, sizes)))]
+
         def naive():
-            for p in model.parameters():
-                out = [torch.empty_like(p) for _ in range(world)]
-                dist.all_gather(out, p.detach().contiguous())
+            for i, width in enumerate(widths):
+                mine = torch.zeros(width, dtype=local[0].dtype)
+                if i < len(local):
+                    mine[:local[i].numel()] = local[i]
+                out = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(out, mine)
 
         result["naive_allgather_s"] = _timed(naive, args.repeats, barrier)
     for key in ("swap_model_weights_s", "ckpt_roundtrip_s", "naive_allgather_s"):
@@ -183,18 +196,19 @@ def _bench(args: argparse.Namespace) -> int:
     if rank == 0:
         result.update(layers=args.layers, hidden=args.hidden, tp=args.tp, pp=args.pp, tp_gen=args.tp_gen,
                       pp_gen=args.pp_gen, world=world, params=desc.num_parameters())
-        rows = [(f"hybrid engine train->gen ({result['transport']})", result["train_to_gen_s"]),
-                (f"hybrid engine gen->train ({result['transport']})", result["gen_to_train_s"]),
-                ("hybrid engine train->gen (collective)", result.get("collective_train_to_gen_s")),
-                ("hybrid engine gen->train (collective)", result.get("collective_gen_to_train_s")),
+        used = f"{result['transport']}, PP {result['pp_transport']}" if args.pp > args.pp_gen else result["transport"]
+        rows = [(f"hybrid engine train->gen ({used})", result["train_to_gen_s"]),
+                (f"hybrid engine gen->train ({used})", result["gen_to_train_s"]),
+                ("hybrid engine train->gen (collective, PP p2p)", result.get("collective_train_to_gen_s")),
+                ("hybrid engine gen->train (collective, PP p2p)", result.get("collective_gen_to_train_s")),
                 ("(a) swap_model_weights", result.get("swap_model_weights_s")),
                 ("(b) dist-ckpt round trip", result.get("ckpt_roundtrip_s")),
                 ("(c) naive all-gather", result.get("naive_allgather_s"))]
         print(f"reshard {args.layers} layers x hidden {args.hidden} ({desc.num_parameters() / 1e6:.0f}M params), "
               f"tp={args.tp} pp={args.pp} -> tp={args.tp_gen} pp={args.pp_gen} on {world} ranks")
-        print(f"{'method':42s} {'seconds':>10s}")
+        print(f"{'method':56s} {'seconds':>10s}")
         for name, value in rows:
-            print(f"{name:42s} {'-' if value is None else f'{value:10.4f}':>10}")
+            print(f"{name:56s} {'-' if value is None else f'{value:10.4f}':>10}")
         print(f"bytes received by rank 0: {bytes_received} (plan {result['planned_bytes']}, "
               f"formula {result['formula_bytes']:.0f})")
         print(f"transport {result['transport']}: {result['staging_bytes']} staging bytes per rank (fixed); "
