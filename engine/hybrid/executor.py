@@ -40,8 +40,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hyflow.hybrid.planner import (PP_STAGING_SLOT, STAGING_SLACK, GenerationShape, ReshardPlan, generation_enumerations,
-                                   gpt_param_specs, plan_reshard)
+from hyflow.hybrid.planner import (PP_STAGING_SLOT, STAGING_SLACK, GenerationShape, ReshardPlan,
+                                   generation_enumerations, gpt_param_specs, plan_reshard)
 from hyflow.hybrid.memory import advise_huge_pages, empty_buffer
 from hyflow.hybrid.offload import OptimizerStateOffload
 from hyflow.hybrid.transport import GatherItem, make_pp_exchange, make_transport
@@ -129,13 +129,16 @@ class HybridEngine:
         slot = max(min(staging_slot_bytes, total + STAGING_SLACK), 4096)
         self.transport = make_transport(transport, self.tp_merge_group, self.tp_merge_ranks,
                                         next(self.train_model.parameters()).device, slot)
+        # PP merge: the training stage of each rank of this rank's group, and for each the
+        # generation parameters some other stage takes from it (what it publishes), fixed for the run.
+        self._pp_stages = [self.plan.train_coord(r)[1] for r in self.pp_merge_ranks]
+        self._pp_published = {q: self._published_by(q) for q in self._pp_stages}
         self.pp_exchange = None
-        if self.p > 1:  # the PP merge: shared memory on one CPU host, else point to point
-            stages = [self.plan.train_coord(r)[1] for r in self.pp_merge_ranks]
-            published = sum(self._gen_numel(n) for n in self._published_by(self.stage, stages)) * param_bytes
+        if self.p > 1:  # shared memory on one CPU host, else point to point
+            published = sum(self._gen_numel(n) for n in self._pp_published[self.stage]) * param_bytes
+            slot = max(min(staging_slot_bytes, PP_STAGING_SLOT, published + STAGING_SLACK), 4096)
             self.pp_exchange = make_pp_exchange(transport, self.pp_merge_group, self.pp_merge_ranks,
-                                                next(self.train_model.parameters()).device,
-                                                max(min(staging_slot_bytes, PP_STAGING_SLOT, published + STAGING_SLACK), 4096))
+                                                next(self.train_model.parameters()).device, slot)
         for p_ in self._gen_params.values():
             p_.data = p_.data.new_empty(0)
         self._buffer: Optional[torch.Tensor] = None
@@ -276,21 +279,20 @@ class HybridEngine:
             n *= d
         return n
 
-    def _published_by(self, stage: int, group_stages: list[int]) -> list[str]:
+    def _published_by(self, stage: int) -> list[str]:
         """Generation parameters some other stage of the PP-merge group takes from ``stage``."""
         return [n for n in self._gen_params
-                if any(self._source(q, self._holders(n)[0]) == stage for q in group_stages if q != stage)]
+                if any(self._source(q, self._holders(n)[0]) == stage for q in self._pp_stages if q != stage)]
 
     def _pp_merge(self, views: dict[str, torch.Tensor]) -> int:
         """Exchange generation shards between the stages of this rank's generation stage."""
-        group_stages = [self.plan.train_coord(r)[1] for r in self.pp_merge_ranks]
+        group_stages = self._pp_stages
         if self.pp_exchange is not None:  # each rank publishes what any peer takes from its stage
             nbytes = self._buffer.element_size()
             receive = {j: [(views[n] if self._sources[n][0] == stage else None, self._gen_numel(n) * nbytes)
-                           for n in self._published_by(stage, group_stages)]
+                           for n in self._pp_published[stage]]
                        for j, stage in enumerate(group_stages) if stage != self.stage}
-            publish = [views[n] for n in self._published_by(self.stage, group_stages)]
-            return self.pp_exchange.exchange(publish, receive)
+            return self.pp_exchange.exchange([views[n] for n in self._pp_published[self.stage]], receive)
         ops, received = [], 0
         for peer, stage in zip(self.pp_merge_ranks, group_stages):
             if stage == self.stage:

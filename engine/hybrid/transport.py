@@ -182,10 +182,10 @@ def map_segments(group, ranks: list[int], nbytes: int, directory: str = "/dev/sh
 
 class SharedMemoryExchange:
     """The PP merge on CPU ranks of one host: every rank publishes one byte stream (the
-    parameters of its training stage that its peers' generation stage needs, the same for
-    every peer) and copies each peer's stream into its own generation buffer, in rounds of
-    one staging slot (two slots, double buffered, one barrier a round). gloo's point-to-point
-    sends run at ~0.15 GB/s on the dev box; this is a memcpy.
+    parameters of its training stage that any peer takes) and copies from each peer's stream
+    what it takes into its own generation buffer, in rounds of one staging slot (two slots,
+    double buffered, one barrier a round). gloo's point-to-point sends ran at ~0.33 GB/s on the
+    dev box (BENCHMARKS.md); this is a memcpy.
 
     Args:
         group: the process group of ``ranks`` (the PP-merge group).
@@ -246,26 +246,6 @@ class SharedMemoryExchange:
         self.segments = []
 
 
-def make_pp_exchange(kind: str, group, ranks: list[int], device: torch.device,
-                     slot_bytes: int = 16 << 20) -> Optional[SharedMemoryExchange]:
-    """The shared-memory PP-merge exchange where it applies (collective over the group), or
-    None: the executor then sends point to point (NCCL on GPU, gloo across hosts)."""
-    if kind not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
-    if len(ranks) == 1 or kind == "collective" or device.type != "cpu":
-        return None
-    if kind == "auto":
-        usable = torch.tensor([int(os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK))])
-        dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)
-        if not bool(usable.item()) or not same_host(group):
-            return None
-        try:
-            return SharedMemoryExchange(group, ranks, slot_bytes)
-        except RuntimeError:
-            return None
-    return SharedMemoryExchange(group, ranks, slot_bytes)
-
-
 def same_host(group) -> bool:
     """Whether every rank of ``group`` runs on this host (hostname and boot id agree)."""
     try:
@@ -279,24 +259,45 @@ def same_host(group) -> bool:
     return all(s == ident for s in seen)
 
 
-def make_transport(kind: str, group, ranks: list[int], device: torch.device,
-                   slot_bytes: int = 64 << 20):
-    """Build the transport for one TP-merge group (collective calls on all its ranks)."""
+def _use_shared_memory(kind: str, group, ranks: list[int], device: torch.device) -> bool:
+    """Whether a merge group moves its bytes through shared memory: ``kind`` asks for it or
+    (``"auto"``) every rank is a CPU process on this host with a writable /dev/shm (collective
+    over ``group`` then)."""
     if kind not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
     if len(ranks) == 1 or kind == "collective":
-        return CollectiveGather(group, len(ranks))
+        return False
     if device.type != "cpu":
         if kind == "shared_memory":
             raise ValueError("transport='shared_memory' moves CPU tensors; GPU weights use 'collective' (NCCL)")
-        return CollectiveGather(group, len(ranks))
-    if kind == "auto":
-        usable = torch.tensor([int(os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK))])
-        dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)
-        if not bool(usable.item()) or not same_host(group):
-            return CollectiveGather(group, len(ranks))
+        return False
+    if kind == "shared_memory":
+        return True
+    usable = torch.tensor([int(os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK))])
+    dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)
+    return bool(usable.item()) and same_host(group)
+
+
+def make_transport(kind: str, group, ranks: list[int], device: torch.device,
+                   slot_bytes: int = 64 << 20):
+    """Build the transport for one TP-merge group (collective calls on all its ranks)."""
+    if _use_shared_memory(kind, group, ranks, device):
         try:
             return SharedMemoryGather(group, ranks, slot_bytes)
         except RuntimeError:  # every rank sees the same failure list: all fall back together
-            return CollectiveGather(group, len(ranks))
-    return SharedMemoryGather(group, ranks, slot_bytes)
+            if kind == "shared_memory":
+                raise
+    return CollectiveGather(group, len(ranks))
+
+
+def make_pp_exchange(kind: str, group, ranks: list[int], device: torch.device,
+                     slot_bytes: int = 16 << 20) -> Optional[SharedMemoryExchange]:
+    """The shared-memory exchange for one PP-merge group where it applies (same rules as
+    :func:`make_transport`), or None: the executor then sends point to point."""
+    if _use_shared_memory(kind, group, ranks, device):
+        try:
+            return SharedMemoryExchange(group, ranks, slot_bytes)
+        except RuntimeError:
+            if kind == "shared_memory":
+                raise
+    return None

@@ -133,7 +133,7 @@ def read_ground_truths(path: str) -> list[tuple[Any, dict]]:
     return out
 
 
-def score_samples(samples: Any, texts: list[str], truths: list[tuple[Any, dict]], rule: str) -> list[float]:
+def rule_scores(samples: Any, texts: list[str], truths: list[tuple[Any, dict]], rule: str) -> list[float]:
     """The reward rule's score of each sample's decoded text against its prompt's ground truth."""
     from hyflow.rewards.rules import RULES
 
@@ -228,7 +228,7 @@ def _report(result: Any, prompts: list[list[int]], tokenizer: Any, output: Optio
             truths: Optional[list[tuple[Any, dict]]] = None, rule: Optional[str] = None) -> None:
     rows = []
     texts = [tokenizer.decode(s.token_ids) if tokenizer is not None else None for s in result.samples]
-    scores = score_samples(result.samples, texts, truths, rule) if truths is not None else None
+    scores = rule_scores(result.samples, texts, truths, rule) if truths is not None else None
     for k, (s, text) in enumerate(zip(result.samples, texts)):
         prompt = tokenizer.decode(s.prompt_ids) if tokenizer is not None else None
         rows.append({"index": s.request_index, "sample": s.sample_index, "prompt": prompt, "response": text,
