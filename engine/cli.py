@@ -24,7 +24,7 @@ JOBS = {
 #: ``func`` on its parsers. Imported lazily only to build the parser (keep their
 #: top-level imports light: no torch / Megatron at import time).
 COMMAND_MODULES: tuple[str, ...] = ("hyflow.launch.cli", "hyflow.plan.cli", "hyflow.doctor.cli", "hyflow.tools.convert.cli",
-                                     "hyflow.trainer.export", "hyflow.rollout.cli", "hyflow.data.cli", "hyflow.tools.bench")
+                                     "hyflow.tools.convert.export", "hyflow.rollout.cli", "hyflow.data.cli", "hyflow.tools.bench")
 
 
 def _job_schema(yaml_path: Optional[str], overrides: Sequence[str]):

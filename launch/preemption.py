@@ -7,7 +7,7 @@ the ranks have exited, a marked job requeues itself (``scontrol requeue``) and t
 resumes from the last checkpoint (``trainer.resume=auto``).
 
 Rank side: on SIGUSR1 (or SIGTERM), finish the current step, agree across ranks, save, exit
-0. The RL trainer does this with :class:`hyflow.trainer.preemption.StepSupervisor`; other
+0. The RL trainer does this with :class:`hyflow.training.supervisor.StepSupervisor`; other
 entry points (scripts, the ``lm`` job) can use the minimal :class:`PreemptionFlag`::
 
     stop = PreemptionFlag.install()          # once, after init_distributed()

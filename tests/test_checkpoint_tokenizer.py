@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from hyflow.models.checkpoint import read_description, resolve_tokenizer, store_tokenizer
+from hyflow.checkpoint.model import read_description, resolve_tokenizer, store_tokenizer
 from hyflow.testing import run_on_ranks
 from hyflow.testing.fixtures import write_tiny_hf_tokenizer
 
@@ -36,7 +36,7 @@ def _save(out: str, tokenizer: str) -> None:
     from hyflow.models.description import ModelDescription
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.trainer.checkpoint import Checkpointer, TrainedModel
+    from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 
     desc = ModelDescription(family="llama", vocab_size=16, hidden_size=16, num_layers=1, num_attention_heads=2,
                             num_query_groups=1, ffn_hidden_size=32, max_position_embeddings=32,

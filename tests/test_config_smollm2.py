@@ -51,8 +51,8 @@ def test_checkpoint_is_the_one_make_smollm2_writes():
 
 
 def test_missing_checkpoint_names_the_command_that_creates_it(tmp_path):
-    from hyflow.models.checkpoint import CheckpointError
-    from hyflow.trainer.roles import check_actor_checkpoint
+    from hyflow.checkpoint.model import CheckpointError
+    from hyflow.rl.models import check_actor_checkpoint
 
     missing = str(tmp_path / "smollm2-135m")
     with pytest.raises(CheckpointError) as e:

@@ -52,7 +52,7 @@ def _export_all(jobs) -> list:
 
 def _embedding_as(ckpt: str, dtype: str) -> torch.Tensor:
     """The word embedding (vocabulary rows only) of ``ckpt`` loaded at TP=1 in ``dtype``."""
-    from hyflow.models.checkpoint import load_model_from_checkpoint
+    from hyflow.checkpoint.model import load_model_from_checkpoint
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
 
@@ -65,7 +65,7 @@ def _embedding_as(ckpt: str, dtype: str) -> torch.Tensor:
 
 def _save_over(ckpt: str) -> str:
     """Load ``ckpt`` and save it back into the same directory without ``overwrite``."""
-    from hyflow.models.checkpoint import CheckpointError, load_model_from_checkpoint, save_model_checkpoint
+    from hyflow.checkpoint.model import CheckpointError, load_model_from_checkpoint, save_model_checkpoint
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
 
@@ -81,7 +81,7 @@ def _save_over(ckpt: str) -> str:
 def _tp_attributes(tp: int) -> Tuple[dict, dict]:
     """TP attributes of a randomly initialised model and of one built for loading."""
     from hyflow.models.builder import build_gpt_model
-    from hyflow.models.checkpoint import build_model_for_loading
+    from hyflow.checkpoint.model import build_model_for_loading
     from hyflow.models.description import tiny_llama
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
@@ -97,7 +97,7 @@ def _tp_attributes(tp: int) -> Tuple[dict, dict]:
 
 
 def _load_into_other_model(ckpt: str) -> str:
-    from hyflow.models.checkpoint import CheckpointError, build_model_for_loading, load_model_checkpoint
+    from hyflow.checkpoint.model import CheckpointError, build_model_for_loading, load_model_checkpoint
     from hyflow.models.description import ModelDescription
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
@@ -221,7 +221,7 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(sources, checkpoi
 
 def test_bf16_round_trip(tmp_path) -> None:
     """bf16 weights stay bf16 (dtype auto) and come back bit-identical through TP=2."""
-    from hyflow.models.checkpoint import read_checkpoint_info
+    from hyflow.checkpoint.model import read_checkpoint_info
     from hyflow.tools.convert.mcore2hf import prepare_export
     from hyflow.tools.convert.tiny_models import make_tiny_hf_model
 

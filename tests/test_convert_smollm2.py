@@ -56,7 +56,7 @@ def test_smollm2_gguf_greedy_tokens_match_hf(tmp_path) -> None:
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hyflow.models.checkpoint import read_description
+    from hyflow.checkpoint.model import read_description
     from hyflow.tools.convert.hf2mcore import prepare_conversion
 
     gguf = _gguf_path()

@@ -37,7 +37,7 @@ def _train(config: str, out: str) -> None:
 
 def _hyflow_greedy(model_dir: str) -> list:
     """Rank function: the rollout engine's greedy tokens on the checkpoint, at TP=2."""
-    from hyflow.models.checkpoint import load_model_from_checkpoint
+    from hyflow.checkpoint.model import load_model_from_checkpoint
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
     from hyflow.rollout.config import RolloutConfig, SamplingConfig
@@ -76,7 +76,7 @@ def test_export_loads_in_transformers_with_same_greedy_tokens(tmp_path, capsys):
 
 
 def test_export_finds_the_actor_checkpoint(tmp_path):
-    from hyflow.trainer.export import find_model_checkpoint
+    from hyflow.tools.convert.export import find_model_checkpoint
 
     step = tmp_path / "run" / "checkpoints" / "step_000003"
     (step / "actor").mkdir(parents=True)

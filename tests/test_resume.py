@@ -27,7 +27,7 @@ import time
 import pytest
 
 from hyflow.testing import run_on_ranks
-from hyflow.trainer.checkpoint import LATEST_FILE, MARKER_FILE, checkpoint_status, step_dir_name
+from hyflow.checkpoint.checkpointer import LATEST_FILE, MARKER_FILE, checkpoint_status, step_dir_name
 
 pytestmark = pytest.mark.multirank
 
@@ -63,7 +63,7 @@ def _train(config: str, overrides: list, sigterm_call: int = 0, nan_from_call: i
 
     import hyflow.jobs.rl as rl
     from hyflow.cli import load_job_config
-    from hyflow.trainer.preemption import DivergenceError
+    from hyflow.training.supervisor import DivergenceError
 
     torch.set_num_threads(1)  # as `hyflow train` runs its ranks (OMP_NUM_THREADS=1)
     cfg = load_job_config(config, overrides)
@@ -286,8 +286,8 @@ def _async_save_and_load(config: str, out: str) -> dict:
 
     from hyflow.cli import load_job_config
     from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.trainer.checkpoint import Checkpointer, TrainedModel, latest_checkpoint
-    from hyflow.trainer.roles import build_roles
+    from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel, latest_checkpoint
+    from hyflow.rl.models import build_roles
 
     cfg = load_job_config(config, [f"trainer.output_dir={out}", "actor.sft_warmup_steps=0", "critic.enable=false",
                                    "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false"])

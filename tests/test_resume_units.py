@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from hyflow.trainer.checkpoint import (MARKER_FILE, capture_rng, checkpoint_status, latest_checkpoint,
+from hyflow.checkpoint.checkpointer import (MARKER_FILE, capture_rng, checkpoint_status, latest_checkpoint,
                                        list_checkpoints, prune_checkpoints, restore_rng, resume_path, step_dir_name,
                                        write_atomic)
-from hyflow.trainer.preemption import DivergenceError, StepSupervisor
+from hyflow.training.supervisor import DivergenceError, StepSupervisor
 
 
 def _fake_checkpoint(root: str, step: int, complete: bool = True) -> str:

@@ -35,8 +35,8 @@ def _steps(overrides: list, steps: int = 2):
     from hyflow.data.tasks import load_data_tokenizer
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.rewards.manager import RewardManager
-    from hyflow.trainer.advantage import make_kl_controller
-    from hyflow.trainer.roles import build_roles
+    from hyflow.algorithms.kl import make_kl_controller
+    from hyflow.rl.models import build_roles
 
     torch.set_num_threads(1)
     cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"),

@@ -33,8 +33,8 @@ def _argmax_decode(roles, prompts, max_new, stops):
     logits all-gathered over TP, argmax over the ids the sampler may draw)."""
     import torch.distributed as dist
 
-    from hyflow.trainer.batch import micro_batches, position_ids
-    from hyflow.trainer.ppo import forward_score
+    from hyflow.rl.batch import micro_batches, position_ids
+    from hyflow.rl.losses import forward_score
 
     tp = roles.groups.pgs.tp
 
@@ -70,10 +70,10 @@ def _remax_steps():
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.rewards.manager import RewardManager
     from hyflow.rewards.rules import exact_match
-    from hyflow.trainer.advantage import make_kl_controller
-    from hyflow.trainer.batch import micro_batches
-    from hyflow.trainer.ppo import forward_score, logprob_scorer
-    from hyflow.trainer.roles import build_roles
+    from hyflow.algorithms.kl import make_kl_controller
+    from hyflow.rl.batch import micro_batches
+    from hyflow.rl.losses import forward_score, logprob_scorer
+    from hyflow.rl.models import build_roles
 
     cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"), OVERRIDES)
     assert cfg.reward.kind == "rule" and cfg.reward.rule == "exact_match"

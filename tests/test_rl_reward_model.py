@@ -36,7 +36,7 @@ def _save_checkpoints(root: str) -> None:
 
     from hyflow.cli import load_job_config
     from hyflow.models.builder import build_gpt_model
-    from hyflow.models.checkpoint import save_model_checkpoint
+    from hyflow.checkpoint.model import save_model_checkpoint
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
 
@@ -62,8 +62,8 @@ def _trainer_scores(overrides):
     from hyflow.data.tasks import load_data_tokenizer
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.rewards.manager import RewardManager
-    from hyflow.trainer.advantage import make_kl_controller
-    from hyflow.trainer.roles import build_roles
+    from hyflow.algorithms.kl import make_kl_controller
+    from hyflow.rl.models import build_roles
 
     cfg = load_job_config(QUICKSTART, BASE + overrides)
     tok = load_data_tokenizer(cfg.data)
@@ -87,7 +87,7 @@ def _trainer_scores(overrides):
 def _reference_scores(ckpt: str, seqs):
     """One rank, TP=1: a plain forward of each whole sequence; the value at its last token."""
     from hyflow.models.builder import build_gpt_model
-    from hyflow.models.checkpoint import load_model_checkpoint, read_description
+    from hyflow.checkpoint.model import load_model_checkpoint, read_description
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
 
@@ -110,7 +110,7 @@ def _build_error(overrides):
     from hyflow.cli import load_job_config
     from hyflow.config import ConfigError
     from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.trainer.roles import build_roles
+    from hyflow.rl.models import build_roles
 
     cfg = load_job_config(QUICKSTART, BASE + overrides)
     try:
@@ -156,7 +156,7 @@ def test_reward_model_scores_match_a_plain_forward(checkpoints, tmp_path, layout
 
 def test_bad_reward_model_checkpoint_names_the_key(checkpoints, tmp_path):
     from hyflow.config import ConfigError
-    from hyflow.trainer.reward_model import check_reward_model_checkpoint
+    from hyflow.rl.reward_model import check_reward_model_checkpoint
 
     missing = str(tmp_path / "nowhere")
     with pytest.raises(ConfigError, match=r"reward.model_checkpoint='.*nowhere' is not a directory; set "

@@ -34,10 +34,10 @@ def _signal(overrides):
     from hyflow.data.tasks import load_data_tokenizer
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.rewards.manager import RewardManager
-    from hyflow.trainer.advantage import make_kl_controller
-    from hyflow.trainer.batch import micro_batches
-    from hyflow.trainer.ppo import forward_score, logprob_scorer, shifted_values
-    from hyflow.trainer.roles import build_roles
+    from hyflow.algorithms.kl import make_kl_controller
+    from hyflow.rl.batch import micro_batches
+    from hyflow.rl.losses import forward_score, logprob_scorer, shifted_values
+    from hyflow.rl.models import build_roles
     from hyflow.algorithms import value_loss
 
     cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"), BASE + overrides)
@@ -98,8 +98,8 @@ def _step_metrics(overrides):
     from hyflow.data.tasks import load_data_tokenizer
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.rewards.manager import RewardManager
-    from hyflow.trainer.advantage import make_kl_controller
-    from hyflow.trainer.roles import build_roles
+    from hyflow.algorithms.kl import make_kl_controller
+    from hyflow.rl.models import build_roles
 
     cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"), BASE + overrides)
     tok = load_data_tokenizer(cfg.data)

@@ -13,11 +13,13 @@ not be contiguous.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Union
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
 
-from hyflow.algorithms.masked import masked_whiten
+from hyflow.algorithms.kl import apply_kl_penalty, kl_estimate
+from hyflow.algorithms.masked import masked_mean, masked_whiten, scatter_to_last_token
 
 GroupIds = Union[torch.Tensor, Sequence[Hashable]]
 
@@ -30,6 +32,8 @@ __all__ = [
     "reinforce_pp",
     "reinforce_pp_baseline",
     "remax",
+    "Advantages",
+    "compute_advantages",
 ]
 
 
@@ -233,3 +237,53 @@ def remax(scores: torch.Tensor, greedy_scores: torch.Tensor, response_mask: torc
     if scores.shape != greedy_scores.shape or scores.dim() != 1:
         raise ValueError("scores and greedy_scores must both be [B]")
     return _broadcast(scores - greedy_scores, response_mask)
+
+
+# ------------------------------------------------------- the configured estimator
+
+
+@dataclass
+class Advantages:
+    advantages: torch.Tensor  # [B, S]
+    returns: Optional[torch.Tensor]  # [B, S] (GAE / REINFORCE++), else None
+    token_rewards: torch.Tensor  # [B, S] reward actually optimised (KL-penalised if configured)
+    kl: float  # mean per-token KL(actor || reference) on response tokens
+
+
+def compute_advantages(alg_cfg, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
+                       old_logp: torch.Tensor, ref_logp: Optional[torch.Tensor],
+                       values: Optional[torch.Tensor], kl_ctrl,
+                       greedy_scores: Optional[torch.Tensor] = None) -> Advantages:
+    """Advantages for a rollout batch (all tensors [B, S] except scores / group ids [B]).
+
+    ``greedy_scores`` [B] (ReMax): the score of the greedy response to each row's prompt,
+    the baseline subtracted from the row's (KL-penalised, when configured) outcome.
+    """
+    kl_tokens = kl_estimate(old_logp, ref_logp, alg_cfg.kl_penalty) if ref_logp is not None else None
+    kl_mean = float(masked_mean(kl_tokens, mask)) if kl_tokens is not None else 0.0
+    if alg_cfg.use_kl_in_reward and ref_logp is not None:
+        token_rewards = apply_kl_penalty(scores, old_logp, ref_logp, mask, kl_ctrl.value, alg_cfg.kl_penalty)
+    else:
+        token_rewards = scatter_to_last_token(scores, mask)
+    outcome = (token_rewards * mask).sum(dim=-1)  # per-sequence reward incl. any KL penalty
+    name = alg_cfg.adv_estimator
+    returns = None
+    if name == "gae":
+        adv, returns = gae(token_rewards, values, mask, alg_cfg.gamma, alg_cfg.lam, whiten_advantages=True)
+    elif name in ("grpo", "dr_grpo"):
+        norm = alg_cfg.norm_adv_by_std_in_grpo and name == "grpo"
+        adv = grpo_outcome(outcome, group_ids, mask, norm_by_std=norm)
+    elif name == "rloo":
+        adv = rloo(outcome, group_ids, mask)
+    elif name == "reinforce_plus_plus":
+        adv, returns = reinforce_pp(token_rewards, mask, alg_cfg.gamma)
+    elif name == "reinforce_plus_plus_baseline":
+        adv = reinforce_pp_baseline(outcome, group_ids, mask)
+    elif name == "remax":
+        if greedy_scores is None:
+            raise ValueError("remax needs greedy_scores: the scores of each prompt's greedy response")
+        adv = remax(outcome, greedy_scores.to(outcome), mask)
+    else:
+        raise ValueError(f"unknown advantage estimator {name!r}")
+    return Advantages(advantages=adv.float(), returns=None if returns is None else returns.float(),
+                      token_rewards=token_rewards, kl=kl_mean)

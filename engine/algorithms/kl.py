@@ -29,6 +29,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "apply_kl_penalty",
+    "make_kl_controller",
 ]
 
 
@@ -135,3 +136,11 @@ def apply_kl_penalty(
     kl = kl_estimate(logp, ref_logp, kind).to(scores.dtype)
     keep = mask.to(device=scores.device) != 0
     return torch.where(keep, scores - coef * kl, torch.zeros((), dtype=scores.dtype, device=scores.device))
+
+
+def make_kl_controller(alg_cfg: Any):
+    """The KL coefficient controller an ``AlgorithmConfig`` asks for (``kl_ctrl.type``)."""
+    ctrl = alg_cfg.kl_ctrl
+    if ctrl.type == "adaptive":
+        return AdaptiveKLController(ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
+    return FixedKLController(ctrl.kl_coef)

@@ -24,12 +24,13 @@ import torch.distributed as dist
 
 from hyflow.config import dump_yaml, format_config
 from hyflow.jobs.rl_config import RLJobConfig
-from hyflow.trainer.advantage import compute_advantages, make_kl_controller
-from hyflow.trainer.batch import build_rollout_batch, micro_batches, position_ids
-from hyflow.trainer.checkpoint import Checkpointer, TrainedModel, resume_path
-from hyflow.trainer.preemption import StepOutcome, StepSupervisor
-from hyflow.trainer.ppo import forward_score, logprob_scorer, policy_loss_fn, value_loss_fn, value_scorer
-from hyflow.trainer.roles import Roles, build_roles, check_actor_checkpoint
+from hyflow.algorithms.advantages import compute_advantages
+from hyflow.algorithms.kl import make_kl_controller
+from hyflow.rl.batch import build_rollout_batch, micro_batches, position_ids
+from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel, resume_path
+from hyflow.training.supervisor import StepOutcome, StepSupervisor
+from hyflow.rl.losses import forward_score, logprob_scorer, policy_loss_fn, value_loss_fn, value_scorer
+from hyflow.rl.models import Roles, build_roles, check_actor_checkpoint
 from hyflow.training.step import train_step
 
 

@@ -84,10 +84,10 @@ def load_checkpoint(ckpt_dir: str, groups: ParallelGroups, *, dtype: Optional[st
                     spec: str = "local") -> tuple[torch.nn.Module, ModelDescription]:
     """Build and load a hyflow model checkpoint (``hyflow convert hf2mcore`` output) in any layout."""
     try:
-        from hyflow.models.checkpoint import load_model_from_checkpoint
+        from hyflow.checkpoint.model import load_model_from_checkpoint
     except ImportError:  # older trees: only load_model_checkpoint(model, dir, groups)
         from hyflow.models.builder import build_gpt_model
-        from hyflow.models.checkpoint import load_model_checkpoint
+        from hyflow.checkpoint.model import load_model_checkpoint
 
         desc = ModelDescription.load(ckpt_dir)
         model = build_gpt_model(desc, groups, dtype=dtype or "fp32", spec=spec)

@@ -2,7 +2,7 @@
 
 * :mod:`.hf2mcore`: HF directory (safetensors, sharded or not, or ``pytorch_model*.bin``)
   or ``.gguf`` file -> hyflow model checkpoint (Megatron dist checkpoint + ``model.json``,
-  see :mod:`hyflow.models.checkpoint`), written by ``tp * pp`` ranks that each read only
+  see :mod:`hyflow.checkpoint.model`), written by ``tp * pp`` ranks that each read only
   the slices they hold (:mod:`.shard_reader`);
 * :mod:`.mcore2hf`: hyflow model checkpoint (any layout) -> HF directory;
 * :mod:`.source`, :mod:`.safetensors_source`, :mod:`.torchbin_source`,

@@ -5,7 +5,7 @@
 (:func:`convert_rank`) builds its part of the Megatron model without random
 initialisation, fills every parameter with just its shard read from the source
 (see :mod:`.shard_reader`), and the ranks save together with
-:func:`hyflow.models.checkpoint.save_model_checkpoint`. Host memory is the model
+:func:`hyflow.checkpoint.model.save_model_checkpoint`. Host memory is the model
 once (spread over the ranks) plus one parameter's reads at a time.
 """
 
@@ -51,7 +51,7 @@ def convert_rank(job: RankJob) -> ProcessMemory:
     """This rank's part of the conversion (collective over ``tp * pp`` ranks)."""
     import torch
 
-    from hyflow.models.checkpoint import build_model_for_loading, save_model_checkpoint
+    from hyflow.checkpoint.model import build_model_for_loading, save_model_checkpoint
     from hyflow.models.description import ModelDescription
     from hyflow.models.hf_mapping import name_map
     from hyflow.models.weights import global_name, layer_offset

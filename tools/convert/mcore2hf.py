@@ -65,7 +65,7 @@ def export_rank(job: ExportJob) -> ProcessMemory:
     from safetensors.torch import save_file
 
     from hyflow.models.builder import DTYPES
-    from hyflow.models.checkpoint import load_model_from_checkpoint
+    from hyflow.checkpoint.model import load_model_from_checkpoint
     from hyflow.models.hf_mapping import megatron_to_hf_tensors, name_map
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout

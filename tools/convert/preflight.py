@@ -141,7 +141,7 @@ class Mcore2HfPlan:
         ckpt_dir: the hyflow checkpoint.
         out_dir: HF directory to write.
         desc: the checkpoint's description.
-        info: the checkpoint's :class:`~hyflow.models.checkpoint.CheckpointInfo`.
+        info: the checkpoint's :class:`~hyflow.checkpoint.model.CheckpointInfo`.
         dtype: dtype of the written tensors (``fp32``, ``bf16``, ``fp16``).
         force: replace a non-empty output directory.
     """
@@ -161,7 +161,7 @@ class Mcore2HfPlan:
 def plan_mcore2hf(ckpt_dir: str, out_dir: str, dtype: Optional[str] = None,
                   force: bool = False) -> Mcore2HfPlan:
     """Validate a checkpoint export: the checkpoint is complete, the output is free."""
-    from hyflow.models.checkpoint import CheckpointError, read_checkpoint_info, read_description
+    from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info, read_description
 
     check_output_dir(out_dir, force, (ckpt_dir,))
     try:

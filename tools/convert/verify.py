@@ -40,7 +40,7 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor, vocab_size: int
 
 
 def _setup(ckpt_dir: str, tp: int, pp: int, dtype: Optional[str]):
-    from hyflow.models.checkpoint import load_model_from_checkpoint
+    from hyflow.checkpoint.model import load_model_from_checkpoint
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
 

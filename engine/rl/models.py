@@ -35,7 +35,7 @@ class Roles:
     critic_chunks: Optional[list] = None
     critic_optimizer: Any = None
     critic_scheduler: Any = None
-    reward_model: Any = None  # hyflow.trainer.reward_model.RewardModel when reward.model_checkpoint is set
+    reward_model: Any = None  # hyflow.rl.reward_model.RewardModel when reward.model_checkpoint is set
     step_counter: int = 0
     _engine: Any = field(default=None, repr=False)
 
@@ -91,7 +91,7 @@ class Roles:
 def check_actor_checkpoint(path: str) -> None:
     """A missing or incomplete ``actor.checkpoint`` fails with one error naming the command that
     creates it. Reads files only (no process group needed)."""
-    from hyflow.models.checkpoint import CheckpointError, read_checkpoint_info
+    from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info
 
     try:
         read_checkpoint_info(path)
@@ -104,7 +104,7 @@ def check_actor_checkpoint(path: str) -> None:
 
 def _initial_state(cfg, desc: ModelDescription, model, groups: ParallelGroups, checkpoint: Optional[str]):
     if checkpoint:
-        from hyflow.models.checkpoint import load_model_checkpoint
+        from hyflow.checkpoint.model import load_model_checkpoint
 
         load_model_checkpoint(model, checkpoint, groups)
     else:
@@ -116,7 +116,7 @@ def build_roles(cfg, tokenizer) -> Roles:
     from hyflow.rollout.config import RolloutConfig
 
     if cfg.reward.model_checkpoint:  # a bad path fails here, before any model is built
-        from hyflow.trainer.reward_model import check_reward_model_checkpoint
+        from hyflow.rl.reward_model import check_reward_model_checkpoint
 
         check_reward_model_checkpoint(cfg.reward.model_checkpoint)
     world = dist.get_world_size()
@@ -162,7 +162,7 @@ def build_roles(cfg, tokenizer) -> Roles:
         roles.critic_optimizer, roles.critic_scheduler = build_optimizer(
             critic_chunks, cfg.critic.optim, total_updates, critic.config.params_dtype)
     if cfg.reward.model_checkpoint:  # frozen, eval, in the actor's training layout (like the reference)
-        from hyflow.trainer.reward_model import build_reward_model
+        from hyflow.rl.reward_model import build_reward_model
 
         roles.reward_model = build_reward_model(cfg, groups, roles.sample_vocab, tokenizer.pad_token_id or 0)
     return roles

@@ -21,10 +21,10 @@ def find_model_checkpoint(path: str, role: str = ROLE) -> str:
     """The model checkpoint directory of ``role`` that ``path`` points at (see the module
     docstring); incomplete step checkpoints are skipped with a warning on stderr.
 
-    Raises :class:`~hyflow.models.checkpoint.CheckpointError` when there is none.
+    Raises :class:`~hyflow.checkpoint.model.CheckpointError` when there is none.
     """
-    from hyflow.models.checkpoint import CHECKPOINT_INFO_FILE, CheckpointError
-    from hyflow.trainer.checkpoint import resolve_checkpoint
+    from hyflow.checkpoint.model import CHECKPOINT_INFO_FILE, CheckpointError
+    from hyflow.checkpoint.checkpointer import resolve_checkpoint
 
     if os.path.exists(os.path.join(path, CHECKPOINT_INFO_FILE)):
         return path
@@ -41,7 +41,7 @@ def find_model_checkpoint(path: str, role: str = ROLE) -> str:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Run the export; returns the process exit status."""
-    from hyflow.models.checkpoint import CheckpointError
+    from hyflow.checkpoint.model import CheckpointError
     from hyflow.tools.convert.errors import ConversionError
     from hyflow.tools.convert.launch import RankFailure
     from hyflow.tools.convert.mcore2hf import mcore2hf

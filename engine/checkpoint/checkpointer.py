@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hyflow.models.checkpoint import (CHECKPOINT_INFO_FILE, CheckpointError, CheckpointInfo, check_compatible,
+from hyflow.checkpoint.model import (CHECKPOINT_INFO_FILE, CheckpointError, CheckpointInfo, check_compatible,
                                       load_model_checkpoint, model_dtype_name, read_checkpoint_info, read_description,
                                       store_tokenizer)
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription
@@ -414,7 +414,7 @@ class Checkpointer:
     def _save_frozen(self, name: str, model: torch.nn.Module) -> str:
         """Write a frozen model once per run (synchronously); returns its path relative to the
         step directories."""
-        from hyflow.models.checkpoint import save_model_checkpoint
+        from hyflow.checkpoint.model import save_model_checkpoint
 
         target = os.path.join(self.root, name)
         flags = [False]

@@ -7,7 +7,7 @@ token, after reading ``prompt + response``:
 :meth:`RewardModel.__call__` is the :data:`hyflow.rewards.manager.RewardModelFn` handed to the
 :class:`~hyflow.rewards.manager.RewardManager` (it scores the token ids passed as ``sequences``,
 so nothing is re-tokenized). The forward runs through the same pipeline schedule as the
-critic's values (:func:`hyflow.trainer.ppo.forward_score`); every rank gets every score.
+critic's values (:func:`hyflow.rl.losses.forward_score`); every rank gets every score.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def check_reward_model_checkpoint(path: str) -> ModelDescription:
     """The reward model's description after checking ``path`` is a complete hyflow checkpoint with a
     scalar value head; else one :class:`~hyflow.config.ConfigError` naming the key and the fix.
     Reads files only (no process group needed)."""
-    from hyflow.models.checkpoint import CheckpointError, read_checkpoint_info, read_description
+    from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info, read_description
 
     if not path or not os.path.isdir(path):
         raise ConfigError(f"{KEY}={path!r} is not a directory; {_HINT}", key=KEY)
@@ -74,8 +74,8 @@ class RewardModel:
     def score(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """[N] float32: the value head at the last token of each sequence (collective over all ranks,
         which must pass the same sequences)."""
-        from hyflow.trainer.batch import micro_batches, position_ids
-        from hyflow.trainer.ppo import forward_score
+        from hyflow.rl.batch import micro_batches, position_ids
+        from hyflow.rl.losses import forward_score
 
         lengths = [len(s) for s in sequences]
         if not lengths or min(lengths) < 1:
@@ -99,7 +99,7 @@ class RewardModel:
 def build_reward_model(cfg, groups, sample_vocab: int, pad_id: int = 0) -> RewardModel:
     """Load ``cfg.reward.model_checkpoint`` into a frozen value-head model in ``groups``' layout."""
     from hyflow.models.builder import build_gpt_model
-    from hyflow.models.checkpoint import CheckpointError, load_model_checkpoint
+    from hyflow.checkpoint.model import CheckpointError, load_model_checkpoint
 
     path = cfg.reward.model_checkpoint
     desc = check_reward_model_checkpoint(path)
