@@ -192,7 +192,9 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
     if not cfg.perform_initialization:
         mark_tensor_parallel_attributes(model)
     _zero_vocab_padding(model, desc.vocab_size, groups)
-    return model
+    # Megatron builds on the host here (use_cpu_initialization; the local spec's norms and our
+    # value head always); move to the rank's device as Megatron-LM's get_model does.
+    return model.to(groups.device)
 
 
 @torch.no_grad()

@@ -2,7 +2,9 @@
 
 torchrun / srun set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT``. On a machine without CUDA the CPU compatibility layer is
-activated and the gloo backend used; with CUDA, NCCL and one GPU per local rank.
+activated and the gloo backend used; with CUDA, one GPU per local rank
+(:func:`rank_device`) and the ``cpu:gloo,cuda:nccl`` backend: collectives on CUDA
+tensors go through NCCL, those on host tensors (set-up, pickled objects) through gloo.
 """
 
 from __future__ import annotations
@@ -21,6 +23,18 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def rank_device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` where CUDA is present, else the CPU.
+
+    The one place that decides; everything else reads ``ParallelGroups.device``.
+    """
+    from hyflow.compat import cpu
+
+    if cpu.is_active() or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     """Initialise the default process group (idempotent). Returns (rank, world_size)."""
     cpu = maybe_activate()
@@ -32,9 +46,11 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    backend = "gloo" if cpu or not torch.cuda.is_available() else "nccl"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = rank_device()
+    backend = "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 

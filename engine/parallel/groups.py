@@ -15,14 +15,16 @@ Both must be called by every rank in the same order (group creation is collectiv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from hyflow.parallel.distributed import rank_device
 from hyflow.parallel.layout import Layout, LayoutError
 
 _KINDS = ("tp", "pp", "dp", "cp", "mp", "tp_cp", "dp_cp", "embd", "pos_embd")
@@ -37,12 +39,15 @@ class ParallelGroups:
         pgs: Megatron's ``ProcessGroupCollection`` (pass as ``pg_collection``).
         rank: this process's global rank.
         coords: this rank's coordinates in the layout (tp, cp, dp, pp).
+        device: where this rank's models, batches and collective buffers live
+            (``cuda:LOCAL_RANK`` or ``cpu``; :func:`hyflow.parallel.distributed.rank_device`).
     """
 
     layout: Layout
     pgs: ProcessGroupCollection
     rank: int
     coords: dict
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def tp_rank(self) -> int:
@@ -94,7 +99,7 @@ def init_training_groups(layout: Layout, seed: int = 1234) -> ParallelGroups:
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     rank = dist.get_rank()
-    return ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=layout.coords(rank))
+    return ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=layout.coords(rank), device=rank_device())
 
 
 def build_groups(layout: Layout, enumerations: Optional[dict[str, list[list[int]]]] = None,
@@ -117,7 +122,8 @@ def build_groups(layout: Layout, enumerations: Optional[dict[str, list[list[int]
         group, _ = dist.new_subgroups_by_enumeration(ranks, backend=backend)
         setattr(pgs, kind, group)
     pgs.intra_dp_cp = pgs.dp_cp
-    return ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=coords or layout.coords(rank))
+    return ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=coords or layout.coords(rank),
+                          device=rank_device())
 
 
 def _check_partition(kind: str, groups: list[list[int]], world: int) -> None:
