@@ -22,7 +22,7 @@ def _logits(chunk, pgs, tokens):
     import torch.distributed as dist
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from hyflow.training.step import forward_backward, position_ids_for
+    from hyflow.training.step import forward_backward, position_ids
 
     captured = []
 
@@ -31,7 +31,7 @@ def _logits(chunk, pgs, tokens):
         captured.append(full.detach().clone())
         return output.sum() * 0, {}
 
-    batch = {"tokens": tokens, "position_ids": position_ids_for(tokens), "labels": tokens,
+    batch = {"tokens": tokens, "position_ids": position_ids(tokens), "labels": tokens,
              "loss_mask": torch.ones_like(tokens, dtype=torch.float)}
     forward_backward([chunk], [batch], loss_fn=keep, with_labels=False, forward_only=True, pgs=pgs)
     last = dist.get_global_rank(pgs.pp, pgs.pp.size() - 1)
@@ -87,7 +87,7 @@ def _scenario(tp, pp, tp_g, pp_g, tied):
     optimizer, scheduler = build_optimizer(chunks, OptimConfig(lr=1e-3), 10)
     gen = torch.Generator().manual_seed(0)
     batch = [arith_batch(desc.vocab_size, 2, SEQ, 5, gen)]
-    train_step(chunks, optimizer, scheduler, batch, pp_group=groups.pgs.pp)  # non-trivial Adam state
+    train_step(chunks, optimizer, scheduler, batch, groups=groups)  # non-trivial Adam state
 
     engine = HybridEngine(chunks[0], desc, groups, (tp_g, pp_g))
     tokens = torch.randint(0, desc.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(5))
@@ -111,7 +111,7 @@ def _scenario(tp, pp, tp_g, pp_g, tied):
     same_params = all(torch.equal(params0[n], p) for n, p in model.named_parameters())
     opt1 = _optimizer_state(optimizer)
     same_opt = opt0.keys() == opt1.keys() and all(torch.equal(opt0[k], opt1[k]) for k in opt0)
-    stats = train_step(chunks, optimizer, scheduler, batch, pp_group=groups.pgs.pp)
+    stats = train_step(chunks, optimizer, scheduler, batch, groups=groups)
     results["identical"] = (same_params, same_opt)
     results["trains_after"] = stats["update_ok"] == 1.0 and stats["lm_loss"] == stats["lm_loss"]
     return results

@@ -32,7 +32,7 @@ def _run(offload: bool, distributed_optimizer: bool) -> dict:
     chunks = wrap_ddp([model], groups, distributed_optimizer=distributed_optimizer)
     optimizer, scheduler = build_optimizer(chunks, OptimConfig(lr=1e-3), 10)
     batch = [arith_batch(desc.vocab_size, 2, 12, 5, torch.Generator().manual_seed(0))]
-    train_step(chunks, optimizer, scheduler, batch, pp_group=groups.pgs.pp)
+    train_step(chunks, optimizer, scheduler, batch, groups=groups)
     engine = HybridEngine(chunks[0], desc, groups, (1, 1), optimizer=optimizer,
                           offload_grad_buffers=offload, offload_optimizer=offload)
     inner = getattr(optimizer, "chained_optimizers", [optimizer])[0].optimizer
@@ -43,7 +43,7 @@ def _run(offload: bool, distributed_optimizer: bool) -> dict:
               "grad_bytes": sum(g.untyped_storage().nbytes() for g in grads),
               "gen_params": {n: p.detach().clone() for n, p in gen.named_parameters()}}
     engine.to_training()
-    stats = train_step(chunks, optimizer, scheduler, batch, pp_group=groups.pgs.pp)
+    stats = train_step(chunks, optimizer, scheduler, batch, groups=groups)
     return {"during": during, "moments": len(moments), "loss": stats["lm_loss"],
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "state": [m.clone() for m in moments]}

@@ -49,10 +49,8 @@ def _train(tp: int, pp: int, dp: int, distributed_optimizer: bool, spec: str = "
     for _ in range(STEPS):
         batches = [arith_batch(desc.vocab_size, MICRO, SEQ, 5, gen) for _ in range(GLOBAL_BATCH // MICRO)]
         mine = batches[groups.dp_rank * n_micro:(groups.dp_rank + 1) * n_micro]
-        stats = train_step(chunks, optimizer, scheduler, mine, pp_group=groups.pgs.pp)
-        loss = torch.tensor([stats["lm_loss"]], dtype=torch.float64)
-        dist.all_reduce(loss, group=groups.pgs.dp)
-        losses.append(loss.item() / dp)
+        stats = train_step(chunks, optimizer, scheduler, mine, groups=groups)
+        losses.append(stats["lm_loss"])  # the token mean over every data-parallel rank
     full = {}
     for vp_stage, model in enumerate(models):
         full.update(gather_full_state_dict(model, desc, groups, vp_stage=vp_stage if vpp else None))

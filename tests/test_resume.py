@@ -269,8 +269,8 @@ def test_nan_gradients_are_skipped_counted_and_stop_the_run(config, tmp_path):
     assert "2 consecutive steps (2, 3) had a NaN/inf loss or gradient" in result["error"]
     assert result["unchanged"], "the bad steps' updates must be skipped (actor and critic)"
     rows = _rows(out)
-    assert [rows[s]["bad_step"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
-    assert rows[3]["bad_steps_total"] == 2.0
+    assert [rows[s]["training/bad_step"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert rows[3]["training/bad_steps_total"] == 2.0
     assert rows[2]["actor/grad_norm"] is None and rows[2]["critic/grad_norm"] is None
     step3 = os.path.join(out, "checkpoints", step_dir_name(3))
     assert checkpoint_status(step3)[0]

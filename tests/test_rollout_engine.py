@@ -283,7 +283,7 @@ def _data_parallel() -> dict:
     out = {}
     for family in FAMILIES:
         engine, _, groups = _engine(family, 1, dp=2, max_concurrent=3, prefill_chunk_size=8)
-        res = generate_data_parallel(engine, PROMPTS, groups.pgs.dp, SamplingConfig(**SAMPLED))
+        res = generate_data_parallel(engine, PROMPTS, groups.pgs.dp, SamplingConfig(**SAMPLED)).to_result()
         out[family] = ([s.token_ids for s in res.samples],
                        [(s.request_index, s.sample_index) for s in res.samples], res.stats.samples)
     engine, _, _ = _engine("llama", 1, pp=2, max_concurrent=3, prefill_chunk_size=8)

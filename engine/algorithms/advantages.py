@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 
 from hyflow.algorithms.kl import apply_kl_penalty, kl_estimate
-from hyflow.algorithms.masked import masked_mean, masked_whiten, scatter_to_last_token
+from hyflow.algorithms.masked import Reduce, masked_mean, masked_whiten, scatter_to_last_token
 
 GroupIds = Union[torch.Tensor, Sequence[Hashable]]
 
@@ -110,6 +110,7 @@ def gae(
     gamma: float = 1.0,
     lam: float = 1.0,
     whiten_advantages: bool = False,
+    reduce: Reduce = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Generalised Advantage Estimation (Schulman et al., 2016).
 
@@ -125,7 +126,8 @@ def gae(
 
     Padding positions get ``A = R = 0`` and their rewards/values (even NaN) are ignored.
     ``returns`` are always computed from the raw advantages; with ``whiten_advantages`` the
-    advantages are then normalised by :func:`masked_whiten` over all valid tokens of the batch.
+    advantages are then normalised by :func:`masked_whiten` over all valid tokens of the batch
+    (of every data-parallel rank's part of it with ``reduce``, see :data:`~hyflow.algorithms.masked.Reduce`).
 
     Returns ``(advantages[B, T], returns[B, T])``.
     """
@@ -136,7 +138,7 @@ def gae(
     zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
     returns = torch.where(keep, advantages + values, zero)
     if whiten_advantages:
-        advantages = masked_whiten(advantages, response_mask)
+        advantages = masked_whiten(advantages, response_mask, reduce=reduce)
     return advantages, returns
 
 
@@ -191,6 +193,7 @@ def reinforce_pp(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float = 1.0,
+    reduce: Reduce = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""REINFORCE++ (Hu, 2025): discounted return-to-go, whitened over the batch.
 
@@ -206,13 +209,14 @@ def reinforce_pp(
     if token_rewards.dim() != 2:
         raise ValueError("token_rewards must be [B, T]")
     returns = _reverse_scan(token_rewards, None, response_mask, gamma, 1.0)
-    return masked_whiten(returns, response_mask), returns
+    return masked_whiten(returns, response_mask, reduce=reduce), returns
 
 
 def reinforce_pp_baseline(
     scores: torch.Tensor,
     group_ids: GroupIds,
     response_mask: torch.Tensor,
+    reduce: Reduce = None,
 ) -> torch.Tensor:
     r"""REINFORCE++ with a group-mean baseline.
 
@@ -224,7 +228,7 @@ def reinforce_pp_baseline(
     """
     _, _, mean, constant = _group_stats(scores, group_ids)
     centered = torch.where(constant, torch.zeros_like(scores), scores - mean)
-    return masked_whiten(_broadcast(centered, response_mask), response_mask)
+    return masked_whiten(_broadcast(centered, response_mask), response_mask, reduce=reduce)
 
 
 def remax(scores: torch.Tensor, greedy_scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -250,35 +254,41 @@ class Advantages:
     kl: float  # mean per-token KL(actor || reference) on response tokens
 
 
-def compute_advantages(alg_cfg, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
+def compute_advantages(alg_cfg: Any, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
                        old_logp: torch.Tensor, ref_logp: Optional[torch.Tensor],
-                       values: Optional[torch.Tensor], kl_ctrl,
-                       greedy_scores: Optional[torch.Tensor] = None) -> Advantages:
-    """Advantages for a rollout batch (all tensors [B, S] except scores / group ids [B]).
+                       values: Optional[torch.Tensor], kl_coef: float,
+                       greedy_scores: Optional[torch.Tensor] = None, reduce: Reduce = None) -> Advantages:
+    """Advantages for a rollout batch (all tensors [B, S] except scores / group ids [B]), the way an
+    ``AlgorithmConfig`` asks: the KL penalty in the reward when configured (coefficient ``kl_coef``),
+    then the configured estimator.
 
-    ``greedy_scores`` [B] (ReMax): the score of the greedy response to each row's prompt,
-    the baseline subtracted from the row's (KL-penalised, when configured) outcome.
+    ``greedy_scores`` [B] (ReMax): the score of the greedy response to each row's prompt, the
+    baseline subtracted from the row's (KL-penalised, when configured) outcome. ``reduce`` sums a
+    tensor over the data-parallel ranks holding the rest of the batch: batch-wide statistics (the
+    whitening of GAE / REINFORCE++, the KL mean) then equal those of the whole batch on one rank.
+    Group estimators need no communication: a prompt's samples are on one rank.
     """
     kl_tokens = kl_estimate(old_logp, ref_logp, alg_cfg.kl_penalty) if ref_logp is not None else None
-    kl_mean = float(masked_mean(kl_tokens, mask)) if kl_tokens is not None else 0.0
+    kl_mean = float(masked_mean(kl_tokens, mask, reduce=reduce)) if kl_tokens is not None else 0.0
     if alg_cfg.use_kl_in_reward and ref_logp is not None:
-        token_rewards = apply_kl_penalty(scores, old_logp, ref_logp, mask, kl_ctrl.value, alg_cfg.kl_penalty)
+        token_rewards = apply_kl_penalty(scores, old_logp, ref_logp, mask, kl_coef, alg_cfg.kl_penalty)
     else:
         token_rewards = scatter_to_last_token(scores, mask)
     outcome = (token_rewards * mask).sum(dim=-1)  # per-sequence reward incl. any KL penalty
     name = alg_cfg.adv_estimator
     returns = None
     if name == "gae":
-        adv, returns = gae(token_rewards, values, mask, alg_cfg.gamma, alg_cfg.lam, whiten_advantages=True)
+        adv, returns = gae(token_rewards, values, mask, alg_cfg.gamma, alg_cfg.lam, whiten_advantages=True,
+                           reduce=reduce)
     elif name in ("grpo", "dr_grpo"):
         norm = alg_cfg.norm_adv_by_std_in_grpo and name == "grpo"
         adv = grpo_outcome(outcome, group_ids, mask, norm_by_std=norm)
     elif name == "rloo":
         adv = rloo(outcome, group_ids, mask)
     elif name == "reinforce_plus_plus":
-        adv, returns = reinforce_pp(token_rewards, mask, alg_cfg.gamma)
+        adv, returns = reinforce_pp(token_rewards, mask, alg_cfg.gamma, reduce=reduce)
     elif name == "reinforce_plus_plus_baseline":
-        adv = reinforce_pp_baseline(outcome, group_ids, mask)
+        adv = reinforce_pp_baseline(outcome, group_ids, mask, reduce=reduce)
     elif name == "remax":
         if greedy_scores is None:
             raise ValueError("remax needs greedy_scores: the scores of each prompt's greedy response")

@@ -25,7 +25,9 @@ __all__ = [
     "LOSS_AGG_MODES",
     "aggregate_loss",
     "ppo_policy_loss",
+    "ppo_token_loss",
     "value_loss",
+    "value_token_loss",
     "entropy_from_logits",
     "entropy_bonus",
     "dpo_loss",
@@ -70,17 +72,15 @@ def aggregate_loss(
     return masked_mean(per_seq, nonempty)
 
 
-def ppo_policy_loss(
+def ppo_token_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: Optional[float] = None,
     clip_ratio_c: Optional[float] = None,
-    agg_mode: AggMode = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    r"""PPO clipped surrogate (Schulman et al., 2017), with decoupled clip range
+    r"""Per-token PPO clipped surrogate (Schulman et al., 2017), with decoupled clip range
     (DAPO "clip-higher", Yu et al., 2025) and optional dual clip (Ye et al., 2020).
 
     .. math::
@@ -92,15 +92,11 @@ def ppo_policy_loss(
         \ell = \begin{cases}\min(\ell^{\text{clip}},\ -A\,c) & A < 0\ \text{and dual clip}\\
         \ell^{\text{clip}} & \text{otherwise}\end{cases}
 
-    then ``loss = aggregate_loss(ell, mask, agg_mode)``. ``clip_ratio_high`` defaults to
-    ``clip_ratio_low``; ``clip_ratio_c`` (must be ``> 1``) enables the dual clip.
-
-    Stats (detached scalars, masked token means):
-
-    * ``clip_frac``: fraction of tokens where the clipped branch was strictly larger, i.e. taken;
-    * ``clip_frac_lower``: fraction of tokens where the dual-clip bound :math:`-Ac` was taken;
-    * ``approx_kl``: :math:`\mathrm{mean}(\log\pi_{\text{old}} - \log\pi)` (k1);
-    * ``ratio_mean``: :math:`\mathrm{mean}(\rho)`.
+    ``clip_ratio_high`` defaults to ``clip_ratio_low``; ``clip_ratio_c`` (must be ``> 1``) enables
+    the dual clip. Returns the ``[B, T]`` loss and per-token (detached) indicators: ``clip``
+    (the clipped branch was strictly larger, i.e. taken), ``clip_lower`` (the dual-clip bound
+    :math:`-Ac` was taken), ``log_ratio`` (clamped) and ``ratio``. Callers aggregate
+    (:func:`aggregate_loss`, or per-token weights with global denominators).
     """
     if clip_ratio_high is None:
         clip_ratio_high = clip_ratio_low
@@ -117,15 +113,64 @@ def ppo_policy_loss(
         bound = -advantages * clip_ratio_c
         lower_taken = (advantages < 0) & (bound < loss_mat)
         loss_mat = torch.where(lower_taken, bound, loss_mat)
+    with torch.no_grad():
+        stats = {"clip": clip_taken.to(logp.dtype), "clip_lower": lower_taken.to(logp.dtype),
+                 "log_ratio": log_ratio.detach(), "ratio": ratio.detach()}
+    return loss_mat, stats
+
+
+def ppo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: Optional[float] = None,
+    clip_ratio_c: Optional[float] = None,
+    agg_mode: AggMode = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    r"""PPO clipped surrogate (:func:`ppo_token_loss`) aggregated with ``agg_mode``.
+
+    Stats (detached scalars, masked token means):
+
+    * ``clip_frac``: fraction of tokens where the clipped branch was strictly larger, i.e. taken;
+    * ``clip_frac_lower``: fraction of tokens where the dual-clip bound :math:`-Ac` was taken;
+    * ``approx_kl``: :math:`\mathrm{mean}(\log\pi_{\text{old}} - \log\pi)` (k1);
+    * ``ratio_mean``: :math:`\mathrm{mean}(\rho)`.
+    """
+    loss_mat, tok = ppo_token_loss(logp, old_logp, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c)
     loss = aggregate_loss(loss_mat, mask, agg_mode)
     with torch.no_grad():
         stats = {
-            "clip_frac": masked_mean(clip_taken.to(logp.dtype), mask),
-            "clip_frac_lower": masked_mean(lower_taken.to(logp.dtype), mask),
-            "approx_kl": masked_mean(-log_ratio, mask),
-            "ratio_mean": masked_mean(ratio, mask),
+            "clip_frac": masked_mean(tok["clip"], mask),
+            "clip_frac_lower": masked_mean(tok["clip_lower"], mask),
+            "approx_kl": masked_mean(-tok["log_ratio"], mask),
+            "ratio_mean": masked_mean(tok["ratio"], mask),
         }
     return loss, stats
+
+
+def value_token_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    clip_range_value: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Per-token clipped value loss and where the clipped error was taken.
+
+    .. math::
+        V^{\text{clip}} = V_{\text{old}} + \operatorname{clip}(V - V_{\text{old}}, -c, c)
+
+        \ell = \tfrac12 \max\!\big((V - R)^2,\ (V^{\text{clip}} - R)^2\big)
+
+    ``clip_range_value=None`` disables clipping (:math:`\ell = \tfrac12 (V-R)^2`).
+    """
+    unclipped = (values - returns).square()
+    if clip_range_value is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped)
+    v_clip = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+    clipped = (v_clip - returns).square()
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).to(values.dtype).detach()
 
 
 def value_loss(
@@ -136,28 +181,12 @@ def value_loss(
     clip_range_value: Optional[float] = None,
     agg_mode: AggMode = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    r"""Clipped value loss.
-
-    .. math::
-        V^{\text{clip}} = V_{\text{old}} + \operatorname{clip}(V - V_{\text{old}}, -c, c)
-
-        \ell = \tfrac12 \max\!\big((V - R)^2,\ (V^{\text{clip}} - R)^2\big)
-
-    ``clip_range_value=None`` disables clipping (:math:`\ell = \tfrac12 (V-R)^2`). Stats:
-    ``vf_clipfrac``, the fraction of valid tokens where the clipped error was strictly larger.
-    """
-    unclipped = (values - returns).square()
-    if clip_range_value is None:
-        loss_mat = unclipped
-        clip_taken = torch.zeros_like(unclipped, dtype=torch.bool)
-    else:
-        v_clip = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
-        clipped = (v_clip - returns).square()
-        loss_mat = torch.maximum(unclipped, clipped)
-        clip_taken = clipped > unclipped
-    loss = 0.5 * aggregate_loss(loss_mat, mask, agg_mode)
+    r"""Clipped value loss (:func:`value_token_loss`) aggregated with ``agg_mode``. Stats:
+    ``vf_clipfrac``, the fraction of valid tokens where the clipped error was strictly larger."""
+    loss_mat, clip_taken = value_token_loss(values, old_values, returns, clip_range_value)
+    loss = aggregate_loss(loss_mat, mask, agg_mode)
     with torch.no_grad():
-        stats = {"vf_clipfrac": masked_mean(clip_taken.to(values.dtype), mask)}
+        stats = {"vf_clipfrac": masked_mean(clip_taken, mask)}
     return loss, stats
 
 

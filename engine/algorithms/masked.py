@@ -7,7 +7,7 @@ never leaks into a result). Empty selections reduce to ``0`` rather than NaN.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -21,6 +21,10 @@ __all__ = [
     "last_token_index",
     "scatter_to_last_token",
 ]
+
+
+#: Sums a tensor over the ranks that share a batch (an all-reduce), or None for one rank.
+Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
 
 
 def _prepare(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,17 +43,22 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None) -> torch.Te
     return (x * m).sum(dim=dim)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None) -> torch.Tensor:
-    r"""Weighted mean :math:`\sum_i m_i x_i / \sum_i m_i`; ``0`` where :math:`\sum_i m_i = 0`."""
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, reduce: Reduce = None) -> torch.Tensor:
+    r"""Weighted mean :math:`\sum_i m_i x_i / \sum_i m_i`; ``0`` where :math:`\sum_i m_i = 0`.
+
+    ``reduce`` (with ``dim=None``): sums a tensor over the ranks that share the batch (e.g. an
+    all-reduce over the data-parallel group), so the mean is over every rank's elements."""
     x, m = _prepare(x, mask)
     if dim is None:
         num, den = (x * m).sum(), m.sum()
+        if reduce is not None:
+            num, den = reduce(torch.stack([num, den])).unbind()
     else:
         num, den = (x * m).sum(dim=dim), m.sum(dim=dim)
     return num / torch.where(den != 0, den, torch.ones_like(den))
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, reduce: Reduce = None) -> torch.Tensor:
     r"""Masked variance over all elements.
 
     .. math::
@@ -57,12 +66,15 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
         \sigma^2 = \frac{\sum_i m_i (x_i-\mu)^2}{N}\cdot\frac{N}{N-1}\ \text{(if unbiased)},
         \quad N = \sum_i m_i .
 
-    The Bessel factor is skipped when :math:`N \le 1` (the variance is then ``0``).
+    The Bessel factor is skipped when :math:`N \le 1` (the variance is then ``0``). ``reduce``: as
+    for :func:`masked_mean` (statistics over every rank's elements).
     """
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    mean = masked_mean(x, mask, reduce=reduce)
+    var = masked_mean((x - mean) ** 2, mask, reduce=reduce)
     if unbiased:
         n = _prepare(x, mask)[1].sum()
+        if reduce is not None:
+            n = reduce(n)
         var = torch.where(n > 1, var * n / torch.where(n > 1, n - 1, torch.ones_like(n)), var)
     return var
 
@@ -73,6 +85,7 @@ def masked_whiten(
     shift_mean: bool = True,
     unbiased: bool = True,
     eps: float = 1e-8,
+    reduce: Reduce = None,
 ) -> torch.Tensor:
     r"""Normalise ``x`` with statistics of its valid elements.
 
@@ -81,11 +94,11 @@ def masked_whiten(
         \quad\text{or, with}\ \texttt{shift\_mean=False},\quad
         \hat x_i = \frac{x_i - \mu}{\sqrt{\sigma^2 + \epsilon}} + \mu ,
 
-    with :math:`\mu, \sigma^2` from :func:`masked_mean` / :func:`masked_var`. Masked-out
-    positions of the result are ``0``.
+    with :math:`\mu, \sigma^2` from :func:`masked_mean` / :func:`masked_var` (over every rank's
+    elements with ``reduce``). Masked-out positions of the result are ``0``.
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=unbiased)
+    mean = masked_mean(x, mask, reduce=reduce)
+    var = masked_var(x, mask, unbiased=unbiased, reduce=reduce)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

@@ -24,18 +24,21 @@ from hyflow.models.builder import build_model_chunks
 from hyflow.models.weights import random_full_state_dict, load_full_state_dict
 from hyflow.parallel.groups import init_training_groups
 from hyflow.training.optimizer import build_optimizer, wrap_ddp
-from hyflow.training.step import position_ids_for, train_step
+from hyflow.training.step import position_ids, train_step
 
 
-def arith_batch(vocab: int, batch: int, seq: int, max_step: int, gen: torch.Generator) -> dict:
-    """Rows x_t = (a + t*d) mod vocab; the model must infer d from the prefix."""
-    a = torch.randint(0, vocab, (batch, 1), generator=gen)
-    d = torch.randint(1, max_step + 1, (batch, 1), generator=gen)
-    rows = (a + d * torch.arange(seq + 1)) % vocab
+def arith_batch(vocab: int, batch: int, seq: int, max_step: int, gen: torch.Generator,
+                device: torch.device = torch.device("cpu")) -> dict:
+    """Rows x_t = (a + t*d) mod vocab; the model must infer d from the prefix. Drawn from the
+    host generator ``gen`` (the same stream on every rank), then moved to ``device``."""
+    host = torch.device("cpu")
+    a = torch.randint(0, vocab, (batch, 1), generator=gen, device=host)
+    d = torch.randint(1, max_step + 1, (batch, 1), generator=gen, device=host)
+    rows = ((a + d * torch.arange(seq + 1, device=host)) % vocab).to(device)
     tokens, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-    mask = torch.ones(batch, seq)
+    mask = torch.ones(batch, seq, device=device)
     mask[:, :2] = 0  # the first two targets are not determined by the prefix
-    return dict(tokens=tokens, labels=labels, loss_mask=mask, position_ids=position_ids_for(tokens))
+    return dict(tokens=tokens, labels=labels, loss_mask=mask, position_ids=position_ids(tokens))
 
 
 def run(cfg: LMJobConfig) -> list[dict]:
@@ -67,10 +70,10 @@ def run(cfg: LMJobConfig) -> list[dict]:
     for step in range(1, cfg.trainer.total_steps + 1):
         t0 = time.perf_counter()
         global_mbs = [arith_batch(cfg.model.vocab_size, d.micro_batch_size, d.seq_length,
-                                  d.max_step_size, gen) for _ in range(n_micro * layout.dp)]
+                                  d.max_step_size, gen, groups.device) for _ in range(n_micro * layout.dp)]
         mine = global_mbs[groups.dp_rank * n_micro:(groups.dp_rank + 1) * n_micro]
-        stats = train_step(chunks, optimizer, scheduler, mine, pp_group=groups.pgs.pp)
-        loss = _dp_mean(stats["lm_loss"], groups.pgs.dp)
+        stats = train_step(chunks, optimizer, scheduler, mine, groups=groups)
+        loss = stats["lm_loss"]  # the token mean over every data-parallel rank's micro-batches
         dt = time.perf_counter() - t0
         row = {"step": step, "loss": loss, "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                "tokens_per_s": d.global_batch_size * d.seq_length / dt, "time/step": dt}
@@ -87,9 +90,3 @@ def run(cfg: LMJobConfig) -> list[dict]:
         print(f"[hyflow] done: loss {metrics[0]['loss']:.4f} -> {metrics[-1]['loss']:.4f}; "
               f"metrics in {metrics_path}", flush=True)
     return metrics
-
-
-def _dp_mean(value: float, dp_group) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=dp_group)
-    return float(t.item() / dist.get_world_size(dp_group))

@@ -1,16 +1,16 @@
-"""The RL job (``job: rl``): PPO / GRPO / RLOO / REINFORCE++ as one readable dataflow.
+"""The RL job (``job: rl``): PPO / GRPO / RLOO / REINFORCE++ / ReMax as one readable dataflow.
 
-Per step::
+Per step, on every rank::
 
-    prompts ──► [reshard train→gen] ──► generate (micro-DP replicas) ──► [reshard gen→train]
-            ──► reward ──► old / reference log-probs, values ──► advantages
-            ──► actor update (mini-batches × PPO epochs) ──► critic update ──► metrics
+    its DP shard of the prompts ──► [reshard train→gen] ──► generate on the micro-DP replicas
+        ──► [reshard gen→train] ──► reward ──► old / reference log-probs, values ──► advantages
+        ──► actor update (mini-batches × PPO epochs) ──► critic update ──► metrics
 
-ReMax adds one greedy response per prompt to the generate phase; its reward (same scorer)
-is the baseline of that prompt's samples, and it is never trained on.
-
-Every rank holds the whole rollout batch (token ids are small); forward-only scoring
-runs on all rows, updates split mini-batches over data-parallel ranks.
+Data moves only where the layout needs it (:mod:`hyflow.rl.dispatch`): a training data-parallel
+rank and its TP x PP peers generate, score and train only their own prompts; batch-wide quantities
+(whitening, loss normalisation, metrics) are all-reductions of a few numbers over the DP group.
+ReMax adds one greedy response per prompt to the generate phase; its reward (same scorer) is the
+baseline of that prompt's samples, and it is never trained on.
 """
 
 from __future__ import annotations
@@ -22,21 +22,26 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hyflow.config import dump_yaml, format_config
-from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.algorithms.advantages import compute_advantages
 from hyflow.algorithms.kl import make_kl_controller
-from hyflow.rl.batch import build_rollout_batch, micro_batches, position_ids
-from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel, resume_path
+from hyflow.checkpoint.checkpointer import Checkpointer, resume_path
+from hyflow.config import dump_yaml, format_config
+from hyflow.jobs.rl_config import RLJobConfig
+from hyflow.rl.batch import MicroBatching, RolloutBatch, build_rollout_batch, make_micro_batches
+from hyflow.rl.losses import PolicyLoss, ValueLoss, forward_score, logprob_scorer, value_scorer
+from hyflow.rl.metrics import BatchStats, all_gather_strings, score_metrics
+from hyflow.rl.models import RLModels, build_rl_models, check_actor_checkpoint
+from hyflow.rl.state import RLState
+from hyflow.rl.update import update_model
+from hyflow.rollout.dp import SampleTensors
+from hyflow.training.step import position_ids, token_mean_weights, train_step
 from hyflow.training.supervisor import StepOutcome, StepSupervisor
-from hyflow.rl.losses import forward_score, logprob_scorer, policy_loss_fn, value_loss_fn, value_scorer
-from hyflow.rl.models import Roles, build_roles, check_actor_checkpoint
-from hyflow.training.step import train_step
 
 
 def run(cfg: RLJobConfig) -> list[dict]:
     """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
-    from hyflow.data.dataset import PromptLoader, build_dataset
+    from hyflow.data.dataset import build_dataset
+    from hyflow.data.sampler import PromptLoader
     from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
     from hyflow.monitor.metrics import MetricsWriter
     from hyflow.monitor.progress import Progress
@@ -49,42 +54,51 @@ def run(cfg: RLJobConfig) -> list[dict]:
     tokenizer = load_data_tokenizer(cfg.data)
     dataset = build_dataset(cfg.data, cfg.rollout, tokenizer)
     loader = PromptLoader(dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-    roles = build_roles(cfg, tokenizer)
-    reward = RewardManager.from_config(cfg.reward, model_fn=roles.reward_model)  # model_fn: None without one
+    models = build_rl_models(cfg, tokenizer)
+    reward = RewardManager.from_config(cfg.reward, model_fn=models.reward_model)  # model_fn: None without one
     reward.check_records(list(dataset))
     kl_ctrl = make_kl_controller(cfg.algorithm)
     # SIGTERM / SIGUSR1 flags and NaN/inf guards, installed before the long set-up so no signal is lost
-    supervisor = StepSupervisor(cfg.trainer.max_bad_steps, [roles.actor_optimizer, roles.critic_optimizer],
-                                protect=[kl_ctrl]).install()
-    ckpt = Checkpointer(cfg.trainer.output_dir, roles.groups, roles.desc, cfg.trainer.keep_last,
+    optimizers = [m.optimizer for m in models.trained().values()]
+    supervisor = StepSupervisor(cfg.trainer.max_bad_steps, optimizers, protect=[kl_ctrl],
+                                device=models.groups.device).install()
+    state = RLState(models=models, loader=loader, kl_ctrl=kl_ctrl, supervisor=supervisor)
+    ckpt = Checkpointer(cfg.trainer.output_dir, models.groups, models.desc, cfg.trainer.keep_last,
                         tokenizer=tokenizer_spec_for(cfg.data))
-    start = _resume(cfg, ckpt, roles, loader, kl_ctrl, supervisor)  # the checkpoint's step; 0: fresh run
+    start = _resume(cfg, ckpt, state)  # the checkpoint's step; 0: fresh run
+    job = StepJob(tokenizer=tokenizer, reward=reward, sources=sorted({r.data_source for r in dataset}))
     if rank == 0:
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
         print(format_config(cfg), flush=True)
-        print(f"[hyflow] actor training {roles.groups.layout.describe()} -> generation tp={cfg.rollout.layout.tp} "
-              f"pp={cfg.rollout.layout.pp} with {roles.hybrid.plan.micro_dp_size} micro-DP replicas per "
+        print(f"[hyflow] actor training {models.groups.layout.describe()} -> generation tp={cfg.rollout.layout.tp} "
+              f"pp={cfg.rollout.layout.pp} with {models.hybrid.plan.micro_dp_size} micro-DP replicas per "
               f"model copy; {len(dataset)} prompts", flush=True)
     writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if rank == 0 else None
     if cfg.actor.sft_warmup_steps and not start:
-        sft_warmup(cfg, roles, loader, tokenizer)
+        sft_warmup(cfg, state, tokenizer)
     progress = Progress.from_config(cfg.trainer, initial=start, enabled=rank == 0)
-    timers = PhaseTimers()
+    sync = torch.cuda.synchronize if models.groups.device.type == "cuda" else None
+    timers = PhaseTimers(sync=sync)  # phases charged with the device work they launched
     history = []
     try:
         for step in range(start + 1, cfg.trainer.total_steps + 1):
             records = loader.next_batch()
             supervisor.begin_step()
-            metrics, _ = rl_step(cfg, roles, records, tokenizer, reward, kl_ctrl, timers)
+            metrics, _ = rl_step(cfg, state, records, job, timers)
             outcome = supervisor.end_step(metrics, step)  # collective: agrees on stop signals and NaN/inf
+            state.step = step
             metrics.update(timers.step_summary())
+            metrics["perf/time_per_step"] = metrics["timing_s/step"]
+            # verl's definition: prompt + response tokens per second per rank
+            metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (
+                metrics["timing_s/step"] * dist.get_world_size())
             metrics["step"] = step
             history.append(metrics)
             if writer is not None:
                 writer.log(step, metrics)
             progress.update(step, metrics)
-            saved = _maybe_save(cfg, ckpt, roles, loader, kl_ctrl, supervisor, step, outcome)
+            saved = _maybe_save(cfg, ckpt, state, outcome)
             if outcome.diverged:
                 ckpt.wait()
                 raise supervisor.divergence_error(saved)
@@ -103,246 +117,287 @@ def run(cfg: RLJobConfig) -> list[dict]:
     return history
 
 
-def rl_step(cfg: RLJobConfig, roles: Roles, records, tokenizer, reward, kl_ctrl, timers) -> tuple[dict, dict]:
-    """One RL step; returns its metrics (identical on every rank) and the step's tensors
-    (rollout batch, scores, old / reference log-probs, values, advantages, returns)."""
-    n = cfg.rollout.n
-    prompts = [r.prompt_ids for r in records]
+class StepJob:
+    """What a step uses besides the state: the tokenizer, the reward manager, the data sources."""
+
+    def __init__(self, tokenizer, reward, sources) -> None:
+        self.tokenizer, self.reward, self.sources = tokenizer, reward, list(sources)
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id or 0
+
+
+def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> tuple[dict, dict]:
+    """One RL step on this rank's shard of ``records`` (the step's prompts, the same list on every
+    rank); returns the step's metrics (identical on every rank) and this rank's tensors."""
+    models, step = state.models, state.step + 1
+    groups, n = models.groups, cfg.rollout.n
+    dp_group, device = groups.pgs.dp, groups.device
+    first, stop = models.dispatcher.shard(len(records))
+    mine = records[first:stop]
     remax = cfg.algorithm.adv_estimator == "remax"
-    # 1. generate with the actor in its generation layout
+    stats = BatchStats(device)
+    # 1. generate this shard's samples with the actor in its generation layout
     with timers.phase("reshard"):
-        gen_model = roles.hybrid.to_generation()
-    with timers.phase("generate"):
-        result = roles.generate(gen_model, prompts, n)
+        gen_model = models.hybrid.to_generation()
+    with timers.phase("gen"):
+        seed = models.dispatcher.rollout_config.sampling.seed + 1_000_003 * step  # a fresh stream per step
+        rollout = models.dispatcher.generate(gen_model, [r.prompt_ids for r in mine], n, seed=seed,
+                                             request_offset=first)
         # ReMax: one greedy response per prompt, a baseline only (scored, never trained on)
-        greedy = roles.generate(gen_model, prompts, 1, greedy=True) if remax else None
+        greedy = models.dispatcher.generate(gen_model, [r.prompt_ids for r in mine], 1, seed=seed,
+                                            request_offset=first, greedy=True) if remax else None
     with timers.phase("reshard"):
-        roles.hybrid.to_training()
-    samples = result.samples  # request order, n per prompt
-    batch = build_rollout_batch([s.prompt_ids for s in samples], [s.token_ids for s in samples],
-                                [s.request_index for s in samples], [s.logprobs for s in samples],
-                                pad_id=tokenizer.pad_token_id or 0)
+        models.hybrid.to_training()
+    batch = _rollout_batch(rollout.samples, job.pad_id)
+    lengths = batch.row_lengths()
     # 2. score responses
     with timers.phase("reward"):
-        scored = score_samples(reward, records, samples, tokenizer)
-        scores = torch.tensor(scored.scores, dtype=torch.float32)
-    # 2b. ReMax: each sample's baseline is the score of its prompt's greedy response
-    greedy_scored, greedy_scores = None, None
-    if greedy is not None:
-        with timers.phase("reward"):
-            greedy_scored = score_samples(reward, records, greedy.samples, tokenizer)
-        greedy_scores = torch.tensor(greedy_scored.scores, dtype=torch.float32)[batch.group_ids]
-    # 3. old / reference log-probs and values, forward-only over all rows
-    tensors = {"tokens": batch.tokens, "position_ids": position_ids(batch.tokens),
-               "response_mask": batch.response_mask}
-    rows = list(range(batch.size))
-    mb = cfg.actor.micro_batch_size
-    pad_rows = (-len(rows)) % mb
-    score_rows = rows + rows[:pad_rows]  # pad to whole micro-batches; the extra rows are dropped
-    scoring = micro_batches(tensors, score_rows, mb)
-    tp_group = roles.groups.pgs.tp
-    vocab = roles.sample_vocab  # score over exactly the ids the sampler can draw
-    temp = cfg.rollout.temperature  # score the distribution the rollout sampled from
-    logprob_diff = None
-    with timers.phase("ref"):
+        scored = score_samples(job, mine, first, rollout.samples)
+        scores = torch.tensor(scored.scores, dtype=torch.float32, device=device)
+        greedy_scores = None
+        if greedy is not None:
+            baseline = torch.tensor(score_samples(job, mine, first, greedy.samples).scores, dtype=torch.float32,
+                                    device=device)
+            greedy_scores = baseline[batch.group_ids - first]
+            stats.distribution("critic/greedy_score", baseline)
+    # 3. old / reference log-probs and values, forward-only over this rank's rows
+    columns = {"tokens": batch.tokens, "response_mask": batch.response_mask}
+    scoring = make_micro_batches(columns, lengths, _batching(cfg, "reference").plan(lengths),
+                                 packed=cfg.actor.pack_sequences, pad_multiple=_pad_multiple(groups),
+                                 pad_id=job.pad_id)
+    shape = tuple(batch.tokens.shape)
+    vocab, tp_group, temp = models.sample_vocab, groups.pgs.tp, cfg.rollout.temperature
+    with timers.phase("old_log_prob"):
         if cfg.actor.old_logprobs == "rollout":  # the weights that sampled are the ones about to be updated
             old_logp = batch.rollout_logprobs
         else:
-            old_logp = forward_score(roles.actor_chunks, scoring, logprob_scorer(vocab, tp_group, temp), roles.groups.pgs)[:batch.size]
-            logprob_diff = float(((old_logp - batch.rollout_logprobs).abs() * batch.response_mask).max())
-        ref_logp = None
-        if roles.reference is not None:
-            ref_logp = forward_score([roles.reference], scoring, logprob_scorer(vocab, tp_group, temp), roles.groups.pgs)[:batch.size]
+            old_logp = forward_score(models.actor.chunks, scoring, logprob_scorer(vocab, tp_group, temp), groups, shape)
+            diff = ((old_logp - batch.rollout_logprobs).abs() * batch.response_mask).max()
+            stats.extreme("rollout/logprob_diff", diff)
+    ref_logp = None
+    if models.reference is not None:
+        with timers.phase("ref"):
+            ref_logp = forward_score([models.reference], scoring, logprob_scorer(vocab, tp_group, temp), groups, shape)
     values = None
-    if roles.critic_chunks is not None:
-        with timers.phase("critic"):
-            values = forward_score(roles.critic_chunks, scoring, value_scorer(), roles.groups.pgs)[:batch.size]
-    # 4. advantages
-    adv = compute_advantages(cfg.algorithm, scores, batch.group_ids, batch.response_mask, old_logp, ref_logp,
-                             values, kl_ctrl, greedy_scores=greedy_scores)
+    if models.critic is not None:
+        with timers.phase("values"):
+            critic_scoring = make_micro_batches(columns, lengths, _batching(cfg, "critic").plan(lengths),
+                                                packed=cfg.actor.pack_sequences, pad_multiple=_pad_multiple(groups),
+                                                pad_id=job.pad_id)
+            values = forward_score(models.critic.chunks, critic_scoring, value_scorer(), groups, shape)
+    # 4. advantages (batch-wide statistics: sums over the DP group)
+    with timers.phase("adv"):
+        adv = compute_advantages(cfg.algorithm, scores, batch.group_ids, batch.response_mask, old_logp, ref_logp,
+                                 values, state.kl_ctrl.value, greedy_scores=greedy_scores,
+                                 reduce=_dp_sum(dp_group))
     # 5. updates
-    train = dict(tensors, old_logp=old_logp, advantages=adv.advantages)
-    if ref_logp is not None:
+    train = dict(columns, old_logp=old_logp, advantages=adv.advantages)
+    if ref_logp is not None and cfg.actor.use_kl_loss:
         train["ref_logp"] = ref_logp
-    with timers.phase("update"):
-        actor_stats = _update(cfg, roles.actor_chunks, roles.actor_optimizer, roles.actor_scheduler, train,
-                              policy_loss_fn(cfg.actor, vocab, tp_group, temp), roles, cfg.actor.micro_batch_size)
-        critic_stats = {}
-        if roles.critic_chunks is not None:
-            critic_train = dict(tensors, old_values=values, returns=adv.returns)
-            critic_stats = _update(cfg, roles.critic_chunks, roles.critic_optimizer, roles.critic_scheduler,
-                                   critic_train, value_loss_fn(cfg.critic, cfg.actor.loss_agg_mode), roles,
-                                   cfg.critic.micro_batch_size)
-    if cfg.algorithm.use_kl_in_reward:
-        kl_ctrl.update(adv.kl, len(records))
-    resp_len = batch.response_lengths.float()
-    gen_seconds = timers.step_times.get("generate", 0.0)
-    gen_tokens = float(batch.response_lengths.sum()) + (
-        sum(len(s.token_ids) for s in greedy.samples) if greedy is not None else 0)
-    out = dict(scored.metrics())
-    if greedy_scored is not None:
-        out["reward/greedy_mean"] = sum(greedy_scored.scores) / len(greedy_scored.scores)
-    out.update(actor_stats)
-    out.update(critic_stats)
-    out.update({
-        "kl": adv.kl, "kl_coef": kl_ctrl.value,
-        "response_length/mean": float(resp_len.mean()), "response_length/max": float(resp_len.max()),
-        "response/clip_frac": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
-        "tokens_per_s": gen_tokens / max(gen_seconds, 1e-9),
-        "reshard/bytes_received": roles.hybrid.stats.bytes_received,
-        "reshard/seconds": roles.hybrid.stats.seconds,
-    })
-    if logprob_diff is not None:  # generation-layout sampler vs training-layout forward, same weights
-        out["rollout/logprob_diff_max"] = logprob_diff
-    data = dict(train, scores=scores, values=values, returns=adv.returns, greedy_scores=greedy_scores)
+    common = dict(seed=cfg.trainer.seed, step=step, row_offset=first * n, pad_multiple=_pad_multiple(groups),
+                  pad_id=job.pad_id, agg_mode=cfg.actor.loss_agg_mode, norm_length=float(cfg.rollout.max_new_tokens))
+    with timers.phase("update_actor"):
+        actor = update_model(models.actor, groups, train, lengths, PolicyLoss(cfg.actor, vocab, tp_group, temp),
+                             batching=_batching(cfg, "actor"), mini_batch_size=cfg.actor.mini_batch_size,
+                             epochs=cfg.actor.ppo_epochs, **common)
+    critic = None
+    if models.critic is not None:
+        with timers.phase("update_critic"):
+            critic_train = dict(columns, old_values=values, returns=adv.returns)
+            critic = update_model(models.critic, groups, critic_train, lengths, ValueLoss(cfg.critic),
+                                  batching=_batching(cfg, "critic"),
+                                  mini_batch_size=cfg.critic.mini_batch_size or cfg.actor.mini_batch_size,
+                                  epochs=cfg.critic.ppo_epochs or cfg.actor.ppo_epochs, **common)
+    # 6. the KL controller and the step's metrics over the whole batch
+    if cfg.algorithm.use_kl_in_reward:  # the controller's horizon counts responses
+        state.kl_ctrl.update(adv.kl, len(records) * n)
+    out = _metrics(cfg, stats, job, batch, scored, scores, adv, values, rollout, actor, critic, models, timers)
+    out.update({"actor/reward_kl_penalty": adv.kl, "actor/reward_kl_penalty_coeff": state.kl_ctrl.value})
+    data = dict(train, scores=scores, values=values, returns=adv.returns, greedy_scores=greedy_scores,
+                rows=torch.arange(first * n, stop * n, device=device))
     return out, data
 
 
-def score_samples(reward, records, samples, tokenizer):
-    """Rewards of generated ``samples`` to ``records`` (one score each, in order); a reward
-    model reads their ``prompt + response`` token ids."""
-    texts = tokenizer.batch_decode([s.token_ids for s in samples])
-    return reward.score_records([records[s.request_index] for s in samples], texts,
-                                sequences=[list(s.prompt_ids) + list(s.token_ids) for s in samples])
+def _rollout_batch(samples: SampleTensors, pad_id: int) -> RolloutBatch:
+    return build_rollout_batch(samples.tokens, samples.logprobs, samples.column("prompt_len"),
+                               samples.column("response_len"), samples.column("request"), samples.column("sample"),
+                               samples.column("finish") == 2, pad_id=pad_id)
 
 
-def _update(cfg, chunks, optimizer, scheduler, tensors: dict, loss_fn, roles: Roles, micro_size: int) -> dict:
-    """PPO epochs over shuffled mini-batches; each DP rank takes its slice of a mini-batch."""
-    B = tensors["tokens"].shape[0]
-    dp, dp_rank = roles.groups.layout.dp, roles.groups.dp_rank
-    mini = cfg.actor.mini_batch_size
-    gen = torch.Generator().manual_seed(cfg.trainer.seed + roles.step_counter)
-    roles.step_counter += 1
-    sums: dict[str, float] = {}
-    count = 0
-    for _ in range(cfg.actor.ppo_epochs):
-        order = torch.randperm(B, generator=gen).tolist()
-        for start in range(0, B - mini + 1, mini):
-            rows = order[start:start + mini]
-            mine = rows[dp_rank * (mini // dp):(dp_rank + 1) * (mini // dp)]
-            stats = train_step(chunks, optimizer, scheduler, micro_batches(tensors, mine, micro_size),
-                               with_labels=False, loss_fn=loss_fn, pp_group=roles.groups.pgs.pp)
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v
-            count += 1
-    out = {k: v / max(count, 1) for k, v in sums.items()}
-    # Each DP rank saw its slice of every mini-batch: report the mean over DP ranks, so the
-    # metrics describe the whole batch and are identical on every rank (grad norm and lr
-    # already are).
-    local = sorted(k for k in out if k not in ("grad_norm", "lr", "update_ok"))
-    if dp > 1 and local:
-        vec = torch.tensor([out[k] for k in local], dtype=torch.float64)
-        dist.all_reduce(vec, group=roles.groups.pgs.dp)
-        out.update(zip(local, (vec / dp).tolist()))
-    prefix = "critic" if any(k.startswith("critic/") for k in out) else "actor"
-    out[f"{prefix}/grad_norm"] = out.pop("grad_norm", float("nan"))
-    out[f"{prefix}/lr"] = out.pop("lr", 0.0)
-    out.pop("update_ok", None)
+def score_samples(job: StepJob, records, first: int, samples: SampleTensors):
+    """Rewards of this rank's generated ``samples`` to its ``records`` (global indices from
+    ``first``), in sample order; a reward model reads their ``prompt + response`` token ids."""
+    outputs = samples.to_outputs()
+    texts = job.tokenizer.batch_decode([s.token_ids for s in outputs])
+    return job.reward.score_records([records[s.request_index - first] for s in outputs], texts,
+                                    sequences=[list(s.prompt_ids) + list(s.token_ids) for s in outputs])
+
+
+def _dp_sum(dp_group):
+    if dp_group.size() == 1:
+        return None
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t, group=dp_group)
+        return t
+
+    return reduce
+
+
+def _pad_multiple(groups) -> int:
+    """Sequence parallelism shards the sequence over TP: micro-batch widths must divide."""
+    return groups.layout.tp if groups.layout.sequence_parallel else 1
+
+
+def _batching(cfg: RLJobConfig, role: str) -> MicroBatching:
+    """How ``role`` (actor update, reference / old-log-prob scoring, critic) cuts its rows."""
+    actor = cfg.actor
+    if role == "reference":
+        return MicroBatching(cfg.reference.micro_batch_size or actor.micro_batch_size,
+                             cfg.reference.max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch,
+                             actor.pack_sequences)
+    if role == "critic":
+        return MicroBatching(cfg.critic.micro_batch_size,
+                             cfg.critic.max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch,
+                             actor.pack_sequences)
+    return MicroBatching(actor.micro_batch_size, actor.max_tokens_per_micro_batch, actor.pack_sequences)
+
+
+def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, scores, adv, values, rollout,
+             actor, critic, models: RLModels, timers) -> dict:
+    """The step's metrics (verl's names), identical on every rank: three all-reduces over DP."""
+    groups = models.groups
+    dp_group = groups.pgs.dp
+    mask = batch.response_mask
+    valid = mask.sum(-1) > 0
+    extras = {k: scored.extras.get(k, []) for k in all_gather_strings(scored.extras, dp_group, groups.device)}
+    score_metrics(stats, scores, scored.data_sources, job.sources, extras)
+    stats.distribution("critic/rewards", (adv.token_rewards * mask).sum(-1))
+    stats.distribution("critic/advantages", adv.advantages, mask)
+    if adv.returns is not None:
+        stats.distribution("critic/returns", adv.returns, mask)
+    if values is not None:
+        stats.distribution("critic/values", values, mask)
+    stats.distribution("response_length", batch.response_lengths.double())
+    stats.mean("response_length/clip_ratio", batch.truncated.double().sum(), float(batch.size))
+    stats.distribution("prompt_length", batch.prompt_lengths.double())
+    stats.mean("prompt_length/clip_ratio", (rollout.samples.column("truncated") > 0).double().sum(), float(batch.size))
+    stats.add("perf/total_num_tokens", batch.lengths.double().sum())
+    stats.add("rollout/generated_tokens", batch.response_lengths.double().sum())
+    stats.add("rollout/gen_seconds_sum", timers.step_times.get("gen", 0.0))
+    processed = actor.processed_tokens + (critic.processed_tokens if critic else 0)
+    real = actor.real_tokens + (critic.real_tokens if critic else 0)
+    stats.mean("perf/padding_ratio", processed - real, processed)
+    stats.mean("perf/rows_scored_per_rank", float(batch.size), 1.0)
+    out = stats.reduce(dp_group)
+    gen_seconds = out.pop("rollout/gen_seconds_sum") / dp_group.size()
+    out["rollout/tokens_per_s"] = out["rollout/generated_tokens"] / max(gen_seconds, 1e-9)
+    if "rollout/logprob_diff/max" in out:  # generation-layout sampler vs training-layout forward, same weights
+        out["rollout/logprob_diff_max"] = out.pop("rollout/logprob_diff/max")
+        out.pop("rollout/logprob_diff/min", None)
+    for prefix, update in (("actor", actor), ("critic", critic)):
+        if update is None:
+            continue
+        means = update.means()
+        out.update({k: v for k, v in means.items() if k.startswith(prefix + "/")})
+        out[f"{prefix}/grad_norm"] = means.get("grad_norm", float("nan"))
+        out[f"{prefix}/lr"] = means.get("lr", 0.0)
+    out["reshard/bytes_received"] = models.hybrid.stats.bytes_received
+    out["reshard/seconds"] = models.hybrid.stats.seconds
     return out
 
 
-def sft_warmup(cfg: RLJobConfig, roles: Roles, loader, tokenizer) -> None:
-    """Supervised steps on the reference answers (``extra_info.answer``) before RL."""
-    from hyflow.training.step import lm_loss
-
+def sft_warmup(cfg: RLJobConfig, state: RLState, tokenizer) -> None:
+    """Supervised steps on the reference answers (``extra_info.answer``) before RL; each DP rank
+    trains on its own prompts, the loss is the token mean over all of them."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from hyflow.data.dataset import reference_response_ids
+    from hyflow.training.step import lm_loss
+
+    models = state.models
+    groups, actor = models.groups, models.actor
     rank = dist.get_rank()
-    eos = (tokenizer.stop_token_ids() or [0])[0]
     # Megatron's scheduler reads each param group's max_lr/min_lr: point them at the SFT rate.
     lr = cfg.actor.sft_lr
-    saved = [(g.get("max_lr"), g.get("min_lr")) for g in roles.actor_optimizer.param_groups]
-    for g in roles.actor_optimizer.param_groups:
+    saved = [(g.get("max_lr"), g.get("min_lr")) for g in actor.optimizer.param_groups]
+    for g in actor.optimizer.param_groups:
         g["max_lr"], g["min_lr"] = lr, lr
     sft_scheduler = OptimizerParamScheduler(
-        roles.actor_optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
+        actor.optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
         lr_decay_steps=cfg.actor.sft_warmup_steps, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
         wd_incr_steps=cfg.actor.sft_warmup_steps, wd_incr_style="constant")
     for step in range(1, cfg.actor.sft_warmup_steps + 1):
-        records = loader.next_batch()
-        seqs, masks = [], []
-        for r in records:
-            if r.reference is None:
-                raise ValueError(f"SFT warm-up needs a reference answer (extra_info.answer) in {r.where}")
-            answer = tokenizer.encode(r.reference) + [eos]
-            seqs.append(r.prompt_ids + answer)
-            masks.append([0] * len(r.prompt_ids) + [1] * len(answer))
-        S = max(len(s) for s in seqs) + 1
-        tokens = torch.zeros(len(seqs), S, dtype=torch.long)
-        loss_mask = torch.zeros(len(seqs), S)
-        for i, (s, m) in enumerate(zip(seqs, masks)):
-            tokens[i, :len(s)] = torch.tensor(s)
-            loss_mask[i, :len(m)] = torch.tensor(m, dtype=torch.float)
-        data = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask[:, 1:],
-                "position_ids": position_ids(tokens[:, :-1])}
-        B = len(seqs)
-        dp, dp_rank = roles.groups.layout.dp, roles.groups.dp_rank
-        mine = list(range(B))[dp_rank * (B // dp):(dp_rank + 1) * (B // dp)]
-        mb = min(cfg.actor.micro_batch_size, len(mine))
-        stats = train_step(roles.actor_chunks, roles.actor_optimizer, sft_scheduler,
-                           micro_batches(data, mine, mb), loss_fn=lm_loss, pp_group=roles.groups.pgs.pp)
+        records = state.loader.next_batch()
+        first, stop = models.dispatcher.shard(len(records))
+        rows = []
+        for r in records[first:stop]:
+            answer = reference_response_ids(r, tokenizer)
+            rows.append((r.prompt_ids + answer, len(r.prompt_ids)))
+        S = max(len(seq) for seq, _ in rows) + 1
+        pad_id = tokenizer.pad_token_id or 0
+        tokens = torch.full((len(rows), S), pad_id, dtype=torch.long, device=groups.device)
+        loss_mask = torch.zeros(len(rows), S, device=groups.device)
+        for i, (seq, prompt_len) in enumerate(rows):
+            tokens[i, :len(seq)] = torch.tensor(seq, dtype=torch.long, device=groups.device)
+            loss_mask[i, prompt_len:len(seq)] = 1.0
+        data = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask[:, 1:]}
+        lengths = [len(seq) for seq, _ in rows]
+        micro = make_micro_batches(data, lengths, MicroBatching(cfg.actor.micro_batch_size).plan(lengths),
+                                   pad_multiple=_pad_multiple(groups), pad_id=pad_id)
+        token_mean_weights(micro, "loss_mask", groups.pgs.dp)
+        stats = train_step(actor.chunks, actor.optimizer, sft_scheduler, micro, groups=groups, loss_fn=lm_loss)
         if rank == 0 and (step % 10 == 0 or step == cfg.actor.sft_warmup_steps):
             print(f"[hyflow] sft warm-up {step}/{cfg.actor.sft_warmup_steps} loss {stats['lm_loss']:.4f}", flush=True)
-    for g, (max_lr, min_lr) in zip(roles.actor_optimizer.param_groups, saved):
+    for g, (max_lr, min_lr) in zip(actor.optimizer.param_groups, saved):
         g["max_lr"], g["min_lr"] = max_lr, min_lr
-    roles.actor_scheduler.step(0)  # back to the RL learning rate
-    roles.reset_reference()
+    actor.scheduler.step(0)  # back to the RL learning rate
+    models.reset_reference()
 
 
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _trained_models(roles: Roles) -> dict[str, TrainedModel]:
-    """The models every checkpoint holds, with their optimizers and LR schedulers."""
-    models = {"actor": TrainedModel(roles.actor_chunks, roles.actor_optimizer, roles.actor_scheduler)}
-    if roles.critic_chunks is not None:
-        models["critic"] = TrainedModel(roles.critic_chunks, roles.critic_optimizer, roles.critic_scheduler)
-    return models
-
-
-def _frozen_models(cfg: RLJobConfig, roles: Roles) -> Optional[dict]:
+def _frozen_models(cfg: RLJobConfig, models: RLModels) -> Optional[dict]:
     """The reference, when the config cannot rebuild it (it is the actor after the SFT warm-up)."""
-    if roles.reference is not None and cfg.actor.sft_warmup_steps:
-        return {"reference": roles.reference}
+    if models.reference is not None and cfg.actor.sft_warmup_steps:
+        return {"reference": models.reference}
     return None
 
 
-def _maybe_save(cfg: RLJobConfig, ckpt: Checkpointer, roles: Roles, loader, kl_ctrl, supervisor: StepSupervisor,
-                step: int, outcome: StepOutcome) -> Optional[str]:
+def _maybe_save(cfg: RLJobConfig, ckpt: Checkpointer, state: RLState, outcome: StepOutcome) -> Optional[str]:
     """Checkpoint every ``trainer.save_every`` steps, at the last step and before stopping;
     returns the checkpoint's directory when one was written."""
     ckpt.poll()  # finalize background saves that finished (collective)
-    every = cfg.trainer.save_every
+    every, step = cfg.trainer.save_every, state.step
     if not (outcome.stop or step == cfg.trainer.total_steps or (every and step % every == 0)):
         return None
-    job = {"data": loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "step_counter": roles.step_counter,
-           "supervisor": supervisor.state_dict()}
-    return ckpt.save(step, _trained_models(roles), job, frozen=_frozen_models(cfg, roles),
+    return ckpt.save(step, state.models.trained(), state.state_dict(), frozen=_frozen_models(cfg, state.models),
                      config_text=format_config(cfg))
 
 
-def _resume(cfg: RLJobConfig, ckpt: Checkpointer, roles: Roles, loader, kl_ctrl,
-            supervisor: StepSupervisor) -> int:
+def _resume(cfg: RLJobConfig, ckpt: Checkpointer, state: RLState) -> int:
     """Load the checkpoint ``trainer.resume`` names (rank 0 decides which); returns its step, 0
     when the run starts fresh. Restores the random streams, so it runs last in the set-up."""
     def warn(message: str) -> None:
         print(f"[hyflow] warning: {message}", file=sys.stderr, flush=True)
 
+    # Set-up, once per run: the chosen path travels as an object over the world group.
     choice = [resume_path(cfg.trainer.resume, cfg.trainer.output_dir, warn) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
         return 0
-    state = ckpt.load(choice[0], _trained_models(roles), frozen=_frozen_models(cfg, roles))
-    job = state["job"]
-    loader.load_state_dict(job["data"])
-    kl_ctrl.load_state_dict(job["kl_ctrl"])
-    roles.step_counter = int(job["step_counter"])
-    supervisor.load_state_dict(job["supervisor"])
-    step = int(state["step"])
-    if step >= cfg.trainer.total_steps:
-        ckpt.log(f"[hyflow] the checkpoint is at step {step}: trainer.total_steps={cfg.trainer.total_steps} "
+    saved = ckpt.load(choice[0], state.models.trained(), frozen=_frozen_models(cfg, state.models))
+    job = dict(saved["job"])
+    job.setdefault("step", saved["step"])
+    state.load_state_dict(job)
+    if state.step >= cfg.trainer.total_steps:
+        ckpt.log(f"[hyflow] the checkpoint is at step {state.step}: trainer.total_steps={cfg.trainer.total_steps} "
                  "is reached already, nothing to train")
-    return step
+    return state.step
 
 
 def _finish(cfg: RLJobConfig, metrics_path: str) -> None:
@@ -354,6 +409,6 @@ def _finish(cfg: RLJobConfig, metrics_path: str) -> None:
     if not rows:
         return
     plot_metrics(rows, os.path.join(cfg.trainer.output_dir, "reward_kl.png"))
-    first, last = rows[0].get("reward/mean"), rows[-1].get("reward/mean")
+    first, last = rows[0].get("critic/score/mean"), rows[-1].get("critic/score/mean")
     fmt = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731 - NaN rows are written as null
     print(f"[hyflow] done: reward {fmt(first)} -> {fmt(last)}; run directory {cfg.trainer.output_dir}", flush=True)

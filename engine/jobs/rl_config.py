@@ -84,7 +84,16 @@ class ActorConfig:
     recompute: Literal["none", "selective", "full"] = field(default="none", metadata={
         "help": "activation recomputation during the update"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
-    micro_batch_size: int = field(default=4, metadata={"help": "sequences per forward/backward"})
+    micro_batch_size: int = field(default=4, metadata={
+        "help": "sequences per forward/backward (when max_tokens_per_micro_batch is null)"})
+    max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
+        "help": "token budget of a micro-batch instead of a fixed row count (verl's use_dynamic_bsz): rows "
+                "grouped by length, each micro-batch padded to its own longest row (packed: total tokens); "
+                "at least max_prompt_length + max_new_tokens; null = micro_batch_size rows"})
+    pack_sequences: bool = field(default=False, metadata={
+        "help": "concatenate sequences into one row per micro-batch (per-sequence positions, block-diagonal "
+                "causal attention): no padding tokens; up to max_tokens_per_micro_batch tokens, or "
+                "micro_batch_size sequences without a budget"})
     mini_batch_size: int = field(default=16, metadata={
         "help": "sequences per optimizer step (all data-parallel ranks together)"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each rollout batch"})
@@ -107,6 +116,8 @@ class ActorConfig:
 
     def validate(self) -> None:
         _positive(self, "micro_batch_size", "mini_batch_size", "ppo_epochs")
+        if self.max_tokens_per_micro_batch is not None:
+            _positive(self, "max_tokens_per_micro_batch")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
             raise ConfigError(f"must be > 1 or null, got {self.clip_ratio_c}", key="clip_ratio_c")
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
@@ -121,11 +132,20 @@ class CriticConfig:
     layout: Layout = field(default_factory=Layout, metadata={
         "help": "must equal the actor's layout for now; the trunk starts from the actor's weights"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    micro_batch_size: int = 4
-    cliprange_value: float = 0.5
+    micro_batch_size: int = field(default=4, metadata={"help": "sequences per forward/backward"})
+    max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
+        "help": "token budget of a micro-batch (values and update); null = micro_batch_size rows"})
+    mini_batch_size: Optional[int] = field(default=None, metadata={
+        "help": "sequences per critic optimizer step (all data-parallel ranks); null = actor.mini_batch_size"})
+    ppo_epochs: Optional[int] = field(default=None, metadata={
+        "help": "passes of the critic over each rollout batch; null = actor.ppo_epochs"})
+    cliprange_value: float = field(default=0.5, metadata={"help": "value clipping range (null = no clipping)"})
 
     def validate(self) -> None:
         _positive(self, "micro_batch_size")
+        for name in ("max_tokens_per_micro_batch", "mini_batch_size", "ppo_epochs"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
 
 
 @dataclass
@@ -134,6 +154,16 @@ class ReferenceConfig:
 
     enable: bool = True
     layout: Optional[Layout] = field(default=None, metadata={"help": "null = the actor's training layout"})
+    micro_batch_size: Optional[int] = field(default=None, metadata={
+        "help": "sequences per forward when scoring old / reference log-probs; null = actor.micro_batch_size"})
+    max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
+        "help": "token budget of a scoring micro-batch (forward only: can exceed the actor's); "
+                "null = actor.max_tokens_per_micro_batch"})
+
+    def validate(self) -> None:
+        for name in ("micro_batch_size", "max_tokens_per_micro_batch"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
 
 
 @dataclass
@@ -293,16 +323,30 @@ class RLJobConfig:
             raise ConfigError(
                 f"{self.algorithm.adv_estimator} compares responses within a prompt's group: "
                 f"rollout.n must be >= 2, got {self.rollout.n}")
+        if self.data.train_batch_size % train.dp:
+            raise ConfigError(
+                f"data.train_batch_size={self.data.train_batch_size} prompts must split evenly over the actor's "
+                f"{train.dp} data-parallel ranks (each rank generates, scores and trains its own prompts)")
         seqs = self.data.train_batch_size * self.rollout.n
-        if seqs % self.actor.mini_batch_size:
-            raise ConfigError(
-                f"data.train_batch_size * rollout.n = {seqs} responses per step is not a multiple of "
-                f"actor.mini_batch_size={self.actor.mini_batch_size}")
-        per_rank = self.actor.mini_batch_size
-        if per_rank % (train.dp * self.actor.micro_batch_size):
-            raise ConfigError(
-                f"actor.mini_batch_size={per_rank} must be a multiple of dp * micro_batch_size = "
-                f"{train.dp} * {self.actor.micro_batch_size}")
+        critic_mini = self.critic.mini_batch_size or self.actor.mini_batch_size
+        for key, mini in (("actor.mini_batch_size", self.actor.mini_batch_size),
+                          ("critic.mini_batch_size", critic_mini if self.critic.enable else None)):
+            if mini is None:
+                continue
+            if seqs % mini:
+                raise ConfigError(
+                    f"data.train_batch_size * rollout.n = {seqs} responses per step is not a multiple of "
+                    f"{key}={mini}")
+            if mini % train.dp:
+                raise ConfigError(f"{key}={mini} must be a multiple of the actor's data-parallel size {train.dp}")
+        longest = self.rollout.max_prompt_length + self.rollout.max_new_tokens
+        for key, budget in (("actor.max_tokens_per_micro_batch", self.actor.max_tokens_per_micro_batch),
+                            ("critic.max_tokens_per_micro_batch", self.critic.max_tokens_per_micro_batch),
+                            ("reference.max_tokens_per_micro_batch", self.reference.max_tokens_per_micro_batch)):
+            if budget is not None and budget < longest:
+                raise ConfigError(
+                    f"{key}={budget} is smaller than the longest sequence, rollout.max_prompt_length + "
+                    f"max_new_tokens = {longest}; raise it to at least {longest}")
         total = self.rollout.max_prompt_length + self.rollout.max_new_tokens
         if total > self.model.max_position_embeddings:
             raise ConfigError(

@@ -26,6 +26,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from hyflow.models import positions
 from hyflow.models.description import ModelDescription
 from hyflow.models.sdpa_attention import SDPAttention
 from hyflow.parallel.groups import ParallelGroups
@@ -183,6 +184,7 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
     # RoPE frequencies computed once, in float64, from the description (covers linear
     # and llama3 scaling with any parameters; Megatron hard-codes llama3's constants).
     model.rotary_pos_emb.inv_freq = desc.inv_freq().to(torch.float32)
+    positions.install(model)  # packed rows: rotary tables at each token's own position
     if value_head and post:
         model.output_layer = ValueHead(cfg, groups.pgs.tp)
     if cfg.params_dtype != torch.float32:

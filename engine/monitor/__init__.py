@@ -1,7 +1,7 @@
 """Run monitoring: metrics (jsonl + optional TensorBoard), phase timers, progress, plots.
 
 * :mod:`.metrics` -- :class:`MetricsWriter` (``metrics.jsonl``, one row per step; resumable);
-* :mod:`.timers` -- :class:`PhaseTimers` (``time/<phase>`` per step);
+* :mod:`.timers` -- :class:`PhaseTimers` (``timing_s/<phase>`` per step);
 * :mod:`.progress` -- :class:`Progress` (in-place bar on a TTY, periodic lines in CI logs);
 * :mod:`.plot` -- :func:`plot_metrics` (PNG of reward and KL; matplotlib optional).
 

@@ -20,11 +20,12 @@ __all__ = ["REQUIRED_KEYS", "PHASE_KEYS", "MetricsWriter", "read_metrics", "to_f
 
 _LOG = logging.getLogger(__name__)
 
-#: Phases timed by :class:`hyflow.monitor.PhaseTimers` (``time/<phase>`` keys).
-PHASE_KEYS = ("generate", "reshard", "ref", "critic", "reward", "update")
-#: Keys every RL step row should carry (issue #6); missing ones are warned about once.
-REQUIRED_KEYS = ("step", "reward/mean", "kl", "actor/clip_frac", "actor/entropy", "actor/grad_norm",
-                 "response_length/mean", "tokens_per_s") + tuple(f"time/{p}" for p in PHASE_KEYS)
+#: Phases timed by :class:`hyflow.monitor.PhaseTimers` (``timing_s/<phase>`` keys, verl's names).
+PHASE_KEYS = ("gen", "reshard", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic")
+#: Keys every RL step row should carry; missing ones are warned about once.
+REQUIRED_KEYS = ("step", "critic/score/mean", "actor/reward_kl_penalty", "actor/pg_clipfrac", "actor/entropy",
+                 "actor/grad_norm", "response_length/mean", "perf/throughput") + tuple(
+                     f"timing_s/{p}" for p in ("gen", "reshard", "reward", "update_actor"))
 
 
 def to_float(value: Any) -> Optional[float]:

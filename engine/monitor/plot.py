@@ -18,7 +18,7 @@ from hyflow.monitor.metrics import read_metrics
 __all__ = ["plot_metrics", "trailing_mean", "auto_smooth_window", "DEFAULT_PLOT_KEYS", "PLOT_FILENAME"]
 
 _LOG = logging.getLogger(__name__)
-DEFAULT_PLOT_KEYS = ("reward/mean", "kl")
+DEFAULT_PLOT_KEYS = ("critic/score/mean", "actor/reward_kl_penalty")
 PLOT_FILENAME = "reward_kl.png"
 _COLORS: tuple[Color, ...] = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189))
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
 __all__ = ["Progress", "format_duration", "DEFAULT_SHOWN"]
 
 #: (metric key, label) pairs shown by default.
-DEFAULT_SHOWN: tuple[tuple[str, str], ...] = (("reward/mean", "reward"), ("kl", "kl"),
+DEFAULT_SHOWN: tuple[tuple[str, str], ...] = (("critic/score/mean", "reward"), ("actor/reward_kl_penalty", "kl"),
                                                ("response_length/mean", "len"))
 
 

@@ -1,9 +1,9 @@
-"""Per-phase wall-clock timers for the RL step (generate, reshard, ref, critic, reward, update).
+"""Per-phase wall-clock timers for the RL step (gen, reshard, reward, old_log_prob, ref, values, ...).
 
     timers = PhaseTimers(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
     with timers.phase("generate"):
         ...
-    metrics.update(timers.step_summary())   # {"time/generate": 1.2, ..., "time/step": 3.4}
+    metrics.update(timers.step_summary())   # {"timing_s/gen": 1.2, ..., "timing_s/step": 3.4}
 
 A phase entered several times in one step accumulates. ``sync`` (e.g. a CUDA synchronize) runs
 at each phase boundary so asynchronous device work is charged to the right phase.
@@ -69,14 +69,14 @@ class PhaseTimers:
             self.stop(name)
 
     def step_summary(self, reset: bool = True) -> dict[str, float]:
-        """``time/<phase>`` for every known phase (0.0 when it did not run) plus any other phase
-        timed this step, and ``time/step``: wall time since the last reset."""
+        """``timing_s/<phase>`` (verl's key names) for every known phase (0.0 when it did not run)
+        plus any other phase timed this step, and ``timing_s/step``: wall time since the last reset."""
         if self._open:
             raise RuntimeError(f"phases still running: {', '.join(sorted(self._open))}")
         names = self.phases + [n for n in self.step_times if n not in self.phases]
-        out = {f"time/{n}": self.step_times.get(n, 0.0) for n in names}
+        out = {f"timing_s/{n}": self.step_times.get(n, 0.0) for n in names}
         now = self.clock()
-        out["time/step"] = now - self._step_start
+        out["timing_s/step"] = now - self._step_start
         if reset:
             self.step_times = {}
             self._step_start = now

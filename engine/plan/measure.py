@@ -142,7 +142,7 @@ def measure_lm(config: str, overrides: Sequence[str] = (), steps: int = 2) -> di
         build_peak = tracker.peak
         tracker.reset_peak()
         for mbs in batches:
-            train_step(chunks, optimizer, scheduler, mbs, pp_group=groups.pgs.pp)
+            train_step(chunks, optimizer, scheduler, mbs, groups=groups)
         step_peak = tracker.peak
     est = mem.training_estimates(
         cfg.model, layout, dtype=cfg.actor.dtype, seq=d.seq_length,

@@ -1,64 +1,116 @@
-"""Per-micro-batch losses and forward-only scoring for the actor and critic.
+"""Per-micro-batch losses and forward-only scoring for the RL job's actor and critic.
 
-Each function here is a small closure handed to :func:`hyflow.training.step.forward_backward`
-(which runs Megatron's pipeline schedule), so the same code works at any TP x PP. Logits
-stay vocab-parallel: log-probs and entropy come from :mod:`hyflow.training.logprobs`.
+The losses are callables handed to :func:`hyflow.training.step.train_step` (Megatron's pipeline
+schedule), so the same code runs at any TP x PP. Logits stay vocab-parallel: log-probs and entropy
+come from :mod:`hyflow.training.logprobs`.
+
+Every micro-batch carries two per-token weights computed once per mini-batch from counts over all
+data-parallel ranks (:func:`loss_weights`): ``loss_weight`` realises ``actor.loss_agg_mode``
+(token-mean, seq-mean-token-sum, ...), ``token_weight`` is the token mean used for statistics such
+as the clip fraction. A micro-batch's loss is ``sum(per-token loss * loss_weight)``: summed over
+micro-batches and ranks it is exactly the aggregated loss of the whole mini-batch, however the rows
+were grouped or packed.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from hyflow.algorithms import aggregate_loss, kl_estimate, ppo_policy_loss, value_loss
+from hyflow.algorithms import kl_estimate
+from hyflow.algorithms.losses import ppo_token_loss, value_token_loss
 from hyflow.training.logprobs import shifted_entropy, shifted_token_logprobs
 from hyflow.training.step import Batch, forward_backward
 
-
-def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Logits of the distribution the rollout sampled from: divided by the sampling temperature
-    (the engine's log-probs are ``log_softmax(logits / T)``; T = 0, greedy, and T = 1 leave them)."""
-    return logits / temperature if temperature > 0 and temperature != 1.0 else logits
+from hyflow.rl.batch import scatter_rows
 
 
-def policy_loss_fn(actor_cfg, vocab_size: int, tp_group, temperature: float = 1.0):
+def loss_weights(mask: torch.Tensor, mode: str, tokens: torch.Tensor, seqs: torch.Tensor,
+                 norm_length: Optional[float] = None) -> torch.Tensor:
+    """Per-token weights turning a ``[B, S]`` per-token loss into its share of the aggregated loss.
+
+    ``tokens`` / ``seqs``: response tokens / non-empty sequences of the whole mini-batch (every
+    data-parallel rank), broadcastable against ``[B, 1]``. ``norm_length``: the constant per-sequence
+    normaliser of ``seq-mean-token-sum-norm`` (Dr. GRPO). Mirrors
+    :func:`hyflow.algorithms.aggregate_loss`, which a test checks it against.
+    """
+    mask = mask.float()
+    if mode == "token-mean":
+        return mask / tokens.clamp(min=1)
+    if mode == "seq-mean-token-sum":
+        return mask / seqs.clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        per_row = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+        return mask / (per_row * seqs.clamp(min=1))
+    if mode == "seq-mean-token-sum-norm":
+        if norm_length is None:
+            raise ValueError("seq-mean-token-sum-norm needs a constant norm_length")
+        return mask / (seqs.clamp(min=1) * norm_length)
+    raise ValueError(f"unknown loss aggregation mode {mode!r}")
+
+
+def minibatch_counts(mask: torch.Tensor, assignment: torch.Tensor, count: int, dp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Response tokens and non-empty sequences of each of ``count`` mini-batches over every
+    data-parallel rank: ``assignment`` [B] is each local row's mini-batch. One all-reduce."""
+    sums = torch.zeros(2, count, dtype=torch.float64, device=mask.device)
+    per_row = mask.sum(dim=-1, dtype=torch.float64)
+    sums[0].index_add_(0, assignment, per_row)
+    sums[1].index_add_(0, assignment, (per_row > 0).double())
+    if dp_group is not None and dp_group.size() > 1:
+        dist.all_reduce(sums, group=dp_group)
+    return sums[0].float(), sums[1].float()
+
+
+class PolicyLoss:
     """PPO clipped policy loss (+ entropy bonus, + KL loss to the reference) of the policy at the
-    rollout's sampling ``temperature``."""
+    rollout's sampling ``temperature``; statistics with verl's names."""
 
-    def loss(logits: torch.Tensor, batch: Batch):
-        logits = tempered(logits, temperature)
-        mask = batch["response_mask"]
-        logp = shifted_token_logprobs(logits, batch["tokens"], vocab_size, tp_group)
-        pg, stats = ppo_policy_loss(
-            logp, batch["old_logp"], batch["advantages"], mask,
-            clip_ratio_low=actor_cfg.clip_ratio_low, clip_ratio_high=actor_cfg.clip_ratio_high,
-            clip_ratio_c=actor_cfg.clip_ratio_c, agg_mode=actor_cfg.loss_agg_mode)
-        entropy = aggregate_loss(shifted_entropy(logits, vocab_size, tp_group), mask, actor_cfg.loss_agg_mode)
-        total = pg - actor_cfg.entropy_coeff * entropy
-        out = {"actor/pg_loss": pg.detach().clone(), "actor/entropy": entropy.detach().clone(),
-               "actor/clip_frac": stats["clip_frac"], "actor/approx_kl": stats["approx_kl"]}
-        if actor_cfg.use_kl_loss:
-            kl = aggregate_loss(kl_estimate(logp, batch["ref_logp"], actor_cfg.kl_loss_type), mask,
-                                actor_cfg.loss_agg_mode)
-            total = total + actor_cfg.kl_loss_coef * kl
-            out["actor/kl_loss"] = kl.detach().clone()
-        return total, out
+    def __init__(self, actor_cfg, vocab_size: int, tp_group, temperature: float = 1.0) -> None:
+        self.cfg, self.vocab, self.tp_group, self.temperature = actor_cfg, vocab_size, tp_group, temperature
+        self.names = ("actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+                      "actor/ppo_kl") + (("actor/kl_loss",) if actor_cfg.use_kl_loss else ())
 
-    return loss
+    def __call__(self, logits: torch.Tensor, batch: Batch):
+        cfg, T = self.cfg, self.temperature
+        logp = shifted_token_logprobs(logits, batch["tokens"], self.vocab, self.tp_group, T)
+        loss_mat, tok = ppo_token_loss(logp, batch["old_logp"], batch["advantages"], cfg.clip_ratio_low,
+                                       cfg.clip_ratio_high, cfg.clip_ratio_c)
+        w, tw = batch["loss_weight"], batch["token_weight"]
+        pg = (loss_mat * w).sum()
+        total = pg
+        if cfg.entropy_coeff:
+            entropy = (shifted_entropy(logits, self.vocab, self.tp_group, T) * w).sum()
+            total = total - cfg.entropy_coeff * entropy
+        else:  # a metric only: no graph through the vocabulary
+            with torch.no_grad():
+                entropy = (shifted_entropy(logits.detach(), self.vocab, self.tp_group, T) * w).sum()
+        stats = {"actor/pg_loss": pg.detach(), "actor/entropy": entropy.detach(),
+                 "actor/pg_clipfrac": (tok["clip"] * tw).sum(), "actor/pg_clipfrac_lower": (tok["clip_lower"] * tw).sum(),
+                 "actor/ppo_kl": (-tok["log_ratio"] * tw).sum()}
+        if cfg.use_kl_loss:
+            kl = (kl_estimate(logp, batch["ref_logp"], cfg.kl_loss_type) * w).sum()
+            total = total + cfg.kl_loss_coef * kl
+            stats["actor/kl_loss"] = kl.detach()
+        return total, stats
 
 
-def value_loss_fn(critic_cfg, agg_mode: str):
-    """Clipped value loss; the critic's scalar head output is [b, s, 1]."""
+class ValueLoss:
+    """Clipped value loss of the critic's scalar head ([b, s, 1])."""
 
-    def loss(output: torch.Tensor, batch: Batch):
+    names = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
+
+    def __init__(self, critic_cfg) -> None:
+        self.cfg = critic_cfg
+
+    def __call__(self, output: torch.Tensor, batch: Batch):
         values = shifted_values(output)
-        vl, stats = value_loss(values, batch["old_values"], batch["returns"], batch["response_mask"],
-                               clip_range_value=critic_cfg.cliprange_value, agg_mode=agg_mode)
-        return vl, {"critic/value_loss": vl.detach().clone(), "critic/vf_clipfrac": stats["vf_clipfrac"]}
-
-    return loss
+        loss_mat, clipped = value_token_loss(values, batch["old_values"], batch["returns"], self.cfg.cliprange_value)
+        vl = (loss_mat * batch["loss_weight"]).sum()
+        tw = batch["token_weight"]
+        return vl, {"critic/vf_loss": vl.detach(), "critic/vf_clipfrac": (clipped * tw).sum(),
+                    "critic/vpred_mean": (values.detach() * tw).sum()}
 
 
 def shifted_values(output: torch.Tensor) -> torch.Tensor:
@@ -67,31 +119,34 @@ def shifted_values(output: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 
-def forward_score(chunks: Sequence[torch.nn.Module], micro: Sequence[Batch], score, pgs) -> torch.Tensor:
-    """Run ``score(output, batch) -> [b, s]`` forward-only; return [sum b, s] on every rank."""
+Scorer = Callable[[torch.Tensor, Batch], torch.Tensor]
+
+
+def forward_score(chunks: Sequence[torch.nn.Module], micro: Sequence[Batch], score: Scorer, groups,
+                  shape: tuple[int, int]) -> torch.Tensor:
+    """Run ``score(output, micro-batch) -> [b, s]`` forward-only over ``micro``; return the per-row
+    ``[B, S]`` result (``shape``) on every rank of the model's pipeline."""
     captured: list[torch.Tensor] = []
 
     def keep(output: torch.Tensor, batch: Batch):
-        with torch.no_grad():
-            captured.append(score(output, batch).float())
+        captured.append(score(output, batch).float())
         return output.new_zeros(()), {}
 
     with torch.no_grad():
         forward_backward(chunks, micro, loss_fn=keep, with_labels=False, forward_only=True)
-    result = torch.cat(captured) if captured else None
-    pp = pgs.pp
-    if dist.get_world_size(pp) > 1:
-        shape = (sum(mb["tokens"].shape[0] for mb in micro), micro[0]["tokens"].shape[1])
-        if result is None:
-            result = torch.empty(shape)
-        dist.broadcast(result, src=dist.get_global_rank(pp, dist.get_world_size(pp) - 1), group=pp)
+    if captured:
+        result = scatter_rows(captured, micro, shape)
+    else:  # not the last stage: the broadcast fills it
+        result = torch.empty(shape, dtype=torch.float32, device=groups.device)
+    pp = groups.pgs.pp
+    if pp.size() > 1:
+        dist.broadcast(result, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
     return result
 
 
-def logprob_scorer(vocab_size: int, tp_group, temperature: float = 1.0):
-    return lambda logits, batch: shifted_token_logprobs(tempered(logits, temperature), batch["tokens"],
-                                                        vocab_size, tp_group)
+def logprob_scorer(vocab_size: int, tp_group, temperature: float = 1.0) -> Scorer:
+    return lambda logits, batch: shifted_token_logprobs(logits, batch["tokens"], vocab_size, tp_group, temperature)
 
 
-def value_scorer():
+def value_scorer() -> Scorer:
     return lambda output, batch: shifted_values(output)

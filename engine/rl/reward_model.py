@@ -7,7 +7,7 @@ token, after reading ``prompt + response``:
 :meth:`RewardModel.__call__` is the :data:`hyflow.rewards.manager.RewardModelFn` handed to the
 :class:`~hyflow.rewards.manager.RewardManager` (it scores the token ids passed as ``sequences``,
 so nothing is re-tokenized). The forward runs through the same pipeline schedule as the
-critic's values (:func:`hyflow.rl.losses.forward_score`); every rank gets every score.
+critic's values (:func:`hyflow.rl.losses.forward_score`), on the rank's DP shard only.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ def _saved_shape(path: str, name: str) -> Optional[tuple]:
 class RewardModel:
     """Scores ``prompt + response`` token sequences with a frozen value-head model."""
 
-    def __init__(self, model: torch.nn.Module, desc: ModelDescription, groups, micro_batch_size: int,
+    def __init__(self, model: torch.nn.Module, desc: ModelDescription, groups, batching,
                  pad_id: int = 0) -> None:
         self.model, self.desc, self.groups = model, desc, groups
-        self.micro_batch_size, self.pad_id = micro_batch_size, pad_id
+        self.batching, self.pad_id = batching, pad_id  # a hyflow.rl.batch.MicroBatching
 
     def __call__(self, prompts: Sequence[str], responses: Sequence[str],
                  sequences: Optional[Sequence[Sequence[int]]] = None) -> list[float]:
@@ -72,9 +72,9 @@ class RewardModel:
 
     @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
-        """[N] float32: the value head at the last token of each sequence (collective over all ranks,
-        which must pass the same sequences)."""
-        from hyflow.rl.batch import micro_batches, position_ids
+        """[N] float32: the value head at the last token of each sequence (collective over the
+        model's TP x PP ranks, which must pass the same sequences: a DP shard)."""
+        from hyflow.rl.batch import MicroBatching, make_micro_batches
         from hyflow.rl.losses import forward_score
 
         lengths = [len(s) for s in sequences]
@@ -83,17 +83,16 @@ class RewardModel:
         if max(lengths) > self.desc.max_position_embeddings:
             raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the reward model's context "
                              f"({self.desc.max_position_embeddings})")
-        tokens = torch.full((len(sequences), max(lengths)), self.pad_id, dtype=torch.long)
+        device = self.groups.device
+        tokens = torch.full((len(sequences), max(lengths)), self.pad_id, dtype=torch.long, device=device)
         for i, s in enumerate(sequences):
-            tokens[i, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-        rows = list(range(len(sequences)))
-        mb = min(self.micro_batch_size, len(rows))
-        rows = rows + rows[:(-len(rows)) % mb]  # whole micro-batches; the extra rows are dropped
-        micro = micro_batches({"tokens": tokens, "position_ids": position_ids(tokens)}, rows, mb)
-        values = forward_score([self.model], micro, lambda out, batch: out.squeeze(-1),
-                               self.groups.pgs)[:len(sequences)]
-        last = torch.as_tensor(lengths) - 1
-        return values[torch.arange(len(sequences)), last].float()
+            tokens[i, :len(s)] = torch.as_tensor(list(s), dtype=torch.long, device=device)
+        micro = make_micro_batches({"tokens": tokens}, lengths, self.batching.plan(lengths),
+                                   packed=self.batching.packed, pad_id=self.pad_id)
+        values = forward_score([self.model], micro, lambda out, batch: out.squeeze(-1), self.groups,
+                               tuple(tokens.shape))
+        last = torch.as_tensor(lengths, device=device) - 1
+        return values[torch.arange(len(sequences), device=device), last].float()
 
 
 def build_reward_model(cfg, groups, sample_vocab: int, pad_id: int = 0) -> RewardModel:
@@ -122,4 +121,9 @@ def build_reward_model(cfg, groups, sample_vocab: int, pad_id: int = 0) -> Rewar
         raise ConfigError(f"{KEY}={path!r}: {e}; {_HINT}", key=KEY) from None
     model.requires_grad_(False)
     model.eval()
-    return RewardModel(model, desc, groups, cfg.actor.micro_batch_size, pad_id)
+    from hyflow.rl.batch import MicroBatching
+
+    batching = MicroBatching(cfg.reference.micro_batch_size or cfg.actor.micro_batch_size,
+                             cfg.reference.max_tokens_per_micro_batch or cfg.actor.max_tokens_per_micro_batch,
+                             cfg.actor.pack_sequences)
+    return RewardModel(model, desc, groups, batching, pad_id)

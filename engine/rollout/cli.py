@@ -218,7 +218,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine = GenerationEngine(model, _configs(args), vocab_size=desc.vocab_size, eos_token_ids=eos,
                               tp_group=groups.pgs.tp, max_position_embeddings=desc.max_position_embeddings,
                               pp_group=groups.pgs.pp)
-    result = generate_data_parallel(engine, prompts, groups.pgs.dp)
+    result = generate_data_parallel(engine, prompts, groups.pgs.dp, device=groups.device).to_result()
     if dist.get_rank() == 0:
         _report(result, prompts, tokenizer, args.output, truths, args.reward)
     return 0

@@ -18,17 +18,27 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 
-def _masked_local(logits: torch.Tensor, vocab_size: int, tp_group) -> tuple[torch.Tensor, int]:
-    """float32 local logits with padded-vocabulary columns at -inf; and this shard's start."""
+def _masked_local(logits: torch.Tensor, vocab_size: int, tp_group,
+                  temperature: float = 1.0) -> tuple[torch.Tensor, int]:
+    """float32 local logits divided by ``temperature``, padded-vocabulary columns at -inf; and
+    this shard's start. One float32 copy of the logits at most (the in-place steps act on it;
+    neither a cast nor a scaling by a constant needs its output for the backward)."""
     rank = dist.get_rank(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0
     width = logits.shape[-1]
     start = rank * width
-    local = logits.float()
+    scale = temperature not in (0.0, 1.0)
+    if logits.dtype != torch.float32:
+        local, own = logits.float(), True
+        if scale:
+            local.div_(temperature)
+    elif scale:
+        local, own = logits / temperature, True
+    else:
+        local, own = logits, False
     if start + width > vocab_size:
         valid = max(vocab_size - start, 0)
-        pad = torch.zeros(width, dtype=torch.bool, device=logits.device)
-        pad[valid:] = True
-        local = local.masked_fill(pad, float("-inf"))
+        pad = torch.arange(width, device=logits.device) >= valid
+        local = local.masked_fill_(pad, float("-inf")) if own else local.masked_fill(pad, float("-inf"))
     return local, start
 
 
@@ -48,13 +58,14 @@ def _log_normalizer(local: torch.Tensor, tp_group) -> torch.Tensor:
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                            tp_group=None) -> torch.Tensor:
-    """log p(label) for logits sharded over the TP group along the last dim.
+                            tp_group=None, temperature: float = 1.0) -> torch.Tensor:
+    """log p(label) for logits sharded over the TP group along the last dim, of the distribution
+    ``softmax(logits / temperature)`` (the rollout's; 0 and 1 leave the logits as they are).
 
     ``logits`` [..., V/tp] (this rank's vocabulary slice), ``labels`` [...] global ids.
     Returns float32 [...].
     """
-    local, start = _masked_local(logits, vocab_size, tp_group)
+    local, start = _masked_local(logits, vocab_size, tp_group, temperature)
     width = local.shape[-1]
     in_shard = (labels >= start) & (labels < start + width)
     idx = (labels - start).clamp(0, width - 1)
@@ -65,7 +76,8 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_si
     return picked - _log_normalizer(local, tp_group)
 
 
-def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, tp_group=None) -> torch.Tensor:
+def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, tp_group=None,
+                           temperature: float = 1.0) -> torch.Tensor:
     """Entropy -sum_v p_v log p_v of the softmax over the whole (unpadded) vocabulary.
 
     Written as ``H = m + log S - T / S`` with ``S = sum_v e^(l_v - m)`` and
@@ -73,7 +85,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, tp_group=None)
     local logits only, so reducing them (forward all-reduce, backward identity) gives
     exact gradients on every TP rank.
     """
-    local, _ = _masked_local(logits, vocab_size, tp_group)
+    local, _ = _masked_local(logits, vocab_size, tp_group, temperature)
     m = local.max(dim=-1).values.detach()
     if _tp_size(tp_group) > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
@@ -87,16 +99,17 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, tp_group=None)
 
 
 def shifted_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
-                           tp_group=None) -> torch.Tensor:
+                           tp_group=None, temperature: float = 1.0) -> torch.Tensor:
     """log p(tokens[:, i] | tokens[:, :i]) for i >= 1, aligned to position i (position 0 is 0).
 
     ``logits`` [b, s, V/tp] from a forward of ``tokens`` [b, s].
     """
-    lp = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, tp_group)
+    lp = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, tp_group, temperature)
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
 
 
-def shifted_entropy(logits: torch.Tensor, vocab_size: int, tp_group=None) -> torch.Tensor:
+def shifted_entropy(logits: torch.Tensor, vocab_size: int, tp_group=None,
+                    temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the distribution that produced position i (position 0 is 0)."""
-    ent = vocab_parallel_entropy(logits[:, :-1], vocab_size, tp_group)
+    ent = vocab_parallel_entropy(logits[:, :-1], vocab_size, tp_group, temperature)
     return torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)

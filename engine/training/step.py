@@ -1,76 +1,109 @@
 """One optimizer step over micro-batches through Megatron's pipeline schedule.
 
-``get_forward_backward_func`` picks the schedule for the layout (no pipelining,
-1F1B, or interleaved 1F1B with virtual stages); it calls our ``forward_step``
-for each micro-batch, which runs the model and hands back a loss function. The
-same entry point serves language-model losses (SFT, the quickstart warm-up) and,
-through ``loss_fn``, the RL losses of the trainers.
+``get_forward_backward_func`` picks the schedule for the layout (no pipelining, 1F1B, or
+interleaved 1F1B with virtual stages); it calls our ``forward_step`` for each micro-batch, which
+runs the model and hands back a loss function. The same entry point serves language-model losses
+(the LM job, the RL job's SFT warm-up) and, through ``loss_fn``, the RL losses.
+
+**Loss normalisation.** A loss function returns its micro-batch's *contribution* to the step's
+loss, already divided by denominators that span the whole step on every data-parallel rank (e.g.
+``sum(loss * mask) / global token count``: :func:`token_mean_weights`). :func:`train_step` undoes
+the averaging Megatron applies on top (the schedule divides by the number of micro-batches, DDP by
+the data-parallel size), so the gradient is the gradient of the sum of the contributions. Hence the
+loss, its gradients and its statistics do not depend on how rows are split into micro-batches or
+over data-parallel ranks, and ranks may run different numbers of micro-batches of different shapes
+(``variable_seq_lengths`` lets the pipeline stages exchange shapes).
+
+**Statistics** are contributions too: each loss function names them (``loss_fn.names``), they are
+summed over micro-batches, all-reduced over the data-parallel group and broadcast from the last
+pipeline stage, as one device tensor (no pickled objects).
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-Batch = dict[str, torch.Tensor]
-#: loss_fn(output, batch) -> (scalar loss for this micro-batch, {name: detached value})
+from hyflow.models.positions import explicit_positions
+
+Batch = dict
+#: loss_fn(output, batch) -> (this micro-batch's contribution to the loss, {name: detached 0-d contribution})
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def lm_loss(output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-mean cross entropy; ``output`` is Megatron's per-token loss [b, s]."""
-    mask = batch["loss_mask"].to(output.dtype)
-    loss = (output * mask).sum() / mask.sum().clamp(min=1)
-    # clone: the schedule divides the returned loss in place by the micro-batch count.
-    return loss, {"lm_loss": loss.detach().clone()}
+def token_mean_weights(micro_batches: Sequence[Batch], mask_key: str, dp_group) -> None:
+    """Add ``loss_weight = mask / (mask tokens of every micro-batch on every DP rank)`` to each
+    micro-batch (in place): summed contributions are then the token mean of the whole step."""
+    device = micro_batches[0][mask_key].device
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for mb in micro_batches:
+        count += mb[mask_key].sum(dtype=torch.float64)
+    if dp_group is not None and dp_group.size() > 1:
+        dist.all_reduce(count, group=dp_group)
+    denominator = count.clamp(min=1).float()
+    for mb in micro_batches:
+        mb["loss_weight"] = mb[mask_key].float() / denominator
 
 
-def _forward_step(loss_fn: LossFn, with_labels: bool, data_iterator, model):
+class LMLoss:
+    """Cross entropy weighted per token: ``sum(loss * loss_weight)``; ``output`` is Megatron's
+    per-token loss [b, s]. Without ``loss_weight`` in the micro-batches, :meth:`prepare` (called by
+    :func:`train_step`) weights ``loss_mask`` for the token mean of the whole step."""
+
+    names = ("lm_loss",)
+
+    def prepare(self, micro_batches: Sequence[Batch], groups) -> None:
+        if "loss_weight" not in micro_batches[0]:
+            token_mean_weights(micro_batches, "loss_mask", groups.pgs.dp)
+
+    def __call__(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = (output.float() * batch["loss_weight"]).sum()
+        return loss, {"lm_loss": loss.detach()}
+
+
+lm_loss = LMLoss()
+
+
+def _forward_step(loss_fn: LossFn, with_labels: bool, scale: float, data_iterator, model):
     batch = next(data_iterator)
-    output = model(
-        batch["tokens"],
-        batch["position_ids"],
-        batch.get("attention_mask"),
-        labels=batch["labels"] if with_labels else None,
-    )
-    return output, partial(_loss_wrapper, loss_fn, batch)
+    positions = batch["position_ids"] if batch.get("packed") else None
+    with explicit_positions(model, positions):  # packed rows restart positions per sequence
+        output = model(
+            batch["tokens"],
+            batch["position_ids"],
+            batch.get("attention_mask"),
+            labels=batch["labels"] if with_labels else None,
+        )
+    return output, partial(_loss_wrapper, loss_fn, batch, scale)
 
 
-def _loss_wrapper(loss_fn: LossFn, batch: Batch, output: torch.Tensor):
-    return loss_fn(output, batch)
-
-
-def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
-    """Positions 0..s-1 for every row of a right-padded batch."""
-    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+def _loss_wrapper(loss_fn: LossFn, batch: Batch, scale: float, output: torch.Tensor):
+    loss, stats = loss_fn(output, batch)
+    return loss * scale, stats
 
 
 def forward_backward(chunks: Sequence[torch.nn.Module], micro_batches: Sequence[Batch], *,
                      loss_fn: LossFn = lm_loss, with_labels: bool = True,
-                     forward_only: bool = False, pgs=None) -> list[dict[str, torch.Tensor]]:
+                     forward_only: bool = False, pgs=None, dp_size: int = 1) -> list[dict[str, torch.Tensor]]:
     """Run forward (and backward) over ``micro_batches``; return per-micro-batch stats.
 
-    Stats are only produced on the last pipeline stage (an empty list elsewhere).
-    Every micro-batch must have the same [b, s] shape (pipeline sends are sized once).
-    ``pgs`` (a ProcessGroupCollection) runs a model built for a layout other than
-    Megatron's global one, e.g. the actor's generation layout.
+    Stats are only produced on the last pipeline stage (an empty list elsewhere). Micro-batches may
+    differ in shape. ``pgs`` (a ProcessGroupCollection) runs a model built for a layout other than
+    Megatron's global one. ``dp_size``: the data-parallel size DDP averages gradients over (the
+    loss contributions are scaled back, see the module docstring).
     """
     if not micro_batches:
         raise ValueError("forward_backward needs at least one micro-batch")
-    shape = micro_batches[0]["tokens"].shape
-    for mb in micro_batches:
-        if mb["tokens"].shape != shape:
-            raise ValueError(
-                f"all micro-batches must share one shape for the pipeline schedule; got "
-                f"{tuple(shape)} and {tuple(mb['tokens'].shape)} (pad to a common length)"
-            )
+    shapes = {tuple(mb["tokens"].shape) for mb in micro_batches}
+    first = micro_batches[0]["tokens"].shape
     n_chunks = len(chunks)
     iterators = [iter(micro_batches) for _ in range(n_chunks)] if n_chunks > 1 else iter(micro_batches)
     extra = {}
+    config = chunks[0].config
     if pgs is not None:
         pp_size = pgs.pp.size()
         schedule = get_forward_backward_func(pp_size=pp_size, vp_size=n_chunks if n_chunks > 1 else None)
@@ -78,51 +111,70 @@ def forward_backward(chunks: Sequence[torch.nn.Module], micro_batches: Sequence[
         if pp_size > 1:
             from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-            extra["p2p_communicator"] = P2PCommunicator(pp_group=pgs.pp, config=chunks[0].config)
+            extra["p2p_communicator"] = P2PCommunicator(pp_group=pgs.pp, config=config)
     else:
         schedule = get_forward_backward_func()
-    return schedule(
-        forward_step_func=partial(_forward_step, loss_fn, with_labels),
-        data_iterator=iterators,
-        model=list(chunks) if n_chunks > 1 else chunks[0],
-        num_microbatches=len(micro_batches),
-        seq_length=shape[1],
-        micro_batch_size=shape[0],
-        forward_only=forward_only,
-        **extra,
-    )
+    scale = 1.0 if forward_only else float(len(micro_batches) * dp_size)
+    variable = config.variable_seq_lengths
+    config.variable_seq_lengths = variable or len(shapes) > 1  # stages exchange each tensor's shape
+    try:
+        return schedule(
+            forward_step_func=partial(_forward_step, loss_fn, with_labels, scale),
+            data_iterator=iterators,
+            model=list(chunks) if n_chunks > 1 else chunks[0],
+            num_microbatches=len(micro_batches),
+            seq_length=first[1],
+            micro_batch_size=first[0],
+            forward_only=forward_only,
+            **extra,
+        )
+    finally:
+        config.variable_seq_lengths = variable
 
 
-def train_step(chunks, optimizer, scheduler, micro_batches: Sequence[Batch], *,
-               loss_fn: LossFn = lm_loss, with_labels: bool = True,
-               pp_group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
+def train_step(chunks, optimizer, scheduler, micro_batches: Sequence[Batch], *, groups,
+               loss_fn: LossFn = lm_loss, with_labels: bool = True) -> dict[str, float]:
     """Zero grads, forward/backward all micro-batches, step the optimizer.
 
-    Returns the mean of each stat over micro-batches (broadcast from the last
-    pipeline stage so every rank reports the same numbers), plus ``grad_norm``,
-    ``lr`` and ``update_ok``.
+    ``groups``: the model's :class:`~hyflow.parallel.groups.ParallelGroups`. Returns each of
+    ``loss_fn.names`` summed over micro-batches and data-parallel ranks (identical on every rank),
+    plus ``grad_norm``, ``lr`` and ``update_ok``.
     """
+    prepare = getattr(loss_fn, "prepare", None)
+    if prepare is not None:
+        prepare(micro_batches, groups)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    stats = forward_backward(chunks, micro_batches, loss_fn=loss_fn, with_labels=with_labels)
+    dp_group = groups.pgs.dp
+    stats = forward_backward(chunks, micro_batches, loss_fn=loss_fn, with_labels=with_labels,
+                             dp_size=dp_group.size())
     update_ok, grad_norm, _ = optimizer.step()
     if update_ok and scheduler is not None:
         scheduler.step(increment=1)
-    out = _mean_stats(stats, pp_group)
+    out = reduce_stats(stats, loss_fn.names, groups)
     out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     out["update_ok"] = float(bool(update_ok))
     out["lr"] = optimizer.param_groups[0]["lr"]
     return out
 
 
-def _mean_stats(stats: list[dict[str, torch.Tensor]], pp_group) -> dict[str, float]:
-    """Average stats over micro-batches and share them from the last PP stage."""
-    names = sorted(stats[0]) if stats else []
-    local = {k: float(torch.stack([s[k].float() for s in stats]).mean()) for k in names}
-    if pp_group is None or dist.get_world_size(pp_group) == 1:
-        return local
-    payload = [local if stats else None]
-    last = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
-    dist.broadcast_object_list(payload, src=last, group=pp_group)
-    return dict(payload[0])
+def reduce_stats(stats: list[dict[str, torch.Tensor]], names: Sequence[str], groups) -> dict[str, float]:
+    """``names`` summed over the micro-batches' ``stats`` (last pipeline stage) and over the
+    data-parallel ranks, the same on every rank: one all-reduce and one broadcast of a vector."""
+    if not names:
+        return {}
+    vec = torch.zeros(len(names), dtype=torch.float64, device=groups.device)
+    for s in stats:
+        vec += torch.stack([s[k].detach().to(device=groups.device, dtype=torch.float64) for k in names])
+    dp, pp = groups.pgs.dp, groups.pgs.pp
+    if dp.size() > 1:
+        dist.all_reduce(vec, group=dp)
+    if pp.size() > 1:
+        dist.broadcast(vec, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
+    return dict(zip(names, vec.tolist()))
+
+
+def position_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """Positions 0..s-1 for every row of a right-padded batch, on the batch's device."""
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)

@@ -21,8 +21,8 @@
   skips an update on a loss-scale overflow, and every later update of the same step (actor and
   critic alike; mini-batches applied before the first bad one stay applied). A step with a
   skipped update or a non-finite loss is *bad*: the objects in ``protect`` (e.g. the adaptive
-  KL controller) are rolled back to the start of the step, the step is counted (``bad_step``,
-  ``bad_steps_total`` metrics), and after ``max_bad_steps`` consecutive bad steps the outcome
+  KL controller) are rolled back to the start of the step, the step is counted (``training/bad_step``,
+  ``training/bad_steps_total`` metrics), and after ``max_bad_steps`` consecutive bad steps the outcome
   says ``diverged``.
 """
 
@@ -91,8 +91,9 @@ class NonFiniteGradGuard:
     one was skipped, so a bad step leaves all models alone from its first non-finite update on.
     """
 
-    def __init__(self, optimizer: Any, trip: Optional[_Trip] = None) -> None:
+    def __init__(self, optimizer: Any, trip: Optional[_Trip] = None, device: Optional[torch.device] = None) -> None:
         self.optimizer = optimizer
+        self.device = device if device is not None else torch.device("cpu")  # when it holds no gradient
         self.skipped = 0
         self.trip = trip or _Trip()
         self._original = optimizer.prepare_grads
@@ -111,7 +112,7 @@ class NonFiniteGradGuard:
     def _grads_not_finite(self) -> bool:
         grads = [g for opt in _sub_optimizers(self.optimizer)
                  if not getattr(opt, "is_stub_optimizer", False) for g in opt.get_main_grads_for_grad_norm()]
-        device = grads[0].device if grads else torch.device("cuda" if _nccl() else "cpu")
+        device = grads[0].device if grads else self.device
         flag = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:  # one fused kernel; a NaN / inf element makes its tensor's norm non-finite
             norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
@@ -128,10 +129,6 @@ class NonFiniteGradGuard:
         """Give the optimizer its own ``prepare_grads`` back."""
         if self.optimizer.prepare_grads == self._prepare_grads:
             self.optimizer.prepare_grads = self._original
-
-
-def _nccl() -> bool:
-    return dist.is_initialized() and dist.get_backend() == "nccl"
 
 
 def _not_finite_losses(metrics: Mapping[str, Any]) -> list[str]:
@@ -158,10 +155,12 @@ class StepSupervisor:
         protect: objects with ``state_dict`` / ``load_state_dict`` rolled back after a bad step.
         signals: the signals that ask for a save-and-exit.
         group: the process group the flags are agreed over (default: the world).
+        device: where the flags are reduced (the rank's device; default: the CPU).
     """
 
     def __init__(self, max_bad_steps: int, optimizers: Iterable[Any] = (), protect: Sequence[Any] = (),
-                 signals: Sequence[int] = STOP_SIGNALS, group: Any = None) -> None:
+                 signals: Sequence[int] = STOP_SIGNALS, group: Any = None,
+                 device: Optional[torch.device] = None) -> None:
         if max_bad_steps < 1:
             raise ValueError(f"max_bad_steps must be >= 1, got {max_bad_steps}")
         self.max_bad_steps = max_bad_steps
@@ -169,6 +168,7 @@ class StepSupervisor:
         self.protect = list(protect)
         self.signals = tuple(signals)
         self.group = group
+        self.device = device if device is not None else torch.device("cpu")
         self.requested = False
         self.signal_name: Optional[str] = None
         self._announced = False
@@ -191,7 +191,7 @@ class StepSupervisor:
         else:
             print("[hyflow] warning: not on the main thread; preemption signals are not handled",
                   file=sys.stderr, flush=True)
-        self._guards = [NonFiniteGradGuard(o, self._trip) for o in self.optimizers]
+        self._guards = [NonFiniteGradGuard(o, self._trip, self.device) for o in self.optimizers]
         return self
 
     def uninstall(self) -> None:
@@ -236,7 +236,7 @@ class StepSupervisor:
     def end_step(self, metrics: dict[str, Any], step: Optional[int] = None) -> StepOutcome:
         """Agree with the other ranks on this step (collective) and account for it.
 
-        Adds ``bad_step`` (0 / 1) and ``bad_steps_total`` to ``metrics``.
+        Adds ``training/bad_step`` (0 / 1) and ``training/bad_steps_total`` to ``metrics``.
         """
         if self.requested and not self._announced:
             self._announced = True
@@ -244,8 +244,7 @@ class StepSupervisor:
                   "checkpoint after this step, then exiting", file=sys.stderr, flush=True)
         bad_local = self.skipped_updates > self._skipped_before or bool(_not_finite_losses(metrics))
         self._trip.tripped, self._trip.in_step = False, False
-        device = "cuda" if _nccl() else "cpu"
-        flags = torch.tensor([float(self.requested), float(bad_local)], device=device)
+        flags = torch.tensor([float(self.requested), float(bad_local)], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         preempted, bad = bool(flags[0].item() > 0), bool(flags[1].item() > 0)
@@ -259,8 +258,8 @@ class StepSupervisor:
         else:
             self.consecutive_bad = 0
             self.bad_step_numbers = []
-        metrics["bad_step"] = float(bad)
-        metrics["bad_steps_total"] = float(self.bad_steps_total)
+        metrics["training/bad_step"] = float(bad)
+        metrics["training/bad_steps_total"] = float(self.bad_steps_total)
         return StepOutcome(bad=bad, preempted=preempted, diverged=self.consecutive_bad >= self.max_bad_steps)
 
     def divergence_error(self, checkpoint: Optional[str] = None) -> DivergenceError:

@@ -1,0 +1,87 @@
+"""The RL step's data plane: which rank holds which prompts and samples.
+
+Data moves only where the layout needs it (the data half of the hybrid engine):
+
+1. **Prompts by training DP rank.** The step's prompts are split over the training data-parallel
+   ranks, prompt-granular and contiguous: DP rank ``d`` of ``DP`` holds prompts
+   ``[d * P/DP, (d + 1) * P/DP)``, all ``n`` samples of each (GRPO / RLOO group statistics stay
+   local). Every rank of the model-parallel group of ``d`` (its TP x PP ranks) holds the same shard.
+2. **Samples inside the micro-DP group.** In the generation layout those TP x PP ranks form
+   ``TP*PP / (TP_g*PP_g)`` replicas (micro-DP). Each replica generates its share of the shard; the
+   results are all-gathered, as tensors, over the micro-DP group only
+   (:func:`hyflow.rollout.dp.generate_data_parallel`). Afterwards every rank holds exactly its DP
+   shard's samples in (prompt, sample) order.
+
+Nothing here crosses data-parallel ranks: at 1024 ranks (TP8 x PP4 x DP32) a rank receives only its
+1/32 of the samples, from the 32 / (TP_g*PP_g) replicas that share its prompts. Seeds are keyed by
+the global prompt index, so samples do not depend on DP, TP_g or PP_g.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from hyflow.hybrid.planner import generation_enumerations
+from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
+
+
+def shard_range(count: int, dp: int, dp_rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of the prompts DP rank ``dp_rank`` of ``dp`` holds (``dp`` divides ``count``)."""
+    if count % dp:
+        raise ValueError(f"{count} prompts do not split over {dp} data-parallel ranks "
+                         f"(data.train_batch_size must be a multiple of the actor's dp)")
+    per = count // dp
+    return dp_rank * per, (dp_rank + 1) * per
+
+
+class RolloutDispatcher:
+    """Generates a DP shard's samples on the micro-DP replicas of the hybrid engine's layout.
+
+    Built once by every rank (it creates the micro-DP process groups).
+    """
+
+    def __init__(self, hybrid, train_groups, rollout_config, desc, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.hybrid, self.groups = hybrid, train_groups
+        self.rollout_config = rollout_config
+        self.desc, self.vocab_size, self.eos = desc, vocab_size, list(eos_token_ids)
+        micro = generation_enumerations(hybrid.plan)["micro_dp"]
+        # One group per (training dp, generation tp, generation pp); its order is the replica index.
+        self.micro_dp_group, _ = dist.new_subgroups_by_enumeration(micro)
+        self._engine = None
+
+    @property
+    def dp(self) -> int:
+        return self.groups.layout.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.dp_rank
+
+    def shard(self, count: int) -> tuple[int, int]:
+        """This rank's prompts of a step of ``count`` prompts."""
+        return shard_range(count, self.dp, self.dp_rank)
+
+    def engine(self, gen_model):
+        from hyflow.rollout.engine import GenerationEngine
+
+        if self._engine is None:
+            gen = self.hybrid.gen_groups
+            self._engine = GenerationEngine(gen_model, self.rollout_config, vocab_size=self.vocab_size,
+                                            eos_token_ids=self.eos, tp_group=gen.pgs.tp, pp_group=gen.pgs.pp,
+                                            max_position_embeddings=self.desc.max_position_embeddings)
+        return self._engine
+
+    def generate(self, gen_model, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
+                 greedy: bool = False, max_new_tokens: Optional[int] = None) -> GatheredRollout:
+        """``n`` samples of each of this DP shard's ``prompts`` (global indices from
+        ``request_offset``), gathered on every rank of the shard's model-parallel group.
+        ``greedy``: argmax decoding (ReMax's baselines)."""
+        sampling = self.rollout_config.sampling.replace(n=n, seed=seed)
+        if greedy:
+            sampling = sampling.replace(temperature=0.0)
+        if max_new_tokens is not None:
+            sampling = sampling.replace(max_new_tokens=max_new_tokens)
+        return generate_data_parallel(self.engine(gen_model), [list(p) for p in prompts], self.micro_dp_group,
+                                      sampling, request_offset=request_offset, device=self.groups.device)

@@ -1,0 +1,154 @@
+"""Token-budget and packed micro-batches: the planners, the loss weights, the layout-independent
+mini-batches, and parity with the padded fixed-size path (log-probs, loss and gradients, fp32,
+<= 1e-6) at TP 1 / 2 and PP 2."""
+
+import random
+
+import pytest
+import torch
+
+from hyflow.algorithms import aggregate_loss
+from hyflow.rl.batch import (equalize, make_micro_batches, packed_attention_mask, plan_cost, plan_fixed, plan_packed,
+                             plan_token_budget, scatter_rows)
+from hyflow.rl.losses import loss_weights
+from hyflow.rl.update import minibatch_assignment
+from hyflow.testing import run_on_ranks
+
+LENGTHS = [7, 3, 12, 5, 5, 9, 1, 11, 4, 8, 2, 6]
+
+
+def _covers(plan, n):
+    return sorted(r for rows in plan for r in rows) == list(range(n))
+
+
+def test_token_budget_plan_respects_the_budget_and_pads_least():
+    plan = plan_token_budget(LENGTHS, 24)
+    assert _covers(plan, len(LENGTHS))
+    assert all(c <= 24 for c in plan_cost(plan, LENGTHS, packed=False))
+    # fewer padded tokens than fixed micro-batches of the same count in row order
+    fixed = plan_fixed(len(LENGTHS), -(-len(LENGTHS) // len(plan)))
+    assert sum(plan_cost(plan, LENGTHS, False)) < sum(plan_cost(fixed, LENGTHS, False))
+    assert plan_token_budget([30, 2], 24) == [[0], [1]]  # a row over the budget gets its own
+
+
+def test_packed_plan_respects_the_budget_and_equalize_splits_without_padding():
+    plan = plan_packed(LENGTHS, 20)
+    assert _covers(plan, len(LENGTHS)) and all(c <= 20 for c in plan_cost(plan, LENGTHS, True))
+    assert len(plan) == -(-sum(LENGTHS) // 20)  # first fit decreasing fills these exactly
+    more = equalize(plan, len(plan) + 3, LENGTHS, packed=True)
+    assert len(more) == len(plan) + 3 and _covers(more, len(LENGTHS))
+    assert sum(plan_cost(more, LENGTHS, True)) == sum(LENGTHS)
+
+
+def test_packed_mask_is_block_diagonal_causal():
+    mask = packed_attention_mask([2, 3], 6, torch.device("cpu"))[0, 0]
+    allowed = ~mask
+    assert allowed[1, 0] and not allowed[0, 1]  # causal inside the first sequence
+    assert not allowed[2, 1] and allowed[4, 2]  # nothing across sequences; causal in the second
+    assert allowed[5].tolist() == [False] * 5 + [True]  # padding sees itself only
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_weighted_contributions_sum_to_the_aggregate_over_any_split(mode):
+    gen = torch.Generator().manual_seed(0)
+    loss = torch.randn(10, 9, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(10, 9, generator=gen) > 0.4).double()
+    mask[3] = 0  # an empty row is left out of the sequence mean
+    want = aggregate_loss(loss, mask, mode, norm_length=9.0)
+    tokens, seqs = mask.sum(), (mask.sum(-1) > 0).sum().double()
+    rows = list(range(10))
+    random.Random(1).shuffle(rows)
+    total = torch.zeros((), dtype=torch.float64)
+    for part in (rows[:3], rows[3:4], rows[4:]):  # any grouping of rows, e.g. over DP ranks
+        w = loss_weights(mask[part], mode, tokens, seqs, norm_length=9.0).double()
+        total += (loss[part] * w).sum()
+    assert torch.allclose(total, want, rtol=1e-6, atol=1e-12)
+
+
+def test_minibatch_assignment_does_not_depend_on_dp():
+    rows, M = 48, 4  # 48 rows, mini-batches of 12
+    one = minibatch_assignment(rows, 0, M, seed=3, step=2, epoch=1)
+    for dp in (2, 3, 4):
+        per = rows // dp
+        parts = [minibatch_assignment(per, r * per, M, seed=3, step=2, epoch=1) for r in range(dp)]
+        assert sum(parts, []) == one
+        for part in parts:  # every rank gives every mini-batch the same number of rows
+            assert sorted(part.count(k) for k in range(M)) == [per // M] * M
+    assert one != minibatch_assignment(rows, 0, M, seed=3, step=2, epoch=0)  # reshuffled per epoch
+
+
+def test_scatter_rows_inverts_packing():
+    tokens = torch.arange(4 * 6).view(4, 6)
+    lengths = [6, 2, 4, 3]
+    micro = make_micro_batches({"tokens": tokens}, lengths, plan_packed(lengths, 8), packed=True)
+    back = scatter_rows([mb["tokens"].float() for mb in micro], micro, (4, 6))
+    for r, n in enumerate(lengths):
+        assert back[r, :n].tolist() == tokens[r, :n].float().tolist()
+
+
+# --------------------------------------------------------------------------- model parity
+
+
+def _parity(tp, pp):
+    """Log-probs, loss and gradients of the padded fixed-size path vs token-budget vs packed."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hyflow.models.builder import build_gpt_model
+    from hyflow.models.description import tiny_llama
+    from hyflow.models.weights import load_full_state_dict, random_full_state_dict
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.rl.batch import MicroBatching
+    from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer
+    from hyflow.training.optimizer import wrap_ddp
+    from hyflow.training.step import forward_backward
+
+    groups = init_training_groups(Layout(tp=tp, pp=pp), seed=3)
+    desc = tiny_llama(vocab_size=96, num_attention_heads=4, num_query_groups=2, num_layers=2)
+    model = build_gpt_model(desc, groups, config_overrides={"perform_initialization": False})
+    load_full_state_dict(model, random_full_state_dict(desc, seed=1), desc, groups)
+    chunks = wrap_ddp([model], groups, distributed_optimizer=False)
+    gen = torch.Generator().manual_seed(4)
+    lengths = [9, 4, 13, 6, 6, 11, 3, 8]
+    B, S = len(lengths), max(lengths)
+    tokens = torch.randint(0, 96, (B, S), generator=gen)
+    mask = torch.zeros(B, S)
+    for i, n in enumerate(lengths):
+        mask[i, 2:n] = 1.0
+        tokens[i, n:] = 0
+    cols = {"tokens": tokens, "response_mask": mask, "old_logp": -torch.rand(B, S, generator=gen) * 3,
+            "advantages": torch.randn(B, S, generator=gen)}
+    cols["loss_weight"] = loss_weights(mask, "token-mean", mask.sum(), (mask.sum(-1) > 0).sum())
+    cols["token_weight"] = cols["loss_weight"]
+    cfg = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, entropy_coeff=0.01,
+                          use_kl_loss=False, loss_agg_mode="token-mean")
+    out = {}
+    for name, batching in (("fixed", MicroBatching(3)), ("budget", MicroBatching(3, max_tokens=26)),
+                           ("packed", MicroBatching(3, max_tokens=30, packed=True))):
+        micro = make_micro_batches(cols, lengths, batching.plan(lengths), packed=batching.packed)
+        logp = forward_score(chunks, micro, logprob_scorer(96, groups.pgs.tp, 0.7), groups, (B, S))
+        chunks[0].zero_grad_buffer()
+        stats = forward_backward(chunks, micro, loss_fn=PolicyLoss(cfg, 96, groups.pgs.tp, 0.7), with_labels=False)
+        loss = torch.tensor([sum(float(s["actor/pg_loss"]) for s in stats)], dtype=torch.float64)
+        dist.broadcast(loss, src=dist.get_global_rank(groups.pgs.pp, pp - 1), group=groups.pgs.pp)
+        grads = torch.cat([b.grad_data.detach().clone().flatten() for b in chunks[0].buffers])
+        out[name] = ((logp * mask).clone(), float(loss), grads, len(micro))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
+def test_packed_and_token_budget_equal_the_fixed_padded_path(tp, pp):
+    results = run_on_ranks(_parity, tp * pp, tp, pp, timeout=600)
+    for rank_result in results:
+        fixed = rank_result["fixed"]
+        assert rank_result["packed"][3] < fixed[3]  # packing needs fewer micro-batches
+        for name in ("budget", "packed"):
+            logp, loss, grads, _ = rank_result[name]
+            assert (logp - fixed[0]).abs().max() <= 1e-6, name
+            assert abs(loss - fixed[1]) <= 1e-6 * max(1.0, abs(fixed[1])), name
+            assert (grads - fixed[2]).abs().max() <= 1e-6 * max(1.0, float(fixed[2].abs().max())), name
+        assert fixed[2].abs().max() > 0
