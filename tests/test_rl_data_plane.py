@@ -28,7 +28,9 @@ ALGOS = {
             "actor.max_tokens_per_micro_batch=40"],
 }
 KEYS = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/reward_kl_penalty", "actor/grad_norm",
-        "actor/ppo_kl", "critic/advantages/max", "critic/vf_loss", "critic/vpred_mean", "critic/grad_norm")
+        "critic/advantages/max", "critic/vf_loss", "critic/vpred_mean", "critic/grad_norm")
+#: differences of nearly equal log-probs: rounding is amplified by the cancellation
+LOOSE = ("actor/ppo_kl",)
 
 
 def _steps(layouts, steps=3):
@@ -79,9 +81,9 @@ def test_dp2_and_tp2_equal_one_rank(algo):
     dp2, tp2 = run_on_ranks(_steps, 2, [extra + ["actor.layout.tp=1"], extra + ["actor.layout.tp=2"]], timeout=900)[0]
     for name, (metrics, rows) in (("dp2", dp2), ("tp2", tp2)):
         for step, (want, got) in enumerate(zip(one[0], metrics)):
-            for key in KEYS:
+            for key in KEYS + LOOSE:
                 if key in want or key in got:
-                    _close(want.get(key), got.get(key), f"{name} step {step + 1} {key}")
+                    _close(want.get(key), got.get(key), f"{name} step {step + 1} {key}", 1e-4 if key in LOOSE else 1e-5)
     # the metrics moved: something was learned, not a constant
     assert one[0][0]["critic/score/std"] > 0 and one[0][-1]["actor/reward_kl_penalty"] > 0
     # rank 0 of DP=2 held the first half of every step's rows; at TP=2 both ranks hold all rows

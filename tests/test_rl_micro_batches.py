@@ -152,3 +152,34 @@ def test_packed_and_token_budget_equal_the_fixed_padded_path(tp, pp):
             assert abs(loss - fixed[1]) <= 1e-6 * max(1.0, abs(fixed[1])), name
             assert (grads - fixed[2]).abs().max() <= 1e-6 * max(1.0, float(fixed[2].abs().max())), name
         assert fixed[2].abs().max() > 0
+
+
+def test_explicit_positions_give_each_packed_sequence_its_own_rotary_table():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from hyflow.compat import cpu
+    from hyflow.models import positions
+
+    if not cpu.is_active():  # Megatron's rotary table moves to "the CUDA device"
+        cpu.activate()
+        request_deactivation = True
+    else:
+        request_deactivation = False
+    try:
+        _check_rotary(positions, RotaryEmbedding)
+    finally:
+        if request_deactivation:
+            cpu.deactivate()
+
+
+def _check_rotary(positions, RotaryEmbedding):
+    holder = torch.nn.Module()
+    holder.rotary_pos_emb = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=500)
+    positions.install(holder)
+    rope = holder.rotary_pos_emb
+    packed = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    with positions.explicit_positions(holder, packed):
+        emb = rope(6)
+    alone = torch.cat([rope.get_emb(3), rope.get_emb(2), rope.get_emb(1)])
+    assert emb.shape == (6, 1, 1, 16) and torch.equal(emb, alone)  # bit for bit each sequence alone
+    assert torch.equal(rope(6), rope.get_emb(6)) and not torch.equal(rope(6), alone)  # off outside the block

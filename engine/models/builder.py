@@ -24,10 +24,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hyflow.models import positions
 from hyflow.models.description import ModelDescription
+from hyflow.models.norms import RMSNorm
 from hyflow.models.sdpa_attention import SDPAttention
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
@@ -56,12 +58,12 @@ def layer_spec(spec: SpecName = "auto"):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
-    local = get_gpt_layer_local_spec(normalization="RMSNorm")
-    if name == "local":
-        return local
-    sdpa = copy.deepcopy(local)
-    sdpa.submodules.self_attention.submodules.core_attention = SDPAttention
-    return sdpa
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.input_layernorm = RMSNorm  # sequence parallelism on the local spec too
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    if name == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: str = "fp32",
@@ -95,9 +97,10 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
         params_dtype=DTYPES[dtype],
         bf16=dtype == "bf16",
         fp16=dtype == "fp16",
-        # Full-size init on CPU then slicing makes every layout start from the same
-        # weights, which hybrid resharding and layout-parity tests rely on.
-        use_cpu_initialization=True,
+        # Megatron's own random init, when asked for, runs full-size on the host then slices, so
+        # every layout starts from the same weights. Models whose weights are loaded afterwards
+        # (perform_initialization=False: every job's) are allocated on the rank's device directly.
+        use_cpu_initialization=groups.device.type == "cpu" or overrides.get("perform_initialization", True),
         # Fusions need apex/TE kernels that are absent on CPU.
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -168,9 +171,14 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
     if not get_cuda_rng_tracker().is_initialized():
         # Groups built with build_groups() alone: Megatron's layers still fork this tracker.
         model_parallel_cuda_manual_seed(seed or 1234, tp_rank=groups.tp_rank, ep_rank=0, etp_rank=0)
+    layer = layer_spec(spec)
+    if resolve_spec(spec) != "te":  # the final norm too (Megatron would pick WrappedTorchNorm)
+        layer = TransformerBlockSubmodules(
+            layer_specs=[layer] * get_num_layers_to_build(cfg, vp_stage if layout.vpp else None, groups.pp_rank),
+            layer_norm=RMSNorm)
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=layer_spec(spec),
+        transformer_layer_spec=layer,
         vocab_size=padded_vocab_size or pad_vocab_size(desc.vocab_size, layout.tp),
         max_sequence_length=desc.max_position_embeddings,
         pre_process=pre,
@@ -181,9 +189,6 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
         pg_collection=groups.pgs,
         vp_stage=vp_stage if layout.vpp else None,
     )
-    # RoPE frequencies computed once, in float64, from the description (covers linear
-    # and llama3 scaling with any parameters; Megatron hard-codes llama3's constants).
-    model.rotary_pos_emb.inv_freq = desc.inv_freq().to(torch.float32)
     positions.install(model)  # packed rows: rotary tables at each token's own position
     if value_head and post:
         model.output_layer = ValueHead(cfg, groups.pgs.tp)
@@ -194,9 +199,13 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
     if not cfg.perform_initialization:
         mark_tensor_parallel_attributes(model)
     _zero_vocab_padding(model, desc.vocab_size, groups)
-    # Megatron builds on the host here (use_cpu_initialization; the local spec's norms and our
+    # Megatron builds on the host when asked (use_cpu_initialization; the local spec's norms and our
     # value head always); move to the rank's device as Megatron-LM's get_model does.
-    return model.to(groups.device)
+    model = model.to(groups.device)
+    # RoPE frequencies computed once, in float64, from the description (covers linear
+    # and llama3 scaling with any parameters; Megatron hard-codes llama3's constants).
+    model.rotary_pos_emb.inv_freq = desc.inv_freq().to(device=groups.device, dtype=torch.float32)
+    return model
 
 
 @torch.no_grad()
