@@ -31,7 +31,7 @@ from hyflow.monitor._png import Canvas, decode_png_header
 
 def full_row(step: int) -> dict:
     row = {k: 0.5 for k in REQUIRED_KEYS if k != "step"}
-    row["reward/mean"] = step / 10
+    row["critic/score/mean"] = step / 10
     return row
 
 
@@ -41,33 +41,33 @@ def test_metrics_rows_and_value_conversion(tmp_path, caplog):
     torch = pytest.importorskip("torch")
     with MetricsWriter(str(tmp_path), tensorboard=False) as w:
         with caplog.at_level(logging.WARNING, logger="hyflow.monitor.metrics"):
-            w.log(1, {"reward/mean": torch.tensor(0.25), "kl": np.float32(0.5), "actor/grad_norm": float("nan"),
-                      "tokens_per_s": 7, "note": "warmup"})
-            w.log(2, {"reward/mean": 0.75, "kl": float("inf")})
+            w.log(1, {"critic/score/mean": torch.tensor(0.25), "actor/reward_kl_penalty": np.float32(0.5), "actor/grad_norm": float("nan"),
+                      "perf/throughput": 7, "note": "warmup"})
+            w.log(2, {"critic/score/mean": 0.75, "actor/reward_kl_penalty": float("inf")})
         with pytest.raises(ValueError, match="step 2 is not after the last logged step 2"):
             w.log(2, {})
         with pytest.raises(TypeError, match="metric 'x' = \\[1\\] is not a number"):
             w.log(3, {"x": [1]})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]   # strict JSON: NaN/inf became null
-    assert rows[0] == {"step": 1, "reward/mean": 0.25, "kl": 0.5, "actor/grad_norm": None,
-                       "tokens_per_s": 7.0, "note": "warmup"}
-    assert rows[1] == {"step": 2, "reward/mean": 0.75, "kl": None}
+    assert rows[0] == {"step": 1, "critic/score/mean": 0.25, "actor/reward_kl_penalty": 0.5, "actor/grad_norm": None,
+                       "perf/throughput": 7.0, "note": "warmup"}
+    assert rows[1] == {"step": 2, "critic/score/mean": 0.75, "actor/reward_kl_penalty": None}
     assert list(rows[0])[0] == "step" and w.bad_values == 2
     assert read_metrics(str(tmp_path)) == rows
     # each missing required key is warned about once, when it first goes missing
     warnings = [r.getMessage() for r in caplog.records if "lacks" in r.getMessage()]
     assert len(warnings) == 2
-    assert "actor/clip_frac" in warnings[0] and "time/generate" in warnings[0] and "kl" not in warnings[0]
-    assert warnings[1] == "metrics row for step 2 lacks actor/grad_norm, tokens_per_s"
+    assert "actor/pg_clipfrac" in warnings[0] and "timing_s/gen" in warnings[0] and "actor/reward_kl_penalty" not in warnings[0]
+    assert warnings[1] == "metrics row for step 2 lacks actor/grad_norm, perf/throughput"
 
 
-def test_required_keys_cover_the_issue():
-    for key in ("step", "reward/mean", "kl", "actor/clip_frac", "actor/entropy", "actor/grad_norm",
-                "response_length/mean", "tokens_per_s"):
+def test_required_keys_use_verl_names():
+    for key in ("step", "critic/score/mean", "actor/reward_kl_penalty", "actor/pg_clipfrac", "actor/entropy",
+                "actor/grad_norm", "response_length/mean", "perf/throughput", "timing_s/gen", "timing_s/update_actor"):
         assert key in REQUIRED_KEYS
-    assert PHASE_KEYS == ("generate", "reshard", "ref", "critic", "reward", "update")
-    assert all(f"time/{p}" in REQUIRED_KEYS for p in PHASE_KEYS)
+    assert PHASE_KEYS == ("gen", "reshard", "reward", "old_log_prob", "ref", "values", "adv", "update_actor",
+                          "update_critic")
 
 
 def test_fresh_run_truncates_and_resume_keeps_rows_up_to_the_checkpoint(tmp_path):
@@ -82,7 +82,7 @@ def test_fresh_run_truncates_and_resume_keeps_rows_up_to_the_checkpoint(tmp_path
             w.log(3, {})
         w.log(4, full_row(40))
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3, 4]
-    assert read_metrics(str(tmp_path))[-1]["reward/mean"] == 4.0
+    assert read_metrics(str(tmp_path))[-1]["critic/score/mean"] == 4.0
     with MetricsWriter(str(tmp_path), tensorboard=False) as w:   # not resuming: a new file
         w.log(1, full_row(1))
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1]
@@ -93,15 +93,15 @@ def test_tensorboard_events_written(tmp_path):
     cfg = TrainerConfig(output_dir=str(tmp_path / "run"), tensorboard=True)
     with MetricsWriter.from_config(cfg) as w:
         assert w.tensorboard_enabled
-        w.log(1, {"reward/mean": 0.5, "note": "x"})
-        w.log(2, {"reward/mean": 0.7})
+        w.log(1, {"critic/score/mean": 0.5, "note": "x"})
+        w.log(2, {"critic/score/mean": 0.7})
     events = glob.glob(str(tmp_path / "run" / "tensorboard" / "events.out.tfevents.*"))
     assert len(events) == 1
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(events[0])
     acc.Reload()
-    assert [(e.step, round(e.value, 4)) for e in acc.Scalars("reward/mean")] == [(1, 0.5), (2, 0.7)]
+    assert [(e.step, round(e.value, 4)) for e in acc.Scalars("critic/score/mean")] == [(1, 0.5), (2, 0.7)]
 
 
 def test_tensorboard_missing_degrades_to_a_warning(tmp_path, monkeypatch, caplog):
@@ -128,25 +128,26 @@ class FakeClock:
 def test_phase_timers_accumulate_and_reset():
     clock, syncs = FakeClock(), []
     timers = PhaseTimers(clock=clock, sync=lambda: syncs.append(clock.t))
-    with timers.phase("generate"):
+    with timers.phase("gen"):
         clock.t += 2.0
-    with timers.phase("update"):
+    with timers.phase("update_actor"):
         clock.t += 1.0
-    with timers.phase("generate"):
+    with timers.phase("gen"):
         clock.t += 0.5
     timers.add("custom", 0.25)
     clock.t += 0.1
     s = timers.step_summary()
-    assert s == pytest.approx({"time/generate": 2.5, "time/reshard": 0.0, "time/ref": 0.0, "time/critic": 0.0,
-                               "time/reward": 0.0, "time/update": 1.0, "time/custom": 0.25, "time/step": 3.6})
+    zero = {f"timing_s/{p}": 0.0 for p in PHASE_KEYS}
+    assert s == pytest.approx(dict(zero, **{"timing_s/gen": 2.5, "timing_s/update_actor": 1.0,
+                                            "timing_s/custom": 0.25, "timing_s/step": 3.6}))
     assert len(syncs) == 6                                   # one sync at each phase boundary
     with timers.phase("ref"):
         clock.t += 1.0
     s2 = timers.step_summary()
-    assert s2["time/generate"] == 0.0 and s2["time/ref"] == pytest.approx(1.0)
-    assert s2["time/step"] == pytest.approx(1.0)
-    assert "time/custom" not in s2
-    assert timers.totals() == pytest.approx({"generate": 2.5, "update": 1.0, "custom": 0.25, "ref": 1.0})
+    assert s2["timing_s/gen"] == 0.0 and s2["timing_s/ref"] == pytest.approx(1.0)
+    assert s2["timing_s/step"] == pytest.approx(1.0)
+    assert "timing_s/custom" not in s2
+    assert timers.totals() == pytest.approx({"gen": 2.5, "update_actor": 1.0, "custom": 0.25, "ref": 1.0})
 
 
 def test_phase_timer_errors_and_exceptions():
@@ -180,7 +181,7 @@ def test_progress_non_tty_prints_every_n_plus_first_and_last():
     assert not bar.tty
     for step in range(1, 11):
         clock.t += 2.0
-        bar.update(step, {"reward/mean": step / 10, "kl": 0.00012, "other": 1})
+        bar.update(step, {"critic/score/mean": step / 10, "actor/reward_kl_penalty": 0.00012, "other": 1})
     bar.close()
     lines = out.getvalue().splitlines()
     assert [line.split()[2] for line in lines] == ["1/10", "4/10", "8/10", "10/10"]
@@ -194,7 +195,7 @@ def test_progress_tty_redraws_in_place_and_resumes():
     bar = Progress(total=100, initial=50, stream=out, clock=clock, width=10)
     assert bar.tty
     clock.t += 0.5
-    bar.update(51, {"reward/mean": 0.9})
+    bar.update(51, {"critic/score/mean": 0.9})
     bar.write("checkpoint saved")
     bar.close()
     text = out.getvalue()
@@ -227,7 +228,7 @@ def _decode_rgb(data: bytes) -> tuple[int, int, bytes]:
 
 
 def test_builtin_png_plot_draws_both_curves(tmp_path):
-    rows = [{"step": s, "reward/mean": s / 20, "kl": None if s == 10 else 0.01 * s} for s in range(1, 21)]
+    rows = [{"step": s, "critic/score/mean": s / 20, "actor/reward_kl_penalty": None if s == 10 else 0.01 * s} for s in range(1, 21)]
     path = plot_metrics(rows, str(tmp_path / "p.png"), backend="builtin")
     w, h, rgb = _decode_rgb(open(path, "rb").read())
     assert (w, h) == (800, 630)
@@ -255,7 +256,7 @@ def test_trailing_mean_matches_a_direct_computation():
 
 
 def test_builtin_plot_draws_faint_raw_curve_under_the_trailing_mean(tmp_path):
-    rows = [{"step": s, "reward/mean": (s % 2) * 0.8 + s / 100, "kl": 0.01 * s} for s in range(1, 41)]
+    rows = [{"step": s, "critic/score/mean": (s % 2) * 0.8 + s / 100, "actor/reward_kl_penalty": 0.01 * s} for s in range(1, 41)]
     colours = []
     for smooth in (1, None):
         path = plot_metrics(rows, str(tmp_path / f"s{smooth}.png"), backend="builtin", smooth=smooth)
@@ -270,7 +271,7 @@ def test_builtin_plot_draws_faint_raw_curve_under_the_trailing_mean(tmp_path):
 
 def test_plot_from_run_dir_and_edge_cases(tmp_path):
     with MetricsWriter(str(tmp_path), tensorboard=False) as mw:
-        mw.log(1, {"reward/mean": 0.3})                 # a single point, no KL at all
+        mw.log(1, {"critic/score/mean": 0.3})                 # a single point, no KL at all
     path = plot_metrics(str(tmp_path), backend="builtin")
     assert path == str(tmp_path / "reward_kl.png")
     assert decode_png_header(open(path, "rb").read()) == (800, 630)
@@ -281,7 +282,7 @@ def test_plot_from_run_dir_and_edge_cases(tmp_path):
 
 
 def test_plot_auto_backend(tmp_path):
-    rows = [{"step": s, "reward/mean": s / 20, "kl": 0.01 * s} for s in range(1, 21)]
+    rows = [{"step": s, "critic/score/mean": s / 20, "actor/reward_kl_penalty": 0.01 * s} for s in range(1, 21)]
     path = plot_metrics(rows, str(tmp_path / "auto.png"))   # matplotlib if installed, else builtin
     data = open(path, "rb").read()
     assert decode_png_header(data)[0] >= 400 and len(data) > 2000

@@ -47,15 +47,15 @@ def _run(cfg: RLJobConfig, start: int, stop: int, data_state=None, resume_step=N
         for step in range(start + 1, stop + 1):
             batch = loader.next_batch()
             seen.append([r.uid for r in batch])
-            with timers.phase("generate"):        # a fake policy: right with probability step/total
+            with timers.phase("gen"):        # a fake policy: right with probability step/total
                 rng = random.Random(step)
                 p = step / cfg.trainer.total_steps
                 responses = [r.reference if rng.random() < p else "0" for r in batch for _ in range(cfg.rollout.n)]
             with timers.phase("reward"):
                 scored = rewards.score_records(batch, responses)
-            row = {**scored.metrics(), "kl": 0.001 * step, "actor/clip_frac": 0.0, "actor/entropy": 1.0,
+            row = {"critic/score/mean": sum(scored.scores) / len(scored.scores), "actor/reward_kl_penalty": 0.001 * step, "actor/pg_clipfrac": 0.0, "actor/entropy": 1.0,
                    "actor/grad_norm": 1.0, "response_length/mean": sum(map(len, responses)) / len(responses),
-                   "tokens_per_s": 100.0, **timers.step_summary()}
+                   "perf/throughput": 100.0, **timers.step_summary()}
             metrics.log(step, row)
             progress.update(step, row)
     return loader.state_dict(), seen
@@ -71,7 +71,7 @@ def test_trainer_style_composition_with_resume(tmp_path):
     rows = read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert all(k in rows[0] for k in REQUIRED_KEYS)
-    assert rows[-1]["reward/mean"] >= rows[0]["reward/mean"]
+    assert rows[-1]["critic/score/mean"] >= rows[0]["critic/score/mean"]
     png = plot_metrics(str(tmp_path), backend="builtin")
     assert decode_png_header(open(png, "rb").read())[0] == 800
 

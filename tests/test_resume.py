@@ -49,7 +49,7 @@ reward: {kind: rule, rule: exact_match}
 data: {task: digit_add, task_size: 64, train_batch_size: 4}
 trainer: {total_steps: 6, nproc: 2, save_every: 3, keep_last: 2, log_every: 1, tensorboard: false}
 """
-NOT_COMPARED = ("time/", "tokens_per_s", "reshard/seconds")
+NOT_COMPARED = ("timing_s/", "rollout/tokens_per_s", "reshard/seconds", "perf/throughput", "perf/time_per_step")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -68,41 +68,36 @@ def _train(config: str, overrides: list, sigterm_call: int = 0, nan_from_call: i
     torch.set_num_threads(1)  # as `hyflow train` runs its ranks (OMP_NUM_THREADS=1)
     cfg = load_job_config(config, overrides)
     calls, snapshot = [0], {}
-    orig_step, orig_loss = rl.rl_step, rl.policy_loss_fn
+    orig_step, orig_loss = rl.rl_step, rl.PolicyLoss
 
-    def params(roles):
-        return [p.detach().clone() for c in roles.actor_chunks + roles.critic_chunks for p in c.parameters()]
+    def params(models):
+        return [p.detach().clone() for m in models.trained().values() for c in m.chunks for p in c.parameters()]
 
-    def step(cfg_, roles, *args, **kwargs):
+    def step(cfg_, state, *args, **kwargs):
         calls[0] += 1
         if calls[0] == sigterm_call and dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         if calls[0] == nan_from_call:
-            snapshot["before"] = params(roles)
-        snapshot["roles"] = roles
-        return orig_step(cfg_, roles, *args, **kwargs)
+            snapshot["before"] = params(state.models)
+        snapshot["models"] = state.models
+        return orig_step(cfg_, state, *args, **kwargs)
 
-    def loss_fn(*args, **kwargs):
-        fn = orig_loss(*args, **kwargs)
-        if not nan_from_call or calls[0] < nan_from_call:
-            return fn
+    class Poisoned(orig_loss):
+        def __call__(self, output, batch):
+            loss, stats = super().__call__(output, batch)
+            return (loss * float("nan") if nan_from_call and calls[0] >= nan_from_call else loss), stats
 
-        def poisoned(output, batch):
-            loss, stats = fn(output, batch)
-            return loss * float("nan"), stats
-        return poisoned
-
-    rl.rl_step, rl.policy_loss_fn = step, loss_fn
+    rl.rl_step, rl.PolicyLoss = step, Poisoned
     error = None
     try:
         rl.run(cfg)
     except DivergenceError as e:
         error = str(e)
     finally:
-        rl.rl_step, rl.policy_loss_fn = orig_step, orig_loss
+        rl.rl_step, rl.PolicyLoss = orig_step, orig_loss
     unchanged = None
     if "before" in snapshot:
-        unchanged = all(bool((a == b).all()) for a, b in zip(snapshot["before"], params(snapshot["roles"])))
+        unchanged = all(bool((a == b).all()) for a, b in zip(snapshot["before"], params(snapshot["models"])))
     return {"error": error, "unchanged": unchanged, "calls": calls[0]}
 
 
@@ -241,7 +236,7 @@ def test_resume_tp2_checkpoint_into_tp1(run_a, config, tmp_path):
     args = [f"trainer.output_dir={out}", "trainer.nproc=1", "actor.layout.tp=1", "trainer.total_steps=4"]
     run_on_ranks(_train, 1, config, args, timeout=600)
     a, b = _rows(run_a)[4], _rows(str(out))[4]
-    for key in ("actor/pg_loss", "critic/value_loss", "actor/entropy", "kl"):
+    for key in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/reward_kl_penalty"):
         assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])
     assert b["response_length/mean"] == a["response_length/mean"]
 
@@ -287,24 +282,25 @@ def _async_save_and_load(config: str, out: str) -> dict:
     from hyflow.cli import load_job_config
     from hyflow.data.tasks import load_data_tokenizer
     from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel, latest_checkpoint
-    from hyflow.rl.models import build_roles
+    from hyflow.rl.models import build_rl_models
 
     cfg = load_job_config(config, [f"trainer.output_dir={out}", "actor.sft_warmup_steps=0", "critic.enable=false",
                                    "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false"])
-    roles = build_roles(cfg, load_data_tokenizer(cfg.data))
-    models = {"actor": TrainedModel(roles.actor_chunks, roles.actor_optimizer, roles.actor_scheduler)}
-    ckpt = Checkpointer(out, roles.groups, roles.desc, keep_last=2, async_save=True)
+    rl_models = build_rl_models(cfg, load_data_tokenizer(cfg.data))
+    models = rl_models.trained()
+    actor_chunks = rl_models.actor.chunks
+    ckpt = Checkpointer(out, rl_models.groups, rl_models.desc, keep_last=2, async_save=True)
     path = ckpt.save(1, models, {"position": 7})
     pending = latest_checkpoint(ckpt.root, lambda m: None)
     ckpt.wait()
     done = latest_checkpoint(ckpt.root, lambda m: None)
-    saved = [p.detach().clone() for p in roles.actor_chunks[0].parameters()]
+    saved = [p.detach().clone() for p in actor_chunks[0].parameters()]
     with torch.no_grad():
-        for p in roles.actor_chunks[0].parameters():
+        for p in actor_chunks[0].parameters():
             p.add_(1.0)
     state = ckpt.load(path, models)
     ckpt.close()
-    same = all(torch.equal(a, b) for a, b in zip(saved, roles.actor_chunks[0].parameters()))
+    same = all(torch.equal(a, b) for a, b in zip(saved, actor_chunks[0].parameters()))
     return {"pending": pending, "done": done.step if done else None, "job": state["job"], "same": same}
 
 

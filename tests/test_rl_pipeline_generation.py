@@ -29,36 +29,25 @@ OVERRIDES = [
 def _steps(overrides: list, steps: int = 2):
     import torch
 
-    import hyflow.jobs.rl as rl
-    from hyflow.cli import load_job_config
-    from hyflow.data.dataset import PromptLoader, build_dataset
-    from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.monitor.timers import PhaseTimers
-    from hyflow.rewards.manager import RewardManager
-    from hyflow.algorithms.kl import make_kl_controller
-    from hyflow.rl.models import build_roles
+    from hyflow.testing.rl import rl_setup, rl_step
 
     torch.set_num_threads(1)
-    cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"),
-                          OVERRIDES + overrides)
-    tok = load_data_tokenizer(cfg.data)
-    loader = PromptLoader(build_dataset(cfg.data, cfg.rollout, tok), cfg.data.train_batch_size, seed=3)
-    roles = build_roles(cfg, tok)
-    plan = roles.hybrid.plan
+    cfg, state, job = rl_setup(OVERRIDES + ["data.seed=3"] + overrides)
+    models = state.models
+    plan = models.hybrid.plan
     generated = []
-    original = roles.generate
+    original = models.dispatcher.generate
 
     def capture(*args, **kwargs):
         result = original(*args, **kwargs)
         generated.append([(s.request_index, s.sample_index, s.prompt_ids, s.token_ids, s.logprobs,
-                           s.finish_reason) for s in result.samples])
+                           s.finish_reason) for s in result.samples.to_outputs()])
         return result
 
-    roles.generate = capture
-    reward, kl = RewardManager.from_config(cfg.reward), make_kl_controller(cfg.algorithm)
+    models.dispatcher.generate = capture
     old_vs_sampled = []
     for _ in range(steps):
-        _, data = rl.rl_step(cfg, roles, loader.next_batch(), tok, reward, kl, PhaseTimers())
+        _, data = rl_step(cfg, state, job)
         mask = data["response_mask"].bool()
         rollout_lp = torch.zeros_like(data["old_logp"])
         for row, (_, _, prompt, tokens, logprobs, _) in enumerate(generated[-1]):

@@ -5,7 +5,7 @@ Checked against references computed here, not by the trainer's code:
 * the greedy baselines equal an argmax decode by full forwards of the actor in its training
   layout (no KV cache, no rollout engine), with the same length limit and stop ids;
 * every response token's advantage is ``exact_match(sample) - exact_match(greedy response of
-  its prompt)``, both scored here with the rule itself; ``reward/greedy_mean`` is their mean;
+  its prompt)``, both scored here with the rule itself; ``critic/greedy_score/mean`` is their mean;
 * learning signal: after the update, responses with positive advantage became more likely and
   responses with negative advantage less likely.
 """
@@ -28,20 +28,19 @@ OVERRIDES = [
 ]
 
 
-def _argmax_decode(roles, prompts, max_new, stops):
+def _argmax_decode(models, prompts, max_new, stops):
     """Greedy responses by repeated full forwards of the training-layout actor (vocab-parallel
     logits all-gathered over TP, argmax over the ids the sampler may draw)."""
     import torch.distributed as dist
 
-    from hyflow.rl.batch import micro_batches, position_ids
-    from hyflow.rl.losses import forward_score
+    from hyflow.testing.rl import score_rows
 
-    tp = roles.groups.pgs.tp
+    tp = models.groups.pgs.tp
 
     def argmax(logits, batch):
         parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp))]
         dist.all_gather(parts, logits.contiguous(), group=tp)
-        return torch.cat(parts, dim=-1)[..., :roles.sample_vocab].argmax(-1).float()
+        return torch.cat(parts, dim=-1)[..., :models.sample_vocab].argmax(-1).float()
 
     responses = [[] for _ in prompts]
     for _ in range(max_new):
@@ -52,9 +51,7 @@ def _argmax_decode(roles, prompts, max_new, stops):
         tokens = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
         for j, s in enumerate(seqs):
             tokens[j, :len(s)] = torch.tensor(s)
-        mbs = micro_batches({"tokens": tokens, "position_ids": position_ids(tokens)}, list(range(len(seqs))),
-                            len(seqs))
-        best = forward_score(roles.actor_chunks, mbs, argmax, roles.groups.pgs)
+        best = score_rows(models.actor.chunks, models.groups, tokens, argmax)
         for j, i in enumerate(live):
             responses[i].append(int(best[j, len(seqs[j]) - 1]))
     return responses
@@ -64,47 +61,38 @@ def _remax_steps():
     import torch.distributed as dist
 
     import hyflow.jobs.rl as rl
-    from hyflow.cli import load_job_config
-    from hyflow.data.dataset import PromptLoader, build_dataset
-    from hyflow.data.tasks import load_data_tokenizer
     from hyflow.monitor.timers import PhaseTimers
-    from hyflow.rewards.manager import RewardManager
     from hyflow.rewards.rules import exact_match
-    from hyflow.algorithms.kl import make_kl_controller
-    from hyflow.rl.batch import micro_batches
-    from hyflow.rl.losses import forward_score, logprob_scorer
-    from hyflow.rl.models import build_roles
+    from hyflow.rl.losses import logprob_scorer
+    from hyflow.testing.rl import rl_setup, score_rows
 
-    cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"), OVERRIDES)
+    cfg, state, job = rl_setup(OVERRIDES)
     assert cfg.reward.kind == "rule" and cfg.reward.rule == "exact_match"
-    tok = load_data_tokenizer(cfg.data)
-    loader = PromptLoader(build_dataset(cfg.data, cfg.rollout, tok), cfg.data.train_batch_size, seed=3)
-    reward = RewardManager.from_config(cfg.reward)
-    roles = build_roles(cfg, tok)
-    kl = make_kl_controller(cfg.algorithm)
-    rl.sft_warmup(cfg, roles, loader, tok)
+    models, tok = state.models, job.tokenizer
+    rl.sft_warmup(cfg, state, tok)
     calls = []
-    generate = roles.generate
+    generate = models.dispatcher.generate
     timers = PhaseTimers()
 
-    def spy(gen_model, prompts, n, greedy=False):
-        result = generate(gen_model, prompts, n, greedy=greedy)
-        calls.append((n, greedy, result, "generate" in timers._open))  # timed as the generate phase?
+    def spy(gen_model, prompts, n, **kwargs):
+        result = generate(gen_model, prompts, n, **kwargs)
+        calls.append((n, kwargs.get("greedy", False), result, "gen" in timers._open))  # timed as generation?
         return result
 
-    roles.generate = spy
-    stops = set(roles.eos_token_ids) | set(cfg.rollout.stop_token_ids)
+    models.dispatcher.generate = spy
+    stops = set(models.dispatcher.eos) | set(cfg.rollout.stop_token_ids)
     n = cfg.rollout.n
     out = {"greedy_ref": [], "greedy_used": [], "adv_error": [], "greedy_mean": [], "greedy_mean_ref": [],
            "pos": [], "neg": [], "calls": [], "rows": []}
     for _ in range(3):
-        records = loader.next_batch()
+        records = state.loader.next_batch()
         prompts = [r.prompt_ids for r in records]
-        reference = _argmax_decode(roles, prompts, cfg.rollout.max_new_tokens, stops)  # weights before the step
+        reference = _argmax_decode(models, prompts, cfg.rollout.max_new_tokens, stops)  # weights before the step
         calls.clear()
-        m, data = rl.rl_step(cfg, roles, records, tok, reward, kl, timers)
+        m, data = rl.rl_step(cfg, state, records, job, timers)
+        state.step += 1
         out["calls"].append([(c[0], c[1], len(c[2].samples), c[3]) for c in calls])
-        greedy = [c[2] for c in calls if c[1]][0].samples
+        greedy = [c[2] for c in calls if c[1]][0].samples.to_outputs()
         out["greedy_ref"].append(reference)
         out["greedy_used"].append([s.token_ids for s in greedy])
         out["rows"].append(data["tokens"].shape[0])  # the greedy responses are not in the training batch
@@ -117,13 +105,11 @@ def _remax_steps():
                                      for t, r in zip(tok.batch_decode(reference), records)])
         expected = (score - greedy_score.repeat_interleave(n))[:, None] * mask
         out["adv_error"].append(float((data["advantages"] - expected).abs().max()))
-        out["greedy_mean"].append(m["reward/greedy_mean"])
+        out["greedy_mean"].append(m["critic/greedy_score/mean"])
         out["greedy_mean_ref"].append(float(greedy_score.mean()))
         # learning signal
-        rows = list(range(tokens.shape[0]))
-        mbs = micro_batches({k: v for k, v in data.items() if v is not None}, rows, len(rows))
-        new = forward_score(roles.actor_chunks, mbs, logprob_scorer(roles.sample_vocab, roles.groups.pgs.tp),
-                            roles.groups.pgs)
+        new = score_rows(models.actor.chunks, models.groups, tokens, logprob_scorer(models.sample_vocab,
+                                                                                    models.groups.pgs.tp))
         change = ((new - data["old_logp"]) * mask).sum(-1)
         adv = (data["advantages"] * mask).sum(-1)
         out["pos"].append(change[adv > 0])

@@ -56,25 +56,14 @@ def _trainer_scores(overrides):
     each response's text) from rank 0."""
     import torch.distributed as dist
 
-    import hyflow.jobs.rl as rl
-    from hyflow.cli import load_job_config
-    from hyflow.data.dataset import PromptLoader, build_dataset
-    from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.monitor.timers import PhaseTimers
-    from hyflow.rewards.manager import RewardManager
-    from hyflow.algorithms.kl import make_kl_controller
-    from hyflow.rl.models import build_roles
+    from hyflow.testing.rl import rl_setup, rl_step
 
-    cfg = load_job_config(QUICKSTART, BASE + overrides)
-    tok = load_data_tokenizer(cfg.data)
-    loader = PromptLoader(build_dataset(cfg.data, cfg.rollout, tok), cfg.data.train_batch_size, seed=3)
-    roles = build_roles(cfg, tok)
-    assert roles.reward_model is not None
-    assert not any(p.requires_grad for p in roles.reward_model.model.parameters())
-    assert not roles.reward_model.model.training
-    reward = RewardManager.from_config(cfg.reward, model_fn=roles.reward_model)
-    records = loader.next_batch()
-    _, data = rl.rl_step(cfg, roles, records, tok, reward, make_kl_controller(cfg.algorithm), PhaseTimers())
+    cfg, state, job = rl_setup(BASE + ["data.seed=3"] + overrides, QUICKSTART)
+    models = state.models
+    assert models.reward_model is not None
+    assert not any(p.requires_grad for p in models.reward_model.model.parameters())
+    assert not models.reward_model.model.training
+    _, data = rl_step(cfg, state, job)
     mask, tokens = data["response_mask"], data["tokens"]
     seqs, texts = [], []
     for i in range(tokens.shape[0]):
@@ -106,15 +95,15 @@ def _reference_scores(ckpt: str, seqs):
 
 
 def _build_error(overrides):
-    """The error build_roles raises (both ranks), as text."""
+    """The error building the RL models raises (both ranks), as text."""
     from hyflow.cli import load_job_config
     from hyflow.config import ConfigError
     from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.rl.models import build_roles
+    from hyflow.rl.models import build_rl_models
 
     cfg = load_job_config(QUICKSTART, BASE + overrides)
     try:
-        build_roles(cfg, load_data_tokenizer(cfg.data))
+        build_rl_models(cfg, load_data_tokenizer(cfg.data))
     except ConfigError as e:
         return str(e)
     return ""

@@ -30,21 +30,12 @@ def _old_vs_rollout_logprobs(temperature: float, old_logprobs: str = "recompute"
     import torch
 
     import hyflow.jobs.rl as rl
-    from hyflow.cli import load_job_config
-    from hyflow.data.dataset import PromptLoader, build_dataset
-    from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.monitor.timers import PhaseTimers
-    from hyflow.rewards.manager import RewardManager
-    from hyflow.algorithms.kl import make_kl_controller
-    from hyflow.rl.models import build_roles
+    from hyflow.testing.rl import rl_setup, rl_step
 
     torch.set_num_threads(1)
-    cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"),
-                          OVERRIDES + [f"rollout.temperature={temperature}", f"actor.old_logprobs={old_logprobs}"])
-    tok = load_data_tokenizer(cfg.data)
-    loader = PromptLoader(build_dataset(cfg.data, cfg.rollout, tok), cfg.data.train_batch_size, seed=3)
-    roles = build_roles(cfg, tok)
-    assert roles.hybrid.plan.micro_dp_size == 2
+    cfg, state, job = rl_setup(OVERRIDES + ["data.seed=3", f"rollout.temperature={temperature}",
+                                            f"actor.old_logprobs={old_logprobs}"])
+    assert state.models.hybrid.plan.micro_dp_size == 2
     batches = []
     original = rl.build_rollout_batch
 
@@ -54,8 +45,7 @@ def _old_vs_rollout_logprobs(temperature: float, old_logprobs: str = "recompute"
 
     rl.build_rollout_batch = capture
     try:
-        metrics, data = rl.rl_step(cfg, roles, loader.next_batch(), tok, RewardManager.from_config(cfg.reward),
-                             make_kl_controller(cfg.algorithm), PhaseTimers())
+        metrics, data = rl_step(cfg, state, job)
     finally:
         rl.build_rollout_batch = original
     mask = data["response_mask"].bool()

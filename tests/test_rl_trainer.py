@@ -29,39 +29,26 @@ def _signal(overrides):
     import torch.distributed as dist
 
     import hyflow.jobs.rl as rl
-    from hyflow.cli import load_job_config
-    from hyflow.data.dataset import PromptLoader, build_dataset
-    from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.monitor.timers import PhaseTimers
-    from hyflow.rewards.manager import RewardManager
-    from hyflow.algorithms.kl import make_kl_controller
-    from hyflow.rl.batch import micro_batches
-    from hyflow.rl.losses import forward_score, logprob_scorer, shifted_values
-    from hyflow.rl.models import build_roles
     from hyflow.algorithms import value_loss
+    from hyflow.rl.losses import logprob_scorer, value_scorer
+    from hyflow.testing.rl import rl_setup, rl_step, score_rows
 
-    cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"), BASE + overrides)
-    tok = load_data_tokenizer(cfg.data)
-    loader = PromptLoader(build_dataset(cfg.data, cfg.rollout, tok), cfg.data.train_batch_size, seed=3)
-    reward = RewardManager.from_config(cfg.reward)
-    roles = build_roles(cfg, tok)
-    kl = make_kl_controller(cfg.algorithm)
-    rl.sft_warmup(cfg, roles, loader, tok)
+    cfg, state, job = rl_setup(BASE + ["data.seed=3"] + overrides)
+    models = state.models
+    rl.sft_warmup(cfg, state, job.tokenizer)
     pos, neg, value_before, value_after, metrics = [], [], [], [], []
     for _ in range(3):
-        m, data = rl.rl_step(cfg, roles, loader.next_batch(), tok, reward, kl, PhaseTimers())
+        m, data = rl_step(cfg, state, job)
         metrics.append(m)
-        rows = list(range(data["tokens"].shape[0]))
-        mbs = micro_batches({k: v for k, v in data.items() if v is not None}, rows, len(rows))
-        new = forward_score(roles.actor_chunks, mbs, logprob_scorer(roles.sample_vocab, roles.groups.pgs.tp),
-                            roles.groups.pgs)
+        new = score_rows(models.actor.chunks, models.groups, data["tokens"],
+                         logprob_scorer(models.sample_vocab, models.groups.pgs.tp))
         mask = data["response_mask"]
         change = ((new - data["old_logp"]) * mask).sum(-1)
         adv = (data["advantages"] * mask).sum(-1)
         pos.append(change[adv > 0])
         neg.append(change[adv < 0])
-        if roles.critic_chunks is not None:
-            values = forward_score(roles.critic_chunks, mbs, lambda out, b: shifted_values(out), roles.groups.pgs)
+        if models.critic is not None:
+            values = score_rows(models.critic.chunks, models.groups, data["tokens"], value_scorer())
             loss = lambda v: value_loss(v, data["values"], data["returns"], mask, None)[0].item()  # noqa: E731
             value_before.append(loss(data["values"]))
             value_after.append(loss(values))
@@ -70,8 +57,8 @@ def _signal(overrides):
     return torch.cat(pos), torch.cat(neg), value_before, value_after, metrics
 
 
-REQUIRED = ("reward/mean", "kl", "actor/clip_frac", "actor/entropy", "actor/grad_norm",
-            "response_length/mean", "tokens_per_s")
+REQUIRED = ("critic/score/mean", "actor/reward_kl_penalty", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm",
+            "response_length/mean", "rollout/tokens_per_s", "perf/padding_ratio")
 
 
 @pytest.mark.parametrize("overrides", [
@@ -92,30 +79,18 @@ def test_update_moves_probability_towards_positive_advantages(overrides):
 
 
 def _step_metrics(overrides):
-    import hyflow.jobs.rl as rl
-    from hyflow.cli import load_job_config
-    from hyflow.data.dataset import PromptLoader, build_dataset
-    from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.monitor.timers import PhaseTimers
-    from hyflow.rewards.manager import RewardManager
-    from hyflow.algorithms.kl import make_kl_controller
-    from hyflow.rl.models import build_roles
+    from hyflow.testing.rl import rl_setup, rl_step
 
-    cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"), BASE + overrides)
-    tok = load_data_tokenizer(cfg.data)
-    loader = PromptLoader(build_dataset(cfg.data, cfg.rollout, tok), cfg.data.train_batch_size, seed=3)
-    roles = build_roles(cfg, tok)
-    m, _ = rl.rl_step(cfg, roles, loader.next_batch(), tok, RewardManager.from_config(cfg.reward),
-                      make_kl_controller(cfg.algorithm), PhaseTimers())
-    return m
+    cfg, state, job = rl_setup(BASE + ["data.seed=3"] + overrides)
+    return rl_step(cfg, state, job)[0]
 
 
 def test_metrics_cover_all_data_parallel_ranks():
-    """With DP=2 each rank trains on half of every mini-batch; the step's actor metrics are
-    the mean over both halves, hence identical on the two ranks."""
+    """With DP=2 each rank generates, scores and trains on its half of the prompts; the step's
+    metrics describe the whole batch, hence are identical on the two ranks."""
     a, b = run_on_ranks(_step_metrics, 2, ["actor.layout.tp=1", "actor.sft_warmup_steps=0",
                                            "rollout.temperature=1.5"], timeout=600)
-    for key in ("actor/clip_frac", "actor/entropy", "actor/pg_loss", "actor/grad_norm", "reward/mean"):
+    for key in ("actor/pg_clipfrac", "actor/entropy", "actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
         if key in a:
             assert a[key] == b[key], (key, a[key], b[key])
     assert a["actor/entropy"] > 0

@@ -38,17 +38,14 @@ from hyflow.training.step import position_ids, token_mean_weights, train_step
 from hyflow.training.supervisor import StepOutcome, StepSupervisor
 
 
-def run(cfg: RLJobConfig) -> list[dict]:
-    """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
+def setup(cfg: RLJobConfig) -> tuple[RLState, "StepJob"]:
+    """Everything a run steps with: its state (models, data position, KL controller, supervisor;
+    the supervisor's signal handlers are not installed yet) and the step's helpers."""
     from hyflow.data.dataset import build_dataset
     from hyflow.data.sampler import PromptLoader
-    from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
-    from hyflow.monitor.metrics import MetricsWriter
-    from hyflow.monitor.progress import Progress
-    from hyflow.monitor.timers import PhaseTimers
+    from hyflow.data.tasks import load_data_tokenizer
     from hyflow.rewards.manager import RewardManager
 
-    rank = dist.get_rank()
     if cfg.actor.checkpoint:  # before the tokenizer, which usually lives in the checkpoint's folder
         check_actor_checkpoint(cfg.actor.checkpoint)
     tokenizer = load_data_tokenizer(cfg.data)
@@ -58,32 +55,44 @@ def run(cfg: RLJobConfig) -> list[dict]:
     reward = RewardManager.from_config(cfg.reward, model_fn=models.reward_model)  # model_fn: None without one
     reward.check_records(list(dataset))
     kl_ctrl = make_kl_controller(cfg.algorithm)
-    # SIGTERM / SIGUSR1 flags and NaN/inf guards, installed before the long set-up so no signal is lost
     optimizers = [m.optimizer for m in models.trained().values()]
-    supervisor = StepSupervisor(cfg.trainer.max_bad_steps, optimizers, protect=[kl_ctrl],
-                                device=models.groups.device).install()
+    supervisor = StepSupervisor(cfg.trainer.max_bad_steps, optimizers, protect=[kl_ctrl], device=models.groups.device)
     state = RLState(models=models, loader=loader, kl_ctrl=kl_ctrl, supervisor=supervisor)
+    return state, StepJob(tokenizer, reward, sorted({r.data_source for r in dataset}), len(dataset))
+
+
+def run(cfg: RLJobConfig) -> list[dict]:
+    """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
+    from hyflow.data.tasks import tokenizer_spec_for
+    from hyflow.monitor.metrics import MetricsWriter
+    from hyflow.monitor.progress import Progress
+    from hyflow.monitor.timers import PhaseTimers
+
+    rank = dist.get_rank()
+    state, job = setup(cfg)
+    models, supervisor = state.models, state.supervisor
+    # SIGTERM / SIGUSR1 flags and NaN/inf guards, installed before the long set-up so no signal is lost
+    supervisor.install()
     ckpt = Checkpointer(cfg.trainer.output_dir, models.groups, models.desc, cfg.trainer.keep_last,
                         tokenizer=tokenizer_spec_for(cfg.data))
     start = _resume(cfg, ckpt, state)  # the checkpoint's step; 0: fresh run
-    job = StepJob(tokenizer=tokenizer, reward=reward, sources=sorted({r.data_source for r in dataset}))
     if rank == 0:
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
         print(format_config(cfg), flush=True)
         print(f"[hyflow] actor training {models.groups.layout.describe()} -> generation tp={cfg.rollout.layout.tp} "
               f"pp={cfg.rollout.layout.pp} with {models.hybrid.plan.micro_dp_size} micro-DP replicas per "
-              f"model copy; {len(dataset)} prompts", flush=True)
+              f"model copy; {job.dataset_size} prompts", flush=True)
     writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if rank == 0 else None
     if cfg.actor.sft_warmup_steps and not start:
-        sft_warmup(cfg, state, tokenizer)
+        sft_warmup(cfg, state, job.tokenizer)
     progress = Progress.from_config(cfg.trainer, initial=start, enabled=rank == 0)
     sync = torch.cuda.synchronize if models.groups.device.type == "cuda" else None
     timers = PhaseTimers(sync=sync)  # phases charged with the device work they launched
     history = []
     try:
         for step in range(start + 1, cfg.trainer.total_steps + 1):
-            records = loader.next_batch()
+            records = state.loader.next_batch()
             supervisor.begin_step()
             metrics, _ = rl_step(cfg, state, records, job, timers)
             outcome = supervisor.end_step(metrics, step)  # collective: agrees on stop signals and NaN/inf
@@ -120,8 +129,9 @@ def run(cfg: RLJobConfig) -> list[dict]:
 class StepJob:
     """What a step uses besides the state: the tokenizer, the reward manager, the data sources."""
 
-    def __init__(self, tokenizer, reward, sources) -> None:
+    def __init__(self, tokenizer, reward, sources, dataset_size: int = 0) -> None:
         self.tokenizer, self.reward, self.sources = tokenizer, reward, list(sources)
+        self.dataset_size = dataset_size
 
     @property
     def pad_id(self) -> int:
@@ -215,8 +225,8 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
         state.kl_ctrl.update(adv.kl, len(records) * n)
     out = _metrics(cfg, stats, job, batch, scored, scores, adv, values, rollout, actor, critic, models, timers)
     out.update({"actor/reward_kl_penalty": adv.kl, "actor/reward_kl_penalty_coeff": state.kl_ctrl.value})
-    data = dict(train, scores=scores, values=values, returns=adv.returns, greedy_scores=greedy_scores,
-                rows=torch.arange(first * n, stop * n, device=device))
+    data = dict(train, ref_logp=ref_logp, scores=scores, values=values, returns=adv.returns,
+                greedy_scores=greedy_scores, rows=torch.arange(first * n, stop * n, device=device))
     return out, data
 
 

@@ -1,0 +1,46 @@
+"""Helpers for tests of the RL job: set it up from the quickstart config, score rows directly."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Sequence
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
+
+
+def rl_setup(overrides: Sequence[str], config: str = QUICKSTART):
+    """``(cfg, state, job)`` of the RL job for ``config`` with ``overrides`` (call on every rank)."""
+    import hyflow.jobs.rl as rl
+    from hyflow.cli import load_job_config
+
+    cfg = load_job_config(config, list(overrides))
+    state, job = rl.setup(cfg)
+    return cfg, state, job
+
+
+def rl_step(cfg, state, job, records=None):
+    """One step of the RL job (the next batch of the loader unless ``records``); returns
+    ``(metrics, data)`` and advances ``state.step``."""
+    import hyflow.jobs.rl as rl
+    from hyflow.monitor.timers import PhaseTimers
+
+    records = state.loader.next_batch() if records is None else records
+    metrics, data = rl.rl_step(cfg, state, records, job, PhaseTimers())
+    state.step += 1
+    return metrics, data
+
+
+def score_rows(chunks, groups, tokens: torch.Tensor, scorer: Callable,
+               lengths: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """``scorer(output, micro-batch)`` over all rows of ``tokens`` [B, S] in one micro-batch, as
+    [B, S] on every rank of the model's pipeline."""
+    from hyflow.rl.batch import make_micro_batches, plan_fixed
+    from hyflow.rl.losses import forward_score
+
+    B, S = tokens.shape
+    lengths = list(lengths) if lengths is not None else [S] * B
+    micro = make_micro_batches({"tokens": tokens}, lengths, plan_fixed(B, B))
+    return forward_score(chunks, micro, scorer, groups, (B, S))
