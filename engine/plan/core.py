@@ -209,12 +209,18 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
             critic_train, [("actor weights+grads+optimizer", actor_static, "resident")] + frozen,
             "critic update"))
     result.phases.insert(0, _with_resident(actor_train, frozen + critic_static, "actor update"))
+    # Each rank holds its data-parallel shard of the step's samples (hyflow.rl.dispatch).
+    rows = cfg.data.train_batch_size // layout.dp * cfg.rollout.n
+    data = ("rollout data", mem.rollout_data_bytes(rows, seq, reference=cfg.reference.enable, critic=critic is not None),
+            f"this rank's {rows} rows (1/{layout.dp} of {cfg.data.train_batch_size * cfg.rollout.n}) x {seq} tokens")
+    for phase in result.phases:
+        phase.add(*data)
 
     fwd = mem.inference_estimates(model, layout, dtype=dtype, seq=seq,
                                   micro_batch_size=cfg.actor.micro_batch_size,
                                   attention=attention, phase="log-probs")
     result.phases.append(_with_resident(
-        fwd, [("actor weights+grads+optimizer", actor_static, "resident")] + frozen + critic_static,
+        fwd, [("actor weights+grads+optimizer", actor_static, "resident")] + frozen + critic_static + [data],
         "log-probs"))
 
     # Generation: the actor's weights live in the generation buffer (its training shard is
@@ -270,6 +276,7 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         "tp": gen.tp, "pp": gen.pp, "dp": plan.gen_dp_size, "micro_dp_size": plan.micro_dp_size,
         "layout": gen_layout.describe(), "groups": summarize(enums),
         "kv_cache_bytes": est.get("KV cache"), "slots": slots, "capacity": capacity,
+        "rollout_rows_per_rank": rows, "rollout_data_bytes": data[1],
     }
 
 

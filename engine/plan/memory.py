@@ -283,6 +283,19 @@ def kv_cache_bytes(desc: ModelDescription, gen_tp: int, gen_pp: int, slots: int,
     return 2 * layers * slots * groups * capacity * desc.head_dim * DTYPE_BYTES[dtype]
 
 
+def rollout_data_bytes(rows: int, seq: int, *, reference: bool, critic: bool) -> int:
+    """The RL step's per-row tensors on one rank for its ``rows`` (its data-parallel shard) of at
+    most ``seq`` tokens: int64 tokens; fp32 response mask, sampler log-probs, old log-probs,
+    advantages, token rewards (+ reference log-probs, + values, returns); the data plane's flat
+    copies (tokens, log-probs) of the same rows; and one mini-batch's gathered columns and
+    per-token weights while it trains (at most the whole shard)."""
+    fp32 = 5 + (1 if reference else 0) + (2 if critic else 0)
+    per_token = 8 + 4 * fp32
+    exchange = 8 + 4
+    update = 8 + 4 * (fp32 + 2)
+    return rows * seq * (per_token + exchange + update)
+
+
 def worst(estimates: Sequence[MemoryEstimate]) -> MemoryEstimate:
     """The estimate with the largest total."""
     return max(estimates, key=lambda e: e.total)
