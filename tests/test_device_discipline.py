@@ -6,6 +6,7 @@ per-step host round trip on CUDA. These tests hold the GPU path on CPU:
 (a) RL steps (GRPO at TP=2 with sequence parallelism, PPO + GAE with a critic at PP=2, the hybrid
     transition both ways) run under :class:`ImplicitDeviceGuard`: every implicit-device tensor
     factory creates a *meta* tensor, so using one breaks the step, and the call site is recorded;
+    no pickling collective (``all_gather_object``, ...) runs in the step;
 (b) every role's model (actor, reference, critic, reward model, the generation model's builder) is
     built for a target device and every parameter and buffer lands there;
 (c) an AST scan of the step's packages flags tensor factories without ``device=``;
@@ -41,6 +42,7 @@ FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "arange", "rand", "rand
              "linspace", "logspace", "eye", "empty_strided", "as_tensor", "asarray", "scalar_tensor",
              "tril_indices", "triu_indices"}
 STEP_PACKAGES = ("jobs", "rl", "training", "hybrid", "rollout")
+PICKLING = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
 
 
 # --------------------------------------------------------------------------- (a)
@@ -71,13 +73,22 @@ def _guarded_steps(overrides):
     state = RLState(models, loader, make_kl_controller(cfg.algorithm), StepSupervisor(3, device=models.groups.device))
     job = rl.StepJob(tok, RewardManager.from_config(cfg.reward), sorted({r.data_source for r in dataset}))
     guard = ImplicitDeviceGuard(allow=RUNTIME_ALLOW)
-    metrics = []
-    with guard:
-        for _ in range(2):  # two steps: the transition train -> gen -> train twice
-            m, _ = rl.rl_step(cfg, state, loader.next_batch(), job, PhaseTimers())
-            state.step += 1
-            metrics.append(m)
-    return sorted(set(guard.violations)), metrics
+    metrics, pickled = [], []
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in PICKLING}
+    for name, fn in originals.items():  # count pickling collectives: none belongs in a step
+        setattr(dist, name, lambda *a, _name=name, _fn=fn, **k: (pickled.append(_name), _fn(*a, **k))[1])
+    try:
+        with guard:
+            for _ in range(2):  # two steps: the transition train -> gen -> train twice
+                m, _ = rl.rl_step(cfg, state, loader.next_batch(), job, PhaseTimers())
+                state.step += 1
+                metrics.append(m)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return sorted(set(guard.violations)), metrics, pickled
 
 
 @pytest.mark.multirank
@@ -87,8 +98,9 @@ def _guarded_steps(overrides):
      "actor.pack_sequences=true"],
 ], ids=["grpo-tp2-sp", "ppo-gae-critic-pp2-packed"])
 def test_rl_steps_create_no_tensor_without_a_device(overrides):
-    for violations, metrics in run_on_ranks(_guarded_steps, 2, overrides, timeout=900):
+    for violations, metrics, pickled in run_on_ranks(_guarded_steps, 2, overrides, timeout=900):
         assert violations == [], "tensors created without a device:\n" + "\n".join(violations)
+        assert pickled == [], f"pickling collectives inside the RL step: {pickled}"
         assert all(m["actor/grad_norm"] == m["actor/grad_norm"] for m in metrics)  # the steps really trained
 
 

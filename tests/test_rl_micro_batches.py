@@ -183,3 +183,36 @@ def _check_rotary(positions, RotaryEmbedding):
     alone = torch.cat([rope.get_emb(3), rope.get_emb(2), rope.get_emb(1)])
     assert emb.shape == (6, 1, 1, 16) and torch.equal(emb, alone)  # bit for bit each sequence alone
     assert torch.equal(rope(6), rope.get_emb(6)) and not torch.equal(rope(6), alone)  # off outside the block
+
+
+def test_rollout_batch_from_the_data_planes_tensors():
+    from hyflow.jobs.rl import _rollout_batch
+    from hyflow.rollout.dp import SampleTensors
+    from hyflow.rollout.request import SampleOutput
+
+    samples = [SampleOutput(5, 1, [1, 2, 3], [7, 8], [-0.1, -0.2], "stop"),
+               SampleOutput(4, 0, [4, 5], [9, 10, 11], [-0.3, -0.4, -0.5], "length"),
+               SampleOutput(5, 0, [1, 2, 3], [], [], "length")]
+    wire = SampleTensors.from_samples(samples, torch.device("cpu")).sorted()
+    assert [(s.request_index, s.sample_index, s.token_ids) for s in wire.to_outputs()] == \
+        [(4, 0, [9, 10, 11]), (5, 0, []), (5, 1, [7, 8])]
+    b = _rollout_batch(wire, pad_id=0)
+    assert b.tokens.tolist() == [[4, 5, 9, 10, 11], [1, 2, 3, 0, 0], [1, 2, 3, 7, 8]]
+    assert b.response_mask.tolist() == [[0, 0, 1, 1, 1], [0] * 5, [0, 0, 0, 1, 1]]
+    assert torch.allclose(b.rollout_logprobs[2], torch.tensor([0, 0, 0, -0.1, -0.2]))
+    assert b.truncated.tolist() == [True, True, False] and b.group_ids.tolist() == [4, 5, 5]
+
+
+def test_packed_rows_for_transformer_engine_carry_sequence_bounds():
+    """With the TE spec a packed row goes to THD attention: cu_seqlens instead of a mask (the
+    padding, up to a width that divides the TP size, is a sequence of its own)."""
+    from hyflow.training.step import packed_seq_params
+
+    tokens = torch.arange(3 * 6).view(3, 6)
+    micro = make_micro_batches({"tokens": tokens}, [5, 2, 3], [[0, 1, 2]], packed=True, pad_multiple=4, thd=True)
+    mb = micro[0]
+    assert mb["tokens"].shape == (1, 12) and "attention_mask" not in mb
+    assert mb["cu_seqlens"].tolist() == [0, 5, 7, 10, 12] and mb["max_seqlen"] == 5
+    params = packed_seq_params(mb)
+    assert params.qkv_format == "thd" and params.cu_seqlens_q is mb["cu_seqlens"] and params.max_seqlen_kv == 5
+    assert packed_seq_params(make_micro_batches({"tokens": tokens}, [5, 2, 3], [[0, 1, 2]], packed=True)[0]) is None

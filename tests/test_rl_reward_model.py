@@ -54,8 +54,6 @@ def _save_checkpoints(root: str) -> None:
 def _trainer_scores(overrides):
     """One RL step; returns (sequences up to the last response token, the step's scores,
     each response's text) from rank 0."""
-    import torch.distributed as dist
-
     from hyflow.testing.rl import rl_setup, rl_step
 
     cfg, state, job = rl_setup(BASE + ["data.seed=3"] + overrides, QUICKSTART)
@@ -69,8 +67,10 @@ def _trainer_scores(overrides):
     for i in range(tokens.shape[0]):
         last = int(mask[i].nonzero().max())
         seqs.append(tokens[i, :last + 1].tolist())
-        texts.append(tok.decode(tokens[i][mask[i] > 0].tolist()))
-    return (seqs, data["scores"].tolist(), texts) if dist.get_rank() == 0 else None
+        texts.append(job.tokenizer.decode(tokens[i][mask[i] > 0].tolist()))
+    # each DP rank scored its own shard; TP / PP peers hold the same one
+    return (seqs, data["scores"].tolist(), texts) if state.models.groups.tp_rank == 0 and \
+        state.models.groups.pp_rank == 0 else ([], [], [])
 
 
 def _reference_scores(ckpt: str, seqs):
@@ -132,7 +132,8 @@ def test_reward_model_scores_match_a_plain_forward(checkpoints, tmp_path, layout
     fn = tmp_path / "score.py"
     fn.write_text(USER_FUNCTION)
     overrides = layout + kind + [f"reward.model_checkpoint={ckpt}", f"reward.function_path={fn}"]
-    seqs, scores, texts = run_on_ranks(_trainer_scores, 2, overrides, timeout=300)[0]
+    per_rank = run_on_ranks(_trainer_scores, 2, overrides, timeout=300)
+    seqs, scores, texts = (sum((r[i] for r in per_rank), []) for i in range(3))
     reference = run_on_ranks(_reference_scores, 1, ckpt, seqs, timeout=300)[0]
     assert len(seqs) == 8 and len(set(map(len, seqs))) > 1  # rows of several lengths: padding is exercised
     assert torch.tensor(reference).std() > 0.1  # distinct scores, so a mix-up of rows would show

@@ -1,10 +1,10 @@
 """End-to-end RL steps on 2 ranks (TP=2 training, TP=1 generation with 2 micro-DP
 replicas) asserting learning signal, not just completion:
 
-* GRPO: after each update, responses with positive advantage became more likely and
+* every update raised the advantage-weighted log-probs of its batch, sum A_t (log p_new - log p_old);
+* GRPO (one advantage per response): responses with positive advantage became more likely and
   responses with negative advantage less likely;
-* PPO with a critic and GAE: the same for the policy, and the critic's value loss on
-  the step's batch fell.
+* PPO with a critic and GAE: the critic's value loss on the step's batch fell.
 """
 
 import os
@@ -36,7 +36,7 @@ def _signal(overrides):
     cfg, state, job = rl_setup(BASE + ["data.seed=3"] + overrides)
     models = state.models
     rl.sft_warmup(cfg, state, job.tokenizer)
-    pos, neg, value_before, value_after, metrics = [], [], [], [], []
+    pos, neg, surrogate, value_before, value_after, metrics = [], [], [], [], [], []
     for _ in range(3):
         m, data = rl_step(cfg, state, job)
         metrics.append(m)
@@ -47,6 +47,8 @@ def _signal(overrides):
         adv = (data["advantages"] * mask).sum(-1)
         pos.append(change[adv > 0])
         neg.append(change[adv < 0])
+        # first-order change of the policy-gradient objective: sum of A_t * (log p_new - log p_old)
+        surrogate.append(float((data["advantages"] * (new - data["old_logp"]) * mask).sum()))
         if models.critic is not None:
             values = score_rows(models.critic.chunks, models.groups, data["tokens"], value_scorer())
             loss = lambda v: value_loss(v, data["values"], data["returns"], mask, None)[0].item()  # noqa: E731
@@ -54,7 +56,7 @@ def _signal(overrides):
             value_after.append(loss(values))
     if dist.get_rank() != 0:
         return None
-    return torch.cat(pos), torch.cat(neg), value_before, value_after, metrics
+    return torch.cat(pos), torch.cat(neg), surrogate, value_before, value_after, metrics
 
 
 REQUIRED = ("critic/score/mean", "actor/reward_kl_penalty", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm",
@@ -67,10 +69,12 @@ REQUIRED = ("critic/score/mean", "actor/reward_kl_penalty", "actor/pg_clipfrac",
      "actor.mini_batch_size=16"],
 ], ids=["grpo", "ppo-gae-critic"])
 def test_update_moves_probability_towards_positive_advantages(overrides):
-    pos, neg, before, after, metrics = run_on_ranks(_signal, 2, overrides, timeout=600)[0]
-    assert len(pos) >= 2 and len(neg) >= 2
-    assert pos.mean() > 0, pos
-    assert neg.mean() < 0, neg
+    pos, neg, surrogate, before, after, metrics = run_on_ranks(_signal, 2, overrides, timeout=600)[0]
+    assert all(s > 0 for s in surrogate), surrogate  # every update raised the advantage-weighted log-probs
+    if "algorithm.adv_estimator=grpo" in overrides:  # one advantage per response: its sign says all
+        assert len(pos) >= 2 and len(neg) >= 2
+        assert pos.mean() > 0, pos
+        assert neg.mean() < 0, neg
     for m in metrics:
         for key in REQUIRED:
             assert key in m and m[key] == m[key], key  # present and not NaN

@@ -27,7 +27,7 @@ from hyflow.algorithms.kl import make_kl_controller
 from hyflow.checkpoint.checkpointer import Checkpointer, resume_path
 from hyflow.config import dump_yaml, format_config
 from hyflow.jobs.rl_config import RLJobConfig
-from hyflow.rl.batch import MicroBatching, RolloutBatch, build_rollout_batch, make_micro_batches
+from hyflow.rl.batch import MicroBatching, RolloutBatch, batching_for, build_rollout_batch, pad_multiple
 from hyflow.rl.losses import PolicyLoss, ValueLoss, forward_score, logprob_scorer, value_scorer
 from hyflow.rl.metrics import BatchStats, all_gather_strings, score_metrics
 from hyflow.rl.models import RLModels, build_rl_models, check_actor_checkpoint
@@ -174,9 +174,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
             stats.distribution("critic/greedy_score", baseline)
     # 3. old / reference log-probs and values, forward-only over this rank's rows
     columns = {"tokens": batch.tokens, "response_mask": batch.response_mask}
-    scoring = make_micro_batches(columns, lengths, _batching(cfg, "reference").plan(lengths),
-                                 packed=cfg.actor.pack_sequences, pad_multiple=_pad_multiple(groups),
-                                 pad_id=job.pad_id)
+    scoring = batching_for(cfg, "reference", groups, job.pad_id).cut(columns, lengths)
     shape = tuple(batch.tokens.shape)
     vocab, tp_group, temp = models.sample_vocab, groups.pgs.tp, cfg.rollout.temperature
     with timers.phase("old_log_prob"):
@@ -193,9 +191,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     values = None
     if models.critic is not None:
         with timers.phase("values"):
-            critic_scoring = make_micro_batches(columns, lengths, _batching(cfg, "critic").plan(lengths),
-                                                packed=cfg.actor.pack_sequences, pad_multiple=_pad_multiple(groups),
-                                                pad_id=job.pad_id)
+            critic_scoring = batching_for(cfg, "critic", groups, job.pad_id).cut(columns, lengths)
             values = forward_score(models.critic.chunks, critic_scoring, value_scorer(), groups, shape)
     # 4. advantages (batch-wide statistics: sums over the DP group)
     with timers.phase("adv"):
@@ -206,18 +202,19 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     train = dict(columns, old_logp=old_logp, advantages=adv.advantages)
     if ref_logp is not None and cfg.actor.use_kl_loss:
         train["ref_logp"] = ref_logp
-    common = dict(seed=cfg.trainer.seed, step=step, row_offset=first * n, pad_multiple=_pad_multiple(groups),
-                  pad_id=job.pad_id, agg_mode=cfg.actor.loss_agg_mode, norm_length=float(cfg.rollout.max_new_tokens))
+    common = dict(seed=cfg.trainer.seed, step=step, row_offset=first * n, agg_mode=cfg.actor.loss_agg_mode,
+                  norm_length=float(cfg.rollout.max_new_tokens))
     with timers.phase("update_actor"):
         actor = update_model(models.actor, groups, train, lengths, PolicyLoss(cfg.actor, vocab, tp_group, temp),
-                             batching=_batching(cfg, "actor"), mini_batch_size=cfg.actor.mini_batch_size,
+                             batching=batching_for(cfg, "actor", groups, job.pad_id),
+                             mini_batch_size=cfg.actor.mini_batch_size,
                              epochs=cfg.actor.ppo_epochs, **common)
     critic = None
     if models.critic is not None:
         with timers.phase("update_critic"):
             critic_train = dict(columns, old_values=values, returns=adv.returns)
             critic = update_model(models.critic, groups, critic_train, lengths, ValueLoss(cfg.critic),
-                                  batching=_batching(cfg, "critic"),
+                                  batching=batching_for(cfg, "critic", groups, job.pad_id),
                                   mini_batch_size=cfg.critic.mini_batch_size or cfg.actor.mini_batch_size,
                                   epochs=cfg.critic.ppo_epochs or cfg.actor.ppo_epochs, **common)
     # 6. the KL controller and the step's metrics over the whole batch
@@ -255,25 +252,6 @@ def _dp_sum(dp_group):
         return t
 
     return reduce
-
-
-def _pad_multiple(groups) -> int:
-    """Sequence parallelism shards the sequence over TP: micro-batch widths must divide."""
-    return groups.layout.tp if groups.layout.sequence_parallel else 1
-
-
-def _batching(cfg: RLJobConfig, role: str) -> MicroBatching:
-    """How ``role`` (actor update, reference / old-log-prob scoring, critic) cuts its rows."""
-    actor = cfg.actor
-    if role == "reference":
-        return MicroBatching(cfg.reference.micro_batch_size or actor.micro_batch_size,
-                             cfg.reference.max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch,
-                             actor.pack_sequences)
-    if role == "critic":
-        return MicroBatching(cfg.critic.micro_batch_size,
-                             cfg.critic.max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch,
-                             actor.pack_sequences)
-    return MicroBatching(actor.micro_batch_size, actor.max_tokens_per_micro_batch, actor.pack_sequences)
 
 
 def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, scores, adv, values, rollout,
@@ -356,8 +334,8 @@ def sft_warmup(cfg: RLJobConfig, state: RLState, tokenizer) -> None:
             loss_mask[i, prompt_len:len(seq)] = 1.0
         data = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask[:, 1:]}
         lengths = [len(seq) for seq, _ in rows]
-        micro = make_micro_batches(data, lengths, MicroBatching(cfg.actor.micro_batch_size).plan(lengths),
-                                   pad_multiple=_pad_multiple(groups), pad_id=pad_id)
+        micro = MicroBatching(cfg.actor.micro_batch_size, pad_multiple=pad_multiple(groups), pad_id=pad_id).cut(
+            data, lengths)
         token_mean_weights(micro, "loss_mask", groups.pgs.dp)
         stats = train_step(actor.chunks, actor.optimizer, sft_scheduler, micro, groups=groups, loss_fn=lm_loss)
         if rank == 0 and (step % 10 == 0 or step == cfg.actor.sft_warmup_steps):

@@ -184,14 +184,15 @@ def packed_attention_mask(seq_lengths: Sequence[int], width: int, device: torch.
 
 
 def make_micro_batches(columns: dict[str, torch.Tensor], lengths: Sequence[int], plan: Plan, *,
-                       packed: bool = False, pad_multiple: int = 1, pad_id: int = 0) -> list[dict]:
+                       packed: bool = False, pad_multiple: int = 1, pad_id: int = 0, thd: bool = False) -> list[dict]:
     """The micro-batches of ``plan`` from per-row ``columns`` ([B, S] each; ``tokens`` among them).
 
     Unpacked: rows ``plan[i]``, cut to their longest row (rounded up to ``pad_multiple``, e.g. the
     TP size under sequence parallelism), positions ``0..s-1``. Packed: the rows' real tokens back
     to back in one row, per-sequence positions and a block-diagonal causal ``attention_mask``.
     Each micro-batch also records ``rows`` (and, packed, ``segments``: (row, start, length)) for
-    :func:`scatter_rows`.
+    :func:`scatter_rows`. ``thd``: packed rows for Transformer Engine's THD attention, which takes
+    the sequence boundaries (``cu_seqlens``) instead of a mask and restarts positions itself.
     """
     device = columns["tokens"].device
     out = []
@@ -215,7 +216,14 @@ def make_micro_batches(columns: dict[str, torch.Tensor], lengths: Sequence[int],
             mb[key] = _pad_right(torch.cat(parts).unsqueeze(0), width, fill)
         mb["position_ids"] = _pad_right(
             torch.cat([torch.arange(n, device=device) for n in seq_lengths]).unsqueeze(0), width, 0)
-        mb["attention_mask"] = packed_attention_mask(seq_lengths, width, device)
+        if thd:
+            bounds = [0]
+            for n in seq_lengths + ([width - sum(seq_lengths)] if width > sum(seq_lengths) else []):
+                bounds.append(bounds[-1] + n)  # the padding is a sequence of its own
+            mb["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32, device=device)
+            mb["max_seqlen"] = max(b - a for a, b in zip(bounds, bounds[1:]))
+        else:
+            mb["attention_mask"] = packed_attention_mask(seq_lengths, width, device)
         mb["rows"] = index
         starts = [0]
         for n in seq_lengths[:-1]:
@@ -256,15 +264,51 @@ def micro_batch_tokens(micro: Sequence[dict]) -> tuple[int, int]:
 
 @dataclass
 class MicroBatching:
-    """How a role cuts a batch: ``max_tokens`` None means ``micro_batch_size`` rows each."""
+    """How a role cuts a batch: ``max_tokens`` None means ``micro_batch_size`` rows each; widths
+    rounded up to ``pad_multiple`` (sequence parallelism); ``thd``: packed rows for TE's THD
+    attention."""
 
     micro_batch_size: int
     max_tokens: Optional[int] = None
     packed: bool = False
+    pad_multiple: int = 1
+    pad_id: int = 0
+    thd: bool = False
+
+    def cut(self, columns: dict[str, torch.Tensor], lengths: Sequence[int]) -> list[dict]:
+        """The micro-batches of ``columns`` (per-row [B, S] tensors) under this policy."""
+        return make_micro_batches(columns, lengths, self.plan(lengths), packed=self.packed,
+                                  pad_multiple=self.pad_multiple, pad_id=self.pad_id, thd=self.thd)
 
     def plan(self, lengths: Sequence[int]) -> Plan:
-        if self.max_tokens is None:
+        if self.max_tokens is None:  # packed too: micro_batch_size sequences per packed row
             return plan_fixed(len(lengths), self.micro_batch_size)
         if self.packed:
             return plan_packed(lengths, self.max_tokens)
         return plan_token_budget(lengths, self.max_tokens)
+
+
+def pad_multiple(groups) -> int:
+    """Sequence parallelism shards the sequence over TP: micro-batch widths must divide."""
+    return groups.layout.tp if groups.layout.sequence_parallel else 1
+
+
+def _thd(cfg) -> bool:
+    """Packed rows go to Transformer Engine's THD attention when the model uses the TE spec."""
+    from hyflow.models.builder import resolve_spec
+
+    return cfg.actor.pack_sequences and resolve_spec(cfg.actor.spec) == "te"
+
+
+def batching_for(cfg, role: str, groups, pad_id: int) -> MicroBatching:
+    """How ``role`` of an RL job config (``actor`` update, ``reference`` / old-log-prob scoring and
+    the reward model, ``critic``) cuts its rows."""
+    actor = cfg.actor
+    size, budget = actor.micro_batch_size, actor.max_tokens_per_micro_batch
+    if role == "reference":
+        size = cfg.reference.micro_batch_size or size
+        budget = cfg.reference.max_tokens_per_micro_batch or budget
+    elif role == "critic":
+        size, budget = cfg.critic.micro_batch_size, cfg.critic.max_tokens_per_micro_batch or budget
+    return MicroBatching(size, budget, actor.pack_sequences, pad_multiple=pad_multiple(groups), pad_id=pad_id,
+                         thd=_thd(cfg))

@@ -74,7 +74,6 @@ class RewardModel:
     def score(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """[N] float32: the value head at the last token of each sequence (collective over the
         model's TP x PP ranks, which must pass the same sequences: a DP shard)."""
-        from hyflow.rl.batch import MicroBatching, make_micro_batches
         from hyflow.rl.losses import forward_score
 
         lengths = [len(s) for s in sequences]
@@ -87,8 +86,7 @@ class RewardModel:
         tokens = torch.full((len(sequences), max(lengths)), self.pad_id, dtype=torch.long, device=device)
         for i, s in enumerate(sequences):
             tokens[i, :len(s)] = torch.as_tensor(list(s), dtype=torch.long, device=device)
-        micro = make_micro_batches({"tokens": tokens}, lengths, self.batching.plan(lengths),
-                                   packed=self.batching.packed, pad_id=self.pad_id)
+        micro = self.batching.cut({"tokens": tokens}, lengths)
         values = forward_score([self.model], micro, lambda out, batch: out.squeeze(-1), self.groups,
                                tuple(tokens.shape))
         last = torch.as_tensor(lengths, device=device) - 1
@@ -121,9 +119,6 @@ def build_reward_model(cfg, groups, sample_vocab: int, pad_id: int = 0) -> Rewar
         raise ConfigError(f"{KEY}={path!r}: {e}; {_HINT}", key=KEY) from None
     model.requires_grad_(False)
     model.eval()
-    from hyflow.rl.batch import MicroBatching
+    from hyflow.rl.batch import batching_for
 
-    batching = MicroBatching(cfg.reference.micro_batch_size or cfg.actor.micro_batch_size,
-                             cfg.reference.max_tokens_per_micro_batch or cfg.actor.max_tokens_per_micro_batch,
-                             cfg.actor.pack_sequences)
-    return RewardModel(model, desc, groups, batching, pad_id)
+    return RewardModel(model, desc, groups, batching_for(cfg, "reference", groups, pad_id), pad_id)

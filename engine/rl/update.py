@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from hyflow.rl.batch import MicroBatching, make_micro_batches
+from hyflow.rl.batch import MicroBatching
 from hyflow.rl.losses import loss_weights, minibatch_counts
 from hyflow.rollout.sampler import stream_seed
 from hyflow.training.step import train_step
@@ -60,8 +60,7 @@ class UpdateStats:
 
 def update_model(model, groups, columns: dict[str, torch.Tensor], lengths: Sequence[int], loss_fn, *,
                  batching: MicroBatching, mini_batch_size: int, epochs: int, agg_mode: str,
-                 norm_length: Optional[float], seed: int, step: int, row_offset: int, pad_multiple: int = 1,
-                 pad_id: int = 0) -> UpdateStats:
+                 norm_length: Optional[float], seed: int, step: int, row_offset: int) -> UpdateStats:
     """``epochs`` passes of mini-batch updates of ``model`` (a :class:`TrainedModel`) over this rank's
     rows. ``columns``: per-row [B, S] tensors the loss reads (``response_mask`` among them);
     ``lengths``: each row's real length; ``row_offset``: global index of the first local row."""
@@ -81,8 +80,7 @@ def update_model(model, groups, columns: dict[str, torch.Tensor], lengths: Seque
             cols["loss_weight"] = loss_weights(cols["response_mask"], agg_mode, tokens[k], seqs[k], norm_length)
             cols["token_weight"] = loss_weights(cols["response_mask"], "token-mean", tokens[k], seqs[k])
             sub = [lengths[r] for r in rows]
-            micro = make_micro_batches(cols, sub, batching.plan(sub), packed=batching.packed,
-                                       pad_multiple=pad_multiple, pad_id=pad_id)
+            micro = batching.cut(cols, sub)
             out.processed_tokens += sum(mb["tokens"].numel() for mb in micro)
             out.real_tokens += sum(sub)
             out.add(train_step(model.chunks, model.optimizer, model.scheduler, micro, groups=groups,

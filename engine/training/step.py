@@ -68,15 +68,29 @@ class LMLoss:
 lm_loss = LMLoss()
 
 
+def packed_seq_params(batch: Batch):
+    """Megatron's THD description of a packed row (Transformer Engine attention), or None."""
+    if "cu_seqlens" not in batch:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu, longest = batch["cu_seqlens"], batch["max_seqlen"]
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
 def _forward_step(loss_fn: LossFn, with_labels: bool, scale: float, data_iterator, model):
     batch = next(data_iterator)
-    positions = batch["position_ids"] if batch.get("packed") else None
-    with explicit_positions(model, positions):  # packed rows restart positions per sequence
+    thd = packed_seq_params(batch)
+    # packed rows restart positions per sequence (TE's THD attention does it from cu_seqlens)
+    positions = batch["position_ids"] if batch.get("packed") and thd is None else None
+    with explicit_positions(model, positions):
         output = model(
             batch["tokens"],
             batch["position_ids"],
             batch.get("attention_mask"),
             labels=batch["labels"] if with_labels else None,
+            **({"packed_seq_params": thd} if thd is not None else {}),
         )
     return output, partial(_loss_wrapper, loss_fn, batch, scale)
 
