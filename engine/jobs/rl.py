@@ -38,6 +38,8 @@ def run(cfg: RLJobConfig) -> list[dict]:
     """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
     from hyflow.data.dataset import PromptLoader, build_dataset
     from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
+    from hyflow.monitor import comm
+    from hyflow.monitor.memory import memory_summary
     from hyflow.monitor.metrics import MetricsWriter
     from hyflow.monitor.progress import Progress
     from hyflow.monitor.timers import PhaseTimers
@@ -72,6 +74,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
     progress = Progress.from_config(cfg.trainer, initial=start, enabled=rank == 0)
     timers = PhaseTimers()
     history = []
+    comm.install()  # per-step communication statistics (hyflow.monitor.comm)
     try:
         for step in range(start + 1, cfg.trainer.total_steps + 1):
             records = loader.next_batch()
@@ -79,6 +82,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
             metrics, _ = rl_step(cfg, roles, records, tokenizer, reward, kl_ctrl, timers)
             outcome = supervisor.end_step(metrics, step)  # collective: agrees on stop signals and NaN/inf
             metrics.update(timers.step_summary())
+            metrics.update(comm.step_summary(), **memory_summary(roles.groups.device))
             metrics["step"] = step
             history.append(metrics)
             if writer is not None:
@@ -94,6 +98,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
                 break
         ckpt.wait()
     finally:
+        comm.uninstall()
         supervisor.uninstall()
         ckpt.close(abort=True)  # no-op unless an error left a background save unfinished
     progress.close()
@@ -189,6 +194,7 @@ def rl_step(cfg: RLJobConfig, roles: Roles, records, tokenizer, reward, kl_ctrl,
         "response_length/mean": float(resp_len.mean()), "response_length/max": float(resp_len.max()),
         "response/clip_frac": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
         "tokens_per_s": gen_tokens / max(gen_seconds, 1e-9),
+        "perf/total_num_tokens": float(batch.attention_len.sum()),  # prompt + response, as verl counts
         "reshard/bytes_received": roles.hybrid.stats.bytes_received,
         "reshard/seconds": roles.hybrid.stats.seconds,
     })
