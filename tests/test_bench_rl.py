@@ -115,7 +115,7 @@ def test_bench_rl_on_the_quickstart(tmp_path):
     """The acceptance figures of a real 2-rank run: phases add up to the step within 5%, and
     tokens/s is the tokens counted in metrics.jsonl over the measured step time."""
     out = subprocess.run([sys.executable, "-m", "hyflow.cli", "bench", "rl", QUICKSTART, "actor.sft_warmup_steps=0",
-                          "trainer.tensorboard=false", "--steps", "2", "--warmup", "1", "--quiet",
+                          "trainer.loggers=[console]", "--steps", "2", "--warmup", "1", "--quiet",
                           "--output-dir", str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -90,7 +90,7 @@ def test_fresh_run_truncates_and_resume_keeps_rows_up_to_the_checkpoint(tmp_path
 
 def test_tensorboard_events_written(tmp_path):
     pytest.importorskip("tensorboard")
-    cfg = TrainerConfig(output_dir=str(tmp_path / "run"), tensorboard=True)
+    cfg = TrainerConfig(output_dir=str(tmp_path / "run"), loggers=["console", "tensorboard"])
     with MetricsWriter.from_config(cfg) as w:
         assert w.tensorboard_enabled
         w.log(1, {"reward/mean": 0.5, "note": "x"})

@@ -143,7 +143,7 @@ def _quickstart(overrides):
 
 
 def test_quickstart_reshard_and_dp_bytes(tmp_path):
-    base = ["actor.sft_warmup_steps=0", "trainer.total_steps=2", "trainer.tensorboard=false"]
+    base = ["actor.sft_warmup_steps=0", "trainer.total_steps=2", "trainer.loggers=[console]"]
     # TP=2 training -> TP=1 generation: the reshard all-gathers what the planner planned
     results = run_on_ranks(_quickstart, 2, base + [f"trainer.output_dir={tmp_path / 'tp2'}"], timeout=900)
     for history, planned, _ in results:

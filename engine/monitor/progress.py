@@ -80,7 +80,9 @@ class Progress:
 
     @classmethod
     def from_config(cls, trainer: Any, initial: int = 0, **kwargs: Any) -> "Progress":
-        """From a ``TrainerConfig``: ``total_steps`` steps, a CI line every ``log_every``."""
+        """From a ``TrainerConfig``: ``total_steps`` steps, a CI line every ``log_every``; off
+        unless ``console`` is among ``trainer.loggers``."""
+        kwargs["enabled"] = kwargs.get("enabled", True) and "console" in getattr(trainer, "loggers", ["console"])
         return cls(total=trainer.total_steps, initial=initial, every=trainer.log_every, **kwargs)
 
     def rate(self) -> float:
