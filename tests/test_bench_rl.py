@@ -103,7 +103,7 @@ def test_scaling_weak_grows_the_batch_and_slurm_submits(tmp_path):
     assert point_overrides(cfg, ["x=1"], 4, 1, weak=False) == ["x=1"]
     out = subprocess.run([sys.executable, "-m", "hyflow.cli", "bench", "scaling", QUICKSTART, "actor.layout.tp=1",
                           "--ranks", "1,2", "--launcher", "slurm", "--gpus-per-node", "2",
-                          "--output-dir", str(tmp_path), "--slurm", "--dry-run", "--no-plan-check"],
+                          "--output-dir", str(tmp_path), "--slurm=--dry-run --no-plan-check"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("#SBATCH --nodes=1") == 2, out.stdout

@@ -37,5 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         bench = sub.add_parser(name, help=help_text, description=module_doc,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
         importlib.import_module(module).add_arguments(bench)
+        if getattr(importlib.import_module(module), "INTERMIXED", False):  # overrides after options
+            from hyflow.launch.args import make_intermixed
+
+            make_intermixed(bench)
         bench.set_defaults(func=lambda args, _m=module: _run(_m, args))
     parser.set_defaults(func=lambda args: (parser.print_help(), 0)[1])

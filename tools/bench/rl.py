@@ -47,6 +47,10 @@ GEN_RATE_KEYS = (("tokens_per_s",),)
 RESPONSE_KEYS = (("response_length/mean",),)
 
 
+#: ``key=value`` overrides may come before or after the options
+INTERMIXED = True
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="RL job config (YAML); not needed with --collect")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")

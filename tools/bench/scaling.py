@@ -13,7 +13,7 @@ needs ``actor.layout.tp=1`` to run on one rank).
 
 ``--launcher local`` (default) runs every point here through ``hyflow launch local``.
 ``--launcher slurm`` submits one job per point through ``hyflow launch slurm`` (each point
-``R / --gpus-per-node`` nodes; extra options after ``--slurm``) into ``--output-dir/ranks-R``
+``R / --gpus-per-node`` nodes; extra options in ``--slurm='...'``) into ``--output-dir/ranks-R``
 and returns; once they finished, ``--collect`` reads those run directories and prints the
 table. A table, then one JSON line.
 """
@@ -23,9 +23,14 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import subprocess
 import sys
 from typing import Any, Optional, Sequence
+
+
+#: ``key=value`` overrides may come before or after the options
+INTERMIXED = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parent of the points' run directories ranks-R (needed with slurm and "
                              "--collect; default for local: temporary directories)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="slurm: ranks per node (default: %(default)s)")
-    parser.add_argument("--slurm", nargs=argparse.REMAINDER, default=[],
-                        help="slurm: further `hyflow launch slurm` options, e.g. --slurm --partition batch")
+    parser.add_argument("--slurm", default="", metavar="OPTIONS",
+                        help="slurm: further `hyflow launch slurm` options in one string, "
+                             "e.g. --slurm='--partition batch --time 01:00:00'")
     parser.add_argument("--collect", action="store_true",
                         help="report on the run directories of an earlier --launcher slurm submission")
     parser.add_argument("--quiet", action="store_true", help="do not echo the jobs' output")
@@ -92,7 +98,7 @@ def _submit(config: str, overrides: list[str], ranks: int, total: int, run_dir: 
     nodes, per_node = max(1, ranks // args.gpus_per_node), min(ranks, args.gpus_per_node)
     cmd = [sys.executable, "-m", "hyflow.cli", "launch", "slurm", config, "--nodes", str(nodes),
            "--gpus-per-node", str(per_node), *overrides, f"trainer.total_steps={total}",
-           f"trainer.output_dir={run_dir}", "trainer.resume=never", *args.slurm]
+           f"trainer.output_dir={run_dir}", "trainer.resume=never", *shlex.split(args.slurm)]
     print(f"[bench] {' '.join(cmd[2:])}", flush=True)
     code = subprocess.call(cmd)
     if code:
