@@ -47,7 +47,8 @@ def thresholds_of(args: argparse.Namespace) -> dict[str, float]:
     out = dict(bw.THRESHOLDS_GBPS)
     if getattr(args, "warn_below", None) is not None:
         out = {k: args.warn_below for k in out}
-    for item in getattr(args, "threshold", None) or []:
+    items = [part for item in getattr(args, "threshold", None) or [] for part in item.split(",") if part]
+    for item in items:
         name, _, value = item.partition("=")
         if name not in _THRESHOLD_NAMES:
             raise SystemExit(f"hyflow doctor: --threshold {item!r}: use intra=, inter= or cpu=GBPS")
@@ -227,7 +228,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per size (default: %(default)s)")
     p.add_argument("--warn-below", type=float, metavar="GBPS",
                    help="one bandwidth threshold for every group and rank pair (default: per link, see --threshold)")
-    p.add_argument("--threshold", action="append", metavar="LINK=GBPS",
+    p.add_argument("--threshold", action="append", metavar="LINK=GBPS[,...]",
                    help="threshold of one link kind: intra=GBPS (GPUs of a node, default 100), inter=GBPS "
                         "(between nodes, default 10), cpu=GBPS (CPU ranks, default 0.05); repeatable")
     p.add_argument("--pair-size", type=parse_size, default=None,
