@@ -158,12 +158,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
     def _format_text(self, text: str) -> str:
-        from hyflow.config.core import plain_text
+        from hyflow.config.describe import plain_text
 
         return super()._format_text(plain_text(text))
 
     def _expand_help(self, action: argparse.Action) -> str:
-        from hyflow.config.core import plain_text
+        from hyflow.config.describe import plain_text
 
         return plain_text(super()._expand_help(action))
 

@@ -44,7 +44,7 @@ import contextlib
 import functools
 import sys
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 __all__ = ["OPS", "GROUP_KINDS", "register_group", "register_collection", "group_kind", "install",
            "uninstall", "installed", "step_summary", "transfer", "totals", "wrapper_overhead"]

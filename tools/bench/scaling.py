@@ -26,7 +26,7 @@ import os
 import shlex
 import subprocess
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 
 #: ``key=value`` overrides may come before or after the options
