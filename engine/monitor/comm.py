@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -64,6 +65,7 @@ _COLLECTION_KINDS = (
 
 _KIND_OF: dict[int, str] = {}     # id(group) -> kind
 _GROUPS: dict[int, Any] = {}      # id(group) -> group (keeps ids unique while registered)
+_GUESSED: dict[int, str] = {}     # id(group) -> "world" / "other" for groups nobody registered
 
 
 def register_group(group: Any, kind: str) -> None:
@@ -73,6 +75,7 @@ def register_group(group: Any, kind: str) -> None:
     if group is None or id(group) in _KIND_OF:
         return
     _KIND_OF[id(group)] = kind
+    _GUESSED.pop(id(group), None)
     _GROUPS[id(group)] = group
 
 
@@ -91,9 +94,13 @@ def group_kind(group: Any) -> str:
         return kind
     if group is None:
         return "world"
-    import torch.distributed as dist
+    kind = _GUESSED.get(id(group))
+    if kind is None:
+        import torch.distributed as dist
 
-    return "world" if group is dist.group.WORLD else "other"
+        kind = _GUESSED[id(group)] = "world" if group is dist.group.WORLD else "other"
+        _GROUPS.setdefault(id(group), group)  # keep the id from being reused while cached
+    return kind
 
 
 # ------------------------------------------------------------------------- statistics
@@ -106,7 +113,6 @@ class _Stats:
         self.pending_events: list = []   # (op, kind, start event, end event) on CUDA
         self.timeouts = 0
         self.kinds_seen: set[str] = set()
-        self.depth = 0                   # > 0 inside a charged call: nested calls are not charged
         self.sizes: dict[int, int] = {}  # id(group) -> size
         self.total_calls = 0
 
@@ -122,6 +128,17 @@ class _Stats:
 
 
 _STATS = _Stats()
+# Per thread: > 0 inside a charged call, whose nested collectives are not charged again (a
+# background thread's collectives are charged on their own).
+_NESTING = threading.local()
+
+
+def _depth() -> int:
+    return getattr(_NESTING, "depth", 0)
+
+
+def _enter(step: int) -> None:
+    _NESTING.depth = _depth() + step
 _ACTIVE = [False]  # the wrappers charge calls only while installed
 _PATCHED: list[tuple[Any, str, Any]] = []   # (owner, attribute, original)
 
@@ -207,9 +224,10 @@ _WRAPPED: dict[str, tuple[str, str, int, Callable]] = {
 
 def _coalescing() -> bool:
     """True inside a ``_coalescing_manager`` block (calls are queued, not run)."""
-    import torch.distributed.distributed_c10d as c10d
+    return bool(getattr(_C10D_WORLD[0], "pg_coalesce_state", None))
 
-    return bool(getattr(c10d._world, "pg_coalesce_state", None))
+
+_C10D_WORLD: list = [None]  # torch.distributed.distributed_c10d._world, set by install()
 
 
 class _TimedWork:
@@ -255,7 +273,7 @@ def _wrap(name: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         stats = _STATS
-        if stats.depth or not _ACTIVE[0]:
+        if not _ACTIVE[0] or _depth():
             return original(*args, **kwargs)
         group = _group_of(args, kwargs, name, key, pos)
         kind = group_kind(group)
@@ -270,7 +288,7 @@ def _wrap(name: str, original: Callable) -> Callable:
 
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        stats.depth += 1
+        _enter(1)
         start = time.perf_counter()
         try:
             result = original(*args, **kwargs)
@@ -279,7 +297,7 @@ def _wrap(name: str, original: Callable) -> Callable:
                 stats.timeouts += 1
             raise
         finally:
-            stats.depth -= 1
+            _enter(-1)
         seconds = time.perf_counter() - start
         if _coalescing():  # queued: the fused collective is timed by the coalescing manager
             stats.add(op, kind, seconds, nbytes)
@@ -307,7 +325,7 @@ def _wrap_coalescing(original: Callable) -> Callable:
 
     @contextlib.contextmanager
     def manager(group: Any = None, device: Any = None, async_ops: bool = False) -> Iterator[Any]:
-        if _STATS.depth or not _ACTIVE[0]:
+        if not _ACTIVE[0] or _depth():
             with original(group, device, async_ops) as handle:
                 yield handle
             return
@@ -347,6 +365,7 @@ def install() -> None:
         return
     import torch.distributed.distributed_c10d as c10d
 
+    _C10D_WORLD[0] = c10d._world
     replacements: dict[int, Callable] = {}
     for name in _WRAPPED:
         original = getattr(c10d, name, None)
@@ -381,17 +400,17 @@ def transfer(op: str, group: Any) -> Iterator["_Transfer"]:
     """Charge a transfer made outside ``torch.distributed`` (set ``.nbytes`` inside the block)
     to ``op`` and ``group``'s kind; collectives called inside are not charged again."""
     xfer = _Transfer()
-    if not _ACTIVE[0] or _STATS.depth:
+    if not _ACTIVE[0] or _depth():
         yield xfer
         return
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; one of {', '.join(OPS)}")
-    _STATS.depth += 1
+    _enter(1)
     start = time.perf_counter()
     try:
         yield xfer
     finally:
-        _STATS.depth -= 1
+        _enter(-1)
     _STATS.add(op, group_kind(group), time.perf_counter() - start, int(xfer.nbytes))
 
 
@@ -442,9 +461,11 @@ def step_summary(reset: bool = True) -> dict[str, float]:
 
 
 def wrapper_overhead(calls: int = 20000) -> float:
-    """Seconds the wrapper adds to one call: a wrapped no-op minus the bare no-op, best of 5
-    (what ``hyflow bench rl`` multiplies by the step's calls to get the monitor's overhead)."""
+    """CPU seconds the wrapper adds to one call: a wrapped no-op minus the bare no-op, best of 5,
+    in process CPU time so that other processes on a busy machine do not count (what ``hyflow
+    bench rl`` multiplies by the step's calls to get the monitor's share of the step)."""
     _WRAPPED["_hyflow_probe"] = ("barrier", "group", 0, _zero)
+    clock = time.process_time
 
     def probe(group: Any = None) -> None:
         return None
@@ -458,13 +479,13 @@ def wrapper_overhead(calls: int = 20000) -> float:
         saved = _STATS.table, _STATS.total_calls, set(_STATS.kinds_seen)
         best = float("inf")
         for _ in range(5):
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(calls):
                 probe(group)
-            t1 = time.perf_counter()
+            t1 = clock()
             for _ in range(calls):
                 wrapped(group)
-            t2 = time.perf_counter()
+            t2 = clock()
             best = min(best, ((t2 - t1) - (t1 - t0)) / calls)
         _STATS.table, _STATS.total_calls, _STATS.kinds_seen = saved
         _STATS.sizes.pop(id(group), None)
