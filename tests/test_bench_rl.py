@@ -18,7 +18,7 @@ from hyflow.tools.bench.scaling import efficiencies
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
-PHASES = ("reshard", "generate", "reward", "ref", "critic", "update")
+PHASES = ("reshard", "generate", "reward", "ref", "critic", "update", "adv")
 
 
 def _run_dir(path, nproc, step_times, tokens=3000.0, overrides=()):
@@ -41,7 +41,7 @@ def test_analyse_reads_the_metrics(tmp_path):
     r = analyse(run, warmup=1, peak_per_rank=1e9, peak_source="test", overhead_per_call=1e-6)
     assert r["steps"] == 3 and r["step_s"] == pytest.approx(2.0)
     assert r["phases_s"]["update"] == pytest.approx(2.0 / 8)
-    assert r["other_s"] == pytest.approx(2.0 / 4) and r["phases_cover"] == pytest.approx(0.75)
+    assert r["other_s"] == pytest.approx(2.0 / 8) and r["phases_cover"] == pytest.approx(7 / 8)
     tokens = 3002 + 3003 + 3004
     assert r["tokens_per_s"] == pytest.approx(tokens / 6.0)
     assert r["tokens_per_s_per_rank"] == pytest.approx(tokens / 6.0 / 2)

@@ -5,7 +5,7 @@ Runs ``--warmup + --steps`` steps of the real job (``hyflow launch local``, the 
 ``metrics.jsonl`` -- nothing is re-implemented -- and reports over the measured steps:
 
 * seconds per phase and its share of the step (reshard, generate, reward, old/reference
-  log-probs, critic values, updates) and what no phase covers; the transition share is the
+  log-probs, critic values, advantages, updates) and what no phase covers; the transition share is the
   reshard's;
 * throughput: prompt + response tokens per second of step time, and per rank (verl's
   ``perf/throughput``: tokens / (step seconds x ranks)); generation tokens per second;
@@ -39,11 +39,12 @@ PHASES: dict[str, tuple[tuple[str, ...], ...]] = {
     "reward": (("time/reward",), ("timing_s/reward",)),
     "ref": (("time/ref",), ("timing_s/old_log_prob", "timing_s/ref")),
     "critic": (("time/critic",), ("timing_s/values",)),
+    "adv": (("time/adv",), ("timing_s/adv",)),
     "update": (("time/update",), ("timing_s/update_actor", "timing_s/update_critic")),
 }
 STEP_KEYS = (("time/step",), ("timing_s/step",))
 TOKEN_KEYS = (("perf/total_num_tokens",),)
-GEN_RATE_KEYS = (("tokens_per_s",),)
+GEN_RATE_KEYS = (("tokens_per_s",), ("rollout/tokens_per_s",))
 RESPONSE_KEYS = (("response_length/mean",),)
 
 
