@@ -85,6 +85,7 @@ def run_job(config: str, overrides: Sequence[str], nproc: int, total_steps: int,
         assert proc.stdout is not None
         for line in proc.stdout:
             log.write(line)
+            log.flush()  # the log is worth reading while a long run goes on
             if not quiet:
                 sys.stdout.write(line)
         code = proc.wait()
