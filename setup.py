@@ -51,6 +51,8 @@ setup(
                  "sentencepiece", "gguf", "accelerate", "pyarrow", "tensorboard", "matplotlib"],
         "data": ["pyarrow"],
         "logging": ["tensorboard", "matplotlib", "tqdm"],
+        # experiment trackers beside TensorBoard (trainer.loggers: wandb, mlflow); optional
+        "trackers": ["wandb", "mlflow-skinny"],
     },
     entry_points={"console_scripts": ["hyflow=hyflow.cli:main"]},
 )

@@ -97,12 +97,32 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     from hyflow.config import ConfigError, describe, format_config
 
+    # Without a config file: the RL job (hyflow's main job) unless job=... says otherwise.
+    if args.config and "=" in args.config and not os.path.exists(args.config):  # `hyflow config job=lm`
+        args.overrides, args.config = [args.config, *args.overrides], None
+    overrides = list(args.overrides)
+    if not args.config and not any(o.startswith("job=") for o in overrides):
+        overrides.insert(0, "job=rl")
     try:
+        schema, job = _job_schema(args.config, overrides)
         if args.describe:
-            schema, _ = _job_schema(args.config, args.overrides)
-            print(describe(schema))
+            cfg = None
+            if args.config or args.overrides:
+                from hyflow.config import load_config
+
+                cfg = load_config(schema, args.config, [o for o in overrides if not o.startswith("job=")]
+                                  + [f"job={job}"])
+            where = f"; [config: ...] marks the values of {args.config or 'the overrides'} that differ" if cfg else ""
+            print(f"# the {job} job's keys: type = effective default{where}\n" + describe(schema, cfg))
             return 0
-        cfg = load_job_config(args.config, args.overrides)
+        if not args.config:
+            print(f"# no config file given: the {job} job's defaults (they need data.task or data.train_files "
+                  f"to run); `hyflow config --describe` explains every key", file=sys.stderr)
+            from hyflow.config.core import to_dict
+
+            print(format_config(to_dict(schema())))
+            return 0
+        cfg = load_job_config(args.config, overrides)
     except ConfigError as e:
         print(f"hyflow: config error: {e}", file=sys.stderr)
         return 2
@@ -125,18 +145,68 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks; an option's help ends with its default when it has
+    one and does not mention it already; reStructuredText markup is dropped."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" not in text and "default" not in text.lower() and action.option_strings
+                and default is not None and default is not argparse.SUPPRESS and not isinstance(default, bool)):
+            text += " (default: %(default)s)"
+        return text
+
+    def _format_text(self, text: str) -> str:
+        from hyflow.config.describe import plain_text
+
+        return super()._format_text(plain_text(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        from hyflow.config.describe import plain_text
+
+        return plain_text(super()._expand_help(action))
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    """``parser`` and every parser below it."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                yield from _subparsers(child)
+
+
+def version_text() -> str:
+    import importlib.metadata as md
+
+    def version(pkg: str) -> str:
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    return f"hyflow {version('hyflow')} (torch {version('torch')}, megatron-core {version('megatron-core')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyflow", description="RL post-training engine on Megatron-Core.")
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train = sub.add_parser("train", help="run a training job from a YAML config")
     train.add_argument("config", help="YAML config file (see configs/)")
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     train.set_defaults(func=cmd_train)
-    config = sub.add_parser("config", help="print the resolved config, or --describe its keys")
-    config.add_argument("config", nargs="?", help="YAML config file")
+    config = sub.add_parser(
+        "config", help="print the resolved config, or --describe its keys",
+        description="Print the resolved config (the file plus overrides plus defaults, validated), or with "
+                    "--describe every key with its type, effective default and help, marking the values a "
+                    "given config changes. Without a file: the RL job's defaults (job=lm for the LM job).")
+    config.add_argument("config", nargs="?", help="YAML config file (default: none, the job's defaults)")
     config.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    config.add_argument("--describe", action="store_true", help="list every key with type and help")
+    config.add_argument("--describe", action="store_true",
+                        help="list every key: type, effective default, help, and the config's value where it differs")
     config.set_defaults(func=cmd_config)
     info = sub.add_parser("info", help="versions of hyflow and its dependencies")
     info.set_defaults(func=cmd_info)
@@ -144,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(sub)
+    for p in _subparsers(parser):
+        p.formatter_class = HelpFormatter
     return parser
 
 
@@ -161,7 +233,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `hyflow ... | head`: the reader left; no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -69,3 +69,61 @@ def test_train_runs_two_ranks_and_writes_metrics(tmp_path):
     resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
     assert resolved["trainer"]["total_steps"] == 12 and resolved["actor"]["layout"]["tp"] == 2
     assert "launching 2 ranks" in out.stdout and "step   12/12" in out.stdout
+
+
+QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
+
+
+def test_version():
+    out = hyflow("--version")
+    assert out.returncode == 0 and out.stdout.startswith("hyflow 0.") and "megatron-core" in out.stdout
+
+
+def test_every_option_has_help_with_its_default_and_no_markup():
+    import argparse
+
+    from hyflow.cli import _subparsers, build_parser
+
+    parser = build_parser()
+    seen = 0
+    for p in _subparsers(parser):
+        text = p.format_help()
+        for marker in ("``", ":mod:", ":func:", ":class:"):
+            assert marker not in text, (p.prog, marker)
+        for action in p._actions:
+            if not action.option_strings or action.help is argparse.SUPPRESS:
+                continue
+            assert action.help, f"{p.prog} {action.option_strings[0]} has no help"
+            if action.default is not None and action.default is not argparse.SUPPRESS \
+                    and not isinstance(action.default, bool):
+                shown = p._get_formatter()._expand_help(action)
+                assert "default" in shown.lower(), (p.prog, action.option_strings, shown)
+            seen += 1
+    assert seen > 100
+    generate = " ".join(hyflow("generate", "--help").stdout.split())
+    assert "--top-k" in generate and "(default: 0)" in generate and "(default: 128)" in generate
+
+
+def test_config_describe_shows_effective_defaults_and_the_configs_values():
+    out = hyflow("config", QUICKSTART, "--describe")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    # the RL job's effective model default (tiny_llama), not the ModelDescription field's 32000
+    assert "model.vocab_size: int = 256   [config: 128]" in lines
+    assert "model.hidden_size: int = 64" in lines  # the quickstart keeps the default: no mark
+    assert "actor.optim.lr: float = 1.0e-06   [config: 0.0005]" in lines
+    entries = [i for i, line in enumerate(lines[1:], 1) if not line.startswith("    ")]
+    for i in entries:  # one help line under every key
+        assert lines[i + 1].startswith("    ") and lines[i + 1].strip() not in ("", "(no help)"), lines[i]
+    assert "(no help)" not in out.stdout and "``" not in out.stdout
+
+
+def test_config_without_arguments_is_the_rl_job_and_head_does_not_break_the_pipe():
+    out = hyflow("config")
+    assert out.returncode == 0 and "adv_estimator: grpo" in out.stdout and "no config file given" in out.stderr
+    out = hyflow("config", "--describe")
+    assert "algorithm.adv_estimator:" in out.stdout
+    assert "data.seq_length" in hyflow("config", "--describe", "job=lm").stdout
+    pipe = subprocess.run(f"{sys.executable} -m hyflow.cli config --describe | head -3", shell=True,
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert len(pipe.stdout.splitlines()) == 3 and "Traceback" not in pipe.stderr and "BrokenPipe" not in pipe.stderr

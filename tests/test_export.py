@@ -18,7 +18,7 @@ actor: {layout: {tp: 2, pp: 1}, micro_batch_size: 4, mini_batch_size: 8, sft_war
 rollout: {layout: {tp: 1, pp: 1}, n: 2, max_prompt_length: 16, max_new_tokens: 4}
 reward: {kind: rule, rule: exact_match}
 data: {task: digit_add, task_size: 64, train_batch_size: 4}
-trainer: {total_steps: 1, nproc: 2, log_every: 1, tensorboard: false}
+trainer: {total_steps: 1, nproc: 2, log_every: 1, loggers: [console]}
 """
 PROMPTS = [[5, 17, 33, 9], [60, 2], [101, 44, 44, 7, 80]]
 NEW_TOKENS = 6

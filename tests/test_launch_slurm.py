@@ -246,7 +246,7 @@ def test_dry_run_prints_and_submit_writes_into_the_run_dir(tmp_path, fake_slurm)
 def test_quickstart_step_under_fake_slurm_two_nodes(tmp_path, fake_slurm):
     env, d = fake_slurm
     text, run_dir = _render(tmp_path, 2, 1, overrides=["trainer.total_steps=1", "actor.sft_warmup_steps=0",
-                                                   "trainer.tensorboard=false"])
+                                                   "trainer.loggers=[console]"])
     (tmp_path / "job.sbatch").write_text(text)
     env["SLURM_JOB_NODELIST"] = "localhost,localhost"
     out = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True,

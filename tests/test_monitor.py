@@ -90,7 +90,7 @@ def test_fresh_run_truncates_and_resume_keeps_rows_up_to_the_checkpoint(tmp_path
 
 def test_tensorboard_events_written(tmp_path):
     pytest.importorskip("tensorboard")
-    cfg = TrainerConfig(output_dir=str(tmp_path / "run"), tensorboard=True)
+    cfg = TrainerConfig(output_dir=str(tmp_path / "run"), loggers=["console", "tensorboard"])
     with MetricsWriter.from_config(cfg) as w:
         assert w.tensorboard_enabled
         w.log(1, {"critic/score/mean": 0.5, "note": "x"})
@@ -190,17 +190,32 @@ def test_progress_non_tty_prints_every_n_plus_first_and_last():
     assert lines[-1].endswith("eta 0s")
 
 
-def test_progress_tty_redraws_in_place_and_resumes():
+def test_progress_tty_is_a_tqdm_bar_that_ends_its_line_before_messages():
+    pytest.importorskip("tqdm")
     clock, out = FakeClock(), FakeTTY()
     bar = Progress(total=100, initial=50, stream=out, clock=clock, width=10)
     assert bar.tty
-    clock.t += 0.5
-    bar.update(51, {"critic/score/mean": 0.9})
+    bar.update(51, {"critic/score/mean": 0.9, "comm/seconds": 0.41, "comm/bytes": 24.6e6})
+    redirected = sys.stdout
     bar.write("checkpoint saved")
+    bar.update(52, {"critic/score/mean": 0.8})
     bar.close()
+    assert sys.stdout is not redirected  # print() went through tqdm only while the bar was up
     text = out.getvalue()
-    assert text.startswith("\r\033[K[hyflow] step  51/100 ( 51%) [#####.....] | reward 0.9 | 2 step/s | eta 24s")
-    assert "\r\033[Kcheckpoint saved\n" in text and text.endswith("\n")
+    # the message sits on a line of its own: the bar was cleared (\r) before it and redrawn after
+    before, after = text.split("checkpoint saved\n")
+    assert before.endswith("\r") and after.startswith("\r")
+    assert "step 52/100" in after and "reward 0.8" in after and text.endswith("\n")
+    assert "reward 0.9 | comm 0.41s 24.6MB" in text
+    assert bar.last_line.startswith("[hyflow] step 52/100  52%|#####")
+
+
+def test_progress_comm_part_of_ci_line():
+    clock, out = FakeClock(), io.StringIO()
+    bar = Progress(total=2, stream=out, clock=clock)
+    clock.t += 1.0
+    bar.update(1, {"critic/score/mean": 0.5, "comm/seconds": 0.25, "comm/bytes": 2_500_000})
+    assert out.getvalue().splitlines()[0] == "[hyflow] step 1/2 ( 50%) | reward 0.5 | comm 0.25s 2.5MB | 1 s/step | eta 1s"
 
 
 def test_format_duration():

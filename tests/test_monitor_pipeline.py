@@ -27,7 +27,7 @@ def _cfg(tmp_path, steps: int) -> RLJobConfig:
     cfg.data.task, cfg.data.task_size, cfg.data.train_batch_size = "digits_reverse", 64, 4
     cfg.rollout.n, cfg.rollout.max_prompt_length = 2, 32
     cfg.reward.kind, cfg.reward.rule = "rule", "exact_match"
-    cfg.trainer.total_steps, cfg.trainer.output_dir, cfg.trainer.tensorboard = steps, str(tmp_path), False
+    cfg.trainer.total_steps, cfg.trainer.output_dir, cfg.trainer.loggers = steps, str(tmp_path), ["console"]
     return cfg
 
 

@@ -16,9 +16,14 @@ CONFIGS = os.path.join(REPO, "configs")
 
 
 def _plan(capsys, *args):
+    """The human output (table only) and, from a second run with --json, the JSON object."""
     code = main(["plan", *args, "--no-megatron"])
     out, err = capsys.readouterr()
-    return code, out, err, json.loads(out.strip().splitlines()[-1])
+    assert not out.strip().splitlines()[-1].startswith("{")
+    assert main(["plan", *args, "--no-megatron", "--json"]) == code
+    json_out, json_err = capsys.readouterr()
+    assert len(json_out.strip().splitlines()) == 1
+    return code, out, json_err, json.loads(json_out)
 
 
 @pytest.mark.parametrize("name, world, gen", [
@@ -82,7 +87,10 @@ def test_failures_are_clear(capsys, args, code, needles):
     assert not report["ok"] and report["errors"]
     for needle in needles:
         assert needle in out + err, needle
-    assert err.startswith("hyflow plan: ")
+    assert err.startswith("hyflow plan: ")  # with --json, the error also reaches the person
+    assert out.count(report["errors"][0]) == 1  # the human output states it once
+    advice = report["errors"][0].partition("Try: ")[2].split("; ")
+    assert len(advice) == len(set(advice))  # each remedy named once
 
 
 def test_generation_phase_counts_offloaded_state_out():

@@ -25,7 +25,7 @@ def test_plan_1024_matches_the_hybrid_planner():
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "hyflow.cli", "plan", "configs/qwen2_72b_1024gpu.yaml",
-                          "--world-size", "1024"], capture_output=True, text=True, timeout=300, cwd=REPO)
+                          "--world-size", "1024", "--json"], capture_output=True, text=True, timeout=300, cwd=REPO)
     elapsed = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime

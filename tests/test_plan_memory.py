@@ -104,7 +104,7 @@ def test_rl_quickstart_estimate_within_15_percent(tmp_path):
 
     config = os.path.join(REPO, "configs", "quickstart.yaml")
     overrides = ["trainer.total_steps=1", "actor.sft_warmup_steps=0", "rollout.max_prompt_length=7",
-                 f"trainer.output_dir={tmp_path / 'run'}", "trainer.tensorboard=false"]
+                 f"trainer.output_dir={tmp_path / 'run'}", "trainer.loggers=[console]"]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node=2", "-m", "hyflow.plan.measure", config, *overrides],
                          capture_output=True, text=True, timeout=1800, cwd=REPO,

@@ -47,7 +47,7 @@ rollout: {layout: {tp: 1, pp: 1}, n: 2, max_prompt_length: 16, max_new_tokens: 4
 algorithm: {adv_estimator: gae, use_kl_in_reward: true, kl_ctrl: {type: adaptive, kl_coef: 0.01}}
 reward: {kind: rule, rule: exact_match}
 data: {task: digit_add, task_size: 64, train_batch_size: 4}
-trainer: {total_steps: 6, nproc: 2, save_every: 3, keep_last: 2, log_every: 1, tensorboard: false}
+trainer: {total_steps: 6, nproc: 2, save_every: 3, keep_last: 2, log_every: 1, loggers: [console]}
 """
 NOT_COMPARED = ("timing_s/", "rollout/tokens_per_s", "reshard/seconds", "perf/throughput", "perf/time_per_step")
 

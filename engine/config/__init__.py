@@ -3,13 +3,13 @@ from hyflow.config.core import (
     ConfigError,
     apply_overrides,
     config_keys,
-    describe,
     dump_yaml,
     format_config,
     from_dict,
     load_config,
     to_dict,
 )
+from hyflow.config.describe import describe
 
 __all__ = [
     "ConfigError", "apply_overrides", "config_keys", "describe", "dump_yaml", "format_config",

@@ -29,7 +29,7 @@ import yaml
 
 __all__ = [
     "ConfigError", "from_dict", "apply_overrides", "load_config", "to_dict", "dump_yaml",
-    "format_config", "config_keys", "describe",
+    "format_config", "config_keys",
 ]
 
 T = TypeVar("T")
@@ -467,28 +467,3 @@ def dump_yaml(obj: Any, path: str) -> None:
     """Write the resolved config to ``path``; ``load_config(type(obj), path, [])`` equals ``obj``."""
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(format_config(obj))
-
-
-def _show(value: Any) -> str:
-    """A default value as one line of YAML."""
-    text = yaml.dump(to_dict(value), Dumper=_Dumper, default_flow_style=True, width=10**6)
-    return text.strip().removesuffix("...").strip()
-
-
-def describe(cls: type) -> str:
-    """One entry per dotted key: ``key: type = default`` then the field's ``help`` text."""
-    lines = []
-    for key, f, tp, is_section in _iter_keys(cls):
-        if is_section and not _is_union(tp):
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f" = {_show(f.default)}"
-        elif f.default_factory is not dataclasses.MISSING and not is_section:
-            default = f" = {_show(f.default_factory())}"
-        else:
-            default = "" if is_section else " (required)"
-        lines.append(f"{key}: {_type_name(tp)}{default}")
-        help_text = f.metadata.get("help")
-        if help_text:
-            lines.append(f"    {help_text}")
-    return "\n".join(lines)

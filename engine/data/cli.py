@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                               description=__doc__.split("\n\n")[2] if __doc__ else None))
     p.add_argument("task", help="task name (hyflow make-task --list)", nargs="?")
     p.add_argument("--size", type=int, default=100, help="number of rows")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated rows")
     p.add_argument("--out", help=".jsonl or .parquet file to write")
     p.add_argument("--list", action="store_true", help="list the tasks and their options")
     p.add_argument("options", nargs="*", metavar="KEY=VALUE", help="task options, e.g. ops=+- max_operand=20")

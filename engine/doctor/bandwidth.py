@@ -115,7 +115,7 @@ def check_all_reduce(group: Any, n: int, device: Any) -> Optional[str]:
 
 def measure_groups(named: dict[str, list[list[int]]], sizes: Sequence[int], *, iters: int,
                    warmup: int, local: dict[str, bool], on_gpu: bool,
-                   warn_below: Optional[float] = None) -> tuple[list[Row], list[str]]:
+                   thresholds: Optional[dict[str, float]] = None) -> tuple[list[Row], list[str]]:
     """Measure each kind of groups (all of its groups at once). Collective: every rank calls
     it with the same arguments. ``local[kind]`` says whether each group sits on one node."""
     import torch
@@ -136,12 +136,8 @@ def measure_groups(named: dict[str, list[list[int]]], sizes: Sequence[int], *, i
         if problem:
             errors.append(f"{kind}: {problem}")
             continue
-        if warn_below is not None:
-            threshold = warn_below
-        elif on_gpu:
-            threshold = THRESHOLDS_GBPS["gpu_intra_node" if local.get(kind) else "gpu_inter_node"]
-        else:
-            threshold = THRESHOLDS_GBPS["cpu"]
+        limits = thresholds or THRESHOLDS_GBPS
+        threshold = limits[("gpu_intra_node" if local.get(kind) else "gpu_inter_node") if on_gpu else "cpu"]
         for op in ("all_reduce", "all_gather"):
             for i, size in enumerate(sizes):
                 seconds = _time_op(op, group, n, size, iters, warmup, device)
@@ -158,3 +154,67 @@ def measure_groups(named: dict[str, list[list[int]]], sizes: Sequence[int], *, i
 
 def rows_json(rows: Sequence[Row]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+def ring_pairs(world: int) -> list[list[tuple[int, int]]]:
+    """Rounds of disjoint rank pairs that cover every ring neighbour (r, r + 1 mod world):
+    even-odd pairs, then odd-even pairs (and the wrap-around pair when it is new)."""
+    if world < 2:
+        return []
+    rounds = [[(r, r + 1) for r in range(0, world - 1, 2)]]
+    second = [(r, r + 1) for r in range(1, world - 1, 2)]
+    if world > 2 and world % 2 == 0:
+        second.append((0, world - 1))
+    if second:
+        rounds.append(second)
+    if world > 2 and world % 2:  # the odd ring's last edge needs a round of its own
+        rounds.append([(0, world - 1)])
+    return rounds
+
+
+def measure_pairs(size: int, *, iters: int, warmup: int, hosts: Sequence[str], on_gpu: bool,
+                  thresholds: dict[str, float]) -> list[dict[str, Any]]:
+    """Bandwidth of every ring-neighbour rank pair: both ranks send ``size`` bytes to each other
+    at once (``batch_isend_irecv``); GB/s = size / time per direction, time = the slower rank's.
+    Collective. Each pair is checked against the threshold for its locality."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    numel = max(size // 4, 1)
+    out: list[dict[str, Any]] = []
+    for pairs in ring_pairs(world):
+        peer = next((b if a == rank else a for a, b in pairs if rank in (a, b)), None)
+        seconds = torch.zeros(world, dtype=torch.float64, device=device)
+        if peer is not None:
+            send = torch.ones(numel, dtype=torch.float32, device=device)
+            recv = torch.empty(numel, dtype=torch.float32, device=device)
+
+            def exchange() -> None:
+                ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+
+            for _ in range(warmup):
+                exchange()
+        sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+        sync()
+        dist.barrier()
+        if peer is not None:
+            start = time.perf_counter()
+            for _ in range(iters):
+                exchange()
+            sync()
+            seconds[rank] = (time.perf_counter() - start) / iters
+        dist.all_reduce(seconds)  # every rank's own time; each slot written by one rank
+        for a, b in pairs:
+            t = max(float(seconds[a]), float(seconds[b]))
+            local = hosts[a] == hosts[b]
+            kind = ("gpu_intra_node" if local else "gpu_inter_node") if on_gpu else "cpu"
+            gbps = numel * 4 / t / 1e9 if t > 0 else float("inf")
+            threshold = thresholds[kind]
+            out.append({"ranks": [a, b], "hosts": [hosts[a], hosts[b]], "size": numel * 4, "seconds": t,
+                        "gbps": gbps, "threshold_gbps": threshold, "link": kind,
+                        "status": "pass" if gbps >= threshold else "warn"})
+    return out

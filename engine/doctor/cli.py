@@ -7,8 +7,13 @@ their topology, the communication-relevant environment, and, when started by a l
 --gpus-per-node 8``), all-reduce / all-gather bus bandwidth over the world, the ranks of each
 node and across nodes (and the actor's tp / dp / pp groups when a config is given), 1 MiB to
 1 GiB on GPU, capped at 64 MiB on CPU. The largest size is checked against pass/warn
-thresholds; warnings do not fail. Rank 0 prints a table, then one JSON line. Exit code 1 only
-when a collective returned wrong results.
+thresholds (bus bandwidth, GB/s: NVLink 100 within a GPU node, InfiniBand 10 between nodes,
+0.05 for CPU ranks; change them with --threshold or --warn-below). Every ring-neighbour rank
+pair is also measured on its own, so a slow link is named by its two ranks. The NCCL variables
+that decide how a large job fails or communicates get a one-line verdict each.
+
+Rank 0 prints a table, then one JSON line. Exit code 1 when a collective returned wrong
+results, or with --strict when anything warns.
 """
 
 from __future__ import annotations
@@ -32,6 +37,28 @@ def _layout_groups(config: Optional[str], overrides: list[str], world: int) -> d
     return {f"actor {kind}": layout.groups(kind) for kind in ("tp", "dp", "pp")}
 
 
+_THRESHOLD_NAMES = {"intra": "gpu_intra_node", "inter": "gpu_inter_node", "cpu": "cpu"}
+
+
+def thresholds_of(args: argparse.Namespace) -> dict[str, float]:
+    """Pass/warn thresholds in GB/s by link kind, from the defaults and the options."""
+    from hyflow.doctor import bandwidth as bw
+
+    out = dict(bw.THRESHOLDS_GBPS)
+    if getattr(args, "warn_below", None) is not None:
+        out = {k: args.warn_below for k in out}
+    items = [part for item in getattr(args, "threshold", None) or [] for part in item.split(",") if part]
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in _THRESHOLD_NAMES:
+            raise SystemExit(f"hyflow doctor: --threshold {item!r}: use intra=, inter= or cpu=GBPS")
+        try:
+            out[_THRESHOLD_NAMES[name]] = float(value)
+        except ValueError:
+            raise SystemExit(f"hyflow doctor: --threshold {item!r}: {value!r} is not a number") from None
+    return out
+
+
 def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
     """Collect everything (collective when launched as ranks); returns the JSON object."""
     from hyflow.doctor import bandwidth as bw
@@ -41,8 +68,10 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
                               "topology": env.topology(), "env": env.relevant_env()}
     from hyflow.parallel.distributed import launched_by_torchrun
 
+    thresholds = thresholds_of(args)
     if not launched_by_torchrun():
-        report.update(world_size=1, nodes=1, backend=None, bandwidth=[], errors=[],
+        report.update(world_size=1, nodes=1, backend=None, bandwidth=[], pairs=[], errors=[],
+                      nccl_env=env.nccl_env_verdicts(on_gpu=bool(report["gpus"])),
                       note="one process: start with `hyflow launch local doctor --nproc N` to "
                            "measure collective bandwidth")
         return report
@@ -68,14 +97,24 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
         local[kind] = all(len({node_of[r] for r in g}) == 1 for g in groups)
     sizes = bw.default_sizes(on_gpu, args.max_size)
     rows, errors = bw.measure_groups(named, sizes, iters=args.iters, warmup=args.warmup,
-                                     local=local, on_gpu=on_gpu, warn_below=args.warn_below)
+                                     local=local, on_gpu=on_gpu, thresholds=thresholds)
+    pairs = bw.measure_pairs(min(sizes[-1], args.pair_size or sizes[-1]), iters=args.iters, warmup=args.warmup,
+                             hosts=hosts, on_gpu=on_gpu, thresholds=thresholds)
+    verdicts: list[Any] = [None] * world  # each host's own environment (a diagnostic, once)
+    dist.all_gather_object(verdicts, env.nccl_env_verdicts(multi_node=len(intra) > 1, on_gpu=on_gpu))
+    merged: dict[tuple, dict] = {}
+    for host, items in zip(hosts, verdicts):
+        for v in items:
+            merged.setdefault((v["name"], v["status"], v["message"]), dict(v, hosts=[]))["hosts"].append(host)
+    for v in merged.values():
+        v["hosts"] = sorted(set(v["hosts"]))
     report.update(world_size=world, nodes=len(intra), backend=dist.get_backend(),
                   device="cuda" if on_gpu else "cpu", sizes=sizes,
                   size_note=None if on_gpu or args.max_size else
                   f"CPU run: sizes capped at {format_bytes(bw.CPU_MAX_SIZE)} (GPU runs go to 1 GiB)",
-                  bandwidth=bw.rows_json(rows), errors=errors,
-                  thresholds_gbps=bw.THRESHOLDS_GBPS if args.warn_below is None
-                  else {"all": args.warn_below},
+                  bandwidth=bw.rows_json(rows), pairs=pairs, errors=errors, nccl_env=list(merged.values()),
+                  group_ranks={kind: groups for kind, groups in named.items()},
+                  thresholds_gbps=thresholds,
                   torch_threads=torch.get_num_threads())
     return report
 
@@ -114,24 +153,66 @@ def format_report(report: dict[str, Any]) -> str:
         checked = [r for r in report["bandwidth"] if r["status"] != "-"]
         warns = [r for r in checked if r["status"] == "warn"]
         lines.append(f"  {len(checked) - len(warns)} pass, {len(warns)} warn")
+    if report.get("pairs"):
+        lines += ["", "Rank pairs (both directions at once; GB/s per direction)",
+                  f"  {'ranks':>9s} {'link':15s} {'size':>9s} {'time':>10s} {'GB/s':>8s}  status"]
+        for p in report["pairs"]:
+            a, b = p["ranks"]
+            lines.append(f"  {f'{a}<->{b}':>9s} {p['link']:15s} {format_bytes(p['size']):>9s} "
+                         f"{p['seconds'] * 1e3:8.2f}ms {p['gbps']:8.3f}  {p['status']} "
+                         f"(threshold {p['threshold_gbps']:g} GB/s)")
+    if report.get("nccl_env"):
+        lines += ["", "NCCL environment"]
+        for v in report["nccl_env"]:
+            where = f" [{', '.join(v['hosts'])}]" if report.get("nodes", 1) > 1 and v.get("hosts") else ""
+            lines.append(f"  {v['status']:4s} {v['name']}: {v['message']}{where}")
+    if report.get("warnings"):
+        lines += [""] + [f"warning: {w}" for w in report["warnings"]]
     for e in report.get("errors", []):
         lines.append(f"error: {e}")
     return "\n".join(lines)
 
 
+def warnings_of(report: dict[str, Any]) -> list[str]:
+    """One line per warning: slow groups (with their slowest measured rank pair), slow rank
+    pairs, NCCL variables."""
+    out = []
+    pairs = report.get("pairs", [])
+    for r in report["bandwidth"]:
+        if r["status"] != "warn":
+            continue
+        members = {x for g in report.get("group_ranks", {}).get(r["group"], []) for x in g}
+        inside = [p for p in pairs if set(p["ranks"]) <= members]
+        slowest = min(inside, key=lambda p: p["gbps"], default=None)
+        pair = (f"; slowest rank pair {slowest['ranks'][0]}<->{slowest['ranks'][1]} at "
+                f"{slowest['gbps']:.3g} GB/s" if slowest else "")
+        out.append(f"{r['op']} over {r['group']} ({r['group_size']} ranks x {r['groups']}): bus bandwidth "
+                   f"{r['busbw_gbps']:.3g} GB/s at {format_bytes(r['size'])} is below {r['threshold_gbps']:g} GB/s"
+                   + pair)
+    for p in pairs:
+        if p["status"] == "warn":
+            a, b = p["ranks"]
+            where = "on " + p["hosts"][0] if p["hosts"][0] == p["hosts"][1] else f"{p['hosts'][0]} -> {p['hosts'][1]}"
+            out.append(f"ranks {a}<->{b} ({where}, {p['link']}): {p['gbps']:.3g} GB/s per direction is below "
+                       f"{p['threshold_gbps']:g} GB/s")
+    for v in report.get("nccl_env", []):
+        if v["status"] == "warn":
+            out.append(f"{v['name']}: {v['message']}")
+    return out
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     report = run_doctor(args)
     bad = bool(report.get("errors"))
-    checked = [r for r in report["bandwidth"] if r["status"] != "-"]
-    report["status"] = "error" if bad else ("warn" if any(r["status"] == "warn" for r in checked)
-                                            else "pass")
+    report["warnings"] = warnings_of(report)
+    report["status"] = "error" if bad else ("warn" if report["warnings"] else "pass")
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_report(report) + "\n\n" + json.dumps(report, separators=(",", ":")), flush=True)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    return 1 if bad else 0
+    return 1 if bad or (args.strict and report["warnings"]) else 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -143,8 +224,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
     p.add_argument("--max-size", type=parse_size,
                    help="largest message (default 1GiB on GPU, 64MiB on CPU)")
-    p.add_argument("--iters", type=int, default=5, help="timed calls per size")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls per size")
+    p.add_argument("--iters", type=int, default=5, help="timed calls per size (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per size (default: %(default)s)")
     p.add_argument("--warn-below", type=float, metavar="GBPS",
-                   help="one bus-bandwidth threshold for every group (default: per device/locality)")
+                   help="one bandwidth threshold for every group and rank pair (default: per link, see --threshold)")
+    p.add_argument("--threshold", action="append", metavar="LINK=GBPS[,...]",
+                   help="threshold of one link kind: intra=GBPS (GPUs of a node, default 100), inter=GBPS "
+                        "(between nodes, default 10), cpu=GBPS (CPU ranks, default 0.05); repeatable")
+    p.add_argument("--pair-size", type=parse_size, default=None,
+                   help="message of the rank-pair measurement (default: the largest size)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when anything warns (default: warnings only print)")
     p.set_defaults(func=cmd_doctor)

@@ -93,3 +93,72 @@ def cpu_info() -> dict[str, Any]:
     except (ImportError, AttributeError):
         pass
     return info
+
+
+def network_interfaces() -> list[str]:
+    """Names of this host's network interfaces."""
+    try:
+        return sorted(os.listdir("/sys/class/net"))
+    except OSError:
+        try:
+            import psutil
+
+            return sorted(psutil.net_if_addrs())
+        except ImportError:  # pragma: no cover
+            return []
+
+
+def _ifname_matches(spec: str, interfaces: list[str]) -> list[str]:
+    """Interfaces NCCL_SOCKET_IFNAME selects: comma list of prefixes, ``=`` exact, ``^`` exclude."""
+    spec = spec.strip()
+    exclude = spec.startswith("^")
+    spec = spec.lstrip("^")
+    exact = spec.startswith("=")
+    names = [s for s in spec.lstrip("=").split(",") if s]
+    hit = [i for i in interfaces if any(i == n if exact else i.startswith(n) for n in names)]
+    return [i for i in interfaces if i not in hit] if exclude else hit
+
+
+def nccl_env_verdicts(environ: Optional[dict[str, str]] = None, *, multi_node: bool = False,
+                      on_gpu: bool = False, interfaces: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """One verdict per NCCL variable that decides how a large job fails or communicates:
+    ``{"name", "value", "status": ok|warn|info, "message"}``."""
+    env = dict(os.environ if environ is None else environ)
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, status: str, message: str) -> None:
+        out.append({"name": name, "value": env.get(name), "status": status, "message": message})
+
+    torch_name, old_name = "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"
+    value = env.get(torch_name, env.get(old_name))
+    if value is None:
+        add(torch_name, "ok", "unset: torch's default tears a rank down when a collective fails or times "
+                              "out, so the job stops instead of hanging")
+    elif value.strip() == "0":
+        add(torch_name, "warn", "0: a failed or timed-out collective leaves the job hanging until the "
+                                "time limit; set 1 (hyflow launch slurm does)")
+    else:
+        add(torch_name, "ok", f"{value}: a failed or timed-out collective stops the job")
+    if old_name in env and torch_name not in env:
+        add(old_name, "warn", f"deprecated name; torch reads {torch_name} (set that instead)")
+    ib = env.get("NCCL_IB_DISABLE")
+    if ib is not None and ib.strip() == "1":
+        add("NCCL_IB_DISABLE", "warn" if multi_node and on_gpu else "info",
+            "1: InfiniBand is off, traffic between nodes goes over TCP sockets (several times slower)"
+            + ("" if multi_node else "; no effect on one node"))
+    else:
+        add("NCCL_IB_DISABLE", "ok", "InfiniBand / RoCE used between nodes when present")
+    ifname = env.get("NCCL_SOCKET_IFNAME")
+    interfaces = network_interfaces() if interfaces is None else interfaces
+    if ifname:
+        hit = _ifname_matches(ifname, interfaces)
+        if hit:
+            add("NCCL_SOCKET_IFNAME", "ok", f"selects {', '.join(hit)} on this host")
+        else:
+            add("NCCL_SOCKET_IFNAME", "warn", f"{ifname!r} matches none of this host's interfaces "
+                                              f"({', '.join(interfaces) or 'none found'}): NCCL cannot start")
+    else:
+        add("NCCL_SOCKET_IFNAME", "info" if multi_node else "ok",
+            "unset: NCCL picks the interface for its bootstrap and socket traffic"
+            + ("; set it when the nodes have several networks" if multi_node else ""))
+    return out

@@ -48,6 +48,7 @@ from hyflow.hybrid.transport import GatherItem, make_pp_exchange, make_transport
 from hyflow.models.builder import build_gpt_model
 from hyflow.models.description import ModelDescription
 from hyflow.models.weights import _tp_slice, global_name
+from hyflow.monitor import comm
 from hyflow.parallel.groups import ParallelGroups, build_groups
 from hyflow.parallel.layout import Layout, pad_vocab_size
 
@@ -155,6 +156,8 @@ class HybridEngine:
         self.tp_merge_ranks = next(g for g in tp_merge if rank in g)
         self.pp_merge_group, _ = dist.new_subgroups_by_enumeration(pp_merge)
         self.pp_merge_ranks = next(g for g in pp_merge if rank in g)
+        comm.register_group(self.tp_merge_group, "reshard")
+        comm.register_group(self.pp_merge_group, "reshard")
         gen_layout = Layout(tp=plan.gen.tp, pp=plan.gen.pp, dp=plan.gen_dp_size)
         tg, pg, dg = plan.gen_coord(rank)
         kinds = ("tp", "pp", "dp", "cp", "mp", "tp_cp", "dp_cp", "embd", "pos_embd")
@@ -225,10 +228,14 @@ class HybridEngine:
                 items.append(GatherItem(param, _kind(self._train_params[local]), views[name]))
             else:
                 views[name].copy_(param)
-        received += self.transport.gather(items)
+        with comm.transfer("all_gather", self.tp_merge_group) as xfer:  # shared memory or collectives
+            xfer.nbytes = self.transport.gather(items)
+        received += xfer.nbytes
         # 2. PP merge: point-to-point from the stage that holds each parameter.
         if self.p > 1:
-            received += self._pp_merge(views)
+            with comm.transfer("p2p", self.pp_merge_group) as xfer:
+                xfer.nbytes = self._pp_merge(views)
+            received += xfer.nbytes
         for name, param in self._gen_params.items():
             param.data = views[name]
         self._views = views

@@ -65,7 +65,7 @@ class TrainerConfig:
 class LMJobConfig:
     """``job: lm`` - train a language model on synthetic data."""
 
-    job: Literal["lm"] = "lm"
+    job: Literal["lm"] = field(default="lm", metadata={"help": "which job the config describes"})
     model: ModelDescription = field(default_factory=tiny_llama)
     actor: ActorConfig = field(default_factory=ActorConfig)
     data: LMDataConfig = field(default_factory=LMDataConfig)

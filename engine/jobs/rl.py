@@ -64,6 +64,8 @@ def setup(cfg: RLJobConfig) -> tuple[RLState, "StepJob"]:
 def run(cfg: RLJobConfig) -> list[dict]:
     """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
     from hyflow.data.tasks import tokenizer_spec_for
+    from hyflow.monitor import comm
+    from hyflow.monitor.memory import memory_summary
     from hyflow.monitor.metrics import MetricsWriter
     from hyflow.monitor.progress import Progress
     from hyflow.monitor.timers import PhaseTimers
@@ -90,6 +92,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
     sync = torch.cuda.synchronize if models.groups.device.type == "cuda" else None
     timers = PhaseTimers(sync=sync)  # phases charged with the device work they launched
     history = []
+    comm.install()  # per-step communication statistics (hyflow.monitor.comm)
     try:
         for step in range(start + 1, cfg.trainer.total_steps + 1):
             records = state.loader.next_batch()
@@ -98,6 +101,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
             outcome = supervisor.end_step(metrics, step)  # collective: agrees on stop signals and NaN/inf
             state.step = step
             metrics.update(timers.step_summary())
+            metrics.update(comm.step_summary(), **memory_summary(models.groups.device))
             metrics["perf/time_per_step"] = metrics["timing_s/step"]
             # verl's definition: prompt + response tokens per second per rank
             metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (
@@ -117,6 +121,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
                 break
         ckpt.wait()
     finally:
+        comm.uninstall()
         supervisor.uninstall()
         ckpt.close(abort=True)  # no-op unless an error left a background save unfinished
     progress.close()

@@ -79,8 +79,11 @@ class ActorConfig:
     checkpoint: Optional[str] = field(default=None, metadata={
         "help": "converted checkpoint directory (hyflow convert hf2mcore); null = random init of `model`"})
     layout: Layout = field(default_factory=Layout, metadata={"help": "training layout; dp is derived"})
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    spec: Literal["auto", "local", "sdpa", "te"] = "auto"
+    dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={
+        "help": "parameter and compute dtype of the trained models"})
+    spec: Literal["auto", "local", "sdpa", "te"] = field(default="auto", metadata={
+        "help": "Megatron layer spec: local (plain torch), sdpa, te (Transformer Engine); "
+                "auto picks te on GPU when installed"})
     recompute: Literal["none", "selective", "full"] = field(default="none", metadata={
         "help": "activation recomputation during the update"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
@@ -102,14 +105,20 @@ class ActorConfig:
                 "'rollout' reuses the log-probs the sampler reported (same weights, one forward pass "
                 "less per step; equal to ~1e-5 in fp32, but generation kernels or bf16 can differ more: "
                 "watch rollout/logprob_diff_max under 'recompute')"})
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
+    clip_ratio_low: float = field(default=0.2, metadata={
+        "help": "PPO clip: ratios below 1 - clip_ratio_low are clipped"})
+    clip_ratio_high: float = field(default=0.2, metadata={
+        "help": "PPO clip: ratios above 1 + clip_ratio_high are clipped "
+                "(DAPO's clip-higher when larger than clip_ratio_low)"})
     clip_ratio_c: Optional[float] = field(default=None, metadata={"help": "dual-clip constant (> 1) or null"})
-    loss_agg_mode: LossAgg = "token-mean"
-    entropy_coeff: float = 0.0
+    loss_agg_mode: LossAgg = field(default="token-mean", metadata={
+        "help": "how per-token losses become one number: mean over tokens, or per sequence then over sequences"})
+    entropy_coeff: float = field(default=0.0, metadata={
+        "help": "weight of the entropy bonus in the actor loss (0 = off)"})
     use_kl_loss: bool = field(default=False, metadata={"help": "KL to the reference as a loss term"})
-    kl_loss_coef: float = 0.001
-    kl_loss_type: KLKind = "low_var_kl"
+    kl_loss_coef: float = field(default=0.001, metadata={
+        "help": "weight of the KL(actor || reference) term in the actor loss (0 = off)"})
+    kl_loss_type: KLKind = field(default="low_var_kl", metadata={"help": "KL estimator of the actor-loss term"})
     sft_warmup_steps: int = field(default=0, metadata={
         "help": "supervised steps on reference answers before RL (for tasks a random model cannot start)"})
     sft_lr: float = field(default=1e-3, metadata={"help": "constant learning rate of the SFT warm-up"})
@@ -128,18 +137,19 @@ class ActorConfig:
 class CriticConfig:
     """Value model (needed by GAE; GRPO / RLOO / REINFORCE++ run without it)."""
 
-    enable: bool = False
+    enable: bool = field(default=False, metadata={"help": "train a value model (needed by adv_estimator=gae)"})
     layout: Layout = field(default_factory=Layout, metadata={
         "help": "must equal the actor's layout for now; the trunk starts from the actor's weights"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    micro_batch_size: int = field(default=4, metadata={"help": "sequences per forward/backward"})
+    micro_batch_size: int = field(default=4, metadata={"help": "sequences per critic forward/backward"})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
         "help": "token budget of a micro-batch (values and update); null = micro_batch_size rows"})
     mini_batch_size: Optional[int] = field(default=None, metadata={
         "help": "sequences per critic optimizer step (all data-parallel ranks); null = actor.mini_batch_size"})
     ppo_epochs: Optional[int] = field(default=None, metadata={
         "help": "passes of the critic over each rollout batch; null = actor.ppo_epochs"})
-    cliprange_value: float = field(default=0.5, metadata={"help": "value clipping range (null = no clipping)"})
+    cliprange_value: float = field(default=0.5, metadata={
+        "help": "PPO value clip: new values stay within this distance of the old ones"})
 
     def validate(self) -> None:
         _positive(self, "micro_batch_size")
@@ -152,7 +162,8 @@ class CriticConfig:
 class ReferenceConfig:
     """Frozen copy of the initial policy for KL terms."""
 
-    enable: bool = True
+    enable: bool = field(default=True, metadata={
+        "help": "keep a frozen copy of the initial actor for KL terms and the reported KL"})
     layout: Optional[Layout] = field(default=None, metadata={"help": "null = the actor's training layout"})
     micro_batch_size: Optional[int] = field(default=None, metadata={
         "help": "sequences per forward when scoring old / reference log-probs; null = actor.micro_batch_size"})
@@ -180,10 +191,12 @@ class RewardConfig:
 
     kind: Literal["rule", "function", "model"] = field(default="rule", metadata={
         "help": "rule | function | model (model: the reward model's score alone)"})
-    rule: Literal["exact_match", "numeric_match", "format"] = "numeric_match"
+    rule: Literal["exact_match", "numeric_match", "format"] = field(default="numeric_match", metadata={
+        "help": "built-in rule scorer when reward.kind=rule"})
     function_path: Optional[str] = field(default=None, metadata={
         "help": "python file defining compute_score(data_source, solution_str, ground_truth, extra_info=None)"})
-    function_name: str = "compute_score"
+    function_name: str = field(default="compute_score", metadata={
+        "help": "name of the scoring function in reward.function_file"})
     model_checkpoint: Optional[str] = field(default=None, metadata={
         "help": "reward model: hyflow checkpoint directory of a GPTModel with a scalar value head (same "
                 "tokenizer as the actor), run frozen in the actor's training layout; needed by kind=model, "
@@ -206,22 +219,27 @@ class RewardConfig:
 class KLControlConfig:
     """KL penalty coefficient in the reward: fixed, or adaptive towards a target KL."""
 
-    type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: int = 10000
+    type: Literal["fixed", "adaptive"] = field(default="fixed", metadata={
+        "help": "fixed coefficient, or adaptive (moves the coefficient towards target_kl)"})
+    kl_coef: float = field(default=0.001, metadata={
+        "help": "coefficient of the in-reward KL penalty (initial value when adaptive)"})
+    target_kl: float = field(default=0.1, metadata={"help": "adaptive: the KL the controller aims for"})
+    horizon: int = field(default=10000, metadata={"help": "adaptive: steps over which the coefficient adapts"})
 
 
 @dataclass
 class AlgorithmConfig:
     """Advantage estimation and reward shaping."""
 
-    adv_estimator: AdvEstimator = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
-    use_kl_in_reward: bool = False
-    kl_penalty: KLKind = "k1"
+    adv_estimator: AdvEstimator = field(default="grpo", metadata={
+        "help": "how advantages are computed from scores (gae needs critic.enable=true)"})
+    gamma: float = field(default=1.0, metadata={"help": "discount factor (gae, reinforce_plus_plus)"})
+    lam: float = field(default=1.0, metadata={"help": "GAE lambda"})
+    norm_adv_by_std_in_grpo: bool = field(default=True, metadata={
+        "help": "GRPO: divide group-centred scores by the group's standard deviation"})
+    use_kl_in_reward: bool = field(default=False, metadata={
+        "help": "subtract kl_ctrl.kl_coef x KL(actor || reference) from the reward"})
+    kl_penalty: KLKind = field(default="k1", metadata={"help": "KL estimator of the in-reward penalty"})
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
     def validate(self) -> None:
@@ -240,10 +258,10 @@ class DataConfig:
     task_options: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "options of the synthetic task's generator, e.g. {min_digits: 2, max_digits: 4}"})
     tokenizer: Optional[str] = field(default=None, metadata={"help": "HF tokenizer dir / sentencepiece model"})
-    prompt_key: str = "prompt"
+    prompt_key: str = field(default="prompt", metadata={"help": "column of the dataset rows that holds the prompt"})
     train_batch_size: int = field(default=8, metadata={"help": "prompts per RL step"})
-    shuffle: bool = True
-    seed: int = 1
+    shuffle: bool = field(default=True, metadata={"help": "shuffle the prompts every epoch"})
+    seed: int = field(default=1, metadata={"help": "seed of the shuffle"})
 
     def validate(self) -> None:
         _positive(self, "train_batch_size", "task_size")
@@ -258,33 +276,45 @@ class TrainerConfig:
     total_steps: int = field(default=100, metadata={"help": "RL steps"})
     output_dir: str = field(default="runs/rl", metadata={"help": "metrics, config, TensorBoard, checkpoints"})
     nproc: int = field(default=1, metadata={"help": "ranks to launch on this machine"})
-    seed: int = 1234
-    log_every: int = 1
+    seed: int = field(default=1234, metadata={"help": "seed of initialisation, sampling and mini-batch order"})
+    log_every: int = field(default=1, metadata={"help": "print a progress line every N steps (when not on a terminal)"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     keep_last: int = field(default=2, metadata={"help": "complete checkpoints kept"})
     resume: str = field(default="auto", metadata={"help": "auto | never | path of a checkpoint"})
     max_bad_steps: int = field(default=3, metadata={"help": "consecutive NaN/inf steps before stopping"})
-    tensorboard: bool = True
+    loggers: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = field(
+        default_factory=lambda: ["console", "tensorboard"], metadata={
+            "help": "where metrics go besides metrics.jsonl: console (progress line), tensorboard "
+                    "(output_dir/tensorboard), wandb (WANDB_MODE=offline works), mlflow (MLFLOW_TRACKING_URI, "
+                    "else output_dir/mlruns)"})
+    project_name: str = field(default="hyflow", metadata={"help": "W&B project and MLflow experiment"})
+    experiment_name: Optional[str] = field(default=None, metadata={
+        "help": "W&B / MLflow run name (null: the output_dir's name)"})
 
     def validate(self) -> None:
         _positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps")
         if self.save_every < 0:
             raise ConfigError(f"must be >= 0, got {self.save_every}", key="save_every")
+        from hyflow.monitor.trackers import check_available
+
+        missing = check_available(self.loggers)
+        if missing:
+            raise ConfigError(missing, key="loggers")
 
 
 @dataclass
 class ClusterConfig:
     """The machines a run is planned for (used by ``hyflow plan``)."""
 
-    gpu_memory_gib: float = 80.0
-    gpus_per_node: int = 8
+    gpu_memory_gib: float = field(default=80.0, metadata={"help": "memory of one GPU, for hyflow plan"})
+    gpus_per_node: int = field(default=8, metadata={"help": "GPUs per node, for hyflow plan and the Slurm launcher"})
 
 
 @dataclass
 class RLJobConfig:
     """``job: rl`` - RL post-training of a language model."""
 
-    job: Literal["rl"] = "rl"
+    job: Literal["rl"] = field(default="rl", metadata={"help": "which job the config describes"})
     model: ModelDescription = field(default_factory=tiny_llama, metadata={
         "help": "architecture (ignored when actor.checkpoint is set: read from its model.json)"})
     actor: ActorConfig = field(default_factory=ActorConfig)

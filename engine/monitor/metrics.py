@@ -1,9 +1,9 @@
-"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step) and optional TensorBoard.
+"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step) and the experiment trackers
+(:mod:`hyflow.monitor.trackers`: TensorBoard, Weights & Biases, MLflow).
 
 Values may be Python numbers, numpy scalars or 0-d tensors; non-finite floats are written as
-``null`` (valid JSON) and counted in ``bad_values``. TensorBoard needs the ``tensorboard``
-package; without it (or with ``tensorboard=False``) only the jsonl is written, after a
-one-line warning.
+``null`` (valid JSON), counted in ``bad_values`` and left out of the trackers. TensorBoard needs
+the ``tensorboard`` package; without it only the jsonl is written, after a one-line warning.
 
 On resume, pass ``resume_step``: rows after it (written by the interrupted run after its last
 checkpoint) are dropped so the file stays one row per step, in order.
@@ -56,7 +56,9 @@ class MetricsWriter:
     """
 
     def __init__(self, output_dir: str, tensorboard: bool = True, resume_step: Optional[int] = None,
-                 required_keys: Sequence[str] = REQUIRED_KEYS, filename: str = "metrics.jsonl") -> None:
+                 required_keys: Sequence[str] = REQUIRED_KEYS, filename: str = "metrics.jsonl",
+                 loggers: Optional[Sequence[str]] = None, config_text: Optional[str] = None,
+                 project: str = "hyflow", experiment: Optional[str] = None) -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, filename)
@@ -66,14 +68,26 @@ class MetricsWriter:
         self._warned_missing: set[str] = set()
         self._prepare_file(resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
-        self._tb: Any = None
-        if tensorboard:
-            self._tb = self._open_tensorboard(os.path.join(output_dir, "tensorboard"), resume_step)
+        from hyflow.monitor.trackers import open_trackers
+
+        if loggers is None:
+            loggers = ["tensorboard"] if tensorboard else []
+        self.trackers = open_trackers(loggers, output_dir, resume_step, config_text, project, experiment)
 
     @classmethod
     def from_config(cls, trainer: Any, resume_step: Optional[int] = None) -> "MetricsWriter":
-        """From a ``TrainerConfig`` (``output_dir``, ``tensorboard``)."""
-        return cls(trainer.output_dir, tensorboard=trainer.tensorboard, resume_step=resume_step)
+        """From a ``TrainerConfig`` (``output_dir``, ``loggers``, ``project_name``,
+        ``experiment_name``); the trackers get ``<output_dir>/config.resolved.yaml`` when the
+        job wrote it."""
+        path = os.path.join(trainer.output_dir, "config.resolved.yaml")
+        config_text = None
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                config_text = f.read()
+        loggers = getattr(trainer, "loggers", None)
+        return cls(trainer.output_dir, resume_step=resume_step, tensorboard=getattr(trainer, "tensorboard", True),
+                   loggers=loggers, config_text=config_text, project=getattr(trainer, "project_name", "hyflow"),
+                   experiment=getattr(trainer, "experiment_name", None))
 
     def _prepare_file(self, resume_step: Optional[int]) -> None:
         if resume_step is None or not os.path.exists(self.path):
@@ -93,20 +107,11 @@ class MetricsWriter:
         if kept:
             self.last_step = json.loads(kept[-1])["step"]
 
-    @staticmethod
-    def _open_tensorboard(logdir: str, resume_step: Optional[int]) -> Any:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except Exception as exc:  # noqa: BLE001 - ImportError, or a broken tensorboard install
-            _LOG.warning("TensorBoard logging off (%s): `pip install tensorboard` to enable it; "
-                         "metrics.jsonl is still written", str(exc).splitlines()[0] if str(exc) else exc)
-            return None
-        kwargs = {"purge_step": resume_step + 1} if resume_step is not None else {}
-        return SummaryWriter(log_dir=logdir, **kwargs)
-
     @property
     def tensorboard_enabled(self) -> bool:
-        return self._tb is not None
+        from hyflow.monitor.trackers import TensorBoardTracker
+
+        return any(isinstance(t, TensorBoardTracker) for t in self.trackers)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict:
         """Write the row for ``step`` (``step`` first, then the metrics in order); returns it."""
@@ -131,21 +136,19 @@ class MetricsWriter:
             _LOG.warning("metrics row for step %d lacks %s", step, ", ".join(missing))
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, float):
-                    self._tb.add_scalar(key, value, global_step=step)
-            self._tb.flush()
+        numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, float)}
+        for tracker in self.trackers:
+            tracker.log(step, numbers)
         self.last_step = step
         return row
 
     def close(self) -> None:
-        """Flush and close the jsonl file and TensorBoard writer (idempotent)."""
+        """Flush and close the jsonl file and the trackers (idempotent)."""
         if not self._file.closed:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
     def __enter__(self) -> "MetricsWriter":
         return self

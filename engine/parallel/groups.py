@@ -24,6 +24,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from hyflow.monitor import comm
 from hyflow.parallel.distributed import rank_device
 from hyflow.parallel.layout import Layout, LayoutError
 
@@ -97,6 +98,7 @@ def init_training_groups(layout: Layout, seed: int = 1234) -> ParallelGroups:
         order="tp-cp-ep-dp-pp",
     )
     pgs = ProcessGroupCollection.use_mpu_process_groups()
+    comm.register_collection(pgs)  # collectives over these groups are charged to dp / tp / pp / ...
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     rank = dist.get_rank()
     return ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=layout.coords(rank), device=rank_device())
@@ -122,6 +124,7 @@ def build_groups(layout: Layout, enumerations: Optional[dict[str, list[list[int]
         group, _ = dist.new_subgroups_by_enumeration(ranks, backend=backend)
         setattr(pgs, kind, group)
     pgs.intra_dp_cp = pgs.dp_cp
+    comm.register_collection(pgs)
     return ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=coords or layout.coords(rank),
                           device=rank_device())
 

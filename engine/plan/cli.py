@@ -2,7 +2,7 @@
 generation layout, reshard bytes and per-GPU memory, worked out offline in one CPU process.
 
 Exit codes: 0 the job fits and divides; 1 it does not fit in GPU memory or a group check
-failed; 2 the config or a layout is invalid. Output: a table, then one JSON line.
+failed; 2 the config or a layout is invalid. Output: a table, or with --json one JSON object.
 
     hyflow plan configs/qwen2_72b_1024gpu.yaml --world-size 1024
     hyflow plan configs/llama3_8b_8gpu.yaml rollout.max_concurrent=256 --gpu-memory 80
@@ -12,6 +12,7 @@ failed; 2 the config or a layout is invalid. Output: a table, then one JSON line
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from hyflow.launch.args import make_intermixed
@@ -19,7 +20,7 @@ from hyflow.launch.args import make_intermixed
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hyflow.plan.core import PlanOptions, build_plan
-    from hyflow.plan.report import render
+    from hyflow.plan.report import format_table, to_json
 
     ranks = None
     if args.megatron_rank:
@@ -32,11 +33,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
                        device=args.device, reserve_gib=args.reserve,
                        fragmentation=args.fragmentation, megatron_ranks=ranks)
     result = build_plan(args.config, args.overrides, opts)
-    print(render(result), flush=True)
+    if args.json:
+        print(json.dumps(to_json(result), separators=(",", ":")), flush=True)
+    else:
+        print(format_table(result), flush=True)  # its "error:" lines say what failed
     if not result.errors:
         return 0
     config_error = any(e.startswith(("config:", "layout:")) for e in result.errors)
-    print("hyflow plan: " + result.errors[0], file=sys.stderr)
+    if args.json:  # stdout is for the program that reads it; tell the person too
+        print("hyflow plan: " + result.errors[0], file=sys.stderr)
     return 2 if config_error else 1
 
 
@@ -64,4 +69,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="create and check the groups of every rank (slow: ~0.3 s per rank)")
     p.add_argument("--no-megatron", action="store_true",
                    help="skip creating real groups (no Megatron import; faster)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object instead of the table")
     p.set_defaults(func=cmd_plan)

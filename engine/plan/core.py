@@ -366,21 +366,22 @@ def _check_memory(result: PlanResult) -> None:
     if peak is None or result.fits:
         return
     biggest = sorted(peak.items, key=lambda i: -i.bytes)[:3]
+    # each item's remedies as separate actions, so one shared by two items is named once
     hints = {
-        "KV cache": "lower rollout.max_concurrent or max lengths, or raise rollout.layout.tp",
-        "forward transient": "lower the rollout engine's max_prefill_tokens",
-        "generation weights": "raise rollout.layout.tp / pp",
-        "optimizer": "raise dp" if result.distributed_optimizer else
-                     "set actor.optim.distributed_optimizer=true or raise dp",
-        "activations": "set actor.recompute=selective/full or lower the micro-batch size",
-        "weights": "raise tp / pp", "grads": "raise tp / pp",
-        "logits": "lower the micro-batch size or raise tp",
-        "actor grads+optimizer": ("set rollout.offload_optimizer / offload_grad_buffers=true, or "
-                                  + ("raise tp / pp" if result.distributed_optimizer else
-                                     "set actor.optim.distributed_optimizer=true")),
+        "KV cache": ["lower rollout.max_concurrent or the max lengths", "raise rollout.layout.tp"],
+        "forward transient": ["lower the rollout engine's max_prefill_tokens"],
+        "generation weights": ["raise rollout.layout.tp", "raise rollout.layout.pp"],
+        "optimizer": ["raise dp"] if result.distributed_optimizer else
+                     ["set actor.optim.distributed_optimizer=true", "raise dp"],
+        "activations": ["set actor.recompute=selective/full", "lower the micro-batch size"],
+        "weights": ["raise tp", "raise pp"], "grads": ["raise tp", "raise pp"],
+        "logits": ["lower the micro-batch size", "raise tp"],
+        "actor grads+optimizer": ["set rollout.offload_optimizer / offload_grad_buffers=true"]
+                                 + (["raise tp", "raise pp"] if result.distributed_optimizer else
+                                    ["set actor.optim.distributed_optimizer=true"]),
     }
     parts = ", ".join(f"{i.name} {i.bytes / GIB:.1f} GiB" for i in biggest)
-    hint = "; ".join(dict.fromkeys(hints[i.name] for i in biggest if i.name in hints))
+    hint = "; ".join(dict.fromkeys(a for i in biggest for a in hints.get(i.name, [])))
     result.errors.append(
         f"memory: phase '{peak.phase}' needs {result.required_bytes / GIB:.1f} GiB per GPU "
         f"(estimate {peak.total / GIB:.1f} GiB + {result.fragmentation:.0%} fragmentation + "

@@ -7,7 +7,6 @@ enumerations as count / size / first group / digest (:func:`hyflow.plan.groups.d
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from hyflow.launch.args import format_bytes
@@ -132,8 +131,3 @@ def _short(group: list, limit: int = 8) -> str:
     if len(group) <= limit:
         return str(list(group))
     return "[" + ", ".join(map(str, group[:limit])) + f", ... ({len(group)})]"
-
-
-def render(result: PlanResult) -> str:
-    """Table, blank line, one JSON line."""
-    return format_table(result) + "\n\n" + json.dumps(to_json(result), separators=(",", ":"))

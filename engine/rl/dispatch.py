@@ -49,6 +49,9 @@ class RolloutDispatcher:
         micro = generation_enumerations(hybrid.plan)["micro_dp"]
         # One group per (training dp, generation tp, generation pp); its order is the replica index.
         self.micro_dp_group, _ = dist.new_subgroups_by_enumeration(micro)
+        from hyflow.monitor import comm
+
+        comm.register_group(self.micro_dp_group, "data")  # the data plane's sample exchange
         self._engine = None
 
     @property

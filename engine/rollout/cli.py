@@ -43,18 +43,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, default=1,
                    help="generation pipeline stages (run one after another: saves memory, not time)")
     p.add_argument("--dp", type=int, default=1, help="generation data parallel replicas")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens whose probability reaches p (1 = all)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="longest response in tokens")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler (same seed, same samples)")
     p.add_argument("--stop-token-ids", type=int, nargs="*", default=[], help="extra stop ids")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--max-concurrent", type=int, default=64)
-    p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--prefill-chunk-size", type=int, default=0)
-    p.add_argument("--truncate-long-prompts", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--max-concurrent", type=int, default=64,
+                   help="sequences decoded at once per replica (sizes the KV cache)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="KV-cache length per sequence (default: longest prompt + --max-new-tokens)")
+    p.add_argument("--prefill-chunk-size", type=int, default=0,
+                   help="prefill long prompts in chunks of this many tokens (0 = whole prompt at once)")
+    p.add_argument("--truncate-long-prompts", action="store_true",
+                   help="cut prompts that do not fit --max-seq-len from the left instead of failing")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="parameter dtype (default: the checkpoint's, fp32 for --hf)")
     p.add_argument("--output", help="write one JSON line per sample here")

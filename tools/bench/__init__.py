@@ -19,6 +19,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "hybrid engine train<->generation transition vs swap_model_weights, ckpt, all-gather"),
     "micro-batches": ("hyflow.tools.bench.micro_batches",
                       "padding and update time of a mixed-length batch: step-max, fixed, token budget, packed"),
+    "rl": ("hyflow.tools.bench.rl",
+           "an RL job's step: seconds and share per phase, tokens/s, MFU, communication, peak memory"),
+    "scaling": ("hyflow.tools.bench.scaling",
+                "strong or weak scaling efficiency of an RL job over several world sizes"),
 }
 
 
@@ -31,7 +35,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="benchmarks (" + ", ".join(BENCHMARKS) + ")")
     sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     for name, (module, help_text) in BENCHMARKS.items():
-        bench = sub.add_parser(name, help=help_text, description=help_text)
+        module_doc = importlib.import_module(module).__doc__ or help_text
+        bench = sub.add_parser(name, help=help_text, description=module_doc,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
         importlib.import_module(module).add_arguments(bench)
+        if getattr(importlib.import_module(module), "INTERMIXED", False):  # overrides after options
+            from hyflow.launch.args import make_intermixed
+
+            make_intermixed(bench)
         bench.set_defaults(func=lambda args, _m=module: _run(_m, args))
     parser.set_defaults(func=lambda args: (parser.print_help(), 0)[1])

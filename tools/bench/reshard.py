@@ -24,18 +24,18 @@ import time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--ffn", type=int, default=None, help="default: 4 * hidden")
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--tp-gen", type=int, default=1)
-    parser.add_argument("--pp-gen", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=24, help="transformer layers of the model")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads")
+    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads (grouped-query attention)")
+    parser.add_argument("--ffn", type=int, default=None, help="FFN size (default: 4 * hidden)")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    parser.add_argument("--tp", type=int, default=2, help="training tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="training pipeline stages")
+    parser.add_argument("--tp-gen", type=int, default=1, help="generation tensor-parallel size")
+    parser.add_argument("--pp-gen", type=int, default=1, help="generation pipeline stages")
     parser.add_argument("--nproc", type=int, default=None, help="default: tp * pp")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed round trips per method (the median is reported)")
     parser.add_argument("--skip", default="",
                         help="comma list of rows to skip: swap,ckpt,naive,collective")
     parser.add_argument("--transport", default="auto", choices=("auto", "collective", "shared_memory"),

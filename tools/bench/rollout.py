@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (best is kept)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="model dtype")
     p.add_argument("--profile", action="store_true",
                    help="print a torch profiler table of one decode-heavy run of each engine")
     p.add_argument("--compare-batching", action="store_true",
