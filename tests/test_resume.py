@@ -27,7 +27,7 @@ import time
 import pytest
 
 from hyflow.testing import run_on_ranks
-from hyflow.checkpoint.checkpointer import LATEST_FILE, MARKER_FILE, checkpoint_status, step_dir_name
+from hyflow.checkpoint.discovery import LATEST_FILE, MARKER_FILE, checkpoint_status, step_dir_name
 
 pytestmark = pytest.mark.multirank
 
@@ -286,7 +286,8 @@ def _async_save_and_load(config: str, out: str) -> dict:
 
     from hyflow.cli import load_job_config
     from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel, latest_checkpoint
+    from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
+    from hyflow.checkpoint.discovery import latest_checkpoint
     from hyflow.rl.models import build_roles
 
     cfg = load_job_config(config, [f"trainer.output_dir={out}", "actor.sft_warmup_steps=0", "critic.enable=false",

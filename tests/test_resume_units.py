@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from hyflow.checkpoint.checkpointer import (MARKER_FILE, capture_rng, checkpoint_status, latest_checkpoint,
-                                       list_checkpoints, prune_checkpoints, restore_rng, resume_path, step_dir_name,
-                                       write_atomic)
+from hyflow.checkpoint.discovery import (MARKER_FILE, checkpoint_status, latest_checkpoint, list_checkpoints,
+                                         prune_checkpoints, resume_path, step_dir_name)
+from hyflow.checkpoint.files import write_atomic
+from hyflow.checkpoint.rng import capture_rng, restore_rng
 from hyflow.training.supervisor import DivergenceError, StepSupervisor
 
 

@@ -27,7 +27,7 @@ from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.algorithms.advantages import compute_advantages
 from hyflow.algorithms.kl import make_kl_controller
 from hyflow.rl.batch import build_rollout_batch, micro_batches, position_ids
-from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel, resume_path
+from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 from hyflow.training.supervisor import StepOutcome, StepSupervisor
 from hyflow.rl.losses import forward_score, logprob_scorer, policy_loss_fn, value_loss_fn, value_scorer
 from hyflow.rl.models import Roles, build_roles, check_actor_checkpoint
@@ -323,16 +323,15 @@ def _maybe_save(cfg: RLJobConfig, ckpt: Checkpointer, roles: Roles, loader, kl_c
 
 def _resume(cfg: RLJobConfig, ckpt: Checkpointer, roles: Roles, loader, kl_ctrl,
             supervisor: StepSupervisor) -> int:
-    """Load the checkpoint ``trainer.resume`` names (rank 0 decides which); returns its step, 0
-    when the run starts fresh. Restores the random streams, so it runs last in the set-up."""
+    """Load the checkpoint ``trainer.resume`` names (the newest that verifies, for ``auto``); returns
+    its step, 0 when the run starts fresh. Restores the random streams, so it runs last in the set-up."""
     def warn(message: str) -> None:
         print(f"[hyflow] warning: {message}", file=sys.stderr, flush=True)
 
-    choice = [resume_path(cfg.trainer.resume, cfg.trainer.output_dir, warn) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
+    path = ckpt.find_resume(cfg.trainer.resume, warn)  # verified; falls back past damaged ones (auto)
+    if path is None:
         return 0
-    state = ckpt.load(choice[0], _trained_models(roles), frozen=_frozen_models(cfg, roles))
+    state = ckpt.load(path, _trained_models(roles), frozen=_frozen_models(cfg, roles))
     job = state["job"]
     loader.load_state_dict(job["data"])
     kl_ctrl.load_state_dict(job["kl_ctrl"])
