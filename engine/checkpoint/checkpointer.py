@@ -151,7 +151,9 @@ class Checkpointer:
         path = os.path.join(self.root, step_dir_name(step))
         try:
             return self._save(step, path, rng, models, job_state, frozen, config_text)
-        except Exception as e:  # noqa: BLE001 - only OS errors are rewritten
+        except BaseException as e:  # torch DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
             os_error = find_os_error(e)
             if os_error is None:
                 raise

@@ -180,3 +180,19 @@ def prune_checkpoints(root: str, keep_last: int) -> list[str]:
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
+
+
+def model_checkpoint_dir(path: str, role: str = "actor", warn: Callable[[str], None] = LOG.warning) -> str:
+    """The model checkpoint directory ``path`` points at: ``path`` itself when it is one (it
+    holds ``hyflow_checkpoint.json``), else ``role``'s model in the step checkpoint that ``path``
+    names (a step directory, a checkpoints directory or a run directory: its newest complete
+    checkpoint; ``warn`` names skipped incomplete ones). Raises :class:`CheckpointError`."""
+    from hyflow.checkpoint.model import CHECKPOINT_INFO_FILE
+
+    if os.path.exists(os.path.join(path, CHECKPOINT_INFO_FILE)):
+        return path
+    step_dir = resolve_checkpoint(path, warn)
+    model_dir = os.path.join(step_dir, role)
+    if not os.path.isdir(model_dir):
+        raise CheckpointError(f"checkpoint {step_dir} has no {role} model")
+    return model_dir

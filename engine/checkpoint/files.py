@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 from typing import Any
 
 from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError
@@ -71,18 +72,26 @@ def find_os_error(exc: BaseException) -> "OSError | None":
     todo = [exc]
     while todo:
         e = todo.pop()
-        if e is None or id(e) in seen:
+        if not isinstance(e, BaseException) or id(e) in seen:
             continue
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno is not None:
             return e
         todo += [e.__cause__, e.__context__]
         failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-        if isinstance(failures, dict):
-            todo += [f for f in failures.values() if isinstance(f, BaseException)]
-            todo += [getattr(f, "exception", None) for f in failures.values()]
+        if isinstance(failures, dict):  # rank -> exception, or (exception, traceback)
+            for f in failures.values():
+                todo += list(f) if isinstance(f, tuple) else [f]
         todo += [a for a in getattr(e, "args", ()) if isinstance(a, BaseException)]
+    # Exceptions that crossed a process boundary (torch DCP gathers them from the ranks, Megatron
+    # from its writer processes) keep only their text: "[Errno 28] No space left on device: 'path'"
+    match = _ERRNO_TEXT.search(str(exc))
+    if match:
+        return OSError(int(match.group(1)), match.group(2), match.group(3))
     return None
+
+
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^:\n]+)(?:: '([^'\n]*)')?")
 
 
 __all__ = ["write_atomic", "write_json", "read_json", "describe_os_error", "find_os_error",

@@ -179,9 +179,9 @@ def read_checkpoint_info(ckpt_dir: str) -> CheckpointInfo:
             f"hyflow reads ({FORMAT_VERSION}); upgrade hyflow")
     known = {f.name for f in fields(CheckpointInfo)}
     info = CheckpointInfo(**{k: v for k, v in data.items() if k in known})
-    root, prefix = manifest_location(ckpt_dir)
-    sizes_match(root, prefix)  # presence and sizes; the checksums are checked before a load
     _check_dcp_files(ckpt_dir)
+    root, prefix = manifest_location(ckpt_dir)
+    sizes_match(root, prefix)  # every other file: presence and size (checksums: verify_model_checkpoint)
     return info
 
 
@@ -369,15 +369,17 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
 
 def load_model_from_checkpoint(
         ckpt_dir: str, groups: ParallelGroups, *, dtype: Optional[str] = None,
-        spec: str = "auto") -> tuple[torch.nn.Module, ModelDescription, CheckpointInfo]:
+        spec: str = "auto", verify: bool = True) -> tuple[torch.nn.Module, ModelDescription, CheckpointInfo]:
     """Build this rank's model from the checkpoint's ``model.json`` and load it (after
-    verifying its files: :func:`verify_model_checkpoint`).
+    verifying its files: :func:`verify_model_checkpoint`; ``verify=False`` only when the
+    caller just did).
 
     ``dtype`` defaults to the checkpoint's. Returns (model, description, info).
     """
     info = read_checkpoint_info(ckpt_dir)
     desc = read_description(ckpt_dir)
-    verify_model_checkpoint(ckpt_dir, groups)  # before building: a damaged checkpoint fails fast
+    if verify:
+        verify_model_checkpoint(ckpt_dir, groups)  # before building: a damaged checkpoint fails fast
     model = build_model_for_loading(desc, groups, dtype=dtype or info.dtype, spec=spec)
     load_model_checkpoint(model, ckpt_dir, groups, desc, verify=False)
     return model, desc, info
