@@ -37,11 +37,12 @@ def _build():
 
 
 def _save_steps(out: str, steps: list, frozen: bool = False) -> None:
-    """Rank function: checkpoint a tiny model at ``steps`` (its weights change in between)."""
+    """Rank function: checkpoint a tiny model (char tokenizer) at ``steps`` (its weights change
+    in between)."""
     from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 
     groups, model = _build()
-    ckpt = Checkpointer(out, groups, _tiny(), keep_last=5, log=lambda m: None)
+    ckpt = Checkpointer(out, groups, _tiny(), keep_last=5, log=lambda m: None, tokenizer="char")
     for step in steps:
         with torch.no_grad():
             for p in model.parameters():
@@ -249,3 +250,48 @@ def test_disk_full_names_the_directory_and_the_previous_checkpoint_stays_usable(
     assert not (step2 / MARKER_FILE).exists()
     resumed = result["resume"]
     assert resumed["error"] is None and resumed["path"] == str(_step(out, 1)) and resumed["job"] == {"step": 1}
+
+
+# --------------------------------------------------------------------------- export and generate
+
+
+def test_export_refuses_a_damaged_checkpoint_naming_the_file(run, tmp_path, capsys):
+    from hyflow.cli import main
+
+    _flip_byte(_step(run, 2) / "actor" / "__0_0.distcp")
+    out = tmp_path / "hf"
+    assert main(["export", "--ckpt", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{_step(run, 2)}/actor/__0_0.distcp does not match its checksum" in err
+    assert not out.exists()  # nothing written
+
+
+@pytest.mark.multirank
+def test_export_without_a_tokenizer_says_so(saved, tmp_path, capsys):
+    from hyflow.cli import main
+
+    out = tmp_path / "hf"
+    assert main(["export", "--ckpt", str(saved), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "built-in character tokenizer ('char'), which has no Hugging Face tokenizer files" in err
+    assert (out / "config.json").exists() and not (out / "tokenizer.json").exists()
+
+
+@pytest.mark.multirank
+def test_generate_takes_a_run_directory_and_refuses_a_damaged_checkpoint(run, tmp_path):
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n')
+    args = [sys.executable, "-m", "hyflow.cli", "generate", "--ckpt", str(run), "--prompts", str(prompts),
+            "--max-new-tokens", "3", "--ignore-eos"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    good = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert good.returncode == 0, good.stderr[-3000:]
+    assert "[0.0] length, 3 tokens" in good.stdout
+    _flip_byte(_step(run, 2) / "actor" / "__0_0.distcp")
+    bad = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode == 2
+    assert f"{_step(run, 2)}/actor/__0_0.distcp does not match its checksum" in bad.stderr
+    assert "Traceback" not in bad.stderr
