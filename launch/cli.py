@@ -31,9 +31,10 @@ def _fail(message: str, code: int = 2) -> int:
 
 def cmd_local(args: argparse.Namespace) -> int:
     from hyflow.config import ConfigError
-    from hyflow.launch.local import LaunchError, launch_local, resolve_target
+    from hyflow.launch.local import LaunchError, check_before_launch, launch_local, resolve_target
 
     nproc = args.nproc
+    _no_verify(args)
     try:
         if nproc is None:
             nproc = 1
@@ -42,9 +43,23 @@ def cmd_local(args: argparse.Namespace) -> int:
 
                 nproc = load_job_config(args.target, args.args).trainer.nproc
         target = resolve_target(args.target, args.args, nproc)
-        return launch_local(target, nproc, dry_run=args.dry_run)
+        check_before_launch(target)
     except (ConfigError, LaunchError) as e:
         return _fail(str(e))
+    try:
+        return launch_local(target, nproc, dry_run=args.dry_run)
+    except LaunchError as e:
+        return _fail(str(e))
+
+
+def _no_verify(args: argparse.Namespace) -> None:
+    """``--no-verify``: the ranks skip checkpoint checksums (they inherit the environment)."""
+    if getattr(args, "no_verify", False):
+        import os
+
+        from hyflow.checkpoint.manifest import NO_VERIFY_ENV
+
+        os.environ[NO_VERIFY_ENV] = "1"
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
@@ -104,6 +119,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(local)
     local.add_argument("--nproc", type=int, help="ranks to start (default: trainer.nproc, 1 for doctor)")
     local.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
+    local.add_argument("--no-verify", action="store_true",
+                       help="skip checkpoint checksums when resuming / loading (sizes and pickles are still checked)")
     local.set_defaults(func=cmd_local)
 
     slurm = modes.add_parser(

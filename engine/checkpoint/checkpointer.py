@@ -89,6 +89,35 @@ class TrainedModel:
         return getattr(self.chunks[0], "module", self.chunks[0])
 
 
+def _ignore_stop_signals() -> None:
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _stop_signal_proof_writer_queue() -> None:
+    """Create the queue Megatron's checkpoint writers report through ourselves, in a manager
+    process that ignores stop signals.
+
+    Megatron starts it on the first save, as a spawned ``multiprocessing.Manager`` in the
+    rank's process group. torchrun stops a rank with SIGTERM to its whole process group and
+    Slurm signals every process of a job step, so the manager would die on the very signal that
+    asks for a last save, and that save would fail with "Broken pipe". (The manager is still
+    shut down with the rank, and SIGKILL still ends it.)"""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_ignore_stop_signals)
+    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._hyflow_manager = manager  # keep it alive as long as the queue
+
+
 def _layout_dict(groups: ParallelGroups) -> dict[str, Any]:
     return dict(asdict(groups.layout), world_size=dist.get_world_size())
 
@@ -123,6 +152,7 @@ class Checkpointer:
         self.root = checkpoints_root(output_dir)
         self.groups, self.desc, self.keep_last, self.tokenizer = groups, desc, keep_last, tokenizer
         self.async_save = (torch.cuda.is_available() and not cpu.is_active()) if async_save is None else async_save
+        _stop_signal_proof_writer_queue()
         self._log = log
         self._queue: Any = None
         self._verified: set[str] = set()
