@@ -69,15 +69,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Validate and pre-flight check the config, then run: as one rank of a torchrun job, in
     this process (``trainer.nproc=1``), or by starting ``trainer.nproc`` ranks here."""
     from hyflow.config import ConfigError
-    from hyflow.parallel.distributed import launched_by_torchrun
 
+    # hyflow.parallel.distributed.launched_by_torchrun's test, without importing torch (seconds)
+    # before the pre-flight checks
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if getattr(args, "no_verify", False):
         from hyflow.checkpoint.manifest import NO_VERIFY_ENV
 
         os.environ[NO_VERIFY_ENV] = "1"  # the ranks inherit it
     try:
         cfg = load_job_config(args.config, args.overrides)
-        if launched_by_torchrun():  # a rank: the launcher checked everything already
+        if launched:  # a rank: the launcher checked everything already
             return _run_rank(cfg)
         from hyflow.launch.local import Target, check_before_launch
 

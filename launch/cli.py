@@ -64,7 +64,7 @@ def _no_verify(args: argparse.Namespace) -> None:
 
 def cmd_slurm(args: argparse.Namespace) -> int:
     from hyflow.config import ConfigError
-    from hyflow.launch.local import LaunchError, resolve_target
+    from hyflow.launch.local import LaunchError, check_before_launch, resolve_target
     from hyflow.launch.slurm import SlurmOptions, render_sbatch, submit, write_sbatch
 
     opts = SlurmOptions(
@@ -76,6 +76,8 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     try:
         opts.validate()
         target = resolve_target(args.target, args.args, opts.world_size)
+        if not args.no_preflight:  # files, reward function, checkpoints: before the queue wait
+            check_before_launch(target)
         if target.command == "train" and not args.no_plan_check:
             _plan_check(target, opts)
         if args.dry_run:
@@ -149,5 +151,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     slurm.add_argument("--max-requeues", type=int, default=50, help="requeues after preemption")
     slurm.add_argument("--no-plan-check", action="store_true",
                        help="submit even when `hyflow plan` finds the job does not fit")
+    slurm.add_argument("--no-preflight", action="store_true",
+                       help="submit without checking the config's files here (paths that exist only on the "
+                            "compute nodes)")
     slurm.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     slurm.set_defaults(func=cmd_slurm)

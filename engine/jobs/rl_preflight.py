@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from hyflow.config import ConfigError
 
@@ -25,8 +25,17 @@ def _error(key: str, message: str) -> ConfigError:
     return ConfigError(f"config key '{key}': {message}", key=key)
 
 
-def preflight(cfg: Any, log: Callable[[str], None] = lambda m: None) -> None:
+def preflight(cfg: Any) -> None:
     """Raise :class:`ConfigError` for the first problem found (see the module docstring)."""
+    try:
+        _preflight(cfg)
+    except ConfigError as e:
+        if e.key and not str(e).startswith("config key"):
+            raise _error(e.key, str(e)) from None
+        raise
+
+
+def _preflight(cfg: Any) -> None:
     _check_task(cfg.data)
     vocab = _check_tokenizer(cfg)
     _check_data_files(cfg)
