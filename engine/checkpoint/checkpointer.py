@@ -90,10 +90,21 @@ class TrainedModel:
 
 
 def _ignore_stop_signals() -> None:
+    """Manager initializer: ignore stop signals, and exit as soon as the rank that started it
+    is gone (it would be orphaned by a SIGKILLed rank otherwise)."""
     import signal
+    import threading
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="hyflow-parent-watch", daemon=True).start()
 
 
 def _stop_signal_proof_writer_queue() -> None:
