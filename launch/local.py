@@ -153,7 +153,7 @@ def launch_local(target: Target, nproc: int, dry_run: bool = False) -> int:
                                                  f"--signals-to-handle={FORWARDED_SIGNALS}"])
     run_dir = target.output_dir or os.path.abspath(os.path.join("runs", target.command))
     log_dir = new_log_dir(run_dir)
-    print(f"[hyflow] launching {nproc} rank(s): {shlex.join(cmd)}", flush=True)
+    print(f"[hyflow] launching {nproc} rank{'' if nproc == 1 else 's'}: {shlex.join(cmd)}", flush=True)
     print(f"[hyflow] rank logs: {log_dir}; on a stop signal (SIGTERM, SIGUSR1) the ranks get "
           f"{grace_note} to save", flush=True)
     if dry_run:

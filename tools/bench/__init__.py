@@ -17,6 +17,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "generation tokens/s of the rollout engine vs transformers generate"),
     "reshard": ("hyflow.tools.bench.reshard",
                 "hybrid engine train<->generation transition vs swap_model_weights, ckpt, all-gather"),
+    "manifest": ("hyflow.tools.bench.manifest",
+                 "cost of checkpoint checksums: writing and verifying manifest.json"),
 }
 
 
