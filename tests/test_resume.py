@@ -29,7 +29,7 @@ import time
 import pytest
 
 from hyflow.testing import run_on_ranks
-from hyflow.checkpoint.discovery import LATEST_FILE, MARKER_FILE, checkpoint_status, step_dir_name
+from hyflow.checkpoint.discovery import LATEST_FILE, checkpoint_status, step_dir_name
 
 pytestmark = pytest.mark.multirank
 

@@ -28,13 +28,11 @@ checks a share) and every pickle in it is checked to hold only tensors and plain
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import time
-import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +43,7 @@ from hyflow.checkpoint.discovery import (CONFIG_FILE, LATEST_FILE, MARKER_FILE, 
 from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError
 from hyflow.checkpoint.files import describe_os_error, find_os_error, read_json, write_atomic, write_json
 from hyflow.checkpoint.manifest import write_manifest, verify_manifest
+from hyflow.checkpoint.megatron_io import quiet_dist_checkpointing, stop_signal_proof_writer_queue
 from hyflow.checkpoint.model import (CHECKPOINT_INFO_FILE, CheckpointInfo, check_compatible, load_model_checkpoint,
                                      model_dtype_name, read_checkpoint_info, read_description, store_tokenizer,
                                      verify_model_checkpoint)
@@ -63,15 +62,6 @@ __all__ = ["Checkpointer", "TrainedModel", "STATE_FORMAT", "STATE_VERSION", "res
            "MARKER_FILE", "STATE_FILE", "CONFIG_FILE"]
 
 
-@contextlib.contextmanager
-def _quiet_deprecations() -> Iterator[None]:
-    """dist_checkpointing uses torch APIs that warn about their deprecation; not the user's concern."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint.*")
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing.*")
-        yield
-
-
 @dataclass
 class TrainedModel:
     """A model saved in every checkpoint, with its optimizer and LR scheduler (None: frozen)."""
@@ -87,46 +77,6 @@ class TrainedModel:
             raise CheckpointError(f"checkpointing supports one model chunk per rank, got {len(self.chunks)} "
                                   "(virtual pipeline stages)")
         return getattr(self.chunks[0], "module", self.chunks[0])
-
-
-def _ignore_stop_signals() -> None:
-    """Manager initializer: ignore stop signals, and exit as soon as the rank that started it
-    is gone (it would be orphaned by a SIGKILLed rank otherwise)."""
-    import signal
-    import threading
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="hyflow-parent-watch", daemon=True).start()
-
-
-def _stop_signal_proof_writer_queue() -> None:
-    """Create the queue Megatron's checkpoint writers report through ourselves, in a manager
-    process that ignores stop signals.
-
-    Megatron starts it on the first save, as a spawned ``multiprocessing.Manager`` in the
-    rank's process group. torchrun stops a rank with SIGTERM to its whole process group and
-    Slurm signals every process of a job step, so the manager would die on the very signal that
-    asks for a last save, and that save would fail with "Broken pipe". (The manager is still
-    shut down with the rank, and SIGKILL still ends it.)"""
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", None) is not None:
-        return
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_ignore_stop_signals)
-    filesystem_async._results_queue = manager.Queue()
-    filesystem_async._hyflow_manager = manager  # keep it alive as long as the queue
 
 
 def _layout_dict(groups: ParallelGroups) -> dict[str, Any]:
@@ -163,7 +113,7 @@ class Checkpointer:
         self.root = checkpoints_root(output_dir)
         self.groups, self.desc, self.keep_last, self.tokenizer = groups, desc, keep_last, tokenizer
         self.async_save = (torch.cuda.is_available() and not cpu.is_active()) if async_save is None else async_save
-        _stop_signal_proof_writer_queue()
+        stop_signal_proof_writer_queue()
         self._log = log
         self._queue: Any = None
         self._verified: set[str] = set()
@@ -274,7 +224,7 @@ class Checkpointer:
         from megatron.core import dist_checkpointing
 
         os.makedirs(directory, exist_ok=True)
-        with _quiet_deprecations():
+        with quiet_dist_checkpointing():
             return dist_checkpointing.save(sharded, directory, async_sharded_save=self.async_save)
 
     def _model_info(self, module: torch.nn.Module, step: int, name: str) -> CheckpointInfo:
@@ -490,7 +440,7 @@ class Checkpointer:
 
         read_checkpoint_info(directory)  # complete, files present
         check_compatible(self.desc, read_description(directory), directory)
-        with _quiet_deprecations():
+        with quiet_dist_checkpointing():
             state = dist_checkpointing.load(module.sharded_state_dict(), directory,
                                             strict=StrictHandling.RAISE_UNEXPECTED)
         module.load_state_dict(state, strict=True)
@@ -502,7 +452,7 @@ class Checkpointer:
         allocate_distributed_optimizer_state(model.optimizer)
         sharded = model.optimizer.sharded_state_dict(module.sharded_state_dict(), is_loading=True,
                                                      metadata=optimizer_metadata(fmt))
-        with _quiet_deprecations():
+        with quiet_dist_checkpointing():
             loaded = dist_checkpointing.load(sharded, directory)
         with torch.no_grad():  # Megatron's dp_reshardable loader copies into parameter views
             model.optimizer.load_state_dict(loaded)

@@ -27,12 +27,10 @@ Entry points (all collective over the model's ranks): :func:`save_model_checkpoi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Optional
 
@@ -42,6 +40,7 @@ import torch.distributed as dist
 from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError  # noqa: F401 - re-exported
 from hyflow.checkpoint.files import write_json
 from hyflow.checkpoint.manifest import MANIFEST_FILE, sizes_match, verify_manifest, write_manifest
+from hyflow.checkpoint.megatron_io import quiet_dist_checkpointing
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription, ModelDescriptionError
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
@@ -82,26 +81,6 @@ class CheckpointInfo:
     padded_vocab_size: int = 0
     megatron_core: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def _quiet_dist_checkpointing():
-    """Silence dist_checkpointing's notices that do not apply here.
-
-    Megatron warns "Overwriting old incomplete / corrupted checkpoint" for any
-    non-empty directory (ours already holds the tokenizer), and torch's DCP emits
-    deprecation FutureWarnings about APIs Megatron 0.16 uses internally.
-    """
-    log = logging.getLogger("megatron.core.dist_checkpointing.serialization")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            for module in (r"torch\.distributed\.checkpoint.*", r"megatron\.core\.dist_checkpointing.*"):
-                warnings.filterwarnings("ignore", category=FutureWarning, module=module)
-            yield
-    finally:
-        log.setLevel(level)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -321,7 +300,7 @@ def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
     dist.broadcast_object_list(errors, src=0)
     if errors[0]:
         raise CheckpointError(errors[0])
-    with _quiet_dist_checkpointing():
+    with quiet_dist_checkpointing():
         dist_checkpointing.save(_unwrap(model).sharded_state_dict(), ckpt_dir)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -357,7 +336,7 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
         verify_model_checkpoint(ckpt_dir, groups)
     module = _unwrap(model)
     try:
-        with _quiet_dist_checkpointing():
+        with quiet_dist_checkpointing():
             state = dist_checkpointing.load(module.sharded_state_dict(), ckpt_dir,
                                             strict=StrictHandling.RAISE_UNEXPECTED)
     except CheckpointingException as e:
