@@ -100,16 +100,17 @@ def save_rng(path: str, state: dict[str, Any]) -> None:
 
 def load_rng(path: str) -> dict[str, Any]:
     """Read a file written by :func:`save_rng` with ``weights_only=True``: a file that holds
-    anything but tensors and plain data (a pickled callable, or the pickled numpy state of
-    hyflow < 0.2) is refused with :class:`CheckpointError`; nothing in it runs."""
+    anything but tensors and plain data (a pickled callable, or the pickled numpy state older
+    hyflow versions wrote) is refused with :class:`CheckpointError`; nothing in it runs."""
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
     except Exception as e:  # noqa: BLE001 - UnpicklingError for anything but plain data
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        from hyflow.checkpoint.trust import unpickling_detail
+
         raise CheckpointError(
-            f"{path} holds Python objects other than tensors and plain data ({first}): refused, hyflow "
+            f"{path} holds Python objects other than tensors and plain data ({unpickling_detail(e)}): refused, hyflow "
             "never runs code from a checkpoint. If you wrote it with an older hyflow and trust it, delete "
             "the checkpoint's rng/ folder: the run then resumes with re-seeded random streams") from None
     return rng_from_plain(data, path)

@@ -79,6 +79,13 @@ def read_dcp_index(ckpt_dir: str) -> Any:
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
 
 
+def unpickling_detail(e: BaseException) -> str:
+    """The line of a ``weights_only`` load error that names what was refused."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    return next((line for line in lines if "GLOBAL" in line or "Unsupported" in line),
+                lines[0] if lines else type(e).__name__)
+
+
 def check_plain_pickle(data: bytes, source: str) -> None:
     """Raise :class:`CheckpointError` unless ``data`` (a ``torch.save`` payload) loads with
     ``weights_only=True``: tensors, numbers, strings and containers only."""
@@ -87,10 +94,8 @@ def check_plain_pickle(data: bytes, source: str) -> None:
     try:
         torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()
-        detail = next((line for line in first if "GLOBAL" in line or "Unsupported" in line), first[0] if first else "")
         raise CheckpointError(f"{source} holds Python objects other than tensors and plain data "
-                              f"({detail.strip()}): refusing to load it; hyflow never runs code from a "
+                              f"({unpickling_detail(e)}): refusing to load it; hyflow never runs code from a "
                               "checkpoint") from None
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{source} cannot be read ({type(e).__name__}: {e})") from None
