@@ -87,7 +87,7 @@ hyflow_node() {
     if [[ $1 == hyflow-torchrun ]]; then
         shift
         py="${HYFLOW_PYTHON:-$(command -v python3 || command -v python || true)}"
-        if [[ -z $py ]] || ! "$py" -c 'import hyflow, torch' 2>/dev/null; then
+        if [[ -z $py ]] || ! "$py" -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("hyflow") and u.find_spec("torch")))' 2>/dev/null; then
             echo "[hyflow] node $(hostname): no python that imports hyflow and torch (found '${py:-none}');" \
                  "activate hyflow's environment before sbatch (the job inherits PATH) or set HYFLOW_PYTHON" >&2
             return 2

@@ -254,7 +254,7 @@ def test_quickstart_step_under_fake_slurm_two_nodes(tmp_path, fake_slurm):
     (tmp_path / "job.sbatch").write_text(text)
     env["SLURM_JOB_NODELIST"] = "localhost,localhost"
     out = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=900)
     logs = run_dir / "logs" / "4242"
     detail = out.stdout + out.stderr + "".join(
         p.read_text()[-3000:] for p in sorted(logs.glob("node-*.out"))) if logs.exists() else ""
