@@ -137,7 +137,7 @@ def test_task_option_values_are_checked(tmp_path, capsys):
     for options, message in ((dict(max_operand="abc"), "option max_operand expects an integer (default 50), got 'abc'"),
                              (dict(max_operand=2.5), "expects an integer"),
                              (dict(max_operand=-1), "must be >= 0"),
-                             (dict(digits=3), "task arithmetic has no option 'digits'")):
+                             (dict(digits=3), "task arithmetic has no option digits; its options: ops")):
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             make_task_rows("arithmetic", 3, **options)
     out = str(tmp_path / "t.jsonl")

@@ -140,7 +140,7 @@ def check_task_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in options.items():
         if key not in known:
-            raise ValueError(f"task {name} has no option {key!r}; its options: {', '.join(known) or 'none'}")
+            raise ValueError(f"task {name} has no option {key}; its options: {', '.join(known) or 'none'}")
         default = known[key]
         if isinstance(default, bool) or not isinstance(default, (int, float, str)):
             out[key] = value
