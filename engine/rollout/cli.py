@@ -157,15 +157,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from hyflow.checkpoint.manifest import NO_VERIFY_ENV
 
         os.environ[NO_VERIFY_ENV] = "1"  # the ranks inherit it
+    world = args.tp * args.pp * args.dp
     if args.ckpt:
         from hyflow.checkpoint.errors import CheckpointError
 
-        try:
-            args.ckpt = _model_dir(args.ckpt)
+        try:  # one process verifies here, before anything starts; several ranks share the work later
+            args.ckpt = _model_dir(args.ckpt, verify=world == 1)
         except CheckpointError as e:
             print(f"hyflow generate: error: {e}", file=sys.stderr)
             return 2
-    world = args.tp * args.pp * args.dp
     if min(args.tp, args.pp, args.dp) < 1:
         print("hyflow: --tp, --pp and --dp must be >= 1", file=sys.stderr)
         return 2
@@ -193,18 +193,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         shutdown()
 
 
-def _model_dir(path: str) -> str:
+def _model_dir(path: str, verify: bool = False) -> str:
     """``--ckpt``: a model checkpoint, or the actor of a run's newest complete step checkpoint
-    (as ``hyflow export --ckpt``); its files are present with their sizes (the checksums are
-    checked by the ranks, each a share, before loading)."""
+    (as ``hyflow export --ckpt``). Its files are present with their sizes; ``verify`` checks
+    them against the manifest here (one process; with several ranks each checks a share
+    before loading)."""
     from hyflow.checkpoint.discovery import model_checkpoint_dir
-    from hyflow.checkpoint.model import read_checkpoint_info
+    from hyflow.checkpoint.manifest import NO_VERIFY_ENV
+    from hyflow.checkpoint.model import read_checkpoint_info, verify_model_checkpoint
 
     def warn(message: str) -> None:
         print(f"hyflow generate: warning: {message}", file=sys.stderr, flush=True)
 
     model_dir = model_checkpoint_dir(path, warn=warn)
     read_checkpoint_info(model_dir)
+    if verify:
+        verify_model_checkpoint(model_dir, warn=warn)
+        os.environ[NO_VERIFY_ENV] = "1"  # checked: the load below need not hash the files again
     return model_dir
 
 
