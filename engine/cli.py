@@ -66,32 +66,67 @@ def load_job_config(yaml_path: Optional[str], overrides: Sequence[str]):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """Validate and pre-flight check the config, then run: as one rank of a torchrun job, in
+    this process (``trainer.nproc=1``), or by starting ``trainer.nproc`` ranks here."""
     from hyflow.config import ConfigError
 
+    # hyflow.parallel.distributed.launched_by_torchrun's test, without importing torch (seconds)
+    # before the pre-flight checks
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if getattr(args, "no_verify", False):
+        from hyflow.checkpoint.manifest import NO_VERIFY_ENV
+
+        os.environ[NO_VERIFY_ENV] = "1"  # the ranks inherit it
     try:
         cfg = load_job_config(args.config, args.overrides)
+        if launched:  # a rank: the launcher checked everything already
+            return _run_rank(cfg)
+        from hyflow.launch.local import Target, check_before_launch
+
+        target = Target(command="train", config=os.path.abspath(args.config), args=list(args.overrides),
+                        job=cfg.job, output_dir=os.path.abspath(cfg.trainer.output_dir), cfg=cfg)
+        check_before_launch(target)  # files, reward function, checkpoints: before any rank starts
     except ConfigError as e:
         print(f"hyflow: config error: {e}", file=sys.stderr)
         return 2
-    from hyflow.parallel.distributed import launched_by_torchrun
+    if cfg.trainer.nproc > 1:
+        from hyflow.launch.local import LaunchError, launch_local
 
-    if not launched_by_torchrun() and cfg.trainer.nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={cfg.trainer.nproc}", "-m", "hyflow.cli", "train",
-               args.config, *args.overrides]
-        print(f"[hyflow] launching {cfg.trainer.nproc} ranks: {' '.join(cmd[2:])}", flush=True)
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        from hyflow.launch.local import run_forwarding_signals
+        try:
+            return launch_local(target, cfg.trainer.nproc)
+        except LaunchError as e:
+            print(f"hyflow: {e}", file=sys.stderr)
+            return 2
+    return _run_single(cfg)
 
-        return run_forwarding_signals(cmd, env)
+
+def _run_rank(cfg) -> int:
+    """This process is one rank: run the job; an error goes to the rank's log and record for
+    the launcher (:mod:`hyflow.launch.rank_report`), the exit code says how it ended."""
+    import torch.distributed as dist
+
+    from hyflow.launch.rank_report import run_reporting
     from hyflow.parallel.distributed import init_distributed, shutdown
 
     init_distributed()
     try:
-        _resolve(JOBS[cfg.job][1])(cfg)
+        return run_reporting(lambda: _resolve(JOBS[cfg.job][1])(cfg), dist.get_rank())
     finally:
         shutdown()
-    return 0
+
+
+def _run_single(cfg) -> int:
+    """``trainer.nproc=1``: the one rank runs in this process and reports its own failure."""
+    from hyflow.launch.local import new_log_dir
+    from hyflow.launch.rank_report import LOG_DIR_ENV, resume_hint, summarize_failure
+
+    log_dir = new_log_dir(os.path.abspath(cfg.trainer.output_dir))
+    os.environ[LOG_DIR_ENV] = log_dir
+    code = _run_rank(cfg)
+    if code:
+        for line in summarize_failure(log_dir, (), resume_hint(cfg.trainer.output_dir)):
+            print(line, file=sys.stderr, flush=True)
+    return code
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -126,6 +161,11 @@ def cmd_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"hyflow: config error: {e}", file=sys.stderr)
         return 2
+    checkpoint = getattr(getattr(cfg, "actor", None), "checkpoint", None)
+    if checkpoint and os.path.isfile(os.path.join(checkpoint, "model.json")):
+        print(f"# model: read from {os.path.join(checkpoint, 'model.json')} (actor.checkpoint)")
+    for note in getattr(cfg, "notes", []):
+        print(f"[hyflow] note: {note}", file=sys.stderr)
     print(format_config(cfg))
     return 0
 
@@ -194,9 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hyflow", description="RL post-training engine on Megatron-Core.")
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    train = sub.add_parser("train", help="run a training job from a YAML config")
+    from hyflow.launch.args import make_intermixed
+
+    train = make_intermixed(sub.add_parser("train", help="run a training job from a YAML config"))
     train.add_argument("config", help="YAML config file (see configs/)")
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    train.add_argument("--no-verify", action="store_true",
+                       help="skip checkpoint checksums when resuming / loading (sizes and pickles are still checked)")
     train.set_defaults(func=cmd_train)
     config = sub.add_parser(
         "config", help="print the resolved config, or --describe its keys",

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hyflow.launch.args import IntermixedParser
@@ -31,9 +32,10 @@ def _fail(message: str, code: int = 2) -> int:
 
 def cmd_local(args: argparse.Namespace) -> int:
     from hyflow.config import ConfigError
-    from hyflow.launch.local import LaunchError, launch_local, resolve_target
+    from hyflow.launch.local import LaunchError, check_before_launch, launch_local, resolve_target
 
     nproc = args.nproc
+    _no_verify(args)
     try:
         if nproc is None:
             nproc = 1
@@ -42,14 +44,26 @@ def cmd_local(args: argparse.Namespace) -> int:
 
                 nproc = load_job_config(args.target, args.args).trainer.nproc
         target = resolve_target(args.target, args.args, nproc)
-        return launch_local(target, nproc, dry_run=args.dry_run)
+        check_before_launch(target)
     except (ConfigError, LaunchError) as e:
         return _fail(str(e))
+    try:
+        return launch_local(target, nproc, dry_run=args.dry_run)
+    except LaunchError as e:
+        return _fail(str(e))
+
+
+def _no_verify(args: argparse.Namespace) -> None:
+    """``--no-verify``: the ranks skip checkpoint checksums (they inherit the environment)."""
+    if getattr(args, "no_verify", False):
+        from hyflow.checkpoint.manifest import NO_VERIFY_ENV
+
+        os.environ[NO_VERIFY_ENV] = "1"
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
     from hyflow.config import ConfigError
-    from hyflow.launch.local import LaunchError, resolve_target
+    from hyflow.launch.local import LaunchError, check_before_launch, resolve_target
     from hyflow.launch.slurm import SlurmOptions, render_sbatch, submit, write_sbatch
 
     opts = SlurmOptions(
@@ -61,8 +75,15 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     try:
         opts.validate()
         target = resolve_target(args.target, args.args, opts.world_size)
+        if not args.no_preflight:  # files, reward function, checkpoints: before the queue wait
+            check_before_launch(target)
         if target.command == "train" and not args.no_plan_check:
             _plan_check(target, opts)
+        from hyflow.launch.slurm import run_dir_for, shared_fs_warning
+
+        warning = shared_fs_warning(run_dir_for(target, os.path.abspath(opts.workdir or os.getcwd())), opts.nodes)
+        if warning:
+            print(f"hyflow launch: warning: {warning}", file=sys.stderr)
         if args.dry_run:
             sys.stdout.write(render_sbatch(target, opts))
             return 0
@@ -104,14 +125,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(local)
     local.add_argument("--nproc", type=int, help="ranks to start (default: trainer.nproc, 1 for doctor)")
     local.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
+    local.add_argument("--no-verify", action="store_true",
+                       help="skip checkpoint checksums when resuming / loading (sizes and pickles are still checked)")
     local.set_defaults(func=cmd_local)
 
     slurm = modes.add_parser(
         "slurm", help="render an sbatch script into the run directory and submit it",
         description="Render <run dir>/hyflow.sbatch (one srun task per node running torchrun with a "
-                    "c10d rendezvous on the first node; logs in <run dir>/logs/<job id>/; "
-                    "SIGUSR1 before the time limit saves, requeues and resumes) and submit it "
-                    "with sbatch. The config and `hyflow plan` are checked first.")
+                    "c10d rendezvous on the first node; logs in <run dir>/logs/<job id>/, one file per "
+                    "rank; SIGUSR1 before the time limit saves, requeues and resumes; SIGTERM saves and "
+                    "stops) and submit it with sbatch. The config, its files and `hyflow plan` are "
+                    "checked first.")
     _common(slurm)
     slurm.add_argument("--nodes", type=int, required=True, help="nodes (one srun task each)")
     slurm.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node")
@@ -127,10 +151,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="export KEY=VALUE on the nodes (repeatable; beats the NCCL defaults)")
     slurm.add_argument("--sbatch-arg", action="append", metavar="OPTION",
                        help="extra #SBATCH option, e.g. --sbatch-arg=--qos=high (repeatable)")
-    slurm.add_argument("--grace", type=int, default=120,
-                       help="seconds before the time limit at which SIGUSR1 asks for a save")
-    slurm.add_argument("--max-requeues", type=int, default=50, help="requeues after preemption")
+    slurm.add_argument("--grace", type=int, default=None,
+                       help="seconds before the time limit at which SIGUSR1 asks for a save, and that torchrun "
+                            "waits for stopping ranks (default: from the run's measured step and save times, "
+                            "or estimated from the model size)")
+    slurm.add_argument("--max-requeues", type=int, default=20,
+                       help="requeues allowed (after preemption by the script, or by Slurm)")
     slurm.add_argument("--no-plan-check", action="store_true",
                        help="submit even when `hyflow plan` finds the job does not fit")
+    slurm.add_argument("--no-preflight", action="store_true",
+                       help="submit without checking the config's files here (paths that exist only on the "
+                            "compute nodes)")
     slurm.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     slurm.set_defaults(func=cmd_slurm)

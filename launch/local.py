@@ -2,8 +2,12 @@
 
 The target is a job config (the ranks run ``hyflow train CONFIG [overrides]``) or
 ``doctor`` (the ranks run ``hyflow doctor [args]``). The config is validated for
-the launched world size before any process starts; ``torch.distributed`` then
-picks gloo on CPU and NCCL on GPU (:func:`hyflow.parallel.distributed.init_distributed`).
+the launched world size, and its files checked (:mod:`hyflow.jobs.preflight`), before any
+process starts; ``torch.distributed`` then picks gloo on CPU and NCCL on GPU
+(:func:`hyflow.parallel.distributed.init_distributed`). The ranks run under
+:mod:`hyflow.launch.torchrun`: a rank failure is reported in a few lines (tracebacks in
+per-rank log files under ``<run dir>/logs/<launch time>/``), a stop signal gives the ranks the
+grace period of :mod:`hyflow.launch.grace` to save, and a clean stop exits 0.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 #: Targets that are hyflow subcommands rather than config files.
 RANK_COMMANDS = ("doctor",)
@@ -35,6 +39,7 @@ class Target:
         args: overrides (``train``) or the subcommand's own arguments.
         job: the config's ``job`` key (``lm``, ``rl``) once validated.
         output_dir: the config's ``trainer.output_dir`` (absolute) once validated.
+        cfg: the validated job config.
     """
 
     command: str
@@ -42,6 +47,7 @@ class Target:
     args: list[str] = field(default_factory=list)
     job: Optional[str] = None
     output_dir: Optional[str] = None
+    cfg: Any = field(default=None, repr=False, compare=False)
 
     def hyflow_argv(self) -> list[str]:
         """Arguments after ``python -m hyflow.cli``."""
@@ -71,7 +77,20 @@ def resolve_target(target: str, args: Sequence[str], world_size: int,
     cfg = load_job_config(target, overrides)
     output_dir = os.path.abspath(cfg.trainer.output_dir)
     return Target(command="train", config=os.path.abspath(target), args=overrides,
-                  job=getattr(cfg, "job", None), output_dir=output_dir)
+                  job=getattr(cfg, "job", None), output_dir=output_dir, cfg=cfg)
+
+
+def check_before_launch(target: Target) -> None:
+    """What must pass before ranks start for ``target``: the job's pre-flight file checks
+    (:mod:`hyflow.jobs.preflight`; a :class:`~hyflow.config.ConfigError` names the key and the
+    path). Notes from validating the config are printed first."""
+    if target.cfg is None:
+        return
+    from hyflow.jobs.preflight import preflight
+
+    for note in getattr(target.cfg, "notes", []):
+        print(f"[hyflow] note: {note}", file=sys.stderr, flush=True)
+    preflight(target.cfg)
 
 
 def visible_gpus() -> Optional[int]:
@@ -93,26 +112,57 @@ def visible_gpus() -> Optional[int]:
 
 def torchrun_command(target: Target, nproc: int, python: str = sys.executable,
                      extra: Sequence[str] = ()) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node N -m hyflow.cli ...``."""
-    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    """``python -m hyflow.launch.torchrun --standalone --nproc-per-node N [extra] -m hyflow.cli ...``
+    (torchrun's command line, run by :mod:`hyflow.launch.torchrun`)."""
+    return [python, "-m", "hyflow.launch.torchrun", "--standalone", f"--nproc-per-node={nproc}",
             *extra, "-m", "hyflow.cli", *target.hyflow_argv()]
 
 
+#: Signals the agent forwards to the ranks (SIGUSR1: Slurm's warning before the time limit).
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def new_log_dir(run_dir: str) -> str:
+    """``<run_dir>/logs/<YYYYmmdd-HHMMSS>``: where one launch's rank logs go (not created)."""
+    import time
+
+    base = os.path.join(run_dir, "logs", time.strftime("%Y%m%d-%H%M%S"))
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
 def launch_local(target: Target, nproc: int, dry_run: bool = False) -> int:
-    """Start ``nproc`` ranks on this machine and wait; returns torchrun's exit code."""
+    """Start ``nproc`` ranks on this machine and wait; returns the exit code (0 also after a
+    stop signal every rank handled by saving). A stopping rank gets the run's grace period
+    (:func:`hyflow.launch.grace.preemption_grace`; 300 s for doctor) before it is killed."""
     gpus = visible_gpus()
     if gpus and nproc > gpus:
         raise LaunchError(
             f"--nproc {nproc} but this machine shows {gpus} GPU(s); one rank per GPU: "
             f"use --nproc {gpus} or fewer, or `hyflow launch slurm` for more machines")
-    cmd = torchrun_command(target, nproc)
-    print(f"[hyflow] launching {nproc} rank(s): {shlex.join(cmd)}", flush=True)
+    grace_s, grace_note = 300, "300 s"
+    if target.cfg is not None and hasattr(target.cfg, "trainer"):
+        from hyflow.launch.grace import preemption_grace
+
+        grace = preemption_grace(target.cfg, nproc)
+        grace_s, grace_note = grace.seconds, grace.describe()
+    cmd = torchrun_command(target, nproc, extra=[f"--shutdown-timeout={grace_s}",
+                                                 f"--signals-to-handle={FORWARDED_SIGNALS}"])
+    run_dir = target.output_dir or os.path.abspath(os.path.join("runs", target.command))
+    log_dir = new_log_dir(run_dir)
+    print(f"[hyflow] launching {nproc} rank{'' if nproc == 1 else 's'}: {shlex.join(cmd)}", flush=True)
+    print(f"[hyflow] rank logs: {log_dir}; on a stop signal (SIGTERM, SIGUSR1) the ranks get "
+          f"{grace_note} to save", flush=True)
     if dry_run:
         return 0
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return run_forwarding_signals(cmd, env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    from hyflow.launch.torchrun import run
+
+    return run(cmd[3:], log_dir=log_dir, run_dir=target.output_dir)
 
 
 def run_forwarding_signals(cmd: list[str], env: Optional[dict] = None,

@@ -1,11 +1,15 @@
 """``hyflow launch slurm``: render an sbatch script into the run directory and submit it.
 
 The script (:mod:`hyflow.launch.sbatch_template`) runs one ``srun`` task per node; each
-runs ``torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint
-<first node>:<port>``, the first node coming from ``scontrol show hostnames``. Logs go to
-``<run dir>/logs/slurm-<job id>.out`` (the batch script) and ``<run dir>/logs/<job
-id>/node-<n>.out`` (one file per node). ``--signal=USR1@120`` and ``--requeue`` make a
-time-limited or preempted job save, requeue itself and resume (``trainer.resume=auto``).
+runs ``python -m hyflow.launch.torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d
+--rdzv-endpoint <first node>:<port>`` with the python found on the compute node (the first node
+coming from ``scontrol show hostnames``). Logs go to ``<run dir>/logs/slurm-<job id>.out`` (the
+batch script), ``<run dir>/logs/<job id>/node-<n>.out`` (one file per node: its local rank 0)
+and ``<run dir>/logs/<job id>/ranks-<restart>/`` (every rank's output, tracebacks and the
+failure records the summary is made from). ``--signal=USR1@<grace>`` and ``--requeue`` make a
+time-limited job save, requeue itself (a bounded number of times, and only after saving a new
+checkpoint) and resume (``trainer.resume=auto``); the grace period comes from the run's measured
+save and step times (:mod:`hyflow.launch.grace`).
 
 Quoting: every value that reaches bash goes through :func:`shlex.quote`; ``#SBATCH``
 values, which Slurm (not bash) parses, go through :func:`sbatch_quote`.
@@ -19,7 +23,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -52,13 +55,15 @@ class SlurmOptions:
         partition, time, account: the usual sbatch options (omitted when None).
         container_image, container_mounts: pyxis/enroot container for the ranks.
         job_name: Slurm job name (default ``hyflow-<run dir name>``).
-        torchrun: the torchrun command on the compute nodes, shell-split (default: the one
-            next to this Python when it exists and no container is used, else ``torchrun``).
+        torchrun: the torchrun command on the compute nodes, shell-split (default:
+            ``python -m hyflow.launch.torchrun`` with the python that imports hyflow on the
+            node's PATH, or ``$HYFLOW_PYTHON``).
         cpus_per_node: CPUs for the node's srun task (default: all of the node's CPUs).
         env: ``KEY=VALUE`` pairs exported before srun (they override the defaults).
         sbatch_args: extra ``#SBATCH`` options, e.g. ``--qos=high``.
-        grace_s: seconds before the time limit at which SIGUSR1 is sent.
-        max_requeues: how often a preempted job requeues itself.
+        grace_s: seconds before the time limit at which SIGUSR1 is sent, and how long torchrun
+            waits for stopping ranks (default: :func:`hyflow.launch.grace.preemption_grace`).
+        max_requeues: how often the job may be requeued (by itself or by Slurm).
         workdir: the job's working directory (default: the current one).
     """
 
@@ -74,8 +79,8 @@ class SlurmOptions:
     cpus_per_node: Optional[int] = None
     env: list[str] = field(default_factory=list)
     sbatch_args: list[str] = field(default_factory=list)
-    grace_s: int = 120
-    max_requeues: int = 50
+    grace_s: Optional[int] = None
+    max_requeues: int = 20
     workdir: Optional[str] = None
 
     @property
@@ -87,7 +92,7 @@ class SlurmOptions:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise LaunchError(f"--nodes and --gpus-per-node must be >= 1, got {self.nodes} and "
                               f"{self.gpus_per_node}")
-        if self.grace_s < 1 or self.max_requeues < 0:
+        if (self.grace_s is not None and self.grace_s < 1) or self.max_requeues < 0:
             raise LaunchError("--grace must be >= 1 s and --max-requeues >= 0")
         if self.container_mounts and not self.container_image:
             raise LaunchError("--container-mounts needs --container-image")
@@ -109,15 +114,53 @@ def sbatch_quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+#: Stands for ``<python on the node> -m hyflow.launch.torchrun``, resolved by the script on
+#: each compute node (a login node's absolute path may not exist there).
+NODE_TORCHRUN = "hyflow-torchrun"
+
+
 def torchrun_argv(opts: SlurmOptions) -> list[str]:
     """The torchrun command compute nodes run (see :class:`SlurmOptions`); ``--torchrun`` is
     split like a shell would (``--torchrun "python -m torch.distributed.run"``)."""
     if opts.torchrun:
         return shlex.split(opts.torchrun)
-    local = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    if not opts.container_image and os.path.exists(local):
-        return [local]
-    return ["torchrun"]
+    return [NODE_TORCHRUN]
+
+
+#: File systems a run directory shared by the nodes is typically on.
+SHARED_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "panfs", "wekafs",
+             "cifs", "smb3", "smbfs", "afs", "orangefs", "pvfs2", "fuse.juicefs", "fuse.weka", "9p", "virtiofs",
+             "quobyte", "vast", "fuse.ceph-fuse", "fuse.glusterfs", "fuse.s3fs", "fuse.gcsfuse")
+
+
+def filesystem_type(path: str, mounts: str = "/proc/mounts") -> Optional[str]:
+    """The type of the file system ``path`` is on, from ``/proc/mounts`` (None when unknown)."""
+    path = os.path.realpath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    best, kind = "", None
+    try:
+        with open(mounts) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                point = parts[1].replace("\\040", " ")
+                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                    best, kind = point, parts[2]
+    except OSError:
+        return None
+    return kind
+
+
+def shared_fs_warning(run_dir: str, nodes: int, mounts: str = "/proc/mounts") -> Optional[str]:
+    """A warning when a multi-node job's run directory is on a node-local file system."""
+    kind = filesystem_type(run_dir, mounts)
+    if nodes < 2 or kind is None or kind in SHARED_FS or kind.startswith("fuse."):
+        return None
+    return (f"the run directory {run_dir} is on a {kind} file system, usually local to this machine: the "
+            f"{nodes} nodes must all read and write it (checkpoints, logs, resume). Put trainer.output_dir on "
+            "shared storage (NFS, Lustre, GPFS, ...); the job checks this when it starts")
 
 
 def _needs_resume(target: Target) -> list[str]:
@@ -138,9 +181,22 @@ def run_dir_for(target: Target, workdir: str) -> str:
     return os.path.join(workdir, "runs", target.command)
 
 
+def grace_for(target: Target, opts: SlurmOptions) -> tuple[int, str]:
+    """(seconds, how they were derived): ``--grace``, else the run's grace period."""
+    if opts.grace_s is not None:
+        return opts.grace_s, "--grace"
+    if target.cfg is not None and hasattr(target.cfg, "trainer"):
+        from hyflow.launch.grace import preemption_grace
+
+        grace = preemption_grace(target.cfg, opts.world_size)
+        return grace.seconds, grace.describe()
+    return 120, "default for jobs without checkpoints"
+
+
 def render_sbatch(target: Target, opts: SlurmOptions, script_path: Optional[str] = None) -> str:
     """The sbatch script for ``target`` under ``opts`` (pure: writes nothing)."""
     opts.validate()
+    grace, grace_how = grace_for(target, opts)
     workdir = os.path.abspath(opts.workdir or os.getcwd())
     run_dir = run_dir_for(target, workdir)
     script_path = script_path or os.path.join(run_dir, "hyflow.sbatch")
@@ -184,7 +240,9 @@ def render_sbatch(target: Target, opts: SlurmOptions, script_path: Optional[str]
         "GPUS": str(opts.gpus_per_node),
         "WORKDIR_DIRECTIVE": sbatch_quote(workdir),
         "OUTPUT_DIRECTIVE": sbatch_quote(output),
-        "GRACE": str(opts.grace_s),
+        "GRACE": str(grace),
+        "GRACE_HOW": grace_how.replace("\n", " "),
+        "REQUIRE_PROGRESS": "1" if target.command == "train" else "0",
         "EXTRA_DIRECTIVES": "".join(d + "\n" for d in directives),
         "RUN_DIR": shlex.quote(run_dir),
         "MAX_REQUEUES": str(opts.max_requeues),

@@ -275,6 +275,16 @@ def test_checkpoint_errors(checkpoints, tmp_path) -> None:
 
     with pytest.raises(ConversionError, match=f"is damaged: {data} has 100 bytes"):
         plan_mcore2hf(broken("cut", cut), str(tmp_path / "o3"))
+
+    def flip(d: str) -> None:  # same size, one byte changed: only the manifest's checksum sees it
+        with open(os.path.join(d, data), "r+b") as f:
+            f.seek(os.path.getsize(os.path.join(d, data)) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+
+    with pytest.raises(ConversionError, match=f"{data} does not match its checksum in manifest.json"):
+        plan_mcore2hf(broken("flip", flip), str(tmp_path / "o4"))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(ConversionError, match="exists and is not empty"):

@@ -108,6 +108,10 @@ def test_file_level_errors(tmp_path):
     (row(prompt=[]), "prompt", "non-empty list"),
     (row(prompt=[{"role": "user"}]), "prompt[0].content", "missing"),
     (row(prompt=[{"role": "user", "content": 5}]), "prompt[0].content", "must be a string"),
+    (row(prompt=[{"role": "user", "content": ""}]), "prompt[0].content", "is an empty string"),
+    (row(prompt=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "  "}]),
+     "prompt[1].content", "is an empty string"),
+    (row(prompt=""), "prompt", "is an empty string"),
     (row(prompt=["hi"]), "prompt[0]", "must be an object"),
     (row(extra_info=[1]), "extra_info", "must be an object"),
     ([1, 2], None, "row must be an object"),
@@ -251,3 +255,13 @@ def test_build_dataset_from_config(tmp_path):
     data = DataConfig(task="digits_reverse", task_size=20)
     data.task_options = {"min_digits": 2, "max_digits": 2}       # a key the lead may add to DataConfig
     assert {len(r.ground_truth) for r in build_dataset(data, RolloutConfig(), TOK)} == {2}
+
+
+def test_non_utf8_bytes_name_the_row_and_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    good = json.dumps(row()).encode()
+    p.write_bytes(good + b"\n\n" + good[:20] + b"\xff\xfe" + good[20:] + b"\n")
+    with pytest.raises(DatasetError) as info:
+        load([str(p)])
+    assert str(info.value).startswith(f"{p}: row 1 (line 3): not UTF-8 text (byte 0xff at column 21)")
+    assert (info.value.path, info.value.row) == (str(p), 1)

@@ -128,3 +128,21 @@ def test_task_lookup_and_tokenizer_spec():
         tokenizer_spec_for(DataConfig(task="arithmetic"))
     with pytest.raises(ConfigError, match="no tokenizer given"):
         tokenizer_spec_for(DataConfig(train_files=["a.jsonl"]))
+
+
+def test_task_option_values_are_checked(tmp_path, capsys):
+    from hyflow.cli import main
+
+    assert make_task_rows("arithmetic", 3, max_operand="7")[0]["extra_info"]["answer"]  # "7" from a command line
+    for options, message in ((dict(max_operand="abc"), "option max_operand expects an integer (default 50), got 'abc'"),
+                             (dict(max_operand=2.5), "expects an integer"),
+                             (dict(max_operand=-1), "must be >= 0"),
+                             (dict(digits=3), "task arithmetic has no option digits; its options: ops")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            make_task_rows("arithmetic", 3, **options)
+    out = str(tmp_path / "t.jsonl")
+    assert main(["make-task", "arithmetic", "--out", out, "max_operand=abc"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("hyflow make-task: task arithmetic option max_operand expects an integer (default 50), "
+                           "got 'abc'")
+    assert main(["make-task", "arithmetic", "--out", out, "--size", "4", "max_operand=9", "ops=+"]) == 0

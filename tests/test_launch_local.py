@@ -25,9 +25,11 @@ def test_dry_run_shows_torchrun_with_intermixed_overrides():
     out = hyflow("launch", "local", "configs/quickstart.yaml", "trainer.total_steps=1", "--nproc",
                  "2", "--dry-run", "trainer.log_every=1")
     assert out.returncode == 0, out.stderr
-    line = out.stdout.strip().splitlines()[-1]
-    assert "-m torch.distributed.run --standalone --nproc-per-node=2 -m hyflow.cli train" in line
+    line = next(x for x in out.stdout.splitlines() if x.startswith("[hyflow] launching 2 ranks: "))
+    assert "-m hyflow.launch.torchrun --standalone --nproc-per-node=2 --shutdown-timeout=" in line
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 -m hyflow.cli train" in line
     assert line.endswith(f"{QUICKSTART} trainer.total_steps=1 trainer.log_every=1 trainer.nproc=2")
+    assert "on a stop signal (SIGTERM, SIGUSR1) the ranks get " in out.stdout
 
 
 def test_config_errors_stop_before_any_process():
@@ -48,6 +50,7 @@ def test_resolve_target():
     assert t.output_dir == os.path.abspath("runs/quickstart")
     d = resolve_target("doctor", ["--max-size", "4MB"], 2)
     assert d.hyflow_argv() == ["doctor", "--max-size", "4MB"]
+    assert torchrun_command(d, 2, python="py")[:3] == ["py", "-m", "hyflow.launch.torchrun"]
     assert torchrun_command(d, 2, python="py")[-4:] == ["hyflow.cli", "doctor", "--max-size", "4MB"]
     with pytest.raises(LaunchError):
         resolve_target("doctor", [], 0)
@@ -92,3 +95,83 @@ def test_launcher_passes_sigterm_to_its_child(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 7
     assert marker.read_text() == str(int(signal.SIGTERM))
+
+
+def test_grace_period_comes_from_measured_save_and_step_times(tmp_path):
+    from hyflow.cli import load_job_config
+    from hyflow.launch.grace import preemption_grace
+
+    cfg = load_job_config(QUICKSTART, [f"trainer.output_dir={tmp_path}"])
+    estimated = preemption_grace(cfg, 2)
+    assert not estimated.measured and estimated.seconds >= 60 and "estimated save" in estimated.describe()
+    step = tmp_path / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
+    (step / "COMPLETE").write_text('{"step": 4, "save_seconds": 100.0}')
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {i}, "time/step": {t}}}\n'
+                                                     for i, t in enumerate((500.0, 20.0, 30.0, 25.0))))
+    grace = preemption_grace(cfg, 2)  # 1.5 * (100 + 500) + 30
+    assert (grace.seconds, grace.measured) == (930, True)
+    assert grace.describe() == "930 s (measured save 100 s, step 500 s)"
+
+
+def test_failure_summary_names_the_root_cause_in_three_lines(tmp_path):
+    import json as _json
+    import time as _time
+
+    from hyflow.launch.rank_report import Death, read_records, run_reporting, summarize_failure
+
+    logs = str(tmp_path / "logs")
+
+    def peer():
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    def hyflow_error():
+        raise ValueError("data.jsonl: row 7, key 'prompt': is an empty string\n  and more")
+
+    assert run_reporting(peer, 0, logs) == 1  # the peer error happens first...
+    _time.sleep(0.01)
+    assert run_reporting(hyflow_error, 3, logs) == 1  # ...but the hyflow error is the cause
+    assert run_reporting(lambda: None, 1, logs) == 0
+    exits = {r["rank"]: r["status"] for r in read_records(logs, "exit")}
+    assert exits == {0: "error", 1: "ok", 3: "error"}
+    lines = summarize_failure(logs, [Death(0, 1), Death(3, 1)], "[hyflow] resume hint")
+    assert lines[0] == "[hyflow] rank 3 failed: ValueError: data.jsonl: row 7, key 'prompt': is an empty string | and more"
+    assert lines[1] == (f"[hyflow] the job stopped (1 other rank(s) stopped with it); traceback: {logs}/rank_00003.log "
+                        f"(every rank's log in {logs})")
+    assert lines[2] == "[hyflow] resume hint" and len(lines) == 3
+    assert "ValueError: data.jsonl" in open(f"{logs}/rank_00003.log").read()  # the whole traceback
+    # a rank killed by a signal outranks the errors it caused elsewhere
+    killed = summarize_failure(logs, [Death(5, -9, pid=77, time=1.0), Death(3, 1)], "")
+    assert killed[0] == "[hyflow] rank 5 (pid 77) was killed by SIGKILL (out of memory? kill -9?)"
+    assert len(killed) == 2
+    assert _json.load(open(f"{logs}/rank_00000.error.json"))["peer"] is True
+
+
+@pytest.mark.multirank
+def test_a_rank_error_is_reported_first_in_three_lines(tmp_path):
+    """2 ranks whose reward function raises at step 1: the launcher's output ends with the
+    rank, the hyflow error (file and row), the rank's log, and no traceback on the console."""
+    (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                        "    return 1 / 0\n")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        "job: rl\n"
+        "model: {family: llama, vocab_size: 128, hidden_size: 32, num_layers: 1, num_attention_heads: 4,\n"
+        "        num_query_groups: 2, ffn_hidden_size: 64, max_position_embeddings: 32}\n"
+        "actor: {layout: {tp: 2, pp: 1}, micro_batch_size: 4, mini_batch_size: 8}\n"
+        "rollout: {layout: {tp: 1, pp: 1}, n: 2, max_prompt_length: 16, max_new_tokens: 2}\n"
+        f"reward: {{kind: function, function_path: {tmp_path / 'reward.py'}}}\n"
+        "data: {task: digit_add, task_size: 8, train_batch_size: 4}\n"
+        f"trainer: {{total_steps: 1, nproc: 2, loggers: [console], output_dir: {tmp_path / 'run'}}}\n")
+    out = hyflow("train", str(cfg), timeout=600)
+    assert out.returncode == 1
+    console = (out.stdout + out.stderr).splitlines()
+    assert not any("Traceback" in line for line in console), "\n".join(console[-30:])
+    first = next(i for i, line in enumerate(console) if " failed: " in line)
+    report = console[first:]
+    assert report[0].startswith("[hyflow] rank ") and ": RewardError: reward function compute_score() from " \
+        f"{tmp_path / 'reward.py'} raised ZeroDivisionError: division by zero on task:digit_add row " in report[0]
+    assert len(report) == 3 and "traceback: " in report[1] and "no checkpoint was saved yet" in report[2]
+    log = report[1].split("traceback: ")[1].split(" (every")[0]
+    assert "ZeroDivisionError" in open(log).read()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -91,7 +92,7 @@ def fake_slurm(tmp_path):
     env = dict(os.environ, PATH=f"{d / 'bin'}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242",
                SLURM_NNODES="2", SLURM_CPUS_ON_NODE="2", FAKE_SLURM_DIR=str(d),
                HYFLOW_MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
-               FAKE_PYTHON=sys.executable)
+               FAKE_PYTHON=sys.executable, HYFLOW_PYTHON=sys.executable)
     env.pop("SLURM_RESTART_COUNT", None)
     return env, d
 
@@ -122,15 +123,18 @@ def test_rendered_script_is_valid_bash_with_the_right_lines(tmp_path, nodes, con
     path = tmp_path / f"job{nodes}.sbatch"
     path.write_text(text)
     _bash_ok(path)
+    grace = re.search(r"^#SBATCH --signal=USR1@(\d+)$", text, re.M)
+    assert grace and int(grace.group(1)) >= 60  # estimated from the model: no checkpoint yet
+    assert f"--shutdown-timeout={grace.group(1)}" in text  # torchrun waits as long for stopping ranks
     for line in (f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --gpus-per-node=8", "#SBATCH --signal=USR1@120", "#SBATCH --requeue",
+                 "#SBATCH --gpus-per-node=8", "#SBATCH --requeue",
                  "#SBATCH --partition=batch", "#SBATCH --time=04:00:00",
                  '#SBATCH --account="proj x"', "#SBATCH --qos=high",
                  f'#SBATCH --output="{run_dir}/logs/slurm-%j.out"',
                  f"srun --nodes={nodes} \\", "    --ntasks-per-node=1 \\",
                  "    --container-image=nvcr.io/nvidia/pytorch:25.01-py3 \\",
                  "    --container-mounts=/data:/data \\",
-                 f"    torchrun --nnodes={nodes} --nproc-per-node=8 \\",
+                 f"    hyflow-torchrun --nnodes={nodes} --nproc-per-node=8 \\",
                  '        --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" '
                  '--rdzv-id="hyflow-$JOB_ID" \\',
                  'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
@@ -250,7 +254,7 @@ def test_quickstart_step_under_fake_slurm_two_nodes(tmp_path, fake_slurm):
     (tmp_path / "job.sbatch").write_text(text)
     env["SLURM_JOB_NODELIST"] = "localhost,localhost"
     out = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=900)
     logs = run_dir / "logs" / "4242"
     detail = out.stdout + out.stderr + "".join(
         p.read_text()[-3000:] for p in sorted(logs.glob("node-*.out"))) if logs.exists() else ""
@@ -261,3 +265,104 @@ def test_quickstart_step_under_fake_slurm_two_nodes(tmp_path, fake_slurm):
     assert "step 1/1" in "".join(p.read_text() for p in logs.glob("node-*.out"))
     assert (run_dir / "checkpoints").is_dir()  # what a requeued job resumes from
     assert "finished with exit code 0" in out.stdout
+    ranks = logs / "ranks-0"  # one log per rank, and their exit records
+    assert len(list(ranks.glob("torchrun/*/attempt_0/*/stdout.log"))) == 2
+    assert {p.name for p in ranks.glob("*.exit.json")} == {"rank_00000.exit.json", "rank_00001.exit.json"}
+
+
+STOP_TORCHRUN = """#!/bin/bash
+# fake torchrun: one "rank" that saves (moves checkpoints/latest when FAKE_SAVE=1) and exits 0 on
+# SIGUSR1 or SIGTERM
+"$FAKE_PYTHON" -c '
+import os, signal, time
+from hyflow.launch.preemption import PreemptionFlag
+flag = PreemptionFlag.install((signal.SIGUSR1, signal.SIGTERM))
+d = os.environ["FAKE_SLURM_DIR"]; node = os.environ["SLURM_NODEID"]
+open(os.path.join(d, "ready." + node), "w").close()
+deadline = time.time() + 60
+while not flag.requested and time.time() < deadline:
+    time.sleep(0.02)
+if os.environ.get("FAKE_SAVE") == "1" and node == "0":
+    ckpt = os.path.join(os.environ["HYFLOW_RUN_DIR"], "checkpoints")
+    os.makedirs(ckpt, exist_ok=True)
+    open(os.path.join(ckpt, "latest"), "w").write("step_000007\\n")
+open(os.path.join(d, "saved." + node), "w").write(str(flag.signum))
+' &
+wait $!
+"""
+
+
+def _run_until_ready_then(script, env, d, sig, nodes=2):
+    for stale in [*d.glob("ready.*"), *d.glob("node-pids")]:
+        stale.unlink()
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while not all((d / f"ready.{n}").exists() for n in range(nodes)):
+            assert time.time() < deadline and proc.poll() is None, "fake ranks did not start"
+            time.sleep(0.05)
+        for pid in (d / "node-pids").read_text().split():  # Slurm signals the job step
+            os.kill(int(pid), sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out
+
+
+def test_sigterm_is_handled_like_sigusr1_but_not_requeued(tmp_path, fake_slurm):
+    env, d = fake_slurm
+    torchrun = _write_exe(d / "torchrun", STOP_TORCHRUN)
+    text = render_sbatch(Target("doctor"), SlurmOptions(nodes=2, gpus_per_node=1, torchrun=torchrun,
+                                                        workdir=str(tmp_path)))
+    (tmp_path / "job.sbatch").write_text(text)
+    env["SLURM_JOB_NODELIST"] = "localhost,localhost"
+    code, out = _run_until_ready_then(tmp_path / "job.sbatch", env, d, signal.SIGTERM)
+    assert code == 0, out
+    for node in (0, 1):  # the ranks got SIGTERM, saved and exited 0
+        assert (d / f"saved.{node}").read_text() == str(int(signal.SIGTERM))
+    assert "stopped by SIGTERM (preemption or scancel), exit code 0; not requeueing" in out
+    assert not (d / "scontrol.log").exists()
+
+
+def test_requeue_needs_a_new_checkpoint_and_is_bounded(tmp_path, fake_slurm):
+    env, d = fake_slurm
+    torchrun = _write_exe(d / "torchrun", STOP_TORCHRUN)
+    target = resolve_target(QUICKSTART, [f"trainer.output_dir={tmp_path / 'run'}"], 2)
+    text = render_sbatch(target, SlurmOptions(nodes=2, gpus_per_node=1, torchrun=torchrun, workdir=str(tmp_path)))
+    (tmp_path / "job.sbatch").write_text(text)
+    env["SLURM_JOB_NODELIST"] = "localhost,localhost"
+    code, out = _run_until_ready_then(tmp_path / "job.sbatch", env, d, signal.SIGUSR1)  # nothing saved
+    assert code == 0 and "without saving a new checkpoint" in out and not (d / "scontrol.log").exists(), out
+    env["FAKE_SAVE"] = "1"
+    code, out = _run_until_ready_then(tmp_path / "job.sbatch", env, d, signal.SIGUSR1)
+    assert code == 0 and "requeueing job 4242" in out, out
+    assert (d / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    env["SLURM_RESTART_COUNT"] = "21"  # beyond --max-requeues (20): whoever requeued it
+    out = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "requeued 21 times, more than the 20 allowed" in out.stderr
+
+
+def test_node_without_hyflow_says_so(tmp_path, fake_slurm):
+    env, d = fake_slurm
+    text = render_sbatch(Target("doctor"), SlurmOptions(nodes=1, gpus_per_node=1, workdir=str(tmp_path)))
+    (tmp_path / "job.sbatch").write_text(text)
+    env.update(SLURM_JOB_NODELIST="localhost", HYFLOW_PYTHON="/bin/false")
+    out = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    node = (tmp_path / "runs" / "doctor" / "logs" / "4242" / "node-0.out").read_text()
+    assert "no python that imports hyflow and torch (found '/bin/false')" in node
+
+
+def test_shared_filesystem_warning(tmp_path):
+    from hyflow.launch.slurm import filesystem_type, shared_fs_warning
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nserver:/home {tmp_path} nfs4 rw 0 0\n"
+                      f"tmpfs {tmp_path}/scratch tmpfs rw 0 0\n")
+    (tmp_path / "scratch").mkdir()
+    assert filesystem_type(str(tmp_path / "run"), str(mounts)) == "nfs4"
+    assert shared_fs_warning(str(tmp_path / "run"), 4, str(mounts)) is None
+    warning = shared_fs_warning(str(tmp_path / "scratch" / "run"), 4, str(mounts))
+    assert "is on a tmpfs file system" in warning and "shared storage" in warning
+    assert shared_fs_warning(str(tmp_path / "scratch" / "run"), 1, str(mounts)) is None  # one node: fine

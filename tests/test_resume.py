@@ -6,8 +6,10 @@ and the frozen post-SFT reference all carry state). Against it:
 
 * a run stopped by SIGTERM on *one* rank stops on every rank after the same step, saves, and
   resumed reproduces A's metrics rows and final weights bit for bit;
-* a real ``hyflow train`` killed with SIGKILL while saving step 4 is resumed from step 3 (the
-  interrupted checkpoint is named and skipped) and reproduces A bit for bit;
+* a real ``hyflow train`` stopped by SIGTERM exits 0 after saving; resumed, one rank SIGKILLed
+  while saving step 4 is named in the launcher's first line with the step to resume from; with
+  the newest checkpoint then damaged (one flipped byte), ``resume=auto`` sets it aside, falls back
+  to the one before and reproduces A bit for bit;
 * A's TP=2 checkpoint resumed into TP=1 (one rank) gives A's loss at the first resumed step;
 * Megatron's distributed optimizer (dp=2) resumes bit for bit as well;
 * NaN gradients skip the updates, are counted, and stop the run after max_bad_steps with a
@@ -27,7 +29,7 @@ import time
 import pytest
 
 from hyflow.testing import run_on_ranks
-from hyflow.checkpoint.checkpointer import LATEST_FILE, MARKER_FILE, checkpoint_status, step_dir_name
+from hyflow.checkpoint.discovery import LATEST_FILE, checkpoint_status, step_dir_name
 
 pytestmark = pytest.mark.multirank
 
@@ -49,7 +51,7 @@ reward: {kind: rule, rule: exact_match}
 data: {task: digit_add, task_size: 64, train_batch_size: 4}
 trainer: {total_steps: 6, nproc: 2, save_every: 3, keep_last: 2, log_every: 1, loggers: [console]}
 """
-NOT_COMPARED = ("timing_s/", "rollout/tokens_per_s", "reshard/seconds", "perf/throughput", "perf/time_per_step")
+NOT_COMPARED = ("timing_s/", "comm/", "rollout/tokens_per_s", "reshard/seconds", "perf/throughput", "perf/time_per_step", "perf/max_")  # wall time, traffic, memory
 
 
 # --------------------------------------------------------------------------- helpers
@@ -192,40 +194,106 @@ def _descendants(pid: int) -> list:
     return out
 
 
-def test_sigkill_during_save_then_resume_is_exact(run_a, config, tmp_path):
-    """A real `hyflow train` (torchrun, 2 ranks) killed with SIGKILL as it saves step 4."""
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of rank ``rank`` among the launcher's descendants (from its environment)."""
+    for pid in _descendants(launcher):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b"\0".join(env):
+            return pid
+    raise AssertionError(f"rank {rank} not found under {launcher}")
+
+
+def _wait_for(predicate, proc, log, what: str, timeout: float = 400) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, open(log).read()[-3000:]
+        assert time.time() < deadline, f"the run did not reach {what}"
+        time.sleep(0.02)
+
+
+def _kill_all(proc) -> None:
+    victims = _descendants(proc.pid)  # torchrun starts its ranks in sessions of their own
+    for pid in [proc.pid] + victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_sigterm_rank_kill_and_damage_then_resume_is_exact(run_a, config, tmp_path):
+    """A real `hyflow train` (torchrun, 2 ranks, a checkpoint every step):
+
+    1. SIGTERM to the launcher: the ranks finish the step, save, and the launcher exits 0;
+    2. the same command resumes; rank 1 is SIGKILLed as it saves step 4: the launcher's first
+       failure line names rank 1 and SIGKILL, then where the logs are and the step to resume from;
+    3. one flipped byte in the newest complete checkpoint's shard: `trainer.resume=auto` sets it
+       aside (renamed), says so, and resumes from the previous one;
+
+    and metrics and final weights equal the uninterrupted run A from that step on."""
     out = str(tmp_path / "run")
     args = [sys.executable, "-m", "hyflow.cli", "train", config, f"trainer.output_dir={out}",
             "trainer.save_every=1"]  # saving more often must not change anything
     root = os.path.join(out, "checkpoints")
-    log = open(tmp_path / "killed.log", "w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    step4 = os.path.join(root, step_dir_name(4))
-    deadline = time.time() + 400
-    try:
-        while not os.path.isdir(step4):
-            assert proc.poll() is None, open(tmp_path / "killed.log").read()[-3000:]
-            assert time.time() < deadline, "the run did not reach step 4"
-            time.sleep(0.02)
-    finally:
-        victims = _descendants(proc.pid)  # torchrun may start its ranks in sessions of their own
-        os.killpg(proc.pid, signal.SIGKILL)
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
-        log.close()
-    if checkpoint_status(step4)[0]:  # the save won the race: make it look interrupted
-        os.remove(os.path.join(step4, MARKER_FILE))
-    assert open(os.path.join(root, LATEST_FILE)).read().strip() == step_dir_name(3)
-    resumed = subprocess.run(args, capture_output=True, text=True, timeout=400)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    text = resumed.stdout + resumed.stderr
-    assert f"skipping incomplete checkpoint {step4}" in text
-    assert f"resuming from {os.path.join(root, step_dir_name(3))} (step 3)" in text
-    _assert_same_as_a(run_a, out, range(4, 7), str(tmp_path))
+    step = lambda n: os.path.join(root, step_dir_name(n))  # noqa: E731
+    logs = [str(tmp_path / f"launch{i}.log") for i in range(3)]
+
+    # 1. SIGTERM: exit 0 after a clean save
+    with open(logs[0], "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_for(lambda: checkpoint_status(step(1))[0], proc, logs[0], "step 1's checkpoint")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=300) == 0, open(logs[0]).read()[-3000:]
+        finally:
+            _kill_all(proc)
+    text = open(logs[0]).read()
+    assert "[hyflow] stopped on SIGTERM: every rank saved and exited cleanly" in text
+    stopped = int(open(os.path.join(root, LATEST_FILE)).read().strip().split("_")[1])
+    assert 1 <= stopped < 4 and checkpoint_status(step(stopped))[0]
+    assert f"resumes from step {stopped} ({step(stopped)})" in text
+
+    # 2. rank 1 dies (SIGKILL) while step 4 is being saved
+    with open(logs[1], "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_for(lambda: os.path.isdir(step(4)), proc, logs[1], "step 4's save")
+            victim = _rank_pid(proc.pid, 1)
+            os.kill(victim, signal.SIGKILL)
+            assert proc.wait(timeout=300) == 1
+        finally:
+            _kill_all(proc)
+    lines = open(logs[1]).read().splitlines()
+    assert not any("Traceback" in line for line in lines), "\n".join(lines[-40:])
+    first = next(i for i, line in enumerate(lines) if "was killed by" in line or " failed: " in line)
+    assert lines[first] == f"[hyflow] rank 1 (pid {victim}) was killed by SIGKILL (out of memory? kill -9?)"
+    report = lines[first:]
+    assert len(report) == 3, report
+    assert report[1].startswith("[hyflow] the job stopped (1 other rank(s) stopped with it); logs of every rank: ")
+    newest = [e for e in (3, 4) if checkpoint_status(step(e))[0]][-1]
+    assert report[2].endswith(f"resumes from step {newest} ({step(newest)})")
+
+    # 3. damage the newest complete checkpoint: resume=auto falls back to the one before
+    shard = os.path.join(step(newest), "actor", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    previous = newest - 1
+    with open(logs[2], "w") as log:
+        resumed = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, timeout=400)
+    text = open(logs[2]).read()
+    assert resumed.returncode == 0, text[-3000:]
+    aside = f"{step(newest)}.corrupt-checksum"
+    assert f"checkpoint {step(newest)} is damaged and was set aside as {aside}" in text
+    assert f"{shard} does not match its checksum" in text
+    assert os.path.isdir(aside) and os.path.isfile(os.path.join(aside, "actor", "__0_0.distcp"))  # kept
+    assert f"resuming from {step(previous)} (step {previous})" in text
+    _assert_same_as_a(run_a, out, range(previous + 1, 7), str(tmp_path))
 
 
 def test_resume_tp2_checkpoint_into_tp1(run_a, config, tmp_path):
@@ -281,7 +349,8 @@ def _async_save_and_load(config: str, out: str) -> dict:
 
     from hyflow.cli import load_job_config
     from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel, latest_checkpoint
+    from hyflow.checkpoint.checkpointer import Checkpointer
+    from hyflow.checkpoint.discovery import latest_checkpoint
     from hyflow.rl.models import build_rl_models
 
     cfg = load_job_config(config, [f"trainer.output_dir={out}", "actor.sft_warmup_steps=0", "critic.enable=false",

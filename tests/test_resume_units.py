@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from hyflow.checkpoint.checkpointer import (MARKER_FILE, capture_rng, checkpoint_status, latest_checkpoint,
-                                       list_checkpoints, prune_checkpoints, restore_rng, resume_path, step_dir_name,
-                                       write_atomic)
+from hyflow.checkpoint.discovery import (MARKER_FILE, checkpoint_status, latest_checkpoint, list_checkpoints,
+                                         prune_checkpoints, resume_path, step_dir_name)
+from hyflow.checkpoint.files import write_atomic
+from hyflow.checkpoint.rng import capture_rng, restore_rng
 from hyflow.training.supervisor import DivergenceError, StepSupervisor
 
 
@@ -95,7 +96,7 @@ def test_supervisor_skips_non_finite_updates_counts_and_diverges():
         assert actor.step() and critic.step()
         ctrl.value = 1
         out = sup.end_step(metrics := {"actor/pg_loss": 0.5, "actor/grad_norm": float("nan")}, step=1)
-        assert not out.bad and not out.stop and metrics["bad_step"] == 0.0 and ctrl.value == 1
+        assert not out.bad and not out.stop and metrics["training/bad_step"] == 0.0 and ctrl.value == 1
 
         actor.grad = torch.tensor([1.0, float("nan"), 0.0])
         sup.begin_step()
@@ -103,7 +104,7 @@ def test_supervisor_skips_non_finite_updates_counts_and_diverges():
         assert not actor.step() and not critic.step()  # the critic's finite update is skipped too
         out = sup.end_step(metrics := {}, step=2)
         assert out.bad and not out.diverged and ctrl.value == 1  # rolled back
-        assert metrics == {"bad_step": 1.0, "bad_steps_total": 1.0}
+        assert metrics == {"training/bad_step": 1.0, "training/bad_steps_total": 1.0}
 
         actor.grad = torch.ones(3)
         assert actor.step()  # outside a step (e.g. the SFT warm-up) nothing sticks

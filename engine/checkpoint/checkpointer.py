@@ -1,231 +1,65 @@
-"""Training checkpoints: save, find, resume and prune them; capture and restore RNG states.
+"""Step checkpoints of a run: save (collective; in the background on GPU), verify, load.
 
-Layout under ``<trainer.output_dir>/checkpoints``::
+One step checkpoint, ``<trainer.output_dir>/checkpoints/step_000006/``::
 
-    step_000006/
-        actor/                  model weights: a hyflow model checkpoint (Megatron dist
-                                checkpoint + model.json + hyflow_checkpoint.json), loadable under
-                                any TP / PP layout and exportable with ``hyflow export``
-        actor_optimizer/        Megatron optimizer state (dist checkpoint, fully reshardable)
-        critic/, critic_optimizer/   the same for each further trained model
-        rng/rank_00000.pt       python / numpy / torch (/ CUDA) / Megatron RNG-tracker states, per rank
-        trainer_state.json      step, layout, LR-scheduler states, the job's state (data position, ...)
-        config.resolved.yaml    the run's resolved config
-        COMPLETE                written last: only a directory holding it counts as a checkpoint
-    reference/                  frozen weights the config cannot rebuild (saved once per run)
-    latest                      name of the newest complete checkpoint; moved after COMPLETE
+    actor/                  model weights: a hyflow model checkpoint (Megatron dist checkpoint
+                            + model.json + hyflow_checkpoint.json), loadable under any TP / PP
+                            layout and exportable with ``hyflow export``
+    actor_optimizer/        Megatron optimizer state (dist checkpoint)
+    critic/, critic_optimizer/   the same for each further trained model
+    rng/rank_00000.pt       this rank's random streams as plain tensors (:mod:`.rng`)
+    trainer_state.json      step, layout, LR-scheduler states, the job's state (data position, ...)
+    config.resolved.yaml    the run's resolved config
+    manifest.json           size and SHA-256 of every file above (:mod:`.manifest`)
+    COMPLETE                written last (with the save's duration): only a directory holding
+                            it counts as a checkpoint
 
-Every save is collective. Tensors go through ``dist_checkpointing``: asynchronously on GPU
-(the copy to host happens at the call, the writing in a background process, and the
-markers are written when every rank has finished), synchronously on CPU. Loading into a
-different TP / PP / DP layout reshards the dist checkpoints; RNG states are per rank, so
-they are only restored into the layout they were saved from.
+Finding, pruning and setting aside checkpoints is :mod:`.discovery`. Tensors go through
+``dist_checkpointing``: asynchronously on GPU (the copy to host happens at the call, the
+writing in a background process, and the manifest and markers are written when every rank
+has finished), synchronously on CPU. Loading into a different TP / PP / DP layout reshards
+the dist checkpoints; RNG states are per rank, so they are only restored into the layout
+they were saved from.
+
+Before anything of a checkpoint is read its files are checked against its manifest (each rank
+checks a share) and every pickle in it is checked to hold only tensors and plain data
+(:mod:`.trust`); ``trainer.resume=auto`` falls back to the newest checkpoint that passes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
 import os
-import random
-import re
 import shutil
 import time
-import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from hyflow.checkpoint.model import (CHECKPOINT_INFO_FILE, CheckpointError, CheckpointInfo, check_compatible,
-                                      load_model_checkpoint, model_dtype_name, read_checkpoint_info, read_description,
-                                      store_tokenizer)
+from hyflow.checkpoint.discovery import (CONFIG_FILE, LATEST_FILE, MARKER_FILE, STATE_FILE, checkpoints_root,
+                                         latest_checkpoint, prune_checkpoints, resume_candidates,
+                                         resume_path, set_aside, step_dir_name)
+from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError
+from hyflow.checkpoint.files import describe_os_error, find_os_error, read_json, write_atomic, write_json
+from hyflow.checkpoint.manifest import write_manifest, verify_manifest
+from hyflow.checkpoint.megatron_io import quiet_dist_checkpointing, stop_signal_proof_writer_queue
+from hyflow.checkpoint.model import (CHECKPOINT_INFO_FILE, CheckpointInfo, check_compatible, load_model_checkpoint,
+                                     model_dtype_name, read_checkpoint_info, read_description, store_tokenizer,
+                                     verify_model_checkpoint)
+from hyflow.checkpoint.optimizer_state import (allocate_distributed_optimizer_state, distributed_parts,
+                                               has_tensors, optimizer_format, optimizer_metadata,
+                                               restore_adam_steps)
+from hyflow.checkpoint.rng import capture_rng, load_rng, restore_rng, save_rng
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
 
-LOG = logging.getLogger(__name__)
-
-CHECKPOINTS_DIR = "checkpoints"
-MARKER_FILE = "COMPLETE"
-LATEST_FILE = "latest"
-STATE_FILE = "trainer_state.json"
-CONFIG_FILE = "config.resolved.yaml"
 STATE_FORMAT = "hyflow-trainer-checkpoint"
 STATE_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
-
-def step_dir_name(step: int) -> str:
-    """``step_000042``: zero-padded so the names sort by step."""
-    return f"step_{step:06d}"
-
-
-def checkpoints_root(output_dir: str) -> str:
-    """Where a run keeps its checkpoints."""
-    return os.path.join(output_dir, CHECKPOINTS_DIR)
-
-
-# --------------------------------------------------------------------------- discovery
-
-
-@dataclass
-class CheckpointEntry:
-    """One ``step_*`` directory: its step, path, and whether its save finished."""
-
-    step: int
-    path: str
-    complete: bool
-    problem: str = ""
-
-
-def checkpoint_status(path: str) -> tuple[bool, str]:
-    """(complete, why not): a checkpoint is complete when its marker names its step."""
-    marker = os.path.join(path, MARKER_FILE)
-    if not os.path.exists(marker):
-        return False, f"no {MARKER_FILE} marker (its save was interrupted)"
-    try:
-        with open(marker) as f:
-            data = json.load(f)
-        int(data["step"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return False, f"its {MARKER_FILE} marker is unreadable ({type(e).__name__})"
-    if not os.path.exists(os.path.join(path, STATE_FILE)):
-        return False, f"{STATE_FILE} is missing"
-    return True, ""
-
-
-def list_checkpoints(root: str) -> list[CheckpointEntry]:
-    """The ``step_*`` directories under ``root``, oldest first (none when it does not exist)."""
-    if not os.path.isdir(root):
-        return []
-    entries = []
-    for name in os.listdir(root):
-        match = _STEP_DIR.match(name)
-        path = os.path.join(root, name)
-        if match and os.path.isdir(path):
-            complete, problem = checkpoint_status(path)
-            entries.append(CheckpointEntry(int(match.group(1)), path, complete, problem))
-    return sorted(entries, key=lambda e: e.step)
-
-
-def latest_checkpoint(root: str, warn: Callable[[str], None] = LOG.warning) -> Optional[CheckpointEntry]:
-    """The newest complete checkpoint under ``root``; ``warn`` names each newer incomplete one."""
-    for entry in reversed(list_checkpoints(root)):
-        if entry.complete:
-            return entry
-        warn(f"skipping incomplete checkpoint {entry.path}: {entry.problem}")
-    return None
-
-
-def resolve_checkpoint(path: str, warn: Callable[[str], None] = LOG.warning) -> str:
-    """A complete step checkpoint from ``path``: a step directory, a checkpoints root, or a run
-    directory (its newest complete checkpoint). Raises :class:`CheckpointError` otherwise."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if _STEP_DIR.match(os.path.basename(os.path.normpath(path))):
-        complete, problem = checkpoint_status(path)
-        if not complete:
-            raise CheckpointError(f"checkpoint {path} is incomplete: {problem}")
-        return path
-    for root in (path, checkpoints_root(path)):
-        entry = latest_checkpoint(root, warn)
-        if entry is not None:
-            return entry.path
-    raise CheckpointError(f"no complete checkpoint in {path} (looked for {CHECKPOINTS_DIR}/step_*/{MARKER_FILE})")
-
-
-def resume_path(resume: str, output_dir: str, warn: Callable[[str], None] = LOG.warning) -> Optional[str]:
-    """``trainer.resume``: ``never`` -> None; ``auto`` -> the newest complete checkpoint of
-    ``output_dir`` (None for a fresh run); anything else is a checkpoint path that must exist."""
-    if resume == "never":
-        return None
-    if resume == "auto":
-        entry = latest_checkpoint(checkpoints_root(output_dir), warn)
-        return entry.path if entry else None
-    return resolve_checkpoint(resume, warn)
-
-
-def prune_checkpoints(root: str, keep_last: int) -> list[str]:
-    """Delete all but the newest ``keep_last`` complete checkpoints, and incomplete ones older
-    than the newest complete one. Returns the removed paths."""
-    entries = list_checkpoints(root)
-    complete = [e for e in entries if e.complete]
-    if not complete:
-        return []
-    keep = {e.path for e in complete[-keep_last:]}
-    newest = complete[-1].step
-    removed = [e.path for e in entries if e.path not in keep and (e.complete or e.step < newest)]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
-
-
-# --------------------------------------------------------------------------- RNG
-
-
-def capture_rng() -> dict[str, Any]:
-    """This rank's random streams: python, numpy, torch (CPU, CUDA) and Megatron's tracker."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    from hyflow.compat import cpu
-
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and not cpu.is_active():
-        state["cuda"] = torch.cuda.get_rng_state()
-    tracker = get_cuda_rng_tracker()
-    state["tracker"] = {name: s.clone() for name, s in tracker.get_states().items()}
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    """Undo everything drawn since :func:`capture_rng` returned ``state``."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states({name: s.clone() for name, s in state["tracker"].items()})
-
-
-# --------------------------------------------------------------------------- files
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` durably, so readers see the old file or the whole new one."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-@contextlib.contextmanager
-def _quiet_deprecations() -> Iterator[None]:
-    """dist_checkpointing uses torch APIs that warn about their deprecation; not the user's concern."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint.*")
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing.*")
-        yield
-
-
-# --------------------------------------------------------------------------- save / load
+__all__ = ["Checkpointer", "TrainedModel", "STATE_FORMAT", "STATE_VERSION", "resume_path", "LATEST_FILE",
+           "MARKER_FILE", "STATE_FILE", "CONFIG_FILE"]
 
 
 @dataclass
@@ -242,34 +76,7 @@ class TrainedModel:
         if len(self.chunks) != 1:
             raise CheckpointError(f"checkpointing supports one model chunk per rank, got {len(self.chunks)} "
                                   "(virtual pipeline stages)")
-        return _unwrap(self.chunks[0])
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)
-
-
-def optimizer_format() -> str:
-    """Megatron's distributed-optimizer checkpoint format: ``fully_reshardable`` (loads under any
-    TP / PP / DP layout), or, with torch's own Adam (no Apex / Transformer Engine, e.g. on CPU),
-    ``dp_reshardable``: Megatron 0.16's fully reshardable loader drops that Adam's per-parameter
-    ``step``, so there the state loads only into the same TP / PP (any DP). The plain
-    (non-distributed) optimizer is keyed by the model's parameters and loads anywhere."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    return "fully_reshardable" if distrib_optimizer.HAVE_APEX_OR_TE else "dp_reshardable"
-
-
-def _optimizer_metadata(fmt: str) -> dict[str, Any]:
-    return {"distrib_optim_sharding_type": fmt, "chained_optim_avoid_prefix": True}
-
-
-def _has_tensors(sharded: Any) -> bool:
-    """Whether a sharded state dict holds any sharded tensor (an unstepped optimizer's has none)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
-
-    return any(isinstance(v, ShardedBase) for v in nested_values(sharded))
+        return getattr(self.chunks[0], "module", self.chunks[0])
 
 
 def _layout_dict(groups: ParallelGroups) -> dict[str, Any]:
@@ -302,11 +109,15 @@ class Checkpointer:
                  tokenizer: Optional[str] = None) -> None:
         from hyflow.compat import cpu
 
+        self.output_dir = output_dir
         self.root = checkpoints_root(output_dir)
         self.groups, self.desc, self.keep_last, self.tokenizer = groups, desc, keep_last, tokenizer
         self.async_save = (torch.cuda.is_available() and not cpu.is_active()) if async_save is None else async_save
+        stop_signal_proof_writer_queue()
         self._log = log
         self._queue: Any = None
+        self._verified: set[str] = set()
+        self._doing = ""
 
     def log(self, message: str) -> None:
         """Print ``message`` on rank 0."""
@@ -322,19 +133,43 @@ class Checkpointer:
 
         ``frozen`` models are written once per run to ``<checkpoints>/<name>`` and referenced.
         Random streams are left exactly as they were. Returns the step directory; it counts as
-        a checkpoint once :meth:`wait` (or, on CPU, this call) has written its marker.
+        a checkpoint once :meth:`wait` (or, on CPU, this call) has written its marker. A write
+        that fails (disk full, ...) raises :class:`CheckpointError` naming the directory and
+        what was being written; earlier checkpoints are untouched.
         """
         self.wait()  # one save in flight at a time: the previous one's marker comes first
         rng = capture_rng()
         path = os.path.join(self.root, step_dir_name(step))
+        try:
+            return self._save(step, path, rng, models, job_state, frozen, config_text)
+        except BaseException as e:  # torch DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            os_error = find_os_error(e)
+            if os_error is None:
+                raise
+            raise CheckpointError(self._failure(step, path, os_error)) from e
+        finally:
+            restore_rng(rng)
+
+    def _failure(self, step: int, path: str, e: OSError) -> str:
+        previous = latest_checkpoint(self.root, lambda _: None)
+        after = (f"the previous checkpoint {previous.path} (step {previous.step}) is intact and "
+                 "`trainer.resume=auto` continues from it" if previous else "there is no earlier checkpoint")
+        return f"checkpoint step {step} was not saved: {describe_os_error(e, self._doing or f'writing {path}')}; {after}"
+
+    def _save(self, step: int, path: str, rng: dict, models: dict[str, TrainedModel], job_state: dict[str, Any],
+              frozen: Optional[dict[str, torch.nn.Module]], config_text: Optional[str]) -> str:
         rank = dist.get_rank()
+        self._doing = f"creating {path}"
         if rank == 0:
             if os.path.exists(path):  # an interrupted save of this step, or a re-save
                 shutil.rmtree(path)
             os.makedirs(os.path.join(path, "rng"))
         dist.barrier()
         start = time.perf_counter()
-        torch.save(rng, os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+        self._doing = f"writing the random states to {path}/rng"
+        save_rng(os.path.join(path, "rng", f"rank_{rank:05d}.pt"), rng)
         frozen_paths = {name: self._save_frozen(name, model) for name, model in (frozen or {}).items()}
         requests, infos = [], {}
         state: dict[str, Any] = {
@@ -342,26 +177,36 @@ class Checkpointer:
             "models": {}, "frozen": frozen_paths, "job": job_state, "time": time.time()}
         for name, model in models.items():
             module = model.module
+            self._doing = f"writing the {name} weights to {path}/{name}"
             requests.append(self._dist_save(module.sharded_state_dict(), os.path.join(path, name)))
             infos[name] = self._model_info(module, step, name)
             entry: dict[str, Any] = {"optimizer": False, "optimizer_format": optimizer_format()}
             if model.optimizer is not None:
                 sharded = model.optimizer.sharded_state_dict(
-                    module.sharded_state_dict(), metadata=_optimizer_metadata(entry["optimizer_format"]))
+                    module.sharded_state_dict(), metadata=optimizer_metadata(entry["optimizer_format"]))
                 # An optimizer that never stepped has no state; a fresh one equals it on load.
-                entry["optimizer"] = _has_tensors(sharded)
+                entry["optimizer"] = has_tensors(sharded)
                 if entry["optimizer"]:
+                    self._doing = f"writing the {name} optimizer state to {path}/{name}_optimizer"
                     requests.append(self._dist_save(sharded, os.path.join(path, f"{name}_optimizer")))
             if model.scheduler is not None:
                 entry["scheduler"] = model.scheduler.state_dict()
             state["models"][name] = entry
 
         def finalize() -> None:
+            self._doing = f"writing the metadata of {path}"
             if dist.get_rank() == 0:
                 self._write_metadata(path, state, infos, config_text)
+            dist.barrier()
+            self._doing = f"writing {path}/manifest.json"
+            write_manifest(path, exclude=(MARKER_FILE,))  # collective: each rank hashes the files it wrote
+            seconds = time.perf_counter() - start
+            if dist.get_rank() == 0:
+                write_json(os.path.join(path, MARKER_FILE), {"step": step, "time": time.time(),
+                                                             "save_seconds": round(seconds, 3)})
                 self._publish(path, step)
             dist.barrier()
-            self.log(f"[hyflow] checkpoint step {step} saved to {path} ({time.perf_counter() - start:.1f}s)")
+            self.log(f"[hyflow] checkpoint step {step} saved to {path} ({seconds:.1f}s)")
 
         pending = [r for r in requests if r is not None]
         if pending:
@@ -373,14 +218,13 @@ class Checkpointer:
                 self._queue.schedule_async_request(request)
         else:
             finalize()
-        restore_rng(rng)
         return path
 
     def _dist_save(self, sharded: dict, directory: str) -> Any:
         from megatron.core import dist_checkpointing
 
         os.makedirs(directory, exist_ok=True)
-        with _quiet_deprecations():
+        with quiet_dist_checkpointing():
             return dist_checkpointing.save(sharded, directory, async_sharded_save=self.async_save)
 
     def _model_info(self, module: torch.nn.Module, step: int, name: str) -> CheckpointInfo:
@@ -396,14 +240,13 @@ class Checkpointer:
     def _write_metadata(self, path: str, state: dict[str, Any], infos: dict[str, CheckpointInfo],
                         config_text: Optional[str]) -> None:
         """Rank 0, once every tensor is on disk: the model descriptions and infos, the trainer
-        state, the config, and last the marker."""
+        state and the config (the manifest and the marker follow)."""
         for name, info in infos.items():
-            _write_json(os.path.join(path, name, DESCRIPTION_FILE), self._description_in(os.path.join(path, name)))
-            _write_json(os.path.join(path, name, CHECKPOINT_INFO_FILE), asdict(info))
-        _write_json(os.path.join(path, STATE_FILE), state)
+            write_json(os.path.join(path, name, DESCRIPTION_FILE), self._description_in(os.path.join(path, name)))
+            write_json(os.path.join(path, name, CHECKPOINT_INFO_FILE), asdict(info))
+        write_json(os.path.join(path, STATE_FILE), state)
         if config_text is not None:
             write_atomic(os.path.join(path, CONFIG_FILE), config_text)
-        _write_json(os.path.join(path, MARKER_FILE), {"step": state["step"], "time": time.time()})
 
     def _publish(self, path: str, step: int) -> None:
         """Rank 0: move ``latest`` to the new checkpoint and prune old ones."""
@@ -426,11 +269,11 @@ class Checkpointer:
                 pass
         dist.broadcast_object_list(flags, src=0)
         if not flags[0]:
+            self._doing = f"writing the frozen {name} model to {target}"
             save_model_checkpoint(model, target, self.groups, self.desc, overwrite=True,
-                                  extra={"writer": "hyflow trainer", "role": name})
-            if dist.get_rank() == 0:
-                _write_json(os.path.join(target, DESCRIPTION_FILE), self._description_in(target))
-            dist.barrier()
+                                  extra={"writer": "hyflow trainer", "role": name},
+                                  write_extra=lambda: write_json(os.path.join(target, DESCRIPTION_FILE),
+                                                                     self._description_in(target)))
         return os.path.join("..", name)
 
     def _description_in(self, model_dir: str) -> dict[str, Any]:
@@ -456,18 +299,96 @@ class Checkpointer:
             self._queue.close(abort=abort)
             self._queue = None
 
+    # ----------------------------------------------------------------- verify / choose
+
+    def find_resume(self, resume: str, warn: Optional[Callable[[str], None]] = None) -> Optional[str]:
+        """The checkpoint ``trainer.resume`` names, verified (see :meth:`verify`); None for a
+        fresh run. With ``auto`` (or a run directory) a damaged newest checkpoint is set aside
+        (renamed ``step_*.corrupt-<reason>``, never deleted), ``warn`` says so on rank 0, and
+        the next older one is tried. A step directory named explicitly must verify itself."""
+        warn = warn or self.log
+        found: list[Any] = [None, True, None]
+        if dist.get_rank() == 0:
+            try:
+                found[:2] = resume_candidates(resume, self.output_dir, warn)
+            except CheckpointError as e:
+                found[2] = str(e)
+        dist.broadcast_object_list(found, src=0)
+        candidates, exact, error = found
+        if error:
+            raise CheckpointError(error)
+        damaged = []
+        for path in candidates:
+            try:
+                self.verify(path)
+                return path
+            except CheckpointDamaged as e:
+                if exact or os.path.normpath(e.path) != os.path.normpath(path):
+                    raise
+                dist.barrier()  # every rank is done reading it
+                if dist.get_rank() == 0:
+                    moved = set_aside(path, e.reason)
+                    damaged.append(moved)
+                    warn(f"checkpoint {path} is damaged and was set aside as {moved}: {e}; trying the "
+                         "previous checkpoint")
+                dist.barrier()
+        if candidates:
+            raise CheckpointError(f"no usable checkpoint under {self.root}: every one is damaged (set aside: "
+                                  f"{', '.join(damaged) or 'see the warnings'}); to start this run over, set "
+                                  "trainer.resume=never")
+        return None
+
+    def verify(self, path: str) -> None:
+        """Check checkpoint ``path`` before reading it (collective): every file against its
+        manifest (each rank checks a share; :class:`CheckpointDamaged` names the first damaged
+        file), ``trainer_state.json``, and every pickle in its distributed checkpoints and
+        frozen models (:mod:`hyflow.checkpoint.trust`)."""
+        if path in self._verified:
+            return
+        manifest = verify_manifest(path, device=self.groups.device)
+        error: Optional[CheckpointError] = None
+        state: dict[str, Any] = {}
+        try:
+            from hyflow.checkpoint.trust import check_dcp_pickles
+
+            state = self._read_state(path)
+            for name, entry in state["models"].items():
+                check_dcp_pickles(os.path.join(path, name))
+                if entry.get("optimizer"):
+                    check_dcp_pickles(os.path.join(path, f"{name}_optimizer"))
+        except CheckpointError as e:
+            error = e
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.groups.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all ranks raise, or none
+        if int(flag.item()):
+            raise error or CheckpointError(f"checkpoint {path} cannot be read on another rank (see its error)")
+        for rel in state.get("frozen", {}).values():
+            verify_model_checkpoint(os.path.normpath(os.path.join(path, rel)), self.groups, warn=self.log)
+        if manifest is None:
+            self.log(f"[hyflow] warning: {path} has no manifest.json (written by an older hyflow): its files "
+                     "cannot be checked for damage")
+        self._verified.add(path)
+
+    def _read_state(self, path: str) -> dict[str, Any]:
+        state = read_json(os.path.join(path, STATE_FILE), path)
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or \
+                int(state.get("version", 0)) > STATE_VERSION or not isinstance(state.get("models"), dict):
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise CheckpointError(f"{path}/{STATE_FILE}: not a hyflow trainer checkpoint this version reads "
+                                  f"(format {found!r}, version "
+                                  f"{state.get('version') if isinstance(state, dict) else None})")
+        return state
+
     # ----------------------------------------------------------------- load
 
     def load(self, path: str, models: dict[str, TrainedModel], *,
              frozen: Optional[dict[str, torch.nn.Module]] = None) -> dict[str, Any]:
-        """Load checkpoint ``path`` into ``models`` (and ``frozen`` ones it references); restore
-        this rank's RNG states when the layout is unchanged. Returns the trainer state (its
-        ``job`` entry is what :meth:`save` was given). Call it last before training resumes."""
-        with open(os.path.join(path, STATE_FILE)) as f:
-            state = json.load(f)
-        if state.get("format") != STATE_FORMAT or int(state.get("version", 0)) > STATE_VERSION:
-            raise CheckpointError(f"{path}/{STATE_FILE}: not a hyflow trainer checkpoint this version reads "
-                                  f"(format {state.get('format')!r}, version {state.get('version')})")
+        """Load checkpoint ``path`` into ``models`` (and ``frozen`` ones it references), after
+        :meth:`verify` (skipped when :meth:`find_resume` just did it); restore this rank's RNG
+        states when the layout is unchanged. Returns the trainer state (its ``job`` entry is
+        what :meth:`save` was given). Call it last before training resumes."""
+        self.verify(path)
+        state = self._read_state(path)
         saved, current = state["layout"], _layout_dict(self.groups)
         same_layout = saved == current
         if same_layout:
@@ -485,7 +406,7 @@ class Checkpointer:
             self._load_model(model.module, os.path.join(path, name), exact=same_layout)
             if model.optimizer is not None and entry.get("optimizer"):  # else: saved before its first step
                 fmt = entry.get("optimizer_format", optimizer_format())
-                if fmt == "dp_reshardable" and _distributed_parts(model.optimizer) and \
+                if fmt == "dp_reshardable" and distributed_parts(model.optimizer) and \
                         (saved["tp"], saved["pp"]) != (current["tp"], current["pp"]):
                     raise CheckpointError(
                         f"{path}: the {name} distributed-optimizer state is in Megatron's dp_reshardable format "
@@ -497,24 +418,29 @@ class Checkpointer:
             if name not in state.get("frozen", {}):
                 raise CheckpointError(f"checkpoint {path} does not reference frozen model {name!r}")
             load_model_checkpoint(module, os.path.normpath(os.path.join(path, state["frozen"][name])),
-                                  self.groups, self.desc)
+                                  self.groups, self.desc, verify=False)
         if same_layout:
             rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank():05d}.pt")
-            restore_rng(torch.load(rng_file, weights_only=False))
+            if os.path.exists(rng_file) or os.path.isdir(os.path.dirname(rng_file)):
+                restore_rng(load_rng(rng_file))
+            else:
+                self.log(f"[hyflow] warning: {path} has no rng/ folder: random streams are re-seeded, so the "
+                         "resumed run will not repeat an uninterrupted one exactly")
         return state
 
     def _load_model(self, module: torch.nn.Module, directory: str, exact: bool) -> None:
-        """Load weights; ``exact`` keeps the padded vocabulary rows as saved (a resume in the
-        same layout must continue bit for bit), otherwise they are zeroed as on any reshard."""
+        """Load weights (already verified); ``exact`` keeps the padded vocabulary rows as saved
+        (a resume in the same layout must continue bit for bit), otherwise they are zeroed as
+        on any reshard."""
         if not exact:
-            load_model_checkpoint(module, directory, self.groups, self.desc)
+            load_model_checkpoint(module, directory, self.groups, self.desc, verify=False)
             return
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        read_checkpoint_info(directory)  # complete, files intact
+        read_checkpoint_info(directory)  # complete, files present
         check_compatible(self.desc, read_description(directory), directory)
-        with _quiet_deprecations():
+        with quiet_dist_checkpointing():
             state = dist_checkpointing.load(module.sharded_state_dict(), directory,
                                             strict=StrictHandling.RAISE_UNEXPECTED)
         module.load_state_dict(state, strict=True)
@@ -523,57 +449,11 @@ class Checkpointer:
         from megatron.core import dist_checkpointing
 
         module = model.module
-        _allocate_distributed_optimizer_state(model.optimizer)
+        allocate_distributed_optimizer_state(model.optimizer)
         sharded = model.optimizer.sharded_state_dict(module.sharded_state_dict(), is_loading=True,
-                                                     metadata=_optimizer_metadata(fmt))
-        with _quiet_deprecations():
+                                                     metadata=optimizer_metadata(fmt))
+        with quiet_dist_checkpointing():
             loaded = dist_checkpointing.load(sharded, directory)
         with torch.no_grad():  # Megatron's dp_reshardable loader copies into parameter views
             model.optimizer.load_state_dict(loaded)
-        _restore_adam_steps(model.optimizer)
-
-
-def _distributed_parts(optimizer: Any) -> list:
-    """The Megatron ``DistributedOptimizer`` parts of ``optimizer`` (chained or not)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return [o for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]
-            if isinstance(o, DistributedOptimizer)]
-
-
-def _torch_adams(optimizer: Any) -> list:
-    """The torch ``Adam`` inside each ``DistributedOptimizer`` part (no Apex / TE fused Adam)."""
-    return [o.optimizer for o in _distributed_parts(optimizer) if isinstance(o.optimizer, torch.optim.Adam)]
-
-
-def _restore_adam_steps(optimizer: Any) -> None:
-    """Repair a torch Adam's ``step`` after Megatron's ``DistributedOptimizer.load_state_dict``.
-
-    Megatron 0.16 gives every parameter the *same* ``step`` tensor (which Adam would then
-    increment once per parameter) and its dp_reshardable loader overwrites it with the loading
-    template's value; the true step is the one it saved with the param groups.
-    """
-    for adam in _torch_adams(optimizer):
-        for group in adam.param_groups:
-            for param in group["params"]:
-                state = adam.state.get(param, {})
-                if "step" in state:
-                    step = group.get("step", state["step"])
-                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
-
-
-def _allocate_distributed_optimizer_state(optimizer: Any) -> None:
-    """Give a fresh Megatron ``DistributedOptimizer`` on torch's Adam (no Apex / TE) its state.
-
-    Its ``state_dict()``, which building the sharded state dict for a load calls, reads the
-    common ``step`` of the allocated Adam state; before the first update there is none. Zero
-    moments and ``step = 0`` are what the first update would allocate; the load overwrites them.
-    """
-    for adam in _torch_adams(optimizer):
-        for group in adam.param_groups:
-            for param in group["params"]:
-                state = adam.state[param]
-                if "step" not in state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state.setdefault("exp_avg", torch.zeros_like(param, memory_format=torch.preserve_format))
-                    state.setdefault("exp_avg_sq", torch.zeros_like(param, memory_format=torch.preserve_format))
+        restore_adam_steps(model.optimizer)

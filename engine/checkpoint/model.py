@@ -9,9 +9,15 @@ A hyflow model checkpoint is a directory holding
   padding, which depends on TP, is re-padded with zeros);
 * ``model.json``: the :class:`~hyflow.models.description.ModelDescription`. A
   relative ``tokenizer`` path in it is relative to the checkpoint directory;
+* ``manifest.json``: size and SHA-256 of every other file (:mod:`.manifest`), checked
+  before a load (``--no-verify`` / ``HYFLOW_NO_VERIFY=1`` skips the checksums);
 * ``hyflow_checkpoint.json``: :class:`CheckpointInfo` (format version, dtype, the
   layout it was written with). It is written *last*, so a directory without it is
   an interrupted save.
+
+Nothing is unpickled before :mod:`.trust` has checked it holds only tensors and plain data.
+A model checkpoint inside a step checkpoint (``step_*/actor``) has no manifest of its own:
+the step's ``manifest.json`` lists its files.
 
 Entry points (all collective over the model's ranks): :func:`save_model_checkpoint`,
 :func:`load_model_checkpoint` into an existing model, and
@@ -21,18 +27,20 @@ Entry points (all collective over the model's ranks): :func:`save_model_checkpoi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
-import warnings
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError  # noqa: F401 - re-exported
+from hyflow.checkpoint.files import write_json
+from hyflow.checkpoint.manifest import MANIFEST_FILE, sizes_match, verify_manifest, write_manifest
+from hyflow.checkpoint.megatron_io import quiet_dist_checkpointing
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription, ModelDescriptionError
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
@@ -44,10 +52,6 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 #: Fields that must agree between the checkpoint's description and the model's.
 _ARCH_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                 "num_query_groups", "ffn_hidden_size", "head_dim", "qkv_bias", "tied_embeddings")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, or does not fit the model."""
 
 
 @dataclass
@@ -77,26 +81,6 @@ class CheckpointInfo:
     padded_vocab_size: int = 0
     megatron_core: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def _quiet_dist_checkpointing():
-    """Silence dist_checkpointing's notices that do not apply here.
-
-    Megatron warns "Overwriting old incomplete / corrupted checkpoint" for any
-    non-empty directory (ours already holds the tokenizer), and torch's DCP emits
-    deprecation FutureWarnings about APIs Megatron 0.16 uses internally.
-    """
-    log = logging.getLogger("megatron.core.dist_checkpointing.serialization")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            for module in (r"torch\.distributed\.checkpoint.*", r"megatron\.core\.dist_checkpointing.*"):
-                warnings.filterwarnings("ignore", category=FutureWarning, module=module)
-            yield
-    finally:
-        log.setLevel(level)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -142,13 +126,6 @@ def zero_vocab_padding(model: torch.nn.Module, vocab_size: int, groups: Parallel
 # --------------------------------------------------------------------------- metadata
 
 
-def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-
-
 def read_checkpoint_info(ckpt_dir: str) -> CheckpointInfo:
     """Read and check ``hyflow_checkpoint.json`` and the files the checkpoint needs.
 
@@ -182,19 +159,48 @@ def read_checkpoint_info(ckpt_dir: str) -> CheckpointInfo:
     known = {f.name for f in fields(CheckpointInfo)}
     info = CheckpointInfo(**{k: v for k, v in data.items() if k in known})
     _check_dcp_files(ckpt_dir)
+    root, prefix = manifest_location(ckpt_dir)
+    sizes_match(root, prefix)  # every other file: presence and size (checksums: verify_model_checkpoint)
     return info
 
 
-def _check_dcp_files(ckpt_dir: str) -> None:
-    """Every data file named by the torch_dist ``.metadata`` exists and is long enough."""
-    if not os.path.exists(os.path.join(ckpt_dir, ".metadata")):
-        raise CheckpointError(f"{ckpt_dir} is incomplete: the tensor index .metadata is missing")
-    from torch.distributed.checkpoint import FileSystemReader
+def manifest_location(ckpt_dir: str) -> tuple[str, str]:
+    """(directory holding the manifest that lists ``ckpt_dir``'s files, their prefix there):
+    the checkpoint itself, or the step checkpoint a model directory sits in."""
+    if os.path.exists(os.path.join(ckpt_dir, MANIFEST_FILE)):
+        return ckpt_dir, ""
+    parent = os.path.dirname(os.path.normpath(os.path.abspath(ckpt_dir)))
+    if os.path.exists(os.path.join(parent, MANIFEST_FILE)):
+        return parent, os.path.basename(os.path.normpath(ckpt_dir)) + "/"
+    return ckpt_dir, ""
 
-    try:
-        metadata = FileSystemReader(ckpt_dir).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any parse failure means a damaged index
-        raise CheckpointError(f"{ckpt_dir}/.metadata cannot be read ({type(e).__name__}: {e})") from None
+
+def verify_model_checkpoint(ckpt_dir: str, groups: Optional[ParallelGroups] = None,
+                            warn=None) -> bool:
+    """Check ``ckpt_dir`` before a load: every file against the manifest (collective over all
+    ranks when a process group exists: each rank checks a share), and every pickle in it
+    (:func:`hyflow.checkpoint.trust.check_dcp_pickles`). Raises :class:`CheckpointError`
+    (:class:`CheckpointDamaged` naming the file for damage). Returns False, after ``warn``
+    (default: a logged warning), when the checkpoint has no manifest (older hyflow)."""
+    from hyflow.checkpoint.trust import check_dcp_pickles
+
+    root, prefix = manifest_location(ckpt_dir)
+    manifest = verify_manifest(root, prefix, device=getattr(groups, "device", None))
+    check_dcp_pickles(ckpt_dir)
+    if manifest is None:
+        (warn or logging.getLogger(__name__).warning)(
+            f"{ckpt_dir} has no {MANIFEST_FILE} (written by an older hyflow): its files cannot be checked "
+            "for damage")
+        return False
+    return True
+
+
+def _check_dcp_files(ckpt_dir: str) -> None:
+    """Every data file named by the torch_dist ``.metadata`` exists and is long enough (the
+    index is read with hyflow's restricted unpickler: :mod:`hyflow.checkpoint.trust`)."""
+    from hyflow.checkpoint.trust import read_dcp_index
+
+    metadata = read_dcp_index(ckpt_dir)
     needed: dict[str, int] = {}
     for item in (metadata.storage_data or {}).values():
         end = int(item.offset) + int(item.length)
@@ -258,13 +264,16 @@ def check_compatible(model_desc: ModelDescription, ckpt_desc: ModelDescription, 
 
 def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: ParallelGroups,
                           desc: ModelDescription, *, extra: Optional[dict[str, Any]] = None,
-                          overwrite: bool = False) -> CheckpointInfo:
+                          overwrite: bool = False,
+                          write_extra: Optional[Callable[[], None]] = None) -> CheckpointInfo:
     """Save ``model`` (every rank's part) to ``ckpt_dir``; collective over all ranks.
 
     ``model`` is this rank's model (one chunk; virtual-pipeline chunk lists are not
-    handled). Other files already in ``ckpt_dir`` (a tokenizer, say) are kept; an
-    existing checkpoint there is an error unless ``overwrite``, which deletes its
-    files first (a layout with fewer ranks leaves no stale ``.distcp`` behind).
+    handled). Other files already in ``ckpt_dir`` (a tokenizer, say) are kept and listed in
+    the manifest; an existing checkpoint there is an error unless ``overwrite``, which
+    deletes its files first (a layout with fewer ranks leaves no stale ``.distcp`` behind).
+    ``write_extra`` runs on rank 0 after ``model.json`` is written and before the manifest
+    (to add or rewrite files the manifest must cover).
     """
     from megatron.core import dist_checkpointing
     from megatron.core import __version__ as mcore_version
@@ -279,7 +288,7 @@ def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
     if dist.get_rank() == 0:
         if os.path.exists(info_path) or os.path.exists(os.path.join(ckpt_dir, ".metadata")):
             if overwrite:  # marker first: the directory is incomplete until rewritten
-                for name in [CHECKPOINT_INFO_FILE, ".metadata", "metadata.json", "common.pt"] + [
+                for name in [CHECKPOINT_INFO_FILE, MANIFEST_FILE, ".metadata", "metadata.json", "common.pt"] + [
                         f for f in os.listdir(ckpt_dir) if f.endswith(".distcp")]:
                     if os.path.exists(os.path.join(ckpt_dir, name)):
                         os.remove(os.path.join(ckpt_dir, name))
@@ -291,22 +300,29 @@ def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
     dist.broadcast_object_list(errors, src=0)
     if errors[0]:
         raise CheckpointError(errors[0])
-    with _quiet_dist_checkpointing():
+    with quiet_dist_checkpointing():
         dist_checkpointing.save(_unwrap(model).sharded_state_dict(), ckpt_dir)
     dist.barrier()
     if dist.get_rank() == 0:
         desc.save(ckpt_dir)
-        _write_json_atomic(info_path, asdict(info))
+        if write_extra is not None:
+            write_extra()
+    dist.barrier()
+    write_manifest(ckpt_dir, exclude=(CHECKPOINT_INFO_FILE,))  # collective: each rank hashes its files
+    if dist.get_rank() == 0:
+        write_json(info_path, asdict(info))
     dist.barrier()
     return info
 
 
 def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: ParallelGroups,
-                          desc: Optional[ModelDescription] = None) -> CheckpointInfo:
+                          desc: Optional[ModelDescription] = None, *, verify: bool = True) -> CheckpointInfo:
     """Load ``ckpt_dir`` into this rank's ``model`` (any layout); collective.
 
     ``desc`` (the model's description) is checked against the checkpoint's
     ``model.json`` first, so an architecture mismatch is reported by field name.
+    ``verify``: check the files first (:func:`verify_model_checkpoint`); pass False only when
+    the caller has just verified them.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -316,9 +332,11 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
     ckpt_desc = read_description(ckpt_dir)
     if desc is not None:
         check_compatible(desc, ckpt_desc, ckpt_dir)
+    if verify:
+        verify_model_checkpoint(ckpt_dir, groups)
     module = _unwrap(model)
     try:
-        with _quiet_dist_checkpointing():
+        with quiet_dist_checkpointing():
             state = dist_checkpointing.load(module.sharded_state_dict(), ckpt_dir,
                                             strict=StrictHandling.RAISE_UNEXPECTED)
     except CheckpointingException as e:
@@ -330,13 +348,17 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
 
 def load_model_from_checkpoint(
         ckpt_dir: str, groups: ParallelGroups, *, dtype: Optional[str] = None,
-        spec: str = "auto") -> tuple[torch.nn.Module, ModelDescription, CheckpointInfo]:
-    """Build this rank's model from the checkpoint's ``model.json`` and load it.
+        spec: str = "auto", verify: bool = True) -> tuple[torch.nn.Module, ModelDescription, CheckpointInfo]:
+    """Build this rank's model from the checkpoint's ``model.json`` and load it (after
+    verifying its files: :func:`verify_model_checkpoint`; ``verify=False`` only when the
+    caller just did).
 
     ``dtype`` defaults to the checkpoint's. Returns (model, description, info).
     """
     info = read_checkpoint_info(ckpt_dir)
     desc = read_description(ckpt_dir)
+    if verify:
+        verify_model_checkpoint(ckpt_dir, groups)  # before building: a damaged checkpoint fails fast
     model = build_model_for_loading(desc, groups, dtype=dtype or info.dtype, spec=spec)
-    load_model_checkpoint(model, ckpt_dir, groups, desc)
+    load_model_checkpoint(model, ckpt_dir, groups, desc, verify=False)
     return model, desc, info

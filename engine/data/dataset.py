@@ -88,17 +88,26 @@ class DatasetStats:
 
 # ----------------------------------------------------------------------------- file I/O
 
-def read_rows(path: str) -> list[Any]:
-    """Rows of a ``.jsonl`` / ``.json`` (array) / ``.parquet`` file, as Python objects."""
+def read_rows(path: str, limit: Optional[int] = None) -> list[Any]:
+    """Rows of a ``.jsonl`` / ``.json`` (array) / ``.parquet`` file, as Python objects (only
+    the first ``limit`` of a ``.jsonl`` / ``.parquet`` file when given: a quick look)."""
     if not os.path.isfile(path):
         raise DatasetError(f"data file not found: {path}", path=path)
     ext = os.path.splitext(path)[1].lower()
     if ext in (".jsonl", ".ndjson"):
         rows = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:  # decoded per line, so a bad byte is located by row and line
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DatasetError(
+                        f"{path}: row {len(rows)} (line {lineno}): not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
+                        f"column {exc.start + 1}); save the file as UTF-8", path=path, row=len(rows)) from None
                 if not line.strip():
                     continue
+                if limit is not None and len(rows) >= limit:
+                    break
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
@@ -111,12 +120,22 @@ def read_rows(path: str) -> list[Any]:
                 data = json.load(f)
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{path}: invalid JSON: {exc}", path=path) from exc
+            except UnicodeDecodeError as exc:
+                raise DatasetError(f"{path}: not UTF-8 text (byte offset {exc.start}); save the file as UTF-8",
+                                   path=path) from None
         if not isinstance(data, list):
             raise DatasetError(f"{path}: a .json data file must hold a list of rows", path=path)
         return data
     if ext in (".parquet", ".pq"):
         pq = _pyarrow_parquet(path)
-        return pq.read_table(path).to_pylist()
+        try:
+            if limit is not None:
+                batch = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
+                return batch.to_pylist() if batch is not None else []
+            return pq.read_table(path).to_pylist()
+        except Exception as exc:  # noqa: BLE001 - pyarrow's errors name no file
+            raise DatasetError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})",
+                               path=path) from None
     raise DatasetError(f"{path}: unsupported data file type {ext!r} (use .jsonl or .parquet)", path=path)
 
 
@@ -151,7 +170,7 @@ def write_rows(rows: Sequence[dict], path: str) -> str:
 
 def _messages(value: Any, key: str) -> list[dict]:
     if isinstance(value, str):
-        if not value:
+        if not value.strip():
             raise _RowError(key, "is an empty string")
         return [{"role": "user", "content": value}]
     if not isinstance(value, (list, tuple)) or not value:
@@ -166,6 +185,8 @@ def _messages(value: Any, key: str) -> list[dict]:
                 raise _RowError(f"{key}[{i}].{field}", "missing")
             if not isinstance(msg[field], str):
                 raise _RowError(f"{key}[{i}].{field}", f"must be a string, got {type(msg[field]).__name__}")
+            if not msg[field].strip():  # as `prompt: ""`: the model would train on an empty turn
+                raise _RowError(f"{key}[{i}].{field}", "is an empty string")
         out.append({"role": msg["role"], "content": msg["content"]})
     return out
 

@@ -17,13 +17,14 @@ well as in ``reward_model.ground_truth``. Generation is deterministic in ``seed`
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
 from typing import Any, Callable, Optional
 
 from hyflow.config import ConfigError
 
-__all__ = ["TaskInfo", "TASKS", "task_info", "make_task_rows", "tokenizer_spec_for", "load_data_tokenizer",
-           "QUICKSTART_TASK"]
+__all__ = ["TaskInfo", "TASKS", "task_info", "task_options", "check_task_options", "make_task_rows",
+           "tokenizer_spec_for", "load_data_tokenizer", "QUICKSTART_TASK"]
 
 QUICKSTART_TASK = "digits_reverse"
 
@@ -86,6 +87,8 @@ def _make_arithmetic(size: int, seed: int = 0, ops: str = "+-", max_operand: int
     unknown = set(ops) - set(_OPS)
     if not ops or unknown:
         raise ValueError(f"ops must be drawn from '+-*', got {ops!r}")
+    if max_operand < 0 or max_factor < 0:
+        raise ValueError(f"max_operand and max_factor must be >= 0, got {max_operand}, {max_factor}")
     rng = random.Random(f"arithmetic:{seed}")
     rows = []
     for i in range(size):
@@ -123,11 +126,43 @@ def task_info(name: str) -> TaskInfo:
     return TASKS[name]
 
 
+def task_options(name: str) -> dict[str, Any]:
+    """The options of task ``name``'s generator with their defaults."""
+    params = inspect.signature(task_info(name).make).parameters
+    return {n: p.default for n, p in params.items() if n not in ("size", "seed")}
+
+
+def check_task_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` checked against task ``name``'s generator: known names, and values of the
+    type of each default (``"20"`` from a command line becomes 20). Raises ``ValueError``
+    naming the option, what it expects and what it got."""
+    known = task_options(name)
+    out = {}
+    for key, value in options.items():
+        if key not in known:
+            raise ValueError(f"task {name} has no option {key}; its options: {', '.join(known) or 'none'}")
+        default = known[key]
+        if isinstance(default, bool) or not isinstance(default, (int, float, str)):
+            out[key] = value
+            continue
+        kind = type(default)
+        try:
+            if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            out[key] = kind(value)
+        except (TypeError, ValueError):
+            what = {int: "an integer", float: "a number", str: "a string"}[kind]
+            raise ValueError(f"task {name} option {key} expects {what} (default {default!r}), got {value!r}") \
+                from None
+    return out
+
+
 def make_task_rows(name: str, size: int, seed: int = 0, **options: Any) -> list[dict]:
-    """``size`` verl-format rows of task ``name`` (``options`` go to the task's generator)."""
+    """``size`` verl-format rows of task ``name`` (``options`` go to the task's generator, after
+    :func:`check_task_options`)."""
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
-    return task_info(name).make(size, seed, **options)
+    return task_info(name).make(size, seed, **check_task_options(name, options))
 
 
 def tokenizer_spec_for(data: Any) -> str:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hyflow.algorithms.advantages import compute_advantages
 from hyflow.algorithms.kl import make_kl_controller
-from hyflow.checkpoint.checkpointer import Checkpointer, resume_path
+from hyflow.checkpoint.checkpointer import Checkpointer
 from hyflow.config import dump_yaml, format_config
 from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.rl.batch import MicroBatching, RolloutBatch, batching_for, build_rollout_batch, pad_multiple
@@ -373,17 +373,15 @@ def _maybe_save(cfg: RLJobConfig, ckpt: Checkpointer, state: RLState, outcome: S
 
 
 def _resume(cfg: RLJobConfig, ckpt: Checkpointer, state: RLState) -> int:
-    """Load the checkpoint ``trainer.resume`` names (rank 0 decides which); returns its step, 0
-    when the run starts fresh. Restores the random streams, so it runs last in the set-up."""
+    """Load the checkpoint ``trainer.resume`` names (the newest that verifies, for ``auto``); returns
+    its step, 0 when the run starts fresh. Restores the random streams, so it runs last in the set-up."""
     def warn(message: str) -> None:
         print(f"[hyflow] warning: {message}", file=sys.stderr, flush=True)
 
-    # Set-up, once per run: the chosen path travels as an object over the world group.
-    choice = [resume_path(cfg.trainer.resume, cfg.trainer.output_dir, warn) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
+    path = ckpt.find_resume(cfg.trainer.resume, warn)  # verified; falls back past damaged ones (auto)
+    if path is None:
         return 0
-    saved = ckpt.load(choice[0], state.models.trained(), frozen=_frozen_models(cfg, state.models))
+    saved = ckpt.load(path, state.models.trained(), frozen=_frozen_models(cfg, state.models))
     job = dict(saved["job"])
     job.setdefault("step", saved["step"])
     state.load_state_dict(job)

@@ -8,6 +8,7 @@ critic, reward, algorithm, data, trainer, cluster.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -20,6 +21,13 @@ AdvEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
                        "reinforce_plus_plus_baseline", "remax"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3", "abs", "low_var_kl"]
+
+
+def _finite(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"must be a finite number, got {value}", key=name)
 
 
 def _positive(obj, *names: str) -> None:
@@ -64,6 +72,7 @@ class RolloutConfig:
 
     def validate(self) -> None:
         _positive(self, "n", "max_prompt_length", "max_new_tokens", "max_concurrent")
+        _finite(self, "temperature", "top_p")
         if self.temperature < 0:
             raise ConfigError(f"must be >= 0, got {self.temperature}", key="temperature")
         if not 0 < self.top_p <= 1:
@@ -127,6 +136,11 @@ class ActorConfig:
         _positive(self, "micro_batch_size", "mini_batch_size", "ppo_epochs")
         if self.max_tokens_per_micro_batch is not None:
             _positive(self, "max_tokens_per_micro_batch")
+        _finite(self, "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "kl_loss_coef", "sft_lr")
+        if self.kl_loss_coef < 0:
+            raise ConfigError(f"must be >= 0, got {self.kl_loss_coef}", key="kl_loss_coef")
+        if self.sft_lr <= 0:
+            raise ConfigError(f"must be > 0, got {self.sft_lr}", key="sft_lr")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
             raise ConfigError(f"must be > 1 or null, got {self.clip_ratio_c}", key="clip_ratio_c")
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
@@ -156,6 +170,7 @@ class CriticConfig:
         for name in ("max_tokens_per_micro_batch", "mini_batch_size", "ppo_epochs"):
             if getattr(self, name) is not None:
                 _positive(self, name)
+        _finite(self, "cliprange_value")
 
 
 @dataclass
@@ -209,6 +224,7 @@ class RewardConfig:
     format_pattern: Optional[str] = field(default=None, metadata={"help": "regex of the `format` rule"})
 
     def validate(self) -> None:
+        _finite(self, "model_coef", "format_score")
         if self.kind == "function" and not self.function_path:
             raise ConfigError("reward.kind=function needs reward.function_path", key="function_path")
         if self.kind == "model" and not self.model_checkpoint:
@@ -225,6 +241,14 @@ class KLControlConfig:
         "help": "coefficient of the in-reward KL penalty (initial value when adaptive)"})
     target_kl: float = field(default=0.1, metadata={"help": "adaptive: the KL the controller aims for"})
     horizon: int = field(default=10000, metadata={"help": "adaptive: steps over which the coefficient adapts"})
+
+    def validate(self) -> None:
+        _finite(self, "kl_coef", "target_kl")
+        if self.kl_coef < 0:
+            raise ConfigError(f"must be >= 0 (a penalty), got {self.kl_coef}", key="kl_coef")
+        if self.target_kl <= 0:
+            raise ConfigError(f"must be > 0, got {self.target_kl}", key="target_kl")
+        _positive(self, "horizon")
 
 
 @dataclass
@@ -243,6 +267,7 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
     def validate(self) -> None:
+        _finite(self, "gamma", "lam")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ConfigError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
 
@@ -316,7 +341,8 @@ class RLJobConfig:
 
     job: Literal["rl"] = field(default="rl", metadata={"help": "which job the config describes"})
     model: ModelDescription = field(default_factory=tiny_llama, metadata={
-        "help": "architecture (ignored when actor.checkpoint is set: read from its model.json)"})
+        "help": "architecture; with actor.checkpoint set, the checkpoint's model.json replaces it (this "
+                "section then only serves tools run where the checkpoint is not, e.g. hyflow plan)"})
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
@@ -326,12 +352,20 @@ class RLJobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    #: What validation adopted or noticed (e.g. the architecture read from actor.checkpoint).
+    notes: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def actor_layout(self, world_size: Optional[int] = None) -> Layout:
         """The actor's training layout with dp filled in for ``world_size`` ranks."""
         return self.actor.layout.with_dp_for(world_size or self.trainer.nproc)
 
     def validate(self) -> None:
+        if self.actor.checkpoint:  # the run's architecture is the checkpoint's model.json (when here)
+            from hyflow.checkpoint.architecture import adopt_checkpoint_architecture
+
+            self.model, note = adopt_checkpoint_architecture(self.actor.checkpoint, self.model, tiny_llama())
+            if note and note not in self.notes:
+                self.notes.append(note)
         world = self.trainer.nproc
         train = self.actor_layout(world)
         train.check_model(self.model)

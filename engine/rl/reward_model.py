@@ -49,9 +49,9 @@ def check_reward_model_checkpoint(path: str) -> ModelDescription:
 
 
 def _saved_shape(path: str, name: str) -> Optional[tuple]:
-    from torch.distributed.checkpoint import FileSystemReader
+    from hyflow.checkpoint.trust import read_dcp_index  # the index read without running any code
 
-    meta = FileSystemReader(path).read_metadata().state_dict_metadata.get(name)
+    meta = read_dcp_index(path).state_dict_metadata.get(name)
     size = getattr(meta, "size", None)
     return tuple(size) if size is not None else None
 

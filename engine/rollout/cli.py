@@ -34,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate responses with the rollout engine",
                               description=__doc__.split("\n\n")[1] if __doc__ else None)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--ckpt", help="hyflow model checkpoint directory (hyflow convert hf2mcore output)")
+    src.add_argument("--ckpt", help="hyflow model checkpoint (hyflow convert hf2mcore output), or a training run "
+                                    "directory / its checkpoints/ / a step_* checkpoint (its actor, as hyflow export)")
     src.add_argument("--hf", help="Hugging Face model directory or .gguf file")
     p.add_argument("--prompts", required=True, help=".jsonl (prompt / messages / prompt_ids) or .txt file")
     p.add_argument("--tokenizer", help="tokenizer spec (default: the checkpoint's / the HF model's)")
@@ -63,6 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="parameter dtype (default: the checkpoint's, fp32 for --hf)")
     p.add_argument("--output", help="write one JSON line per sample here")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the checksums of the checkpoint's files (sizes and pickles are still checked)")
     p.add_argument("--reward", choices=rule_names(), default=None,
                    help="score each response with this rule against its row's reward_model.ground_truth "
                         "and report the mean (prompts in the RL data format, e.g. from hyflow make-task)")
@@ -155,7 +158,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"hyflow: config error: {e}", file=sys.stderr)
         return 2
+    if args.no_verify:
+        from hyflow.checkpoint.manifest import NO_VERIFY_ENV
+
+        os.environ[NO_VERIFY_ENV] = "1"  # the ranks inherit it
     world = args.tp * args.pp * args.dp
+    if args.ckpt:
+        from hyflow.checkpoint.errors import CheckpointError
+
+        try:  # one process verifies here, before anything starts; several ranks share the work later
+            args.ckpt = _model_dir(args.ckpt, verify=world == 1)
+        except CheckpointError as e:
+            print(f"hyflow generate: error: {e}", file=sys.stderr)
+            return 2
     if min(args.tp, args.pp, args.dp) < 1:
         print("hyflow: --tp, --pp and --dp must be >= 1", file=sys.stderr)
         return 2
@@ -181,6 +196,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     finally:
         shutdown()
+
+
+def _model_dir(path: str, verify: bool = False) -> str:
+    """``--ckpt``: a model checkpoint, or the actor of a run's newest complete step checkpoint
+    (as ``hyflow export --ckpt``). Its files are present with their sizes; ``verify`` checks
+    them against the manifest here (one process; with several ranks each checks a share
+    before loading)."""
+    from hyflow.checkpoint.discovery import model_checkpoint_dir
+    from hyflow.checkpoint.manifest import NO_VERIFY_ENV
+    from hyflow.checkpoint.model import read_checkpoint_info, verify_model_checkpoint
+
+    def warn(message: str) -> None:
+        print(f"hyflow generate: warning: {message}", file=sys.stderr, flush=True)
+
+    model_dir = model_checkpoint_dir(path, warn=warn)
+    read_checkpoint_info(model_dir)
+    if verify:
+        verify_model_checkpoint(model_dir, warn=warn)
+        os.environ[NO_VERIFY_ENV] = "1"  # checked: the load below need not hash the files again
+    return model_dir
 
 
 def _generate(args: argparse.Namespace) -> int:

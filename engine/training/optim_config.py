@@ -3,6 +3,7 @@ validate before anything heavy is loaded)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,11 +39,23 @@ class OptimConfig:
     distributed_optimizer: bool = False
 
     def validate(self) -> None:
+        # Every number must be finite: a NaN passes every ``<`` / ``>`` test below unnoticed.
+        for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ConfigError(f"must be a finite number, got {value}", key=name)
         if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+            raise ConfigError(f"must be > 0, got {self.lr}", key="lr")
         if not 0 <= self.min_lr <= self.lr:
-            raise ConfigError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+            raise ConfigError(f"must be in [0, lr={self.lr}], got {self.min_lr}", key="min_lr")
+        if self.weight_decay < 0:
+            raise ConfigError(f"must be >= 0, got {self.weight_decay}", key="weight_decay")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"must be in [0, 1), got {getattr(self, name)}", key=name)
+        if self.adam_eps <= 0:
+            raise ConfigError(f"must be > 0, got {self.adam_eps}", key="adam_eps")
         if self.clip_grad < 0:
-            raise ConfigError(f"optim.clip_grad must be >= 0, got {self.clip_grad}")
+            raise ConfigError(f"must be >= 0, got {self.clip_grad}", key="clip_grad")
         if self.warmup_steps < 0:
-            raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+            raise ConfigError(f"must be >= 0, got {self.warmup_steps}", key="warmup_steps")

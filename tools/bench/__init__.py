@@ -23,6 +23,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
            "an RL job's step: seconds and share per phase, tokens/s, MFU, communication, peak memory"),
     "scaling": ("hyflow.tools.bench.scaling",
                 "strong or weak scaling efficiency of an RL job over several world sizes"),
+    "manifest": ("hyflow.tools.bench.manifest",
+                 "cost of checkpoint checksums: writing and verifying manifest.json"),
 }
 
 

@@ -3,9 +3,11 @@
     hyflow export --ckpt DIR --out HF_DIR [--dtype auto|fp32|bf16] [--force] [--max-shard-size GB]
 
 ``DIR`` is a run directory (its newest complete checkpoint is used), its ``checkpoints``
-directory, one ``step_*`` checkpoint, or a model checkpoint directory itself. The export is
-the converter's ``mcore2hf`` (any training layout; written on one process). This module
-imports nothing heavy until the command runs.
+directory, one ``step_*`` checkpoint, or a model checkpoint directory itself. Its files are
+checked against the checkpoint's manifest first (``--no-verify`` skips the checksums); a
+damaged file is named and nothing is written. The export is the converter's ``mcore2hf``
+(any training layout; written on one process). This module imports nothing heavy until the
+command runs.
 """
 
 from __future__ import annotations
@@ -21,22 +23,14 @@ def find_model_checkpoint(path: str, role: str = ROLE) -> str:
     """The model checkpoint directory of ``role`` that ``path`` points at (see the module
     docstring); incomplete step checkpoints are skipped with a warning on stderr.
 
-    Raises :class:`~hyflow.checkpoint.model.CheckpointError` when there is none.
+    Raises :class:`~hyflow.checkpoint.errors.CheckpointError` when there is none.
     """
-    from hyflow.checkpoint.model import CHECKPOINT_INFO_FILE, CheckpointError
-    from hyflow.checkpoint.checkpointer import resolve_checkpoint
-
-    if os.path.exists(os.path.join(path, CHECKPOINT_INFO_FILE)):
-        return path
+    from hyflow.checkpoint.discovery import model_checkpoint_dir
 
     def warn(message: str) -> None:
         print(f"hyflow export: warning: {message}", file=sys.stderr, flush=True)
 
-    step_dir = resolve_checkpoint(path, warn)
-    model_dir = os.path.join(step_dir, role)
-    if not os.path.isdir(model_dir):
-        raise CheckpointError(f"checkpoint {step_dir} has no {role} model")
-    return model_dir
+    return model_checkpoint_dir(path, role, warn)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -49,6 +43,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    if args.no_verify:
+        from hyflow.checkpoint.manifest import NO_VERIFY_ENV
+
+        os.environ[NO_VERIFY_ENV] = "1"
     try:
         model_dir = find_model_checkpoint(args.ckpt)
         log(f"hyflow export: {model_dir} -> {args.out}")
@@ -78,4 +76,6 @@ def register(subparsers) -> None:
     export.add_argument("--max-shard-size", type=float, default=2.0, metavar="GB",
                         help="split safetensors files at about this many GiB (default 2)")
     export.add_argument("--report", action="store_true", help="print time and peak host memory")
+    export.add_argument("--no-verify", action="store_true",
+                        help="skip the checksums of the checkpoint's files (sizes and pickles are still checked)")
     export.set_defaults(func=cmd_export)

@@ -72,7 +72,8 @@ def export_rank(job: ExportJob) -> ProcessMemory:
 
     with PeakMemory() as memory:
         groups = init_training_groups(Layout(tp=1, pp=1))
-        model, desc, _ = load_model_from_checkpoint(job.ckpt_dir, groups, spec="local")
+        # prepare_export verified the files in the parent process
+        model, desc, _ = load_model_from_checkpoint(job.ckpt_dir, groups, spec="local", verify=False)
         params = dict(model.named_parameters())
         hf_names = name_map(desc)
         shards = _plan_shards(desc, job.dtype, job.max_shard_bytes)
@@ -103,8 +104,9 @@ def export_rank(job: ExportJob) -> ProcessMemory:
     return memory.result
 
 
-def write_hf_metadata(ckpt_dir: str, out_dir: str, desc, dtype: str) -> None:
-    """config.json (from the description and the source config), generation config, tokenizer."""
+def write_hf_metadata(ckpt_dir: str, out_dir: str, desc, dtype: str, log=print) -> None:
+    """config.json (from the description and the source config), generation config, tokenizer;
+    ``log`` says when there is no tokenizer to export."""
     from hyflow.models.hf_mapping import hf_config_from_description
     from hyflow.tools.convert.hf2mcore import HF_DIR, TOKENIZER_DIR
 
@@ -125,16 +127,24 @@ def write_hf_metadata(ckpt_dir: str, out_dir: str, desc, dtype: str) -> None:
             path = os.path.join(tokenizer, name)
             if os.path.isfile(path):
                 shutil.copy2(path, os.path.join(out_dir, name))
+    elif desc.tokenizer == "char":
+        log("hyflow export: note: the model uses hyflow's built-in character tokenizer ('char'), which has no "
+            f"Hugging Face tokenizer files: {out_dir} has none (transformers' AutoTokenizer cannot load it; "
+            "encode text as the char tokenizer does, or train with a HF tokenizer)")
+    else:
+        log(f"hyflow export: note: no tokenizer directory to copy ({desc.tokenizer or 'model.json names none'}): "
+            f"{out_dir} has the model only; copy the tokenizer files there yourself")
 
 
 def prepare_export(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, force: bool = False,
-                   max_shard_bytes: int = DEFAULT_SHARD_BYTES):
-    """Validate, create ``out_dir`` and write the non-tensor files; returns (plan, job)."""
-    plan = plan_mcore2hf(ckpt_dir, out_dir, dtype=dtype, force=force)
+                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, log=print):
+    """Validate (the checkpoint's files included), create ``out_dir`` and write the non-tensor
+    files; returns (plan, job)."""
+    plan = plan_mcore2hf(ckpt_dir, out_dir, dtype=dtype, force=force, warn=log)
     if os.path.exists(out_dir) and force:
         shutil.rmtree(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    write_hf_metadata(ckpt_dir, out_dir, plan.desc, plan.dtype)
+    write_hf_metadata(ckpt_dir, out_dir, plan.desc, plan.dtype, log=log)
     job = ExportJob(ckpt_dir=os.path.abspath(ckpt_dir), out_dir=os.path.abspath(out_dir),
                     dtype=plan.dtype, max_shard_bytes=max_shard_bytes)
     return plan, job
@@ -151,7 +161,7 @@ def mcore2hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, force: bo
 
     with Stopwatch() as clock:
         plan, job = prepare_export(ckpt_dir, out_dir, dtype=dtype, force=force,
-                                   max_shard_bytes=max_shard_bytes)
+                                   max_shard_bytes=max_shard_bytes, log=log)
         log(f"hyflow convert: {plan.desc.family} checkpoint written at tp={plan.info.tp} "
             f"pp={plan.info.pp} -> HF {plan.dtype} in {out_dir}")
         ranks = run_ranks(export_rank, 1, job)

@@ -159,14 +159,18 @@ class Mcore2HfPlan:
 
 
 def plan_mcore2hf(ckpt_dir: str, out_dir: str, dtype: Optional[str] = None,
-                  force: bool = False) -> Mcore2HfPlan:
-    """Validate a checkpoint export: the checkpoint is complete, the output is free."""
-    from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info, read_description
+                  force: bool = False, warn=None) -> Mcore2HfPlan:
+    """Validate a checkpoint export: the checkpoint is complete and intact (its files match its
+    manifest, its pickles hold plain data: ``HYFLOW_NO_VERIFY=1`` skips the checksums), the
+    output is free."""
+    from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info, read_description, \
+        verify_model_checkpoint
 
     check_output_dir(out_dir, force, (ckpt_dir,))
     try:
         info = read_checkpoint_info(ckpt_dir)
         desc = read_description(ckpt_dir)
+        verify_model_checkpoint(ckpt_dir, warn=warn)
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
     if dtype not in (None, "auto", "fp32", "bf16"):

@@ -1,0 +1,71 @@
+"""How hyflow calls Megatron's ``dist_checkpointing``: without notices that do not apply, and
+with a writer-results queue that survives the signal asking for a last save."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import warnings
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def quiet_dist_checkpointing() -> Iterator[None]:
+    """Silence dist_checkpointing's notices that do not apply here.
+
+    Megatron warns "Overwriting old incomplete / corrupted checkpoint" for any non-empty
+    directory (ours already holds the tokenizer), and torch's DCP emits deprecation
+    FutureWarnings about APIs Megatron 0.16 uses internally.
+    """
+    log = logging.getLogger("megatron.core.dist_checkpointing.serialization")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            for module in (r"torch\.distributed\.checkpoint.*", r"megatron\.core\.dist_checkpointing.*"):
+                warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def _ignore_stop_signals() -> None:
+    """Manager initializer: ignore stop signals, and exit as soon as the rank that started it
+    is gone (it would be orphaned by a SIGKILLed rank otherwise)."""
+    import signal
+    import threading
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="hyflow-parent-watch", daemon=True).start()
+
+
+def stop_signal_proof_writer_queue() -> None:
+    """Create the queue Megatron's checkpoint writers report through ourselves, in a manager
+    process that ignores stop signals.
+
+    Megatron starts it on the first save, as a spawned ``multiprocessing.Manager`` in the
+    rank's process group. torchrun stops a rank with SIGTERM to its whole process group and
+    Slurm signals every process of a job step, so the manager would die on the very signal that
+    asks for a last save, and that save would fail with "Broken pipe". (The manager is still
+    shut down with the rank, and SIGKILL still ends it.)"""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_ignore_stop_signals)
+    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._hyflow_manager = manager  # keep it alive as long as the queue

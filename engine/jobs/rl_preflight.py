@@ -1,0 +1,183 @@
+"""Everything about an RL job that the config alone can tell, checked before any rank starts.
+
+``hyflow train``, ``hyflow launch local`` and ``hyflow launch slurm`` (before submitting) call
+:func:`preflight` after the config validated: files exist and parse, the reward function
+imports with verl's signature, the tokenizer and checkpoints are readable and agree with the
+model, ``trainer.resume`` names a checkpoint. Each problem is one :class:`ConfigError` naming
+the key and the path. It reads headers and a first slice of each data file only (the ranks
+read them whole), and loads no model, so it takes seconds, not the minutes the ranks need to
+get to the same error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+from hyflow.config import ConfigError
+
+#: Rows of each data file checked here (the ranks check every row when they load the file).
+PREVIEW_ROWS = 1000
+
+
+def _error(key: str, message: str) -> ConfigError:
+    return ConfigError(f"config key '{key}': {message}", key=key)
+
+
+def preflight(cfg: Any) -> None:
+    """Raise :class:`ConfigError` for the first problem found (see the module docstring)."""
+    try:
+        _preflight(cfg)
+    except ConfigError as e:
+        if e.key and not str(e).startswith("config key"):
+            raise _error(e.key, str(e)) from None
+        raise
+
+
+def _preflight(cfg: Any) -> None:
+    _check_task(cfg.data)
+    vocab = _check_tokenizer(cfg)
+    _check_data_files(cfg)
+    _check_reward(cfg.reward)
+    if cfg.actor.checkpoint:
+        _check_model_checkpoint("actor.checkpoint", cfg.actor.checkpoint)
+    if vocab is not None and vocab > cfg.model.vocab_size:
+        raise _error("data.tokenizer", f"the tokenizer has {vocab} tokens but the model's vocabulary is "
+                                       f"{cfg.model.vocab_size} (model.vocab_size"
+                                       f"{' from actor.checkpoint' if cfg.actor.checkpoint else ''}); "
+                                       "use a model / tokenizer pair that match")
+    _check_resume(cfg.trainer.resume)
+    _check_output_dir(cfg.trainer.output_dir)
+
+
+def _check_task(data: Any) -> None:
+    if not data.task:
+        return
+    from hyflow.data.tasks import make_task_rows, task_info
+
+    task_info(data.task)  # ConfigError naming data.task and listing the tasks
+    try:
+        make_task_rows(data.task, 1, seed=data.seed, **dict(data.task_options or {}))
+    except TypeError as e:
+        raise _error("data.task_options", f"task {data.task!r} does not take these options ({e})") from None
+    except ValueError as e:
+        raise _error("data.task_options", str(e)) from None
+
+
+def _check_tokenizer(cfg: Any) -> Optional[int]:
+    """The tokenizer's vocabulary size when the files tell it cheaply (``tokenizer.json``), else
+    None; a tokenizer path that does not exist or holds no tokenizer is an error. (Loading it
+    would import transformers: seconds the ranks pay anyway.)"""
+    from hyflow.data.tasks import tokenizer_spec_for
+
+    spec = tokenizer_spec_for(cfg.data)
+    if spec == "char":
+        from hyflow.data.tokenizer import CharTokenizer
+
+        return CharTokenizer().vocab_size
+    path = os.path.expanduser(spec)
+    looks_like_path = spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or spec.endswith((".gguf", ".model"))
+    if not os.path.exists(path):
+        if looks_like_path:
+            raise _error("data.tokenizer", f"tokenizer path {path} does not exist")
+        return None  # a hub name: the ranks load it
+    if os.path.isdir(path):
+        files = set(os.listdir(path))
+        if not (files & {"tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model"}
+                or any(f.endswith(".gguf") for f in files)):
+            raise _error("data.tokenizer", f"no tokenizer in {path} (looked for tokenizer.json, "
+                                           "tokenizer_config.json, tokenizer.model or a .gguf file)")
+        if "tokenizer.json" in files:
+            return _tokenizer_json_vocab(os.path.join(path, "tokenizer.json"))
+    return None
+
+
+def _tokenizer_json_vocab(path: str) -> Optional[int]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _error("data.tokenizer", f"{path} is not a readable tokenizer file ({e})") from None
+    ids = [int(v) for v in ((data.get("model") or {}).get("vocab") or {}).values() if isinstance(v, int)]
+    ids += [int(t["id"]) for t in data.get("added_tokens") or [] if isinstance(t, dict) and "id" in t]
+    return max(ids) + 1 if ids else None
+
+
+def _check_data_files(cfg: Any) -> None:
+    if cfg.data.task:
+        return
+    from hyflow.data.dataset import DatasetError, read_rows, validate_row
+
+    needs_truth = cfg.reward.kind != "model"
+    for i, path in enumerate(cfg.data.train_files):
+        key = f"data.train_files[{i}]"
+        if not os.path.isfile(path):
+            raise _error(key, f"data file {path} does not exist")
+        try:
+            rows = read_rows(path, limit=PREVIEW_ROWS)
+        except DatasetError as e:
+            raise _error(key, str(e)) from None
+        if not rows:
+            raise _error(key, f"{path} has no rows")
+        for row, item in enumerate(rows):
+            try:
+                validate_row(item, cfg.data.prompt_key, needs_truth)
+            except Exception as e:  # noqa: BLE001 - the dataset's row error: key and message
+                where = f", key '{e.key}'" if getattr(e, "key", None) else ""
+                raise _error(key, f"{path}: row {row}{where}: {getattr(e, 'message', e)}") from None
+
+
+def _check_reward(reward: Any) -> None:
+    if reward.kind == "function":
+        from hyflow.rewards.user_function import RewardError, load_user_function
+
+        try:
+            load_user_function(reward.function_path, reward.function_name)
+        except RewardError as e:
+            text = str(e)
+            in_file = text.startswith(("importing", "no reward function file")) or "not found" in text
+            raise _error("reward.function_path" if in_file else "reward.function_name", text) from None
+    if reward.model_checkpoint:
+        from hyflow.rl.reward_model import check_reward_model_checkpoint
+
+        check_reward_model_checkpoint(reward.model_checkpoint)  # ConfigError naming the key
+
+
+def _check_model_checkpoint(key: str, path: str) -> None:
+    from hyflow.checkpoint.errors import CheckpointError
+    from hyflow.checkpoint.model import read_checkpoint_info
+
+    if not os.path.isdir(path):
+        raise _error(key, f"checkpoint directory {path} does not exist; convert the model into it first: "
+                          f"`hyflow convert hf2mcore --hf <HF model dir or .gguf file> --out {path}`")
+    try:
+        read_checkpoint_info(path)  # complete, files present with their sizes, index readable
+    except CheckpointError as e:
+        raise _error(key, str(e)) from None
+
+
+def _check_resume(resume: str) -> None:
+    if resume in ("auto", "never"):
+        return
+    from hyflow.checkpoint.discovery import checkpoint_candidates
+    from hyflow.checkpoint.errors import CheckpointError
+
+    try:
+        checkpoint_candidates(resume, lambda m: None)
+    except CheckpointError as e:
+        raise _error("trainer.resume", f"{e} (auto | never | a checkpoint path)") from None
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """The run directory exists and is writable, or can be created (nothing is created here)."""
+    path = os.path.abspath(output_dir)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    if not os.path.isdir(path):
+        raise _error("trainer.output_dir", f"{path} is a file, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise _error("trainer.output_dir", f"{path} is not writable")

@@ -1,0 +1,188 @@
+"""What each rank leaves behind for the launcher: its traceback in a log file, a one-line error
+record, an exit record; and the one-line summary the launcher prints from them.
+
+The launchers (``hyflow train``, ``hyflow launch local``, the sbatch script) set
+``HYFLOW_LOG_DIR`` for the ranks. A rank whose job raises writes (under that directory)::
+
+    rank_00003.log          the full traceback (appended)
+    rank_00003.error.json   {rank, type, message, peer, time, log}: one line's worth
+    rank_00003.exit.json    {rank, status: ok | error, agent_pid}: written by every rank at exit
+
+and exits 1 without printing the traceback; the launcher then prints, first::
+
+    [hyflow] rank 3 failed: RewardError: reward function compute_score() ... row 61 (data_source=...)
+    [hyflow] the job stopped; traceback: runs/x/logs/<launch>/rank_00003.log (every rank's in runs/x/logs/<launch>)
+    [hyflow] `trainer.resume=auto` (the default) continues from step 40: runs/x/checkpoints/step_000040
+
+A rank that died without a record (``kill -9``, the OOM killer, a segfault) is named from the
+exit status torchrun saw. Errors that only say a *peer* went away (gloo's "Connection closed by
+peer", NCCL aborts) are secondary: the root cause is the earliest other failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+LOG_DIR_ENV = "HYFLOW_LOG_DIR"
+#: Text of errors that only report that another rank is gone.
+_PEER_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+                 "ProcessGroupNCCL", "Socket Timeout", "DistNetworkError", "DistBackendError",
+                 "recvBytes", "sendBytes", "Connection refused", "failed to recv", "Timed out waiting")
+_MAX_MESSAGE = 600
+
+
+def rank_log(log_dir: str, rank: int) -> str:
+    return os.path.join(log_dir, f"rank_{rank:05d}.log")
+
+
+def _record_path(log_dir: str, rank: int, kind: str) -> str:
+    return os.path.join(log_dir, f"rank_{rank:05d}.{kind}.json")
+
+
+def _write(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def one_line(text: str) -> str:
+    """A message on one line (multi-line messages joined with ' | '), at most ~600 characters."""
+    line = " | ".join(part.strip() for part in str(text).strip().splitlines() if part.strip())
+    return line if len(line) <= _MAX_MESSAGE else line[:_MAX_MESSAGE - 3] + "..."
+
+
+def is_peer_error(exc: BaseException) -> bool:
+    """Whether ``exc`` only reports a lost peer (another rank failed first)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return any(marker in text for marker in _PEER_MARKERS)
+
+
+def run_reporting(fn: Callable[[], Any], rank: int, log_dir: Optional[str] = None) -> int:
+    """Run ``fn`` (a rank's whole job) and return its exit code: 0, or 1 after an exception,
+    whose traceback goes to :func:`rank_log` and whose one-line record the launcher reads.
+    Without a log directory (``HYFLOW_LOG_DIR`` unset: not started by a hyflow launcher) the
+    exception propagates as usual."""
+    log_dir = log_dir or os.environ.get(LOG_DIR_ENV)
+    if not log_dir:
+        fn()
+        return 0
+    os.makedirs(log_dir, exist_ok=True)
+    exit_record = {"rank": rank, "status": "ok", "agent_pid": os.getppid(), "pid": os.getpid()}
+    try:
+        fn()
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then reported by the launcher
+        exit_record["status"] = "error"
+        record_failure(exc, rank, log_dir)
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1
+    finally:
+        _write(_record_path(log_dir, rank, "exit"), exit_record)
+
+
+def record_failure(exc: BaseException, rank: int, log_dir: str) -> dict:
+    """Append ``exc``'s traceback to the rank's log and write its error record; returns it."""
+    path = rank_log(log_dir, rank)
+    with open(path, "a") as f:
+        f.write(f"[hyflow] rank {rank} failed at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    record = {"rank": rank, "type": type(exc).__name__, "message": one_line(exc) or type(exc).__name__,
+              "peer": is_peer_error(exc), "time": time.time(), "log": path}
+    _write(_record_path(log_dir, rank, "error"), record)
+    return record
+
+
+def clear_records(log_dir: str) -> None:
+    """Remove the records of an earlier launch from ``log_dir`` (the logs are kept)."""
+    if not os.path.isdir(log_dir):
+        return
+    for name in os.listdir(log_dir):
+        if name.endswith((".error.json", ".exit.json")):
+            os.remove(os.path.join(log_dir, name))
+
+
+def read_records(log_dir: str, kind: str) -> list[dict]:
+    """The ``error`` or ``exit`` records in ``log_dir``, by rank."""
+    out = []
+    if os.path.isdir(log_dir):
+        for name in sorted(os.listdir(log_dir)):
+            if name.endswith(f".{kind}.json"):
+                try:
+                    with open(os.path.join(log_dir, name)) as f:
+                        out.append(json.load(f))
+                except (OSError, ValueError):
+                    continue
+    return out
+
+
+@dataclass
+class Death:
+    """A rank that ended without a record, as torchrun saw it."""
+
+    rank: int
+    exitcode: int
+    pid: int = 0
+    time: float = 0.0
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def summarize_failure(log_dir: str, deaths: Sequence[Death] = (), resume_hint: str = "") -> list[str]:
+    """At most three lines: the root-cause rank and its error, where the tracebacks are, and
+    how to continue (``resume_hint``, e.g. from :func:`resume_hint`)."""
+    errors = read_records(log_dir, "error")
+    recorded = {e["rank"] for e in errors}
+    # a rank killed by a signal (SIGKILL: OOM killer, kill -9; SIGSEGV...) is the likeliest cause;
+    # SIGTERM / SIGINT deaths are torchrun stopping the survivors
+    killed = sorted((d for d in deaths if d.exitcode < 0 and -d.exitcode not in (signal.SIGTERM, signal.SIGINT)
+                     and d.rank not in recorded), key=lambda d: d.time)
+    primary = sorted((e for e in errors if not e.get("peer") and e["type"] != "KeyboardInterrupt"),
+                     key=lambda e: e["time"])
+    lines = []
+    if killed:
+        d = killed[0]
+        lines.append(f"[hyflow] rank {d.rank}{f' (pid {d.pid})' if d.pid else ''} was killed by "
+                     f"{signal_name(-d.exitcode)}{' (out of memory? kill -9?)' if -d.exitcode == signal.SIGKILL else ''}")
+        where = f"logs of every rank: {log_dir}"
+    elif primary or errors:
+        e = (primary or sorted(errors, key=lambda r: r["time"]))[0]
+        lines.append(f"[hyflow] rank {e['rank']} failed: {e['type']}: {e['message']}")
+        where = f"traceback: {e['log']} (every rank's log in {log_dir})"
+    elif deaths:
+        d = sorted(deaths, key=lambda d: d.time)[0]
+        how = f"was killed by {signal_name(-d.exitcode)}" if d.exitcode < 0 else f"exited with code {d.exitcode}"
+        lines.append(f"[hyflow] rank {d.rank} {how} without a hyflow error record")
+        where = f"logs: {log_dir}"
+    else:
+        lines.append("[hyflow] the job failed without a rank error record")
+        where = f"logs: {log_dir}"
+    others = len({e["rank"] for e in errors} | {d.rank for d in deaths}) - 1
+    lines.append(f"[hyflow] the job stopped{f' ({others} other rank(s) stopped with it)' if others > 0 else ''}; "
+                 f"{where}")
+    if resume_hint:
+        lines.append(resume_hint)
+    return lines
+
+
+def resume_hint(output_dir: Optional[str]) -> str:
+    """``trainer.resume=auto`` continues from step N (path), or an empty string."""
+    if not output_dir:
+        return ""
+    from hyflow.checkpoint.discovery import checkpoints_root, latest_checkpoint
+
+    entry = latest_checkpoint(checkpoints_root(output_dir), lambda _: None)
+    if entry is None:
+        return "[hyflow] no checkpoint was saved yet: the same command starts the run over"
+    return (f"[hyflow] run the same command to continue: `trainer.resume=auto` (the default) resumes from "
+            f"step {entry.step} ({entry.path})")
