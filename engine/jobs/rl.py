@@ -166,15 +166,17 @@ def rl_step(cfg: RLJobConfig, roles: Roles, records, tokenizer, reward, kl_ctrl,
         train["ref_logp"] = ref_logp
     with timers.phase("update"):
         actor_stats = _update(cfg, roles.actor_chunks, roles.actor_optimizer, roles.actor_scheduler, train,
-                              policy_loss_fn(cfg.actor, vocab, tp_group, temp), roles, cfg.actor.micro_batch_size)
+                              policy_loss_fn(cfg.actor, vocab, tp_group, temp, cfg.loss_norm_length), roles,
+                              cfg.actor.micro_batch_size)
         critic_stats = {}
         if roles.critic_chunks is not None:
             critic_train = dict(tensors, old_values=values, returns=adv.returns)
             critic_stats = _update(cfg, roles.critic_chunks, roles.critic_optimizer, roles.critic_scheduler,
-                                   critic_train, value_loss_fn(cfg.critic, cfg.actor.loss_agg_mode), roles,
-                                   cfg.critic.micro_batch_size)
+                                   critic_train,
+                                   value_loss_fn(cfg.critic, cfg.actor.loss_agg_mode, cfg.loss_norm_length),
+                                   roles, cfg.critic.micro_batch_size)
     if cfg.algorithm.use_kl_in_reward:
-        kl_ctrl.update(adv.kl, len(records))
+        kl_ctrl.update(adv.kl, batch.size)  # the horizon counts responses (n per prompt), not prompts
     resp_len = batch.response_lengths.float()
     gen_seconds = timers.step_times.get("generate", 0.0)
     gen_tokens = float(batch.response_lengths.sum()) + (

@@ -23,9 +23,10 @@ def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits / temperature if temperature > 0 and temperature != 1.0 else logits
 
 
-def policy_loss_fn(actor_cfg, vocab_size: int, tp_group, temperature: float = 1.0):
+def policy_loss_fn(actor_cfg, vocab_size: int, tp_group, temperature: float = 1.0, norm_length=None):
     """PPO clipped policy loss (+ entropy bonus, + KL loss to the reference) of the policy at the
-    rollout's sampling ``temperature``."""
+    rollout's sampling ``temperature``; ``norm_length``: the run's constant normaliser of
+    ``seq-mean-token-sum-norm`` (``RLJobConfig.loss_norm_length``)."""
 
     def loss(logits: torch.Tensor, batch: Batch):
         logits = tempered(logits, temperature)
@@ -34,14 +35,15 @@ def policy_loss_fn(actor_cfg, vocab_size: int, tp_group, temperature: float = 1.
         pg, stats = ppo_policy_loss(
             logp, batch["old_logp"], batch["advantages"], mask,
             clip_ratio_low=actor_cfg.clip_ratio_low, clip_ratio_high=actor_cfg.clip_ratio_high,
-            clip_ratio_c=actor_cfg.clip_ratio_c, agg_mode=actor_cfg.loss_agg_mode)
-        entropy = aggregate_loss(shifted_entropy(logits, vocab_size, tp_group), mask, actor_cfg.loss_agg_mode)
+            clip_ratio_c=actor_cfg.clip_ratio_c, agg_mode=actor_cfg.loss_agg_mode, norm_length=norm_length)
+        entropy = aggregate_loss(shifted_entropy(logits, vocab_size, tp_group), mask, actor_cfg.loss_agg_mode,
+                                 norm_length)
         total = pg - actor_cfg.entropy_coeff * entropy
         out = {"actor/pg_loss": pg.detach().clone(), "actor/entropy": entropy.detach().clone(),
                "actor/clip_frac": stats["clip_frac"], "actor/approx_kl": stats["approx_kl"]}
         if actor_cfg.use_kl_loss:
             kl = aggregate_loss(kl_estimate(logp, batch["ref_logp"], actor_cfg.kl_loss_type), mask,
-                                actor_cfg.loss_agg_mode)
+                                actor_cfg.loss_agg_mode, norm_length)
             total = total + actor_cfg.kl_loss_coef * kl
             out["actor/kl_loss"] = kl.detach().clone()
         return total, out
@@ -49,13 +51,14 @@ def policy_loss_fn(actor_cfg, vocab_size: int, tp_group, temperature: float = 1.
     return loss
 
 
-def value_loss_fn(critic_cfg, agg_mode: str):
+def value_loss_fn(critic_cfg, agg_mode: str, norm_length=None):
     """Clipped value loss; the critic's scalar head output is [b, s, 1]."""
 
     def loss(output: torch.Tensor, batch: Batch):
         values = shifted_values(output)
         vl, stats = value_loss(values, batch["old_values"], batch["returns"], batch["response_mask"],
-                               clip_range_value=critic_cfg.cliprange_value, agg_mode=agg_mode)
+                               clip_range_value=critic_cfg.cliprange_value, agg_mode=agg_mode,
+                               norm_length=norm_length)
         return vl, {"critic/value_loss": vl.detach().clone(), "critic/vf_clipfrac": stats["vf_clipfrac"]}
 
     return loss
