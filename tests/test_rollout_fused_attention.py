@@ -294,3 +294,63 @@ def test_compaction_moves_sequences_and_changes_no_sample(decode_run):
     assert len({len(t) for t in batched}) > 2  # lengths differ: holes did open
     for a, b in zip(lp_batched, lp_alone):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+# --------------------------------------------------------------- GPU: kernels and syncs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["prefill", "uniform_decode", "ragged_decode", "chunk"])
+def test_cuda_attention_runs_on_a_fused_kernel_without_syncs(case):
+    """Each path under the fused kernel it is meant for (SDPA raises when that kernel cannot
+    run the call), and without a host-device synchronisation."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = torch.device("cuda")
+    width, starts = {"prefill": (5, [0, 0, 0]), "ragged_decode": (1, [4, 9, 6]),
+                     "uniform_decode": (1, [7, 7, 7]), "chunk": (3, [5, 5, 5])}[case]
+    kernel = SDPBackend.EFFICIENT_ATTENTION if case in ("ragged_decode", "chunk") else SDPBackend.FLASH_ATTENTION
+    cache = KVCache(LAYERS, SLOTS, G, 64, 64, torch.bfloat16, device=dev)
+    q = torch.randn(width, 3, H, 64, dtype=torch.bfloat16, device=dev)
+    k = torch.randn(width, 3, G, 64, dtype=torch.bfloat16, device=dev)
+    v = torch.randn_like(k)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cache.batch = ForwardBatch.build([0, 1, 2], starts, width, rep=H // G, dtype=torch.bfloat16, device=dev)
+        with sdpa_kernel([kernel]):
+            out = CachedAttention(cache, 0, H, G, 64)(q, k, v)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == (width, 3, H * 64) and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_k=20)],
+                         ids=["greedy", "sampled", "top_k"])
+def test_cuda_sampling_step_needs_no_sync(kw):
+    from hyflow.rollout.sampler import RowParams, VocabParallelSampler, stream_seed
+
+    dev = torch.device("cuda")
+    logits = torch.randn(8, 1000, device=dev)
+    sampler = VocabParallelSampler(990, 1000)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        params = RowParams.build([kw["temperature"]] * 8, [kw.get("top_k", 0)] * 8, [1.0] * 8,
+                                 streams=[stream_seed(1, i, 0) for i in range(8)], steps=[3] * 8, device=dev)
+        tokens, logprobs = sampler(logits, params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(tokens.max()) < 990 and bool((logprobs <= 0).all())
+
+
+@pytest.mark.gpu
+def test_cuda_device_uniforms_equal_the_host_reference():
+    from hyflow.rollout.sampler import _signed, device_uniforms, stream_seed, uniforms
+
+    streams = [stream_seed(9, i, j) for i in range(64) for j in range(4)] + [2**64 - 1, 2**63]
+    steps = list(range(len(streams)))
+    got = device_uniforms(torch.tensor([_signed(s) for s in streams], device="cuda"),
+                          torch.tensor(steps, device="cuda"))
+    assert torch.equal(got.cpu(), uniforms(streams, steps))

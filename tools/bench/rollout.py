@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             "cpu_speedup": round(min(hf_cpu) / min(ours_cpu), 3),
             "greedy_match": f"{match}/{args.batch}", "load_s": round(load_s, 1),
             "runs_s": [round(t, 2) for t in ours_t], "hf_runs_s": [round(t, 2) for t in hf_t],
+            "cpu_runs_s": [round(t, 2) for t in ours_cpu], "hf_cpu_runs_s": [round(t, 2) for t in hf_cpu],
         }
         print(f"rollout benchmark: {args.model}, batch {args.batch}, {args.new_tokens} new tokens, greedy, "
               f"{args.dtype}, {row['threads']} threads, {row['prompt_tokens']} prompt tokens")
