@@ -116,18 +116,19 @@ class RowParams:
         b = len(temperature)
         device = torch.device(device) if device is not None else (
             uniform.device if uniform is not None else torch.device("cpu"))
+        sampled = [t > 0 for t in temperature]
+        draw = streams is not None and uniform is None and any(sampled)  # greedy rows never draw
         floats = to_device([[float(t) for t in temperature], [float(p) for p in top_p]], torch.float32, device)
         ints = [[int(k) for k in top_k]]
-        if streams is not None:
+        if draw:
             ints += [[_signed(s) for s in streams], [int(t) for t in steps]]
         ints = to_device(ints, torch.long, device)
         if uniform is not None:
             draws = uniform.to(device=device, dtype=torch.float64)
-        elif streams is not None:
+        elif draw:
             draws = device_uniforms(ints[1], ints[2])
         else:
             draws = torch.zeros(b, dtype=torch.float64, device=device)
-        sampled = [t > 0 for t in temperature]
         truncating = [s and (k > 0 or p < 1) for s, k, p in zip(sampled, top_k, top_p)]
         return cls(floats[0], ints[0], floats[1], draws,
                    any_sampled=any(sampled), any_truncate=any(truncating),
