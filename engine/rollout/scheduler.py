@@ -14,7 +14,14 @@ After each sampled token a sequence may finish (EOS / stop id / max_new_tokens /
 context limit); its slot is freed at once and, with the ``continuous`` policy, the
 next pending sequence is admitted before the next decode step, so decode steps
 never carry finished rows. The ``static`` policy admits only when nothing is
-running (whole batches; finished rows still leave the forward).
+running (whole batches; finished rows still leave the forward). Running sequences
+are kept in slots ``0..n-1`` (when a hole opens below a running sequence and no new
+prompt fills it, the highest sequence moves down once), so every decode step reads
+one contiguous span of the cache.
+
+Each decode step is planned from the host's own integers (slots, lengths, last
+tokens, sampling parameters) and reads the device once: the drawn tokens and their
+log-probs, which the stop rules need.
 
 All TP ranks of a replica run this loop in lockstep: every decision depends only
 on sampled tokens, which the sampler makes identical on all of them. With
