@@ -55,6 +55,7 @@ MASK_ROWS = [
     [1, 1, 0, 1, 1, 0, 0],
 ]
 B, T = len(MASK_ROWS), len(MASK_ROWS[0])
+NORM = 16  # the constant normaliser of seq-mean-token-sum-norm (a response budget)
 
 
 def mask_t(dtype=torch.bool) -> torch.Tensor:
@@ -389,18 +390,31 @@ def ref_aggregate(lm, mode, norm_length=None, rows=None):
             continue
         s = sum(lm[b][t] for t in idx[b])
         seqs.append({"seq-mean-token-sum": s, "seq-mean-token-mean": s / len(idx[b]),
-                     "seq-mean-token-sum-norm": s / (norm_length or len(rows[b]))}[mode])
+                     "seq-mean-token-sum-norm": s / (norm_length or NORM)}[mode])
     return sum(seqs) / len(seqs)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_aggregate_loss_modes(mode):
     lm = rand(B, T, seed=18)
-    close(aggregate_loss(with_garbage(lm), mask_t(), mode), ref_aggregate(lm.numpy(), mode))
+    close(aggregate_loss(with_garbage(lm), mask_t(), mode, NORM), ref_aggregate(lm.numpy(), mode))
     if mode == "seq-mean-token-sum-norm":
         close(aggregate_loss(lm, mask_t(), mode, norm_length=32), ref_aggregate(lm.numpy(), mode, 32))
     empty = torch.zeros(B, T, dtype=torch.bool)
-    assert aggregate_loss(lm, empty, mode).item() == 0.0
+    assert aggregate_loss(lm, empty, mode, NORM).item() == 0.0
+
+
+def test_seq_mean_token_sum_norm_needs_a_constant_normaliser():
+    """Dr. GRPO divides each sequence's token sum by a constant of the run; the padded width of a
+    batch is not one (it changes from step to step), so it is never used as a default."""
+    lm = rand(B, T, seed=18)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        aggregate_loss(lm, mask_t(), "seq-mean-token-sum-norm")
+    # extra padding columns (a longer sequence elsewhere in the step) change nothing
+    wide = torch.cat([lm, rand(B, 5, seed=99)], dim=1)
+    wide_mask = torch.cat([mask_t(), torch.zeros(B, 5, dtype=torch.bool)], dim=1)
+    assert aggregate_loss(wide, wide_mask, "seq-mean-token-sum-norm", 64).item() == \
+        aggregate_loss(lm, mask_t(), "seq-mean-token-sum-norm", 64).item()
 
 
 def test_aggregate_loss_rejects_unknown_mode():
@@ -441,7 +455,7 @@ def ref_ppo_token(ratio, a, lo, hi, c):
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_ppo_policy_loss_dual_clip(mode):
     logp, old, adv, m = ppo_inputs()
-    loss, stats = ppo_policy_loss(logp, old, adv, m, 0.2, 0.28, clip_ratio_c=3.0, agg_mode=mode)
+    loss, stats = ppo_policy_loss(logp, old, adv, m, 0.2, 0.28, clip_ratio_c=3.0, agg_mode=mode, norm_length=NORM)
     toks = [ref_ppo_token(PPO_RATIO[t], PPO_ADV[t], 0.2, 0.28, 3.0) for t in range(6)]
     lm = [[x[0] for x in toks] + [0.0]]
     close(loss, ref_aggregate(lm, mode, rows=[PPO_MASK]))
@@ -607,7 +621,7 @@ def test_float32_dtype_preserved():
         ppo_policy_loss(x, y, z, m, 0.2, clip_ratio_c=3.0)[0], value_loss(x, y, z, m, 0.2)[0],
         entropy_from_logits(x), dpo_loss(s, s, s, s)[0], kto_loss(s, s, s > 0, torch.tensor(0.1)),
         *[kl_estimate(x, y, k) for k in KL_ESTIMATORS],
-        *[aggregate_loss(x, m, mode) for mode in LOSS_AGG_MODES],
+        *[aggregate_loss(x, m, mode, NORM) for mode in LOSS_AGG_MODES],
     ]
     for o in outs:
         assert o.dtype == f and torch.isfinite(o).all()
@@ -615,7 +629,7 @@ def test_float32_dtype_preserved():
 
 
 def test_registries():
-    assert set(ADV_ESTIMATORS) >= {"gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
+    assert set(ADV_ESTIMATORS) >= {"gae", "grpo", "dr_grpo", "grpo_passk", "rloo", "reinforce_plus_plus",
                                    "reinforce_plus_plus_baseline", "remax"}
     assert all(callable(f) for f in ADV_ESTIMATORS.values())
     assert ADV_ESTIMATORS["gae"] is gae and ADV_ESTIMATORS["grpo"] is grpo_outcome

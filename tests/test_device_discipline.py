@@ -197,7 +197,7 @@ def _sp_parity():
             "advantages": torch.randn(B, S, generator=gen)}
     cols["loss_weight"] = cols["token_weight"] = loss_weights(mask, "token-mean", mask.sum(),
                                                               (mask.sum(-1) > 0).sum())
-    cfg = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, entropy_coeff=0.0,
+    cfg = SimpleNamespace(policy_loss="vanilla", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, entropy_coeff=0.0,
                           use_kl_loss=False, loss_agg_mode="token-mean")
     out = {}
     for sp in (False, True):

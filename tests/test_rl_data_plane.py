@@ -1,7 +1,7 @@
 """The RL step's data plane: each data-parallel rank generates, scores and trains only its own
 shard, and the result does not depend on the layout.
 
-* DP invariance: 3 steps of GRPO and of PPO + GAE with a critic give the same per-step metrics
+* DP invariance: 3 steps of GRPO (CISPO loss, IcePop rollout correction) and of PPO + GAE with a critic give the same per-step metrics
   (reward, losses, entropy, KL, grad norms) on 1 rank, at DP=2 and at TP=2 (<= 1e-5 relative).
 * Each rank holds only its shard's rows; no pickling collective runs inside a step.
 """
@@ -23,14 +23,16 @@ BASE = [
     f"reward.function_path={REWARD}", "algorithm.use_kl_in_reward=true", "trainer.seed=5",
 ]
 ALGOS = {
-    "grpo": ["algorithm.adv_estimator=grpo"],
+    # GRPO with the CISPO policy loss and IcePop rollout correction (old log-probs recomputed)
+    "grpo-cispo-icepop": ["algorithm.adv_estimator=grpo", "actor.policy_loss=cispo", "actor.old_logprobs=recompute",
+                          "actor.rollout_correction.mode=icepop"],
     "gae": ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.optim.lr=1e-3", "critic.micro_batch_size=3",
             "actor.max_tokens_per_micro_batch=40"],
 }
 KEYS = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/reward_kl_penalty", "actor/grad_norm",
         "critic/advantages/max", "critic/vf_loss", "critic/vpred_mean", "critic/grad_norm")
 #: differences of nearly equal log-probs: rounding is amplified by the cancellation
-LOOSE = ("actor/ppo_kl",)
+LOOSE = ("actor/ppo_kl", "rollout_corr/rollout_is_mean")
 
 
 def _steps(layouts, steps=3):
@@ -88,4 +90,8 @@ def test_dp2_and_tp2_equal_one_rank(algo):
     assert one[0][0]["critic/score/std"] > 0 and one[0][-1]["actor/reward_kl_penalty"] > 0
     # rank 0 of DP=2 held the first half of every step's rows; at TP=2 both ranks hold all rows
     assert all(r == list(range(16)) for r in dp2[1]) and all(r == list(range(32)) for r in tp2[1])
+    if "actor.rollout_correction.mode=icepop" in extra:  # the generator's and the trainer's log-probs agree
+        for metrics in (one[0], dp2[0], tp2[0]):
+            assert all(0 < m["rollout/logprob_diff_max"] < 1e-3 and m["rollout_corr/rollout_rs_masked_fraction"] == 0
+                       and abs(m["rollout_corr/rollout_is_mean"] - 1) < 1e-4 for m in metrics)
     assert dp2[0][0]["perf/rows_scored_per_rank"] == 16 and one[0][0]["perf/rows_scored_per_rank"] == 32

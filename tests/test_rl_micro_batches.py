@@ -123,7 +123,7 @@ def _parity(tp, pp):
             "advantages": torch.randn(B, S, generator=gen)}
     cols["loss_weight"] = loss_weights(mask, "token-mean", mask.sum(), (mask.sum(-1) > 0).sum())
     cols["token_weight"] = cols["loss_weight"]
-    cfg = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, entropy_coeff=0.01,
+    cfg = SimpleNamespace(policy_loss="vanilla", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, entropy_coeff=0.01,
                           use_kl_loss=False, loss_agg_mode="token-mean")
     out = {}
     for name, batching in (("fixed", MicroBatching(3)), ("budget", MicroBatching(3, max_tokens=26)),

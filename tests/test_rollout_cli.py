@@ -95,7 +95,7 @@ def test_bench_rollout_prints_a_table_then_json():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     row = json.loads(lines[-1])
-    for key in ("tokens_per_s", "hf_tokens_per_s", "speedup"):
+    for key in ("tokens_per_s", "hf_tokens_per_s", "speedup", "tokens_per_s_median", "speedup_median"):
         assert row[key] > 0
     assert row["greedy_match"] == "4/4"
     assert set(row["batching"]) == {"continuous", "static"}

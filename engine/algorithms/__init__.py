@@ -1,13 +1,20 @@
 """RL post-training algorithms as small pure tensor functions.
 
 * :mod:`.masked` -- masked reductions and whitening shared by everything else;
-* :mod:`.advantages` -- GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++ (+ baseline), ReMax;
+* :mod:`.advantages` -- GAE, GRPO / Dr. GRPO, GRPO pass@k, RLOO, REINFORCE++ (+ baseline), ReMax;
 * :mod:`.kl` -- per-token KL estimators, KL coefficient controllers, KL reward penalty;
-* :mod:`.losses` -- loss aggregation, PPO policy / value losses, entropy, DPO / IPO, KTO.
+* :mod:`.losses` -- loss aggregation (reference and per-rank weights), PPO policy / value losses,
+  entropy, DPO / IPO, KTO;
+* :mod:`.policy_losses` -- per-token policy losses: vanilla PPO, GSPO, CISPO;
+* :mod:`.rollout_correction` -- IS weights / masks for the sampler-trainer gap (TIS, MIS, IcePop);
+* :mod:`.mismatch` -- sampler vs trainer log-prob mismatch metrics;
+* :mod:`.dapo` -- dynamic sampling (groups with reward variance) and overlong reward shaping.
 
 Registries: ``ADV_ESTIMATORS`` maps an estimator name to its function (signatures differ:
 token-level estimators return ``(advantages, returns)``, outcome estimators ``advantages``);
-``LOSS_AGG_MODES`` and ``KL_ESTIMATORS`` list the valid mode / kind strings.
+``POLICY_LOSSES`` maps ``actor.policy_loss`` names to per-token losses with one signature;
+``LOSS_AGG_MODES``, ``KL_ESTIMATORS`` and ``CORRECTION_MODES`` list the valid mode / kind strings.
+Differences from verl's conventions are listed in ``docs/algorithms.md``.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from hyflow.algorithms.advantages import (
     gae,
     group_index,
     grpo_outcome,
+    grpo_passk,
     reinforce_pp,
     reinforce_pp_baseline,
     remax,
@@ -31,15 +39,18 @@ from hyflow.algorithms.kl import (
     apply_kl_penalty,
     kl_estimate,
 )
+from hyflow.algorithms.dapo import groups_with_signal, overlong_penalty
 from hyflow.algorithms.losses import (
     LOSS_AGG_MODES,
     aggregate_loss,
+    aggregation_weights,
     dpo_loss,
     entropy_bonus,
     entropy_from_logits,
     kto_loss,
     ppo_policy_loss,
     value_loss,
+    value_token_loss,
 )
 from hyflow.algorithms.masked import (
     last_token_index,
@@ -47,13 +58,30 @@ from hyflow.algorithms.masked import (
     masked_sum,
     masked_var,
     masked_whiten,
+    pack_row_stats,
     scatter_to_last_token,
+    unpack_row_stats,
+)
+from hyflow.algorithms.mismatch import mismatch_metrics, mismatch_row_stats
+from hyflow.algorithms.policy_losses import (
+    POLICY_LOSSES,
+    cispo_policy_loss,
+    get_policy_loss,
+    gspo_policy_loss,
+    vanilla_policy_loss,
+)
+from hyflow.algorithms.rollout_correction import (
+    CORRECTION_MODES,
+    RolloutCorrection,
+    rollout_correction,
+    rollout_correction_metrics,
 )
 
 ADV_ESTIMATORS: dict[str, Callable] = {
     "gae": gae,
     "grpo": grpo_outcome,
     "dr_grpo": functools.partial(grpo_outcome, norm_by_std=False),
+    "grpo_passk": grpo_passk,
     "rloo": rloo,
     "reinforce_plus_plus": reinforce_pp,
     "reinforce_plus_plus_baseline": reinforce_pp_baseline,
@@ -64,6 +92,8 @@ __all__ = [
     "ADV_ESTIMATORS",
     "LOSS_AGG_MODES",
     "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "CORRECTION_MODES",
     "GroupIds",
     "group_index",
     "masked_sum",
@@ -74,6 +104,7 @@ __all__ = [
     "scatter_to_last_token",
     "gae",
     "grpo_outcome",
+    "grpo_passk",
     "rloo",
     "reinforce_pp",
     "reinforce_pp_baseline",
@@ -83,8 +114,23 @@ __all__ = [
     "FixedKLController",
     "apply_kl_penalty",
     "aggregate_loss",
+    "aggregation_weights",
     "ppo_policy_loss",
     "value_loss",
+    "value_token_loss",
+    "get_policy_loss",
+    "vanilla_policy_loss",
+    "gspo_policy_loss",
+    "cispo_policy_loss",
+    "RolloutCorrection",
+    "rollout_correction",
+    "rollout_correction_metrics",
+    "mismatch_row_stats",
+    "mismatch_metrics",
+    "pack_row_stats",
+    "unpack_row_stats",
+    "groups_with_signal",
+    "overlong_penalty",
     "entropy_from_logits",
     "entropy_bonus",
     "dpo_loss",

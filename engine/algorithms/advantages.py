@@ -28,6 +28,7 @@ __all__ = [
     "group_index",
     "gae",
     "grpo_outcome",
+    "grpo_passk",
     "rloo",
     "reinforce_pp",
     "reinforce_pp_baseline",
@@ -174,6 +175,48 @@ def grpo_outcome(
     return _broadcast(adv, response_mask)
 
 
+def grpo_passk(
+    scores: torch.Tensor,
+    group_ids: GroupIds,
+    response_mask: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    r"""Pass@k advantage in GRPO form (arXiv:2503.19595): only the best response of each
+    group is credited, with its margin over the group's second best (the gain of the group's
+    max reward that this response alone brings).
+
+    For group :math:`g` with scores sorted :math:`s_{(1)} \ge s_{(2)} \ge \dots`:
+
+    .. math::
+        A_{i^*} = \frac{s_{(1)} - s_{(2)}}{\sigma_g + \epsilon}\quad(\texttt{norm\_by\_std};\
+        \text{else no division}),\qquad A_i = 0\ \text{for}\ i \ne i^*
+
+    :math:`i^*` is the first (lowest-index) row holding the maximum, :math:`\sigma_g` the
+    unbiased standard deviation of the group. A group of size 1 gets :math:`A = 0`.
+    Returns ``[B, T]`` broadcast over valid tokens.
+    """
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be 1-D [B], got {tuple(scores.shape)}")
+    inv, n_groups = group_index(group_ids, device=scores.device)
+    count, _, mean, _ = _group_stats(scores, group_ids)
+    buf = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+    gmax = buf.scatter_reduce(0, inv, scores, reduce="amax", include_self=False)
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    holders = torch.where(scores == gmax[inv], rows, torch.full_like(rows, scores.shape[0]))
+    best = torch.full((n_groups,), scores.shape[0], dtype=torch.long, device=scores.device).scatter_reduce(
+        0, inv, holders, reduce="amin")
+    is_best = rows == best[inv]
+    others = torch.where(is_best, torch.full_like(scores, float("-inf")), scores)
+    second = buf.scatter_reduce(0, inv, others, reduce="amax", include_self=False)
+    margin = gmax[inv] - second[inv]
+    if norm_by_std:
+        sq = buf.index_add(0, inv, (scores - mean) ** 2)[inv]
+        margin = margin / (torch.sqrt(sq / torch.clamp(count - 1, min=1)) + eps)
+    adv = torch.where(is_best & (count > 1), margin, torch.zeros_like(scores))
+    return _broadcast(adv, response_mask)
+
+
 def rloo(scores: torch.Tensor, group_ids: GroupIds, response_mask: torch.Tensor) -> torch.Tensor:
     r"""REINFORCE Leave-One-Out (Kool et al., 2019; Ahmadian et al., 2024).
 
@@ -283,6 +326,8 @@ def compute_advantages(alg_cfg: Any, scores: torch.Tensor, group_ids: torch.Tens
     elif name in ("grpo", "dr_grpo"):
         norm = alg_cfg.norm_adv_by_std_in_grpo and name == "grpo"
         adv = grpo_outcome(outcome, group_ids, mask, norm_by_std=norm)
+    elif name == "grpo_passk":
+        adv = grpo_passk(outcome, group_ids, mask, norm_by_std=alg_cfg.norm_adv_by_std_in_grpo)
     elif name == "rloo":
         adv = rloo(outcome, group_ids, mask)
     elif name == "reinforce_plus_plus":

@@ -2,6 +2,8 @@ r"""Policy, value, entropy and preference losses.
 
 Token-level losses are ``[B, T]`` matrices reduced by :func:`aggregate_loss` under a
 ``response_mask``; padding (mask ``0``) never contributes, even when it holds NaN/inf.
+The per-token policy losses (vanilla PPO, GSPO, CISPO) live in :mod:`.policy_losses`;
+:func:`ppo_policy_loss` is the vanilla one aggregated over a single batch.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hyflow.algorithms.masked import masked_mean, masked_sum
+from hyflow.algorithms.policy_losses import vanilla_policy_loss
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LOSS_AGG_MODES: tuple[str, ...] = (
@@ -24,8 +27,8 @@ __all__ = [
     "AggMode",
     "LOSS_AGG_MODES",
     "aggregate_loss",
+    "aggregation_weights",
     "ppo_policy_loss",
-    "ppo_token_loss",
     "value_loss",
     "value_token_loss",
     "entropy_from_logits",
@@ -34,8 +37,6 @@ __all__ = [
     "kto_loss",
 ]
 
-_LOG_RATIO_CLAMP = 20.0
-
 
 def aggregate_loss(
     loss_mat: torch.Tensor,
@@ -43,9 +44,9 @@ def aggregate_loss(
     mode: AggMode = "token-mean",
     norm_length: Optional[float] = None,
 ) -> torch.Tensor:
-    r"""Reduce a ``[B, T]`` token loss to a scalar. With :math:`m_{b,t}` the mask,
-    :math:`S = \{b : \sum_t m_{b,t} > 0\}` the non-empty sequences and
-    :math:`L` = ``norm_length`` (default ``T = mask.shape[-1]``):
+    r"""Reduce a ``[B, T]`` token loss to a scalar (the reference aggregation). With
+    :math:`m_{b,t}` the mask, :math:`S = \{b : \sum_t m_{b,t} > 0\}` the non-empty sequences and
+    :math:`L` = ``norm_length``:
 
     * ``token-mean``: :math:`\sum_{b,t} m_{b,t}\ell_{b,t} / \sum_{b,t} m_{b,t}`
     * ``seq-mean-token-sum``: :math:`\frac{1}{|S|}\sum_{b\in S}\sum_t m_{b,t}\ell_{b,t}`
@@ -54,8 +55,12 @@ def aggregate_loss(
     * ``seq-mean-token-sum-norm`` (Dr. GRPO): :math:`\frac{1}{|S|}\sum_{b\in S}
       \frac{1}{L}\sum_t m_{b,t}\ell_{b,t}`
 
-    Sequences with no valid token (e.g. filler rows) are left out of the sequence mean.
-    An all-empty mask gives ``0``.
+    ``norm_length`` is required by ``seq-mean-token-sum-norm`` and must be a constant of the
+    run (the RL job passes ``rollout.max_new_tokens`` or ``actor.loss_scale_factor``): a
+    normaliser taken from the padded width of a batch would change the loss scale from step
+    to step. Sequences with no valid token (e.g. filler rows) are left out of the sequence
+    mean. An all-empty mask gives ``0``. Across data-parallel ranks, use
+    :func:`aggregation_weights` with a global denominator instead.
     """
     if mode == "token-mean":
         return masked_mean(loss_mat, mask)
@@ -67,56 +72,47 @@ def aggregate_loss(
     elif mode == "seq-mean-token-mean":
         per_seq = masked_mean(loss_mat, mask, dim=-1)
     else:
-        horizon = float(mask.shape[-1] if norm_length is None else norm_length)
-        per_seq = masked_sum(loss_mat, mask, dim=-1) / horizon
+        per_seq = masked_sum(loss_mat, mask, dim=-1) / _norm_length(norm_length)
     return masked_mean(per_seq, nonempty)
 
 
-def ppo_token_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: Optional[float] = None,
-    clip_ratio_c: Optional[float] = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    r"""Per-token PPO clipped surrogate (Schulman et al., 2017), with decoupled clip range
-    (DAPO "clip-higher", Yu et al., 2025) and optional dual clip (Ye et al., 2020).
+def _norm_length(norm_length: Optional[float]) -> float:
+    if norm_length is None or norm_length <= 0:
+        raise ValueError(
+            f"seq-mean-token-sum-norm needs a positive constant norm_length (got {norm_length}): pass the "
+            "response budget (rollout.max_new_tokens) or actor.loss_scale_factor, never a batch's width")
+    return float(norm_length)
 
-    .. math::
-        \rho = \exp(\operatorname{clamp}(\log\pi - \log\pi_{\text{old}}, -20, 20))
 
-        \ell^{\text{clip}} = \max\!\big(-A\rho,\ -A\operatorname{clip}(\rho, 1-\epsilon_{\text{low}},
-        1+\epsilon_{\text{high}})\big)
+def aggregation_weights(
+    mask: torch.Tensor,
+    mode: AggMode = "token-mean",
+    norm_length: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Per-token weights ``w [B, T]`` and this batch's denominator ``d`` (a scalar) such that
+    ``aggregate_loss(x, mask, mode, norm_length) == (w * x).sum() / d`` (``0`` when ``d = 0``).
 
-        \ell = \begin{cases}\min(\ell^{\text{clip}},\ -A\,c) & A < 0\ \text{and dual clip}\\
-        \ell^{\text{clip}} & \text{otherwise}\end{cases}
-
-    ``clip_ratio_high`` defaults to ``clip_ratio_low``; ``clip_ratio_c`` (must be ``> 1``) enables
-    the dual clip. Returns the ``[B, T]`` loss and per-token (detached) indicators: ``clip``
-    (the clipped branch was strictly larger, i.e. taken), ``clip_lower`` (the dual-clip bound
-    :math:`-Ac` was taken), ``log_ratio`` (clamped) and ``ratio``. Callers aggregate
-    (:func:`aggregate_loss`, or per-token weights with global denominators).
+    Over data-parallel ranks (or micro-batches) the aggregation of the whole batch is
+    :math:`\sum_{\text{ranks}}\sum w\,x / \sum_{\text{ranks}} d`: ``w`` depends only on each
+    row, so sum ``d`` over all ranks first (an all-reduce of one number) and divide every
+    rank's :math:`\sum w\,x` by it. ``d`` is the number of valid tokens (``token-mean``) or of
+    non-empty sequences (the ``seq-mean-*`` modes); ``w`` is ``m``, ``m``,
+    :math:`m / \sum_t m` and :math:`m / L` for the four modes. ``w`` is ``0`` on padding.
     """
-    if clip_ratio_high is None:
-        clip_ratio_high = clip_ratio_low
-    log_ratio = torch.clamp(logp - old_logp, min=-_LOG_RATIO_CLAMP, max=_LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped_branch = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_mat = torch.maximum(unclipped, clipped_branch)
-    clip_taken = clipped_branch > unclipped
-    lower_taken = torch.zeros_like(clip_taken)
-    if clip_ratio_c is not None:
-        if clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
-        bound = -advantages * clip_ratio_c
-        lower_taken = (advantages < 0) & (bound < loss_mat)
-        loss_mat = torch.where(lower_taken, bound, loss_mat)
-    with torch.no_grad():
-        stats = {"clip": clip_taken.to(logp.dtype), "clip_lower": lower_taken.to(logp.dtype),
-                 "log_ratio": log_ratio.detach(), "ratio": ratio.detach()}
-    return loss_mat, stats
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+    keep = mask != 0
+    dtype = mask.dtype if mask.is_floating_point() else torch.float32
+    m = torch.where(keep, mask.to(dtype), torch.zeros((), dtype=dtype, device=mask.device))
+    if mode == "token-mean":
+        return m, m.sum()
+    count = keep.any(dim=-1).sum().to(m.dtype)
+    if mode == "seq-mean-token-sum":
+        return m, count
+    if mode == "seq-mean-token-mean":
+        row = m.sum(dim=-1, keepdim=True)
+        return m / torch.where(row != 0, row, torch.ones_like(row)), count
+    return m / _norm_length(norm_length), count
 
 
 def ppo_policy_loss(
@@ -128,8 +124,13 @@ def ppo_policy_loss(
     clip_ratio_high: Optional[float] = None,
     clip_ratio_c: Optional[float] = None,
     agg_mode: AggMode = "token-mean",
+    norm_length: Optional[float] = None,
+    is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    r"""PPO clipped surrogate (:func:`ppo_token_loss`) aggregated with ``agg_mode``.
+    r"""PPO clipped surrogate aggregated over one batch: the per-token loss of
+    :func:`hyflow.algorithms.policy_losses.vanilla_policy_loss` (clip-higher, optional dual clip
+    with ``clip_ratio_c > 1``, optional rollout-correction ``is_weights``) reduced by
+    ``aggregate_loss(ell, mask, agg_mode, norm_length)``.
 
     Stats (detached scalars, masked token means):
 
@@ -138,15 +139,15 @@ def ppo_policy_loss(
     * ``approx_kl``: :math:`\mathrm{mean}(\log\pi_{\text{old}} - \log\pi)` (k1);
     * ``ratio_mean``: :math:`\mathrm{mean}(\rho)`.
     """
-    loss_mat, tok = ppo_token_loss(logp, old_logp, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    loss = aggregate_loss(loss_mat, mask, agg_mode)
+    loss_mat, token_stats = vanilla_policy_loss(
+        logp, old_logp, advantages, mask, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c, is_weights=is_weights)
+    loss = aggregate_loss(loss_mat, mask, agg_mode, norm_length)
     with torch.no_grad():
-        stats = {
-            "clip_frac": masked_mean(tok["clip"], mask),
-            "clip_frac_lower": masked_mean(tok["clip_lower"], mask),
-            "approx_kl": masked_mean(-tok["log_ratio"], mask),
-            "ratio_mean": masked_mean(tok["ratio"], mask),
-        }
+        stats = {"clip_frac": masked_mean(token_stats["clip_frac"], mask),
+                 "clip_frac_lower": masked_mean(token_stats["clip_frac_lower"], mask),
+                 "approx_kl": masked_mean(token_stats["approx_kl"], mask),
+                 "ratio_mean": masked_mean(token_stats["ratio"], mask)}
     return loss, stats
 
 
@@ -154,23 +155,32 @@ def value_token_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
     returns: torch.Tensor,
+    mask: torch.Tensor,
     clip_range_value: Optional[float] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Per-token clipped value loss and where the clipped error was taken.
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    r"""Clipped value loss per token (``[B, T]``, ``0`` on padding, NaN-safe there).
 
     .. math::
         V^{\text{clip}} = V_{\text{old}} + \operatorname{clip}(V - V_{\text{old}}, -c, c)
 
         \ell = \tfrac12 \max\!\big((V - R)^2,\ (V^{\text{clip}} - R)^2\big)
 
-    ``clip_range_value=None`` disables clipping (:math:`\ell = \tfrac12 (V-R)^2`).
+    ``clip_range_value=None`` disables clipping (:math:`\ell = \tfrac12 (V-R)^2`). Stats
+    (detached ``[B, T]``): ``vf_clipfrac``, 1 where the clipped error was strictly larger.
     """
+    keep = mask.to(device=values.device) != 0
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    values, old_values, returns = (torch.where(keep, x, zero) for x in (values, old_values, returns))
     unclipped = (values - returns).square()
     if clip_range_value is None:
-        return 0.5 * unclipped, torch.zeros_like(unclipped)
-    v_clip = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
-    clipped = (v_clip - returns).square()
-    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).to(values.dtype).detach()
+        loss_mat = unclipped
+        clip_taken = torch.zeros_like(unclipped, dtype=torch.bool)
+    else:
+        v_clip = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+        clipped = (v_clip - returns).square()
+        loss_mat = torch.maximum(unclipped, clipped)
+        clip_taken = clipped > unclipped
+    return 0.5 * loss_mat, {"vf_clipfrac": (clip_taken & keep).to(values.dtype)}
 
 
 def value_loss(
@@ -180,13 +190,14 @@ def value_loss(
     mask: torch.Tensor,
     clip_range_value: Optional[float] = None,
     agg_mode: AggMode = "token-mean",
+    norm_length: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    r"""Clipped value loss (:func:`value_token_loss`) aggregated with ``agg_mode``. Stats:
+    r""":func:`value_token_loss` aggregated over one batch by :func:`aggregate_loss`. Stats:
     ``vf_clipfrac``, the fraction of valid tokens where the clipped error was strictly larger."""
-    loss_mat, clip_taken = value_token_loss(values, old_values, returns, clip_range_value)
-    loss = aggregate_loss(loss_mat, mask, agg_mode)
+    loss_mat, token_stats = value_token_loss(values, old_values, returns, mask, clip_range_value)
+    loss = aggregate_loss(loss_mat, mask, agg_mode, norm_length)
     with torch.no_grad():
-        stats = {"vf_clipfrac": masked_mean(clip_taken, mask)}
+        stats = {"vf_clipfrac": masked_mean(token_stats["vf_clipfrac"], mask)}
     return loss, stats
 
 
@@ -208,10 +219,11 @@ def entropy_bonus(
     mask: torch.Tensor,
     coef: float = 1.0,
     agg_mode: AggMode = "token-mean",
+    norm_length: Optional[float] = None,
 ) -> torch.Tensor:
     r"""Aggregated entropy term :math:`c\cdot\operatorname{agg}(H)`; subtract it from the loss to
     reward exploration (``loss = pg_loss - entropy_bonus(H, mask, c)``)."""
-    return coef * aggregate_loss(entropy, mask, agg_mode)
+    return coef * aggregate_loss(entropy, mask, agg_mode, norm_length)
 
 
 def _reduce(x: torch.Tensor, reduction: str) -> torch.Tensor:

@@ -20,6 +20,8 @@ __all__ = [
     "masked_whiten",
     "last_token_index",
     "scatter_to_last_token",
+    "pack_row_stats",
+    "unpack_row_stats",
 ]
 
 
@@ -126,3 +128,38 @@ def scatter_to_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     rows = torch.arange(mask.shape[0], device=scores.device)[valid]
     out[rows, idx[valid]] = scores[valid]
     return out
+
+
+# ----------------------------------------------------- per-row statistics over many ranks
+#
+# Statistics that must describe the whole batch (all data-parallel ranks) are returned per row
+# (``dict[str, Tensor[B]]``) by the functions that compute them. A key ending in ``_max`` is a
+# maximum, every other key a sum. ``pack_row_stats`` reduces the rows this rank holds into two
+# float64 vectors (one all-reduce with SUM, one with MAX); ``unpack_row_stats`` turns the
+# reduced vectors back into a dict of floats for the metric helpers.
+
+
+def pack_row_stats(rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sums [K], maxima [M])`` float64 over this rank's rows, keys in sorted order.
+
+    All-reduce ``sums`` with SUM and ``maxima`` with MAX over the data-parallel group, then
+    :func:`unpack_row_stats`. An empty batch gives zeros (every maximum here is of a
+    non-negative quantity)."""
+    sums = sorted(k for k in rows if not k.endswith("_max"))
+    maxima = sorted(k for k in rows if k.endswith("_max"))
+    device = next(iter(rows.values())).device if rows else None
+    s = torch.stack([rows[k].double().sum() for k in sums]) if sums else torch.zeros(0, dtype=torch.float64,
+                                                                                      device=device)
+    m = (torch.stack([rows[k].double().amax() if rows[k].numel() else
+                      torch.zeros((), dtype=torch.float64, device=device) for k in maxima])
+         if maxima else torch.zeros(0, dtype=torch.float64, device=device))
+    return s, m
+
+
+def unpack_row_stats(keys, sums: torch.Tensor, maxima: torch.Tensor) -> dict[str, float]:
+    """Inverse of :func:`pack_row_stats` for the same ``keys`` (one host transfer)."""
+    keys = list(keys)
+    s_keys = sorted(k for k in keys if not k.endswith("_max"))
+    m_keys = sorted(k for k in keys if k.endswith("_max"))
+    values = torch.cat([sums.double().flatten(), maxima.double().flatten()]).tolist()
+    return dict(zip(s_keys + m_keys, values))

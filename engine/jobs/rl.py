@@ -23,7 +23,10 @@ import torch
 import torch.distributed as dist
 
 from hyflow.algorithms.advantages import compute_advantages
+from hyflow.algorithms.dapo import overlong_penalty
 from hyflow.algorithms.kl import make_kl_controller
+from hyflow.algorithms.mismatch import mismatch_metrics, mismatch_row_stats
+from hyflow.algorithms.rollout_correction import rollout_correction, rollout_correction_metrics
 from hyflow.checkpoint.checkpointer import Checkpointer
 from hyflow.config import dump_yaml, format_config
 from hyflow.jobs.rl_config import RLJobConfig
@@ -171,6 +174,10 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     with timers.phase("reward"):
         scored = score_samples(job, mine, first, rollout.samples)
         scores = torch.tensor(scored.scores, dtype=torch.float32, device=device)
+        overlong = cfg.algorithm.overlong_buffer
+        if overlong.enable:  # DAPO's soft overlong punishment, a reward term
+            scores = scores + overlong_penalty(batch.response_lengths, cfg.rollout.max_new_tokens, overlong.length,
+                                               overlong.penalty_factor)
         greedy_scores = None
         if greedy is not None:
             baseline = torch.tensor(score_samples(job, mine, first, greedy.samples).scores, dtype=torch.float32,
@@ -187,8 +194,9 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
             old_logp = batch.rollout_logprobs
         else:
             old_logp = forward_score(models.actor.chunks, scoring, logprob_scorer(vocab, tp_group, temp), groups, shape)
-            diff = ((old_logp - batch.rollout_logprobs).abs() * batch.response_mask).max()
-            stats.extreme("rollout/logprob_diff", diff)
+            # the sampler's log-probs vs the training layout's, same weights (docs/algorithms.md)
+            stats.row_totals("mismatch", mismatch_row_stats(old_logp, batch.rollout_logprobs, batch.response_mask),
+                             mismatch_metrics)
     ref_logp = None
     if models.reference is not None:
         with timers.phase("ref"):
@@ -203,12 +211,18 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
         adv = compute_advantages(cfg.algorithm, scores, batch.group_ids, batch.response_mask, old_logp, ref_logp,
                                  values, state.kl_ctrl.value, greedy_scores=greedy_scores,
                                  reduce=_dp_sum(dp_group))
-    # 5. updates
+    # 5. updates (rollout correction: importance weights and a mask for what the trainer would not sample)
     train = dict(columns, old_logp=old_logp, advantages=adv.advantages)
+    correction = cfg.actor.rollout_correction
+    if correction.mode != "off":
+        corr = rollout_correction(old_logp, batch.rollout_logprobs, batch.response_mask, correction.mode,
+                                  correction.cap, correction.low, correction.high)
+        train.update(response_mask=corr.mask, is_weights=corr.weights)
+        stats.row_totals("rollout_corr", corr.stats, rollout_correction_metrics)
     if ref_logp is not None and cfg.actor.use_kl_loss:
         train["ref_logp"] = ref_logp
     common = dict(seed=cfg.trainer.seed, step=step, row_offset=first * n, agg_mode=cfg.actor.loss_agg_mode,
-                  norm_length=float(cfg.rollout.max_new_tokens))
+                  norm_length=float(cfg.loss_norm_length))
     with timers.phase("update_actor"):
         actor = update_model(models.actor, groups, train, lengths, PolicyLoss(cfg.actor, vocab, tp_group, temp),
                              batching=batching_for(cfg, "actor", groups, job.pad_id),
@@ -288,9 +302,6 @@ def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, 
     out = stats.reduce(dp_group)
     gen_seconds = out.pop("rollout/gen_seconds_sum") / dp_group.size()
     out["rollout/tokens_per_s"] = out["rollout/generated_tokens"] / max(gen_seconds, 1e-9)
-    if "rollout/logprob_diff/max" in out:  # generation-layout sampler vs training-layout forward, same weights
-        out["rollout/logprob_diff_max"] = out.pop("rollout/logprob_diff/max")
-        out.pop("rollout/logprob_diff/min", None)
     for prefix, update in (("actor", actor), ("critic", critic)):
         if update is None:
             continue

@@ -17,8 +17,12 @@ from hyflow.models.description import ModelDescription, tiny_llama
 from hyflow.parallel.layout import Layout
 from hyflow.training.optim_config import OptimConfig
 
-AdvEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
+AdvEstimator = Literal["gae", "grpo", "dr_grpo", "grpo_passk", "rloo", "reinforce_plus_plus",
                        "reinforce_plus_plus_baseline", "remax"]
+PolicyLoss = Literal["vanilla", "gspo", "cispo"]
+CorrectionMode = Literal["off", "token_tis", "seq_tis", "seq_mis", "icepop"]
+#: estimators that compare the responses within a prompt's group (they need rollout.n >= 2)
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline")
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3", "abs", "low_var_kl"]
 
@@ -82,6 +86,28 @@ class RolloutConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Importance-sampling correction of the gap between the sampler's log-probs and the
+    training-layout forward's (``actor.old_logprobs=recompute``); see docs/algorithms.md."""
+
+    mode: CorrectionMode = field(default="off", metadata={
+        "help": "off | token_tis (w = min(rho_t, cap)) | seq_tis (w = min(prod_t rho_t, cap)) | seq_mis "
+                "(drop sequences whose prod_t rho_t leaves [low, high], weight the rest by it) | icepop "
+                "(drop tokens whose rho_t leaves [low, high], weight the rest by it); "
+                "rho = pi_train / pi_sampler"})
+    cap: float = field(default=2.0, metadata={"help": "truncation C of token_tis / seq_tis (> 0)"})
+    low: float = field(default=0.5, metadata={"help": "lower end of the kept ratio band (seq_mis, icepop)"})
+    high: float = field(default=2.0, metadata={
+        "help": "upper end of the kept ratio band (seq_mis, icepop; the IcePop paper used [0.5, 5])"})
+
+    def validate(self) -> None:
+        if self.cap <= 0:
+            raise ConfigError(f"must be > 0, got {self.cap}", key="cap")
+        if not 0 <= self.low < self.high:
+            raise ConfigError(f"need 0 <= low < high, got low={self.low}, high={self.high}")
+
+
+@dataclass
 class ActorConfig:
     """The policy: trained in ``layout``, generating in ``rollout.layout``."""
 
@@ -120,8 +146,17 @@ class ActorConfig:
         "help": "PPO clip: ratios above 1 + clip_ratio_high are clipped "
                 "(DAPO's clip-higher when larger than clip_ratio_low)"})
     clip_ratio_c: Optional[float] = field(default=None, metadata={"help": "dual-clip constant (> 1) or null"})
+    policy_loss: PolicyLoss = field(default="vanilla", metadata={
+        "help": "vanilla (PPO clip) | gspo (sequence-level ratio, geometric mean over the response; "
+                "needs loss_agg_mode=seq-mean-token-mean; the paper clips at 3e-4 / 4e-4) | cispo "
+                "(clipped IS weight with stop-gradient times log-prob; the clip ratios bound the weight, "
+                "clip_ratio_low >= 1 removes the lower bound as in the paper)"})
     loss_agg_mode: LossAgg = field(default="token-mean", metadata={
         "help": "how per-token losses become one number: mean over tokens, or per sequence then over sequences"})
+    loss_scale_factor: Optional[int] = field(default=None, metadata={
+        "help": "constant normaliser of loss_agg_mode=seq-mean-token-sum-norm (Dr. GRPO's MAX_TOKENS); "
+                "null = rollout.max_new_tokens"})
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     entropy_coeff: float = field(default=0.0, metadata={
         "help": "weight of the entropy bonus in the actor loss (0 = off)"})
     use_kl_loss: bool = field(default=False, metadata={"help": "KL to the reference as a loss term"})
@@ -145,6 +180,23 @@ class ActorConfig:
             raise ConfigError(f"must be > 1 or null, got {self.clip_ratio_c}", key="clip_ratio_c")
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
             raise ConfigError("clip ratios must be >= 0")
+        if self.loss_scale_factor is not None and self.loss_scale_factor < 1:
+            raise ConfigError(f"must be >= 1 or null, got {self.loss_scale_factor}", key="loss_scale_factor")
+        if self.policy_loss != "vanilla" and self.clip_ratio_c is not None:
+            raise ConfigError(f"the dual clip (clip_ratio_c) exists for policy_loss=vanilla only; got "
+                              f"policy_loss={self.policy_loss}: set clip_ratio_c: null", key="clip_ratio_c")
+        if self.policy_loss == "gspo" and self.loss_agg_mode != "seq-mean-token-mean":
+            raise ConfigError("GSPO's objective is the mean over sequences of each sequence's token mean: set "
+                              f"actor.loss_agg_mode=seq-mean-token-mean (got {self.loss_agg_mode})",
+                              key="loss_agg_mode")
+        if self.policy_loss == "gspo" and self.pack_sequences:
+            raise ConfigError("gspo's sequence-level ratio is taken over a row, which holds one sequence only "
+                              "unpacked: set actor.pack_sequences=false", key="pack_sequences")
+        if self.rollout_correction.mode != "off" and self.old_logprobs == "rollout":
+            raise ConfigError("rollout_correction weighs the training-layout log-probs against the sampler's; "
+                              "with old_logprobs=rollout they are the same numbers (every weight is 1): set "
+                              "actor.old_logprobs=recompute or rollout_correction.mode=off",
+                              key="rollout_correction.mode")
 
 
 @dataclass
@@ -252,11 +304,28 @@ class KLControlConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO soft overlong punishment: a reward term falling linearly from 0 to -penalty_factor over
+    the last ``length`` tokens of the response budget (rollout.max_new_tokens)."""
+
+    enable: bool = False
+    length: int = field(default=16, metadata={"help": "buffer length in tokens (<= rollout.max_new_tokens)"})
+    penalty_factor: float = field(default=1.0, metadata={"help": "penalty of a response that uses the whole budget"})
+
+    def validate(self) -> None:
+        _positive(self, "length")
+        if self.penalty_factor < 0:
+            raise ConfigError(f"must be >= 0, got {self.penalty_factor}", key="penalty_factor")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation and reward shaping."""
 
     adv_estimator: AdvEstimator = field(default="grpo", metadata={
-        "help": "how advantages are computed from scores (gae needs critic.enable=true)"})
+        "help": "gae (needs critic.enable=true) | grpo | dr_grpo | grpo_passk (only each group's best response is "
+                "credited, with its margin over the second best) | rloo | reinforce_plus_plus | "
+                "reinforce_plus_plus_baseline | remax"})
     gamma: float = field(default=1.0, metadata={"help": "discount factor (gae, reinforce_plus_plus)"})
     lam: float = field(default=1.0, metadata={"help": "GAE lambda"})
     norm_adv_by_std_in_grpo: bool = field(default=True, metadata={
@@ -265,6 +334,7 @@ class AlgorithmConfig:
         "help": "subtract kl_ctrl.kl_coef x KL(actor || reference) from the reward"})
     kl_penalty: KLKind = field(default="k1", metadata={"help": "KL estimator of the in-reward penalty"})
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
     def validate(self) -> None:
         _finite(self, "gamma", "lam")
@@ -355,6 +425,12 @@ class RLJobConfig:
     #: What validation adopted or noticed (e.g. the architecture read from actor.checkpoint).
     notes: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
+    @property
+    def loss_norm_length(self) -> int:
+        """The constant normaliser of ``seq-mean-token-sum-norm``: ``actor.loss_scale_factor``, or
+        the response budget ``rollout.max_new_tokens``."""
+        return self.actor.loss_scale_factor or self.rollout.max_new_tokens
+
     def actor_layout(self, world_size: Optional[int] = None) -> Layout:
         """The actor's training layout with dp filled in for ``world_size`` ranks."""
         return self.actor.layout.with_dp_for(world_size or self.trainer.nproc)
@@ -382,8 +458,7 @@ class RLJobConfig:
                 "critic.layout unset or equal to actor.layout")
         if self.algorithm.adv_estimator == "gae" and not self.critic.enable:
             raise ConfigError("algorithm.adv_estimator=gae needs a value model: set critic.enable=true")
-        if self.algorithm.adv_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline") \
-                and self.rollout.n < 2:
+        if self.algorithm.adv_estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
             raise ConfigError(
                 f"{self.algorithm.adv_estimator} compares responses within a prompt's group: "
                 f"rollout.n must be >= 2, got {self.rollout.n}")
@@ -391,6 +466,10 @@ class RLJobConfig:
             raise ConfigError(
                 f"data.train_batch_size={self.data.train_batch_size} prompts must split evenly over the actor's "
                 f"{train.dp} data-parallel ranks (each rank generates, scores and trains its own prompts)")
+        buffer = self.algorithm.overlong_buffer
+        if buffer.enable and buffer.length > self.rollout.max_new_tokens:
+            raise ConfigError(f"algorithm.overlong_buffer.length={buffer.length} exceeds the response budget "
+                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
         seqs = self.data.train_batch_size * self.rollout.n
         critic_mini = self.critic.mini_batch_size or self.actor.mini_batch_size
         for key, mini in (("actor.mini_batch_size", self.actor.mini_batch_size),

@@ -10,6 +10,11 @@ Masks follow Megatron's convention: ``attention_mask`` is boolean with ``True``
 meaning *masked out*. Without a mask the attention is causal, aligned to the end
 of the key sequence (a query at position i of the last sq positions sees keys
 0..sk-sq+i), which also covers incremental decoding against a KV cache.
+
+Grouped-query attention never repeats keys / values: the causal training forward
+passes ``enable_gqa`` (flash attention on CUDA); with a mask, the query heads that
+share a key/value group are folded into the query axis instead, so a fused kernel
+that takes masks (memory-efficient on CUDA, flash on CPU) still applies.
 """
 
 from __future__ import annotations
@@ -55,23 +60,41 @@ class SDPAttention(MegatronModule):
         sq, b = query.shape[0], query.shape[1]
         sk = key.shape[0]
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
-        k = key.permute(1, 2, 0, 3)
+        k = key.permute(1, 2, 0, 3)  # [b, ng, sk, hn]: never repeated per query head
         v = value.permute(1, 2, 0, 3)
-        if self.heads != self.groups:
-            rep = self.heads // self.groups
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
+        rep = self.heads // self.groups
         mask = None
-        is_causal = False
         mask_type = attn_mask_type or self.attn_mask_type
+        dropout = self.dropout_p if self.training else 0.0
+        if attention_mask is None and mask_type == AttnMaskType.causal and sq == sk:
+            # The training forward: causal, no mask tensor (flash attention on CUDA, GQA included).
+            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                 scale=self.softmax_scale, enable_gqa=rep > 1)
+            return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
         if attention_mask is not None:
             mask = ~attention_mask.to(torch.bool)  # SDPA: True means "attend"
-        elif mask_type == AttnMaskType.causal:
-            if sq == sk:
-                is_causal = True
-            else:
-                mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
-        dropout = self.dropout_p if self.training else 0.0
+        elif mask_type == AttnMaskType.causal:  # queries are the last sq positions
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+        if mask is not None:  # additive float mask, [b or 1, 1 or np, sq, sk]
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            while mask.dim() < 4:
+                mask = mask.unsqueeze(0)
+        if rep > 1:
+            # Fold the rep query heads of each key/value group into the query axis, so SDPA sees as
+            # many query as key heads; no fused CUDA kernel takes enable_gqa together with a mask.
+            q = q.reshape(b, self.groups, rep * sq, self.head_dim)
+            if mask is not None:
+                mask = _fold_mask(mask, self.groups, rep)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                             is_causal=is_causal, scale=self.softmax_scale)
+                                             scale=self.softmax_scale)
+        ctx = ctx.reshape(b, self.heads, sq, self.head_dim)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
+
+def _fold_mask(mask: torch.Tensor, groups: int, rep: int) -> torch.Tensor:
+    """A ``[B, 1 | heads, sq, sk]`` mask for the folded queries ``[B, groups, rep * sq, hn]``
+    (folded query ``r * sq + i`` of group ``g`` is head ``g * rep + r``, query ``i``)."""
+    mb, mh, sq, sk = mask.shape
+    if mh == 1:
+        return mask.repeat(1, 1, rep, 1)
+    return mask.reshape(mb, groups, rep * sq, sk)

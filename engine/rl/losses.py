@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from hyflow.algorithms import kl_estimate
-from hyflow.algorithms.losses import ppo_token_loss, value_token_loss
+from hyflow.algorithms.losses import aggregation_weights, value_token_loss
+from hyflow.algorithms.policy_losses import get_policy_loss
 from hyflow.training.logprobs import shifted_entropy, shifted_token_logprobs
 from hyflow.training.step import Batch, forward_backward
 
@@ -32,23 +33,12 @@ def loss_weights(mask: torch.Tensor, mode: str, tokens: torch.Tensor, seqs: torc
     """Per-token weights turning a ``[B, S]`` per-token loss into its share of the aggregated loss.
 
     ``tokens`` / ``seqs``: response tokens / non-empty sequences of the whole mini-batch (every
-    data-parallel rank), broadcastable against ``[B, 1]``. ``norm_length``: the constant per-sequence
-    normaliser of ``seq-mean-token-sum-norm`` (Dr. GRPO). Mirrors
-    :func:`hyflow.algorithms.aggregate_loss`, which a test checks it against.
+    data-parallel rank), broadcastable against ``[B, 1]``: the denominator of
+    :func:`hyflow.algorithms.losses.aggregation_weights` summed over ranks. ``norm_length``: the
+    constant per-sequence normaliser of ``seq-mean-token-sum-norm`` (Dr. GRPO).
     """
-    mask = mask.float()
-    if mode == "token-mean":
-        return mask / tokens.clamp(min=1)
-    if mode == "seq-mean-token-sum":
-        return mask / seqs.clamp(min=1)
-    if mode == "seq-mean-token-mean":
-        per_row = mask.sum(dim=-1, keepdim=True).clamp(min=1)
-        return mask / (per_row * seqs.clamp(min=1))
-    if mode == "seq-mean-token-sum-norm":
-        if norm_length is None:
-            raise ValueError("seq-mean-token-sum-norm needs a constant norm_length")
-        return mask / (seqs.clamp(min=1) * norm_length)
-    raise ValueError(f"unknown loss aggregation mode {mode!r}")
+    w, _ = aggregation_weights(mask.float(), mode, norm_length)
+    return w / (tokens if mode == "token-mean" else seqs).clamp(min=1)
 
 
 def minibatch_counts(mask: torch.Tensor, assignment: torch.Tensor, count: int, dp_group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,19 +54,22 @@ def minibatch_counts(mask: torch.Tensor, assignment: torch.Tensor, count: int, d
 
 
 class PolicyLoss:
-    """PPO clipped policy loss (+ entropy bonus, + KL loss to the reference) of the policy at the
-    rollout's sampling ``temperature``; statistics with verl's names."""
+    """The policy loss ``actor.policy_loss`` (PPO clip, GSPO or CISPO; times the rollout-correction
+    weights ``is_weights`` when the batch has them) + entropy bonus + KL loss to the reference, of
+    the policy at the rollout's sampling ``temperature``; statistics with verl's names."""
 
     def __init__(self, actor_cfg, vocab_size: int, tp_group, temperature: float = 1.0) -> None:
         self.cfg, self.vocab, self.tp_group, self.temperature = actor_cfg, vocab_size, tp_group, temperature
+        self.policy_loss = get_policy_loss(actor_cfg.policy_loss)
         self.names = ("actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
                       "actor/ppo_kl") + (("actor/kl_loss",) if actor_cfg.use_kl_loss else ())
 
     def __call__(self, logits: torch.Tensor, batch: Batch):
         cfg, T = self.cfg, self.temperature
         logp = shifted_token_logprobs(logits, batch["tokens"], self.vocab, self.tp_group, T)
-        loss_mat, tok = ppo_token_loss(logp, batch["old_logp"], batch["advantages"], cfg.clip_ratio_low,
-                                       cfg.clip_ratio_high, cfg.clip_ratio_c)
+        loss_mat, tok = self.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["response_mask"],
+                                         clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                                         clip_ratio_c=cfg.clip_ratio_c, is_weights=batch.get("is_weights"))
         w, tw = batch["loss_weight"], batch["token_weight"]
         pg = (loss_mat * w).sum()
         total = pg
@@ -87,8 +80,8 @@ class PolicyLoss:
             with torch.no_grad():
                 entropy = (shifted_entropy(logits.detach(), self.vocab, self.tp_group, T) * w).sum()
         stats = {"actor/pg_loss": pg.detach(), "actor/entropy": entropy.detach(),
-                 "actor/pg_clipfrac": (tok["clip"] * tw).sum(), "actor/pg_clipfrac_lower": (tok["clip_lower"] * tw).sum(),
-                 "actor/ppo_kl": (-tok["log_ratio"] * tw).sum()}
+                 "actor/pg_clipfrac": (tok["clip_frac"] * tw).sum(),
+                 "actor/pg_clipfrac_lower": (tok["clip_frac_lower"] * tw).sum(), "actor/ppo_kl": (tok["approx_kl"] * tw).sum()}
         if cfg.use_kl_loss:
             kl = (kl_estimate(logp, batch["ref_logp"], cfg.kl_loss_type) * w).sum()
             total = total + cfg.kl_loss_coef * kl

@@ -8,7 +8,7 @@ table maps hyflow's earlier names to them.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ class BatchStats:
         self._max: dict[str, torch.Tensor] = {}
         self._min: dict[str, torch.Tensor] = {}
         self._means: list[tuple[str, str, str]] = []  # (metric, numerator, denominator)
+        self._totals: list[tuple[str, list[str], Callable[[dict], dict]]] = []
 
     def _value(self, value) -> torch.Tensor:
         return torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(())
@@ -59,6 +60,19 @@ class BatchStats:
         self.add(f"_{name}/den", denominator)
         self._means.append((name, f"_{name}/num", f"_{name}/den"))
 
+    def row_totals(self, prefix: str, rows: dict[str, torch.Tensor], finish: Callable[[dict], dict]) -> None:
+        """Per-row statistics (``[B]`` each) summed over every row of every rank (maximised for keys
+        ending in ``_max``, which must be non-negative); :meth:`reduce` hands the totals to
+        ``finish``, whose metrics it returns (e.g. :func:`hyflow.algorithms.mismatch.mismatch_metrics`)."""
+        for key, value in rows.items():
+            name = f"_{prefix}/{key}"
+            v = value.detach().double()
+            if key.endswith("_max"):
+                self._max[name] = v.amax() if v.numel() else self._value(0.0)
+            else:
+                self.add(name, v.sum())
+        self._totals.append((prefix, list(rows), finish))
+
     def reduce(self, group) -> dict[str, float]:
         out: dict[str, float] = {}
         for store, op in ((self._sums, dist.ReduceOp.SUM), (self._max, dist.ReduceOp.MAX),
@@ -76,6 +90,8 @@ class BatchStats:
             if base and f"_{base}/sumsq" in out and out[den]:
                 var = max(out[f"_{base}/sumsq"] / out[den] - out[name] ** 2, 0.0)
                 out[f"{base}/std"] = var ** 0.5
+        for prefix, keys, finish in self._totals:
+            out.update(finish({k: out[f"_{prefix}/{k}"] for k in keys}))
         for key in [k for k in out if k.startswith("_")]:
             del out[key]
         for key in [k for k in out if k.endswith(("/max", "/min")) and abs(out[k]) == float("inf")]:

@@ -8,25 +8,42 @@ the others keep decoding. So hyflow keeps its own cache:
 
 * :class:`KVCache`: per layer, keys and values ``[slots, groups, capacity, head_dim]``
   (this TP rank's query groups), i.e. SDPA's ``[b, h, s, d]`` layout per slot;
-* :class:`ForwardBatch`: what one forward works on: which slots, at which
-  absolute positions (``[b, s]``, a row's tokens are consecutive), and the
-  attention mask derived from them (query at position p sees keys ``0..p`` of its
-  own slot);
+* :class:`ForwardBatch`: what one forward works on, planned on the host from the
+  scheduler's own integers (no device read): which slots, at which absolute positions
+  (a row's tokens are consecutive), and how attention must run;
 * :class:`CachedAttention`: a drop-in for Megatron's core attention (same call
   contract as ``DotProductAttention``). Megatron's ``Attention`` still computes
   Q/K/V, applies RoPE and the output projection; this module writes the new K/V
-  at their positions and attends over the slot's cache. Positions past a row's
-  prompt that were written by right padding are masked until overwritten.
+  at their positions and attends over the slot's cache.
+
+Attention takes a fused SDPA path in the common cases and never copies the cache:
+
+* **prefill from position 0** (every row of the forward starts a prompt): attention over
+  the forward's own keys, ``is_causal`` with grouped-query heads (``enable_gqa``); no mask,
+  no cache read (flash attention on CUDA);
+* **otherwise** (decode, later prefill chunks): the cache rows are read as one strided view
+  ``[lo:hi, :, :kv_len]`` over the span of slots the batch uses (the scheduler keeps running
+  sequences in slots ``0..n-1``, so a decode batch *is* the span); the query heads that share
+  a key/value group are folded into the query axis (``[b, groups, heads/groups * s, d]``), so
+  keys and values are used as stored, with no repeat and no ``enable_gqa`` (which no fused
+  CUDA kernel accepts together with a mask). An additive float mask is passed only when rows
+  see different numbers of keys (ragged decode, chunk continuation); a decode batch whose rows
+  all sit at one position runs without a mask.
+
+Positions past a row's prompt that were written by right padding are masked (or not yet
+read) until overwritten.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from hyflow.rollout.host import to_device
 
 
 class KVCache:
@@ -49,43 +66,73 @@ class KVCache:
         """True when this cache can serve ``slots`` x ``capacity`` of ``dtype``."""
         return self.slots >= slots and self.capacity >= capacity and self.keys[0].dtype == dtype
 
-    def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
-        """Copy positions ``[0, length)`` of slot ``src`` into each slot of ``dst``."""
-        if not dst or length == 0:
-            return
-        index = torch.tensor(dst, device=self.keys[0].device)
-        for buf in self.keys + self.values:
-            buf[index, :, :length] = buf[src, :, :length]
+    def copy_prefix(self, src: int, dst: Sequence[int], length: int) -> None:
+        """Copy positions ``[0, length)`` of slot ``src`` into each slot of ``dst`` (views, no index
+        tensors)."""
+        for d in dst:
+            if d == src or length == 0:
+                continue
+            for buf in self.keys + self.values:
+                buf[d, :, :length] = buf[src, :, :length]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Move a sequence's first ``length`` positions from slot ``src`` to slot ``dst`` (used
+        to keep running sequences in the lowest slots)."""
+        self.copy_prefix(src, [dst], length)
 
 
 @dataclass
 class ForwardBatch:
-    """Slots and positions of one forward; built once and shared by every layer.
+    """Slots and positions of one forward, planned on the host; shared by every layer.
 
     Attributes:
-        slots: ``[b]`` cache slot of each row.
-        positions: ``[b, s]`` absolute position of each input token.
+        slots: ``[b]`` cache slot of each row (device).
+        positions: ``[b, s]`` absolute position of each input token (device).
         kv_len: keys to attend over (max position + 1).
-        mask: ``[b, 1, s, kv_len]`` boolean, True where a query may attend.
-        slot_range: ``(start, stop)`` when ``slots`` is that contiguous range (the
-            cache is then sliced instead of gathered).
+        fresh: every row starts at position 0: attend causally over this forward's keys.
+        span: ``(lo, hi)``: the cache rows attention reads as one view (min / max + 1 slot).
+        rows: ``[b]`` index of each row within the span, or None when the rows are the span
+            in order (the usual decode batch).
+        mask: additive float mask ``[hi - lo, 1, rep * s, kv_len]`` (0 = attend, -inf = not),
+            with the grouped query heads folded into the query axis; None when not needed.
     """
 
     slots: torch.Tensor
     positions: torch.Tensor
     kv_len: int
-    mask: torch.Tensor
-    slot_range: Optional[tuple[int, int]]
+    fresh: bool
+    span: tuple[int, int]
+    rows: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor]
 
     @classmethod
-    def build(cls, slots: torch.Tensor, positions: torch.Tensor) -> "ForwardBatch":
-        kv_len = int(positions.max()) + 1
-        keys = torch.arange(kv_len, device=positions.device)
-        mask = (keys.view(1, 1, 1, -1) <= positions[:, None, :, None])
-        first = int(slots[0])
-        contiguous = bool(torch.equal(slots, torch.arange(first, first + len(slots), device=slots.device)))
-        return cls(slots=slots, positions=positions, kv_len=kv_len, mask=mask,
-                   slot_range=(first, first + len(slots)) if contiguous else None)
+    def build(cls, slots: Sequence[int], starts: Sequence[int], width: int, *, rep: int,
+              dtype: torch.dtype, device: torch.device) -> "ForwardBatch":
+        """Row ``i`` feeds ``width`` tokens at positions ``starts[i] .. starts[i] + width - 1`` into
+        slot ``slots[i]``; ``rep`` query heads share each key/value group."""
+        b = len(slots)
+        if b == 0 or len(starts) != b or width < 1:
+            raise ValueError(f"need one start per slot and width >= 1, got {b} slots, {len(starts)} starts, "
+                             f"width {width}")
+        lo, hi = min(slots), max(slots) + 1
+        in_order = list(slots) == list(range(lo, hi))
+        packed = to_device([list(slots), list(starts)] + ([[s - lo for s in slots]] if not in_order else []),
+                           torch.long, device)
+        slot_t, start_t = packed[0], packed[1]
+        positions = start_t.unsqueeze(1) + torch.arange(width, device=device)
+        kv_len = max(starts) + width
+        fresh = max(starts) == 0
+        rows = None if in_order else packed[2]
+        mask = None
+        if not fresh and not (width == 1 and min(starts) == max(starts)):
+            keys = torch.arange(kv_len, device=device)
+            allowed = keys.view(1, 1, -1) <= positions.unsqueeze(-1)  # [b, s, kv]
+            add = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+            if rows is not None:  # slots of the span outside the batch: dummy rows, attend to all
+                add = torch.zeros(hi - lo, width, kv_len, dtype=dtype, device=device).index_copy_(0, rows, add)
+            mask = add.unsqueeze(1).repeat(1, 1, rep, 1)
+        return cls(slots=slot_t, positions=positions, kv_len=kv_len, fresh=fresh, span=(lo, hi), rows=rows,
+                   mask=mask)
 
 
 class CachedAttention(torch.nn.Module):
@@ -94,7 +141,7 @@ class CachedAttention(torch.nn.Module):
     Called by Megatron's ``Attention`` as ``(query [sq, b, np, hn], key [sq, b, ng, hn],
     value, attention_mask, attn_mask_type=..., ...)`` after RoPE; returns
     ``[sq, b, np * hn]``. The mask argument is ignored: masking follows the positions
-    of the cache's current :class:`ForwardBatch`.
+    of the cache's current :class:`ForwardBatch` (see the module docstring for the paths).
     """
 
     def __init__(self, cache: KVCache, layer: int, heads: int, groups: int, head_dim: int,
@@ -102,6 +149,7 @@ class CachedAttention(torch.nn.Module):
         super().__init__()
         self.cache, self.layer = cache, layer
         self.heads, self.groups, self.head_dim = heads, groups, head_dim
+        self.rep = heads // groups
         self.scale = softmax_scale or 1.0 / math.sqrt(head_dim)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -114,19 +162,25 @@ class CachedAttention(torch.nn.Module):
             raise RuntimeError("CachedAttention called outside a cached forward (no ForwardBatch set)")
         sq, b = query.shape[0], query.shape[1]
         k_buf, v_buf = self.cache.keys[self.layer], self.cache.values[self.layer]
+        k_new, v_new = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, ng, sq, hn]
         # Write this forward's keys / values at (slot, group, position).
         rows = batch.slots.view(b, 1, 1)
         heads = torch.arange(self.groups, device=key.device).view(1, -1, 1)
         cols = batch.positions.view(b, 1, sq)
-        k_buf.index_put_((rows, heads, cols), key.permute(1, 2, 0, 3))
-        v_buf.index_put_((rows, heads, cols), value.permute(1, 2, 0, 3))
-        if batch.slot_range is not None:
-            start, stop = batch.slot_range
-            k, v = k_buf[start:stop, :, :batch.kv_len], v_buf[start:stop, :, :batch.kv_len]
-        else:
-            k, v = k_buf[batch.slots, :, :batch.kv_len], v_buf[batch.slots, :, :batch.kv_len]
+        k_buf.index_put_((rows, heads, cols), k_new)
+        v_buf.index_put_((rows, heads, cols), v_new)
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
-        # Grouped-query attention without materialising repeated keys / values.
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=self.scale,
-                                             enable_gqa=self.heads != self.groups)
+        if batch.fresh:
+            ctx = F.scaled_dot_product_attention(q, k_new, v_new, is_causal=sq > 1, scale=self.scale,
+                                                 enable_gqa=self.rep > 1)
+        else:
+            lo, hi = batch.span
+            k, v = k_buf[lo:hi, :, :batch.kv_len], v_buf[lo:hi, :, :batch.kv_len]  # views of the cache
+            if batch.rows is not None:
+                q = q.new_zeros(hi - lo, self.heads, sq, self.head_dim).index_copy_(0, batch.rows, q)
+            q = q.reshape(hi - lo, self.groups, self.rep * sq, self.head_dim)  # fold GQA into queries
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=self.scale)
+            ctx = ctx.reshape(hi - lo, self.heads, sq, self.head_dim)
+            if batch.rows is not None:
+                ctx = ctx.index_select(0, batch.rows)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)

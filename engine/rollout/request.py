@@ -69,6 +69,7 @@ class RolloutStats:
     prefill_forwards: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # row-forwards spent in decode steps
+    compactions: int = 0  # running sequences moved to a lower cache slot (keeps decode batches contiguous)
     truncated_prompts: int = 0
     seconds: float = 0.0
 
@@ -99,8 +100,8 @@ class RolloutResult:
     def finish_reasons(self) -> list[Optional[str]]:
         return [s.finish_reason for s in self.samples]
 
-    def to_tensors(self, pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-        """Padded tensors for the trainer.
+    def to_tensors(self, pad_token_id: int = 0, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Padded tensors for the trainer, on ``device``.
 
         ``prompts [N, P]`` left-padded with ``prompt_mask``; ``responses [N, R]``
         right-padded with ``response_mask``, ``logprobs`` (0 on padding),
@@ -109,21 +110,16 @@ class RolloutResult:
         n = len(self.samples)
         p = max((len(s.prompt_ids) for s in self.samples), default=0)
         r = max((len(s.token_ids) for s in self.samples), default=0)
-        prompts = torch.full((n, p), pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros(n, p, dtype=torch.long)
-        responses = torch.full((n, r), pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros(n, r, dtype=torch.long)
-        logprobs = torch.zeros(n, r, dtype=torch.float32)
-        for i, s in enumerate(self.samples):
-            lp, lr = len(s.prompt_ids), len(s.token_ids)
-            if lp:
-                prompts[i, p - lp:] = torch.tensor(s.prompt_ids)
-                prompt_mask[i, p - lp:] = 1
-            if lr:
-                responses[i, :lr] = torch.tensor(s.token_ids)
-                response_mask[i, :lr] = 1
-                if s.logprobs:
-                    logprobs[i, :lr] = torch.tensor(s.logprobs)
+        prompts = [[pad_token_id] * (p - len(s.prompt_ids)) + list(s.prompt_ids) for s in self.samples]
+        prompt_mask = [[0] * (p - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in self.samples]
+        responses = [list(s.token_ids) + [pad_token_id] * (r - len(s.token_ids)) for s in self.samples]
+        response_mask = [[1] * len(s.token_ids) + [0] * (r - len(s.token_ids)) for s in self.samples]
+        logprobs = [(list(s.logprobs) if s.logprobs else [0.0] * len(s.token_ids)) + [0.0] * (r - len(s.token_ids))
+                    for s in self.samples]
+        as_t = lambda rows, dtype, width: torch.tensor(rows, dtype=dtype, device=device).reshape(n, width)  # noqa: E731
+        prompts, prompt_mask = as_t(prompts, torch.long, p), as_t(prompt_mask, torch.long, p)
+        responses, response_mask = as_t(responses, torch.long, r), as_t(response_mask, torch.long, r)
+        logprobs = as_t(logprobs, torch.float32, r)
         return {
             "prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
             "response_mask": response_mask, "logprobs": logprobs,

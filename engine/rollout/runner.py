@@ -30,7 +30,7 @@ of each rank's time); PP in generation buys memory (layers per rank), not speed.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -202,10 +202,16 @@ class ModelRunner:
             emb = torch.cat((freqs, freqs), dim=-1)
         return emb.unsqueeze(2)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    def plan(self, slots: Sequence[int], starts: Sequence[int], width: int) -> ForwardBatch:
+        """The :class:`ForwardBatch` of a forward feeding ``width`` tokens per row, row ``i`` into
+        slot ``slots[i]`` from position ``starts[i]`` (host integers: no device read)."""
+        return ForwardBatch.build(slots, starts, width, rep=self.heads // self.groups, dtype=self.dtype,
+                                  device=self.device)
+
+    def forward(self, tokens: torch.Tensor, batch: ForwardBatch,
                 rows: Optional[torch.Tensor] = None, cols: Optional[torch.Tensor] = None
                 ) -> Optional[torch.Tensor]:
-        """Run ``tokens [b, s]`` at ``positions [b, s]`` into cache ``slots [b]``.
+        """Run ``tokens [b, s]`` at the slots and positions of ``batch`` (see :meth:`plan`).
 
         Returns fp32 vocab-parallel logits ``[n, V / TP]`` of the hidden state at
         (``rows[i]``, ``cols[i]``) (default: every row's last column), or None when
@@ -216,7 +222,8 @@ class ModelRunner:
         if self.cache is None:
             raise RuntimeError("ModelRunner.forward needs an attached cache (use `with runner.attach(cache)`)")
         m = self.model
-        self.cache.batch = ForwardBatch.build(slots, positions)
+        self.cache.batch = batch
+        positions = batch.positions
         b, s = tokens.shape
         if self.is_first_stage:
             hidden = m.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
@@ -229,15 +236,13 @@ class ModelRunner:
             if not self.is_first_stage:
                 m.decoder.set_input_tensor(hidden)
             hidden = m.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=self.rope(positions))
-        if rows is None:
-            rows = torch.arange(b, device=hidden.device)
-            cols = torch.full((b,), s - 1, device=hidden.device)
+        n = b if rows is None else rows.numel()
         if not self.is_last_stage:
             dist.send(hidden.contiguous(), dst=self._next, group=self.pp_group)
-            return torch.empty(rows.numel(), 0, device=hidden.device) if rows.numel() else None
-        if rows.numel() == 0:
+            return torch.empty(n, 0, device=hidden.device) if n else None
+        if n == 0:
             return None
-        picked = hidden[cols, rows].unsqueeze(0)  # [1, n, h]
+        picked = (hidden[s - 1] if rows is None else hidden[cols, rows]).unsqueeze(0)  # [1, n, h]
         weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
         logits, _ = m.output_layer(picked, weight=weight)
         return logits[0].float()

@@ -33,6 +33,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hyflow.rollout.host import to_device
+
 _MASK64 = (1 << 64) - 1
 _INITIAL_CANDIDATES = 64
 
@@ -51,31 +53,93 @@ def stream_seed(seed: int, request: int, sample: int) -> int:
 
 
 def uniforms(streams: Sequence[int], steps: Sequence[int]) -> torch.Tensor:
-    """One uniform in [0, 1) per (stream, step), float64 with 53 random bits."""
+    """One uniform in [0, 1) per (stream, step), float64 with 53 random bits (host reference)."""
     return torch.tensor([(_mix64(s ^ _mix64(t)) >> 11) * (1.0 / (1 << 53))
-                         for s, t in zip(streams, steps)], dtype=torch.float64)
+                         for s, t in zip(streams, steps)], dtype=torch.float64, device="cpu")
+
+
+def _signed(x: int) -> int:
+    """A 64-bit unsigned value as the int64 with the same bits."""
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+_GOLDEN, _MUL1, _MUL2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch shifts signed values arithmetically)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64_t(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_mix64` on int64 tensors (two's-complement add / multiply wrap modulo 2**64)."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MUL1
+    x = (x ^ _shr(x, 27)) * _MUL2
+    return x ^ _shr(x, 31)
+
+
+def device_uniforms(streams: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """:func:`uniforms` computed on the streams' device: ``streams`` and ``steps`` are int64
+    tensors (streams as the int64 with the stream's bits). Bit-identical to the host version."""
+    bits = _shr(_mix64_t(streams ^ _mix64_t(steps)), 11)
+    return bits.to(torch.float64) * (1.0 / (1 << 53))
 
 
 @dataclass
 class RowParams:
-    """Per-row sampling parameters of one step (``[b]`` tensors).
+    """Per-row sampling parameters of one step (``[b]`` tensors) and host-side summaries of them.
 
     ``temperature`` 0 marks a greedy row; ``top_k`` 0 and ``top_p`` 1 disable truncation;
-    ``uniform`` is the row's draw (ignored for greedy rows).
+    ``uniform`` is the row's draw (ignored for greedy rows). The summaries (``any_sampled``,
+    ``any_truncate``, ``k_max``, ``top_p_only``, ``any_top_p``) let the sampler choose its path
+    without reading the tensors back from the device; :meth:`build` fills them.
     """
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     uniform: torch.Tensor
+    any_sampled: bool = True
+    any_truncate: bool = True
+    any_top_p: bool = True
+    top_p_only: bool = True
+    k_max: int = 0
 
     @classmethod
     def build(cls, temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float],
-              uniform: Optional[torch.Tensor] = None) -> "RowParams":
+              uniform: Optional[torch.Tensor] = None, *, streams: Optional[Sequence[int]] = None,
+              steps: Optional[Sequence[int]] = None, device: Optional[torch.device] = None) -> "RowParams":
+        """Parameters on ``device`` (default: ``uniform``'s, else the CPU). The draws are ``uniform``,
+        or computed on the device from ``streams`` / ``steps`` (:func:`device_uniforms`), or 0."""
         b = len(temperature)
-        return cls(torch.tensor(temperature, dtype=torch.float32), torch.tensor(top_k, dtype=torch.long),
-                   torch.tensor(top_p, dtype=torch.float32),
-                   uniform if uniform is not None else torch.zeros(b, dtype=torch.float64))
+        device = torch.device(device) if device is not None else (
+            uniform.device if uniform is not None else torch.device("cpu"))
+        sampled = [t > 0 for t in temperature]
+        draw = streams is not None and uniform is None and any(sampled)  # greedy rows never draw
+        floats = to_device([[float(t) for t in temperature], [float(p) for p in top_p]], torch.float32, device)
+        ints = [[int(k) for k in top_k]]
+        if draw:
+            ints += [[_signed(s) for s in streams], [int(t) for t in steps]]
+        ints = to_device(ints, torch.long, device)
+        if uniform is not None:
+            draws = uniform.to(device=device, dtype=torch.float64)
+        elif draw:
+            draws = device_uniforms(ints[1], ints[2])
+        else:
+            draws = torch.zeros(b, dtype=torch.float64, device=device)
+        truncating = [s and (k > 0 or p < 1) for s, k, p in zip(sampled, top_k, top_p)]
+        return cls(floats[0], ints[0], floats[1], draws,
+                   any_sampled=any(sampled), any_truncate=any(truncating),
+                   any_top_p=any(t and p < 1 for t, p in zip(truncating, top_p)),
+                   top_p_only=any(t and k == 0 and p < 1 for t, k, p in zip(truncating, top_k, top_p)),
+                   k_max=max([k for t, k in zip(truncating, top_k) if t], default=0))
+
+    def to(self, device: torch.device) -> "RowParams":
+        return RowParams(*(t.to(device) for t in (self.temperature, self.top_k, self.top_p, self.uniform)),
+                         any_sampled=self.any_sampled, any_truncate=self.any_truncate, any_top_p=self.any_top_p,
+                         top_p_only=self.top_p_only, k_max=self.k_max)
 
 
 class VocabParallelSampler:
@@ -115,7 +179,7 @@ class VocabParallelSampler:
     def __call__(self, logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row; returns (global token ids [b] long, log-probs [b] float32)."""
         b, dev = logits.shape[0], logits.device
-        params = RowParams(*(t.to(dev) for t in (params.temperature, params.top_k, params.top_p, params.uniform)))
+        params = params.to(dev)
         x = logits.float()
         if self.valid < self.local_size:
             x = x.clone()
@@ -129,7 +193,7 @@ class VocabParallelSampler:
         e = torch.exp(x - safe_max.unsqueeze(1))  # 0 on padding
         local_sum = e.sum(dim=1)
 
-        cands = self._initial_candidates(params, truncate)
+        cands = self._initial_candidates(params)
         while True:
             stats = self._exchange(x, local_max, local_arg, local_sum, cands)
             thresholds = self._thresholds(stats, params, truncate)
@@ -139,50 +203,46 @@ class VocabParallelSampler:
         gmax, lse, arg_token, rank_max, rank_sum = stats["gmax"], stats["lse"], stats["arg"], \
             stats["rank_max"], stats["rank_sum"]
 
-        tokens = arg_token.clone()
-        chosen = gmax.clone()  # the greedy token's scaled logit is the global max
+        if not params.any_sampled:  # all greedy: the argmax and its log-prob, nothing to draw
+            return arg_token, (gmax - lse).float()
         sampled = ~greedy
-        if bool(sampled.any()):
-            scale = torch.exp(torch.where(torch.isfinite(rank_max), rank_max, gmax) - gmax)  # [tp, b]
-            if bool(truncate.any()):
-                keep = x >= thresholds.unsqueeze(1)
-                local_w = (e * keep).sum(dim=1) * torch.exp(safe_max - gmax)
-                masses = self._gather(local_w.double())  # [tp, b]
-            else:
-                keep = None
-                masses = (rank_sum * scale).double()
-            total = masses.sum(dim=0)
-            target = params.uniform.to(total.dtype) * total
-            before = masses.cumsum(dim=0) - masses  # mass of lower ranks
-            owner = ((before <= target) & (masses > 0)).long().cumsum(dim=0).argmax(dim=0)
-            my_rank = self.start // self.local_size
-            mine = sampled & (owner == my_rank)
-            token_val = torch.zeros(b, 2, dtype=torch.float64, device=dev)
-            if bool(mine.any()):
-                rows = mine.nonzero().squeeze(1)
-                w = e[rows].double() * torch.exp(safe_max[rows] - gmax[rows]).double().unsqueeze(1)
-                if keep is not None:
-                    w = w * keep[rows]
-                cdf = w.cumsum(dim=1)
-                local_target = (target[rows] - before[my_rank, rows]).unsqueeze(1)
-                idx = torch.searchsorted(cdf, local_target, right=True).squeeze(1)
-                last_pos = (w > 0).long().cumsum(dim=1).argmax(dim=1)  # last positive-weight index
-                idx = torch.minimum(idx, last_pos)
-                token_val[rows, 0] = (idx + self.start + 1).double()
-                token_val[rows, 1] = x[rows, idx].double()
-            token_val = self._sum(token_val)
-            srows = sampled.nonzero().squeeze(1)
-            tokens[srows] = token_val[srows, 0].long() - 1
-            chosen[srows] = token_val[srows, 1].float()
+        scale = torch.exp(torch.where(torch.isfinite(rank_max), rank_max, gmax) - gmax)  # [tp, b]
+        rescale = torch.exp(safe_max - gmax)
+        keep = x >= thresholds.unsqueeze(1) if params.any_truncate else None
+        if keep is not None:
+            masses = self._gather(((e * keep).sum(dim=1) * rescale).double())  # [tp, b]
+        else:
+            masses = (rank_sum * scale).double()
+        total = masses.sum(dim=0)
+        target = params.uniform.to(total.dtype) * total
+        before = masses.cumsum(dim=0) - masses  # mass of lower ranks
+        owner = ((before <= target) & (masses > 0)).long().cumsum(dim=0).argmax(dim=0)
+        my_rank = self.start // self.local_size
+        mine = sampled & (owner == my_rank)
+        # Every row is drawn locally (no data-dependent row selection: no host sync); rows this
+        # rank does not own are discarded by `mine`.
+        w = e.double() * rescale.double().unsqueeze(1)
+        if keep is not None:
+            w = w * keep
+        cdf = w.cumsum(dim=1)
+        local_target = (target - before[my_rank]).unsqueeze(1)
+        idx = torch.searchsorted(cdf, local_target, right=True).squeeze(1)
+        last_pos = (w > 0).long().cumsum(dim=1).argmax(dim=1)  # last positive-weight index
+        idx = torch.minimum(idx, last_pos)
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        token_val = torch.stack([torch.where(mine, (idx + self.start + 1).double(), zero),
+                                 torch.where(mine, x.gather(1, idx.unsqueeze(1)).squeeze(1).double(), zero)],
+                                dim=1)
+        token_val = self._sum(token_val)
+        tokens = torch.where(sampled, token_val[:, 0].long() - 1, arg_token)
+        chosen = torch.where(sampled, token_val[:, 1].float(), gmax)  # greedy: the global max
         return tokens, (chosen - lse).float()
 
     # -------------------------------------------------------------- internals
-    def _initial_candidates(self, params: RowParams, truncate: torch.Tensor) -> int:
-        if not bool(truncate.any()):
+    def _initial_candidates(self, params: RowParams) -> int:
+        if not params.any_truncate:
             return 0
-        k_max = int(params.top_k[truncate].max())
-        top_p_only = bool(((params.top_k == 0) & (params.top_p < 1) & truncate).any())
-        c = max(k_max, _INITIAL_CANDIDATES if top_p_only else 0)
+        c = max(params.k_max, _INITIAL_CANDIDATES if params.top_p_only else 0)
         return min(c, self.local_size)
 
     def _exchange(self, x: torch.Tensor, local_max: torch.Tensor, local_arg: torch.Tensor,
@@ -213,7 +273,7 @@ class VocabParallelSampler:
         """Per-row logit threshold (``-inf`` = keep all); None when more candidates are needed."""
         b = truncate.shape[0]
         ninf = torch.full((b,), float("-inf"), device=truncate.device)
-        if not bool(truncate.any()):
+        if not params.any_truncate:
             return ninf
         merged, bound, lse = stats["merged"], stats["bound"], stats["lse"]
         n = merged.shape[1]
@@ -224,7 +284,7 @@ class VocabParallelSampler:
         cut_k = merged.gather(1, (k - 1).clamp(0, n - 1).unsqueeze(1)).squeeze(1)
         thr = torch.where(use_k, cut_k, ninf)
         use_p = truncate & (params.top_p < 1)
-        if not bool(use_p.any()):
+        if not params.any_top_p:
             return torch.where(truncate, thr, ninf)
         # Top-p over the top-k set (renormalised) or over the whole vocabulary.
         masked = torch.where(kept, merged, torch.full_like(merged, float("-inf"))).double()
@@ -233,12 +293,13 @@ class VocabParallelSampler:
         before = probs.cumsum(dim=1) - probs
         m = ((before < params.top_p.double().unsqueeze(1)) & kept).sum(dim=1).clamp(min=1)
         cut_p = merged.gather(1, (m - 1).unsqueeze(1)).squeeze(1)
-        # Without top-k the nucleus must end inside the exactly known prefix of candidates.
-        open_p = use_p & ~use_k
-        if n < self.tp * self.local_size and bool((open_p & (m >= n)).any()):
-            return None
-        if bool((open_p & (cut_p < bound)).any()):
-            return None
+        # Without top-k the nucleus must end inside the exactly known prefix of candidates: a
+        # data-dependent check, the one host read the sampler makes (top-p-only rows only).
+        if params.top_p_only:
+            open_p = use_p & ~use_k
+            short = open_p & ((m >= n) if n < self.tp * self.local_size else torch.zeros_like(open_p))
+            if bool((short | (open_p & (cut_p < bound))).any()):
+                return None
         thr = torch.where(use_p, torch.maximum(thr, cut_p), thr)
         return torch.where(truncate, thr, ninf)
 

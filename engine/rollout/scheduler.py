@@ -14,7 +14,14 @@ After each sampled token a sequence may finish (EOS / stop id / max_new_tokens /
 context limit); its slot is freed at once and, with the ``continuous`` policy, the
 next pending sequence is admitted before the next decode step, so decode steps
 never carry finished rows. The ``static`` policy admits only when nothing is
-running (whole batches; finished rows still leave the forward).
+running (whole batches; finished rows still leave the forward). Running sequences
+are kept in slots ``0..n-1`` (when a hole opens below a running sequence and no new
+prompt fills it, the highest sequence moves down once), so every decode step reads
+one contiguous span of the cache.
+
+Each decode step is planned from the host's own integers (slots, lengths, last
+tokens, sampling parameters) and reads the device once: the drawn tokens and their
+log-probs, which the stop rules need.
 
 All TP ranks of a replica run this loop in lockstep: every decision depends only
 on sampled tokens, which the sampler makes identical on all of them. With
@@ -30,10 +37,11 @@ from dataclasses import dataclass, field
 import torch
 
 from hyflow.rollout.config import RolloutConfig, SamplingConfig
+from hyflow.rollout.host import to_device
 from hyflow.rollout.kv_cache import KVCache
 from hyflow.rollout.request import RolloutStats, SampleOutput
 from hyflow.rollout.runner import ModelRunner
-from hyflow.rollout.sampler import RowParams, VocabParallelSampler, uniforms
+from hyflow.rollout.sampler import RowParams, VocabParallelSampler
 
 
 @dataclass
@@ -106,8 +114,28 @@ class Scheduler:
                     if seq.out.finish_reason is None:
                         active[seq.slot] = seq
             if active:
-                for seq in self._decode([active[s] for s in sorted(active)]):
+                self._compact(active, free)
+                for seq in self._decode([active[s] for s in range(len(active))]):
                     self._release(seq, free, active)
+
+    def _compact(self, active: dict[int, Sequence], free: list[int]) -> None:
+        """Keep the running sequences in slots ``0..n-1``: move the highest ones into the holes
+        below ``n``. A decode batch is then one contiguous span of the cache, read as a view; the
+        move copies a sequence once, where reading a sparse span would cost every step."""
+        n = len(active)
+        holes = [slot for slot in range(n) if slot not in active]
+        movers = sorted((slot for slot in active if slot >= n), reverse=True)
+        for hole, src in zip(holes, movers):
+            seq = active.pop(src)
+            self.cache.move(src, hole, seq.length)
+            seq.slot = hole
+            active[hole] = seq
+            prefix = self._prefixes.get(seq.group)
+            if prefix is not None and prefix.slot == src:
+                prefix.slot = hole
+            free.remove(hole)
+            free.append(src)
+            self.stats.compactions += 1
 
     def _release(self, seq: Sequence, free: list[int], active: dict[int, Sequence]) -> None:
         active.pop(seq.slot, None)
@@ -175,20 +203,17 @@ class Scheduler:
         for start in range(0, longest, chunk):
             live = [s for s in group if len(s.prompt) > start]
             width = min(chunk, max(len(s.prompt) for s in live) - start)
-            tokens = torch.zeros(len(live), width, dtype=torch.long)
-            ends, rows = [], []
+            flat, ends, rows = [], [], []
             for r, s in enumerate(live):
                 piece = s.prompt[start:start + width]
-                tokens[r, :len(piece)] = torch.tensor(piece, dtype=torch.long)
+                flat.append(piece + [0] * (width - len(piece)))
                 if len(s.prompt) <= start + width:  # the prompt ends in this chunk
                     rows.append(r)
                     ends.append(len(s.prompt) - 1 - start)
-            positions = (torch.arange(width) + start).unsqueeze(0).expand(len(live), width)
-            slots = torch.tensor([s.slot for s in live], dtype=torch.long)
-            logits = self.runner.forward(
-                tokens.to(self._device), positions.to(self._device), slots.to(self._device),
-                rows=torch.tensor(rows, dtype=torch.long, device=self._device),
-                cols=torch.tensor(ends, dtype=torch.long, device=self._device))
+            batch = self.runner.plan([s.slot for s in live], [start] * len(live), width)
+            index = to_device([rows, ends], torch.long, self._device)
+            logits = self.runner.forward(to_device(flat, torch.long, self._device), batch,
+                                         rows=index[0], cols=index[1])
             self.stats.prefill_forwards += 1
             self.stats.prefill_tokens += len(live) * width
             for j, r in enumerate(rows):
@@ -197,10 +222,9 @@ class Scheduler:
     # ---------------------------------------------------------------- decode
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
         """One token for every running sequence; returns the ones that finished."""
-        tokens = torch.tensor([[s.last] for s in seqs], dtype=torch.long, device=self._device)
-        positions = torch.tensor([[s.length] for s in seqs], dtype=torch.long, device=self._device)
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self._device)
-        logits = self.runner.forward(tokens, positions, slots)
+        tokens = to_device([[s.last] for s in seqs], torch.long, self._device)
+        batch = self.runner.plan([s.slot for s in seqs], [s.length for s in seqs], 1)
+        logits = self.runner.forward(tokens, batch)
         for s in seqs:
             s.length += 1
         self.stats.decode_steps += 1
@@ -213,10 +237,13 @@ class Scheduler:
         params = [s.params for s in seqs]
         rp = RowParams.build(
             [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
-            uniforms([s.stream for s in seqs], [len(s.out.token_ids) for s in seqs]))
+            streams=[s.stream for s in seqs], steps=[len(s.out.token_ids) for s in seqs], device=self._device)
         tokens, logprobs = self.sampler(logits, rp)
+        # The step's one device-to-host read: tokens (exact in float64) and log-probs together.
+        drawn = torch.stack([tokens.double(), logprobs.double()], dim=1).tolist()
         finished = []
-        for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        for s, (tok, lp) in zip(seqs, drawn):
+            tok = int(tok)
             out = s.out
             out.token_ids.append(tok)
             if s.params.logprobs:

@@ -4,8 +4,9 @@ Same weights (the HF model is converted into a Megatron ``GPTModel``), same
 prompts, same batch, greedy, KV cache on for both, exactly ``--new-tokens`` new
 tokens per prompt for both (EOS disabled on both sides, so the work is equal).
 Runs are interleaved (ours, HF, ours, HF, ...) and the best of ``--repeats`` is
-kept, which makes the ratio robust on a shared machine. The last line of output
-is one JSON object with ``tokens_per_s``, ``hf_tokens_per_s`` and ``speedup``.
+kept, which makes the ratio robust on a shared machine (medians are printed too). The last
+line of output is one JSON object with ``tokens_per_s``, ``hf_tokens_per_s``, ``speedup`` and
+their ``*_median`` counterparts.
 
 ``--compare-batching`` adds a second measurement: sampled responses with EOS on
 (lengths vary), generated with continuous batching and with static batches, to
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from typing import Any
 
@@ -139,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             hf_cpu.append(cpu_s)
         tokens = args.batch * args.new_tokens
         best, hf_best = min(ours_t), min(hf_t)
+        med, hf_med = statistics.median(ours_t), statistics.median(hf_t)
         match = sum(a == b for a, b in zip(ours_out, hf_out))
         row = {
             "bench": "rollout", "model": args.model, "batch": args.batch, "new_tokens": args.new_tokens,
@@ -146,17 +149,20 @@ def run(args: argparse.Namespace) -> int:
             "prompt_tokens": sum(len(p) for p in prompts),
             "tokens_per_s": round(tokens / best, 2), "hf_tokens_per_s": round(tokens / hf_best, 2),
             "speedup": round(hf_best / best, 3), "seconds": round(best, 3), "hf_seconds": round(hf_best, 3),
+            "tokens_per_s_median": round(tokens / med, 2), "hf_tokens_per_s_median": round(tokens / hf_med, 2),
+            "speedup_median": round(hf_med / med, 3),
             "cpu_speedup": round(min(hf_cpu) / min(ours_cpu), 3),
             "greedy_match": f"{match}/{args.batch}", "load_s": round(load_s, 1),
             "runs_s": [round(t, 2) for t in ours_t], "hf_runs_s": [round(t, 2) for t in hf_t],
+            "cpu_runs_s": [round(t, 2) for t in ours_cpu], "hf_cpu_runs_s": [round(t, 2) for t in hf_cpu],
         }
         print(f"rollout benchmark: {args.model}, batch {args.batch}, {args.new_tokens} new tokens, greedy, "
               f"{args.dtype}, {row['threads']} threads, {row['prompt_tokens']} prompt tokens")
-        print(f"{'engine':<26}{'best s':>9}{'tokens/s':>11}{'runs (s)':>30}")
+        print(f"{'engine':<26}{'best s':>9}{'tokens/s':>11}{'median tok/s':>14}{'runs (s)':>30}")
         print(f"{'hyflow GenerationEngine':<26}{best:>9.2f}{row['tokens_per_s']:>11.1f}"
-              f"{str(row['runs_s']):>30}")
+              f"{row['tokens_per_s_median']:>14.1f}{str(row['runs_s']):>30}")
         print(f"{'transformers generate':<26}{hf_best:>9.2f}{row['hf_tokens_per_s']:>11.1f}"
-              f"{str(row['hf_runs_s']):>30}")
+              f"{row['hf_tokens_per_s_median']:>14.1f}{str(row['hf_runs_s']):>30}")
         print(f"speedup {row['speedup']:.2f}x (process CPU time: {row['cpu_speedup']:.2f}x); "
               f"greedy outputs identical for {row['greedy_match']} prompts")
         if args.compare_batching:
