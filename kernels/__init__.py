@@ -7,7 +7,7 @@ import torch
 
 from hyflow.kernels import reshard_reference as reference
 
-__all__ = ["ASSEMBLE_KINDS", "assemble", "place_shard", "reference"]
+__all__ = ["ASSEMBLE_KINDS", "assemble", "place_shard", "take_shard", "reference"]
 
 # kind -> what ``gathered`` is and what comes back
 ASSEMBLE_KINDS = {
@@ -118,4 +118,20 @@ def place_shard(kind: str, piece: torch.Tensor, index: int, s: int, out: torch.T
                 halves[half, index, lo - half * f:hi - half * f].copy_(piece[lo - row0:hi - row0])
     else:
         raise ValueError(f"place_shard: unsupported kind {kind!r}; expected gate_up, row_concat "
+                         "or column_concat")
+
+
+def take_shard(kind: str, gen: torch.Tensor, index: int, s: int, out: torch.Tensor) -> None:
+    """Copy training shard ``index`` (of ``s``) out of the generation tensor ``gen`` into ``out``:
+    the inverse of :func:`place_shard` over a whole shard."""
+    if kind == "column_concat":
+        out.copy_(gen.view(s, gen.shape[0] // s, *gen.shape[1:])[index])
+    elif kind == "row_concat":
+        k = gen.shape[1] // s
+        out.copy_(gen[:, index * k:(index + 1) * k])
+    elif kind == "gate_up":
+        f = gen.shape[0] // (2 * s)
+        out.view(2, f, *gen.shape[1:]).copy_(gen.view(2, s, f, *gen.shape[1:])[:, index])
+    else:
+        raise ValueError(f"take_shard: unsupported kind {kind!r}; expected gate_up, row_concat "
                          "or column_concat")

@@ -1,4 +1,4 @@
-"""Tests for hyflow.hybrid.planner: rank mapping, bytes, memory, rejections, and a bit-exact
+"""Tests for hyflow.hybrid.reshard_plan / reshard_table: rank mapping, bytes, memory, rejections, and a bit-exact
 simulation of the plan's slice moves against Megatron-style sharding (no process groups)."""
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from hyflow.hybrid import (
-    ParamSpec, ReshardPlanError, gpt_param_specs, megatron_local_name, plan_reshard,
+    ParamSpec, ReshardPlanError, gpt_param_specs, megatron_local_name, plan_reshard, rank_plan,
     reshard_formula_bytes,
 )
+from hyflow.hybrid.reshard_plan import TP_STAGING_SLOT, staging_slot_bytes
+from hyflow.hybrid.reshard_table import send_moves
 from hyflow.kernels import reference as ref
 
 
@@ -82,7 +84,7 @@ def test_groups_partition_and_strides(lay):
         assert [plan.gen_coord(r)[2] for r in g] == list(range(DP * s * p))
     step = max(1, W // 16)
     for r in range(0, W, step):
-        rp = plan.rank_plan(r)
+        rp = rank_plan(plan, r)
         assert r in rp.micro_dp_group and r in rp.gen_tp_group and r in rp.gen_pp_group
         assert rp.micro_dp_group[rp.micro_dp_rank] == r
         tp, pp, dp = rp.train_coord
@@ -111,9 +113,10 @@ def test_bytes_match_formula_on_uniform_model(lay):
     assert all(t == Fraction(M, TP * PP) for t in plan.train_bytes)
     assert all(e == formula for e in plan.extra_bytes)  # own shard lives inside the buffer
     assert plan.total_bytes_moved == formula * TP * PP * DP
-    largest_fixup = max((pr.gen_shard_bytes for pr in plan.params
-                         if pr.spec.fixup in ("gate_up", "row_concat")), default=0)
-    assert plan.peak_extra_bytes == formula + (largest_fixup if TP > TPg else 0)
+    # TP-merge staging: s slots, each this stage's shards (all of them here) or TP_STAGING_SLOT
+    own = Fraction(M, TP * PP)
+    staging = (TP // TPg) * staging_slot_bytes(int(own), TP_STAGING_SLOT) if TP > TPg else 0
+    assert plan.peak_extra_bytes == formula + staging
 
 
 @pytest.mark.parametrize("lay", LAYOUTS, ids=_ids)
@@ -141,7 +144,7 @@ def test_bytes_full_gpt(lay):
         assert plan.gen_bytes[r] == expect_gen
         assert plan.train_bytes[r] <= plan.gen_bytes[r]
         assert plan.extra_bytes[r] == plan.gen_bytes[r] - plan.train_bytes[r]
-        rp = plan.rank_plan(r)
+        rp = rank_plan(plan, r)
         assert sum(m.nbytes for m in rp.moves if not m.is_local) == plan.bytes_recv[r]
         assert sum(m.nbytes for m in rp.moves if m.is_local) == plan.train_bytes[r]
         assert sum(m.nbytes for m in rp.moves) == rp.gen_bytes
@@ -156,7 +159,7 @@ def test_large_plan_is_fast():
     elapsed = time.perf_counter() - t0
     assert elapsed < 3.0, f"planning 1024 ranks took {elapsed:.2f}s"
     assert len(plan.bytes_recv) == 1024 and plan.gen_dp_size == 32 * 16
-    rp = plan.rank_plan(1023)
+    rp = rank_plan(plan, 1023)
     assert rp.gen_coord == (1, 0, 31 * 16 + 3 * 4 + 3) and len(rp.micro_dp_group) == 16
     assert sum(plan.bytes_recv) == sum(plan.bytes_sent)
 
@@ -212,7 +215,7 @@ def test_simulated_reshard_is_bit_exact(lay, tied):
     for r in range(W):
         tp, pp, dp = plan.train_coord(r)
         tg, pg = tp // s, pp // p
-        rp = plan.rank_plan(r)
+        rp = rank_plan(plan, r)
         expect = {sp.name: _shard(sp, glob[sp.name], tg, TPg) for sp in specs
                   if pg in _stages(sp, PPg, L)}
         assert list(rp.gen_offsets) == [n for n in (sp.name for sp in specs) if n in expect]
@@ -262,7 +265,7 @@ def test_simulated_reshard_is_bit_exact(lay, tied):
                     assert torch.equal(got_part, full.chunk(TPg, 0)[tg])
     assert tuple(sent) == plan.bytes_sent
     for r in (0, W - 1):
-        outgoing = plan.send_moves(r)
+        outgoing = send_moves(plan, r)
         assert all(m.src_rank == r != m.dst_rank for m in outgoing)
         assert sum(m.nbytes for m in outgoing) == plan.bytes_sent[r]
 

@@ -1,7 +1,7 @@
 """TP-merge transports of the hybrid engine (gloo, 2 and 4 ranks).
 
 The shared-memory transport (CPU ranks on one host) must produce the generation buffer
-bit for bit as the per-parameter collectives do, with the same bytes received, also when
+bit for bit as the bucketed collectives do, with the same bytes received, also when
 its staging slots are far smaller than a parameter (pieces cut across rows and across
 the gate/up halves of ``linear_fc1``), and leave nothing behind in /dev/shm.
 """
@@ -38,7 +38,7 @@ def _engines_agree(tp: int, slot_bytes: int, pp: int = 1, gen_shape: tuple = (1,
         engine = HybridEngine(model, desc, groups, gen_shape, transport=transport, staging_slot_bytes=slot_bytes)
         out[f"{transport}_name"] = engine.transport.name
         out[f"{transport}_pp"] = engine.pp_exchange.name if engine.pp_exchange is not None else None
-        if engine.pp_exchange is not None:   # what this rank maps: its own slots and its peers'
+        if transport == "shared_memory" and engine.pp_exchange is not None:  # mapped: own slots and peers'
             out["pp_staging_mapped"] = engine.pp_exchange.staging_bytes * len(engine.pp_exchange.segments)
             out["max_planned"] = max(engine.plan.bytes_recv)
         gen = engine.to_generation()
@@ -62,9 +62,9 @@ def test_shared_memory_transport_equals_collectives(tp, pp, gen, world, slot_byt
         tp_name = "shared_memory" if tp > 1 else "collective"   # no TP merge: nothing to share
         assert r["shared_memory_name"] == tp_name and r["collective_name"] == "collective"
         assert r["shared_memory_pp"] == ("shared_memory" if pp > gen[1] else None)
-        assert r["collective_pp"] is None
+        assert r["collective_pp"] == ("p2p" if pp > gen[1] else None)
         if (tp, pp, gen) == (1, 2, (1, 1)):   # `hyflow plan` sizes the PP staging the same way
-            from hyflow.hybrid.planner import PP_STAGING_SLOT, staging_bytes_per_rank
+            from hyflow.hybrid.reshard_plan import PP_STAGING_SLOT, staging_bytes_per_rank
 
             slot = min(slot_bytes, PP_STAGING_SLOT)
             assert r["pp_staging_mapped"] == staging_bytes_per_rank(r["max_planned"], 2, slot), rank

@@ -125,7 +125,7 @@ def _quickstart(overrides):
 
     import hyflow.jobs.rl as rl
     from hyflow.cli import load_job_config
-    from hyflow.hybrid.planner import GenerationShape, gpt_param_specs, plan_reshard
+    from hyflow.hybrid.reshard_plan import GenerationShape, gpt_param_specs, plan_reshard
     from hyflow.models.builder import build_gpt_model
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import pad_vocab_size

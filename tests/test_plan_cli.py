@@ -113,7 +113,7 @@ def test_generation_phase_counts_offloaded_state_out():
 def test_plan_with_critic_and_cpu_staging():
     """PPO with a critic plans (the critic is a role of its own); on CPU every phase counts the
     TP merge's shared-memory staging, sized like the executor's."""
-    from hyflow.hybrid.planner import staging_bytes_per_rank
+    from hyflow.hybrid.reshard_plan import staging_bytes_per_rank
 
     path = os.path.join(CONFIGS, "quickstart.yaml")
     result = build_plan(path, ["critic.enable=true", "algorithm.adv_estimator=gae"],

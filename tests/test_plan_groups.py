@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from hyflow.hybrid.planner import gpt_param_specs, plan_reshard
+from hyflow.hybrid import gpt_param_specs, plan_reshard, rank_plan
 from hyflow.parallel.layout import Layout, pad_vocab_size
 from hyflow.plan.groups import (check_partition, digest, generation_enumerations,
                                 layout_enumerations, verify_rank)
@@ -88,7 +88,9 @@ def test_generation_groups_created_like_the_engine():
     for rank in (0, 7, 13):
         check = verify_rank(layout, rank, plan)
         assert not check.mismatches, check.mismatches
-        assert check.generation["micro_dp"] == sorted(plan.rank_plan(rank).micro_dp_group)
+        assert check.generation["micro_dp"] == sorted(rank_plan(plan, rank).micro_dp_group)
+        assert check.generation["tp_merge"] == list(plan.tp_merge_ranks(rank))
+        assert check.generation["pp_merge"] == list(plan.pp_merge_ranks(rank))
         assert check.generation_groups_created > 0
     assert enums["tp_merge"][0] == [0, 1] and enums["pp_merge"][0] == [0, 8]
     assert check_partition("tp", [[0, 1], [1, 2]], 3) is not None

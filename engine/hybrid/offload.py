@@ -56,7 +56,7 @@ class OptimizerStateOffload:
         for t in self._tensors():
             storage = t.untyped_storage()
             whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=t.is_cuda)
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=t.is_cuda)
             host.copy_(whole)
             freed += storage.nbytes()
             storage.resize_(0)

@@ -6,18 +6,18 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ["ReshardPlanError", "ParamSpec", "gpt_param_specs", "megatron_local_name",
-           "TP_KINDS", "FIXUPS", "PP_STAGES"]
+__all__ = ["ReshardPlanError", "ParamSpec", "gpt_param_specs", "model_param_specs",
+           "megatron_local_name", "TP_KINDS", "FIXUPS", "PP_STAGES"]
 
 TP_KINDS = ("column", "row", "vocab", "replicated")
 FIXUPS = (None, "gate_up", "row_concat", "qkv_grouped")
 PP_STAGES = ("first", "last", "first_and_last")
 
+
 class ReshardPlanError(ValueError):
     """A training/generation layout pair the hybrid engine cannot reshard between."""
-
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,11 @@ class ParamSpec:
 def gpt_param_specs(num_layers: int, hidden: int, num_heads: int, num_query_groups: int,
                     head_dim: int, ffn_hidden: int, padded_vocab: int, *,
                     tied_embeddings: bool = False, qkv_bias: bool = False, dtype_bytes: int = 2,
-                    gated_mlp: bool = True, qk_layernorm: bool = False) -> list[ParamSpec]:
-    """Megatron-Core ``GPTModel`` parameters (local spec names, GLOBAL layer indices)."""
+                    gated_mlp: bool = True, qk_layernorm: bool = False,
+                    fused_norms: bool = False) -> list[ParamSpec]:
+    """Megatron-Core ``GPTModel`` parameters (GLOBAL layer indices). Names follow Megatron's local
+    layer spec, or with ``fused_norms`` Transformer Engine's, whose layer norms live inside the
+    following linear layers (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``)."""
     qkv_rows = (num_heads + 2 * num_query_groups) * head_dim
     fc1_rows = 2 * ffn_hidden if gated_mlp else ffn_hidden
     vocab = dict(tp_kind="vocab", shard_units=padded_vocab, unit_name="padded vocab size")
@@ -95,7 +98,9 @@ def gpt_param_specs(num_layers: int, hidden: int, num_heads: int, num_query_grou
     for i in range(num_layers):
         pre = f"decoder.layers.{i}."
         rep = dict(tp_kind="replicated", layer=i)
-        out.append(ParamSpec(pre + "input_layernorm.weight", (hidden,), dtype_bytes, **rep))
+        norm1, norm2 = (("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
+                        if fused_norms else ("input_layernorm.weight", "pre_mlp_layernorm.weight"))
+        out.append(ParamSpec(pre + norm1, (hidden,), dtype_bytes, **rep))
         out.append(ParamSpec(pre + "self_attention.linear_qkv.weight", (qkv_rows, hidden),
                              dtype_bytes, layer=i, **qkv))
         if qkv_bias:
@@ -109,7 +114,7 @@ def gpt_param_specs(num_layers: int, hidden: int, num_heads: int, num_query_grou
                              (hidden, num_heads * head_dim), dtype_bytes, tp_kind="row",
                              fixup="row_concat", layer=i, shard_units=num_heads,
                              unit_name="attention heads"))
-        out.append(ParamSpec(pre + "pre_mlp_layernorm.weight", (hidden,), dtype_bytes, **rep))
+        out.append(ParamSpec(pre + norm2, (hidden,), dtype_bytes, **rep))
         out.append(ParamSpec(pre + "mlp.linear_fc1.weight", (fc1_rows, hidden), dtype_bytes,
                              tp_kind="column", fixup="gate_up" if gated_mlp else None, layer=i,
                              shard_units=ffn_hidden, unit_name="ffn hidden size"))
@@ -122,6 +127,16 @@ def gpt_param_specs(num_layers: int, hidden: int, num_heads: int, num_query_grou
         out.append(ParamSpec("output_layer.weight", (padded_vocab, hidden), dtype_bytes,
                              pp_stage="last", **vocab))
     return out
+
+
+def model_param_specs(desc: Any, padded_vocab: int, dtype_bytes: int, *,
+                      fused_norms: bool = False) -> list[ParamSpec]:
+    """:func:`gpt_param_specs` of a :class:`~hyflow.models.description.ModelDescription` (the
+    GLU decoder the builder makes), vocabulary padded to ``padded_vocab``."""
+    return gpt_param_specs(desc.num_layers, desc.hidden_size, desc.num_attention_heads,
+                           desc.num_query_groups, desc.head_dim, desc.ffn_hidden_size, padded_vocab,
+                           tied_embeddings=desc.tied_embeddings, qkv_bias=desc.qkv_bias,
+                           dtype_bytes=dtype_bytes, fused_norms=fused_norms)
 
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, Union
 
 from hyflow.config import ConfigError
-from hyflow.hybrid.planner import (ReshardPlan, ReshardPlanError, gpt_param_specs, plan_reshard,
-                                   PP_STAGING_SLOT, staging_bytes_per_rank)
+from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
+from hyflow.hybrid.reshard_plan import PP_STAGING_SLOT, ReshardPlan, plan_reshard, staging_bytes_per_rank
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.layout import Layout
 from hyflow.plan import memory as mem
@@ -226,10 +226,7 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     # Generation: the actor's weights live in the generation buffer (its training shard is
     # a slice of it); grads and optimizer state stay where they are.
     gen = cfg.rollout.layout
-    specs = gpt_param_specs(model.num_layers, model.hidden_size, model.num_attention_heads,
-                            model.num_query_groups, model.head_dim, model.ffn_hidden_size,
-                            mem.padded_vocab(model, layout.tp), tied_embeddings=model.tied_embeddings,
-                            qkv_bias=model.qkv_bias, dtype_bytes=pbytes)
+    specs = model_param_specs(model, mem.padded_vocab(model, layout.tp), pbytes)
     plan = plan_reshard(specs, layout, (gen.tp, gen.pp), world_size=world,
                         num_layers=model.num_layers)
     result.reshard = plan
@@ -251,7 +248,8 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     est = mem.MemoryEstimate("generation")
     est.add("generation weights", max(plan.gen_bytes),
             f"actor in TP_g={gen.tp} PP_g={gen.pp} (holds the training shard)")
-    est.add("reshard scratch", max(plan.scratch_bytes), "fix-up gather buffer")
+    if opts.device == "gpu" and max(plan.scratch_bytes):
+        est.add("reshard all-gather staging", max(plan.scratch_bytes), "bucketed TP-merge all-gather (transition only)")
     est.add("actor grads+optimizer", actor_state, "resident during generation (minus rollout.offload_*)")
     for name, nbytes, note in frozen + critic_static:
         est.add(name, nbytes, note)

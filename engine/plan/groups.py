@@ -17,20 +17,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from hyflow.hybrid.planner import ReshardPlan, generation_enumerations  # noqa: F401 (re-exported)
+from hyflow.hybrid.groups import MEGATRON_KINDS, build_generation_groups, generation_enumerations
+from hyflow.hybrid.reshard_plan import ReshardPlan
+from hyflow.hybrid.reshard_table import rank_plan
 from hyflow.parallel.layout import Layout
-
-#: Kinds of training groups Megatron creates (and hyflow's ``ParallelGroups`` carries).
-KINDS = ("tp", "pp", "dp", "cp", "mp", "tp_cp", "dp_cp", "embd", "pos_embd")
 
 
 def layout_enumerations(layout: Layout) -> dict[str, list[list[int]]]:
     """Every group of every kind of a training layout."""
-    return {kind: layout.groups(kind) for kind in KINDS}
-
-
-def _lists(groups: Sequence[Sequence[int]]) -> list[list[int]]:
-    return [list(g) for g in groups]
+    return {kind: layout.groups(kind) for kind in MEGATRON_KINDS}
 
 
 def digest(groups: Sequence[Sequence[int]]) -> str:
@@ -125,13 +120,11 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
 
     Training: Megatron's ``initialize_model_parallel`` (as :func:`init_training_groups` calls
     it; gloo side groups off since the fake backend cannot host them). Generation (when
-    ``plan`` is given): :func:`hyflow.parallel.groups.build_groups` with the planner's
-    enumerations plus the merge groups, as the hybrid engine does.
+    ``plan`` is given): :func:`hyflow.hybrid.groups.build_generation_groups`, the function
+    the hybrid engine calls.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-
-    from hyflow.parallel.groups import ParallelGroups, build_groups
 
     check = RankCheck(rank=rank)
     train_enums = train_enums or layout_enumerations(layout)
@@ -150,22 +143,18 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
                 check.mismatches.append(
                     f"rank {rank}: Megatron's {kind} group {ranks} != layout's {mine}")
         if plan is not None:
-            gen_enums = gen_enums or generation_enumerations(plan)
             before = _group_count()
-            tg, pg, dg = plan.gen_coord(rank)
-            gen_layout = Layout(tp=plan.gen.tp, pp=plan.gen.pp, dp=plan.gen_dp_size)
-            groups: ParallelGroups = build_groups(
-                gen_layout, {k: v for k, v in gen_enums.items() if k in KINDS},
-                coords={"tp": tg, "cp": 0, "dp": dg, "pp": pg})
-            for kind in ("micro_dp", "tp_merge", "pp_merge"):
-                group, _ = dist.new_subgroups_by_enumeration(gen_enums[kind])
-                check.generation[kind] = sorted(dist.get_process_group_ranks(group))
+            created = build_generation_groups(plan, rank, gen_enums)  # exactly as the engine does
             check.generation_groups_created = _group_count() - before
             for kind in ("tp", "pp", "dp"):
-                check.generation[kind] = sorted(dist.get_process_group_ranks(getattr(groups.pgs, kind)))
-            rp = plan.rank_plan(rank)
-            expected = {"tp": rp.gen_tp_group, "pp": rp.gen_pp_group, "micro_dp": rp.micro_dp_group,
-                        "dp": next(g for g in plan.gen_dp_groups if rank in g)}
+                check.generation[kind] = sorted(dist.get_process_group_ranks(getattr(created.layout.pgs, kind)))
+            check.generation["tp_merge"] = sorted(dist.get_process_group_ranks(created.tp_merge))
+            check.generation["pp_merge"] = sorted(dist.get_process_group_ranks(created.pp_merge))
+            rp = rank_plan(plan, rank)
+            check.generation["micro_dp"] = sorted(rp.micro_dp_group)  # enumerated: no engine group
+            expected = {"tp": rp.gen_tp_group, "pp": rp.gen_pp_group,
+                        "dp": next(g for g in plan.gen_dp_groups if rank in g),
+                        "tp_merge": plan.tp_merge_ranks(rank), "pp_merge": plan.pp_merge_ranks(rank)}
             for kind, want in expected.items():
                 if check.generation[kind] != sorted(want):
                     check.mismatches.append(f"rank {rank}: generation {kind} group "

@@ -99,10 +99,11 @@ class ValueLoss:
 
     def __call__(self, output: torch.Tensor, batch: Batch):
         values = shifted_values(output)
-        loss_mat, clipped = value_token_loss(values, batch["old_values"], batch["returns"], self.cfg.cliprange_value)
+        loss_mat, tok = value_token_loss(values, batch["old_values"], batch["returns"], batch["response_mask"],
+                                         self.cfg.cliprange_value)
         vl = (loss_mat * batch["loss_weight"]).sum()
         tw = batch["token_weight"]
-        return vl, {"critic/vf_loss": vl.detach(), "critic/vf_clipfrac": (clipped * tw).sum(),
+        return vl, {"critic/vf_loss": vl.detach(), "critic/vf_clipfrac": (tok["vf_clipfrac"] * tw).sum(),
                     "critic/vpred_mean": (values.detach() * tw).sum()}
 
 

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of rows to skip: swap,ckpt,naive,collective")
     parser.add_argument("--transport", default="auto", choices=("auto", "collective", "shared_memory"),
                         help="hybrid engine transport of the TP and PP merges (auto: shared memory for CPU ranks "
-                             "on one host; collective: per-parameter collectives and PP point-to-point)")
+                             "on one host; collective: bucketed all-gathers and PP point-to-point, the GPU code path)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,7 +117,7 @@ def _bench(args: argparse.Namespace) -> int:
     to_gen, to_train = _cycle(engine, args.repeats, barrier)
     result = {
         "train_to_gen_s": to_gen, "gen_to_train_s": to_train, "transport": engine.transport.name,
-        "pp_transport": engine.pp_exchange.name if engine.pp_exchange is not None else ("p2p" if engine.p > 1 else "none"),
+        "pp_transport": engine.pp_exchange.name if engine.pp_exchange is not None else "none",
         "staging_bytes": engine.transport.staging_bytes,
         "pp_staging_bytes": engine.pp_exchange.staging_bytes if engine.pp_exchange is not None else 0,
         "bytes_moved": bytes_received, "planned_bytes": engine.plan.bytes_recv[rank],
@@ -125,8 +125,9 @@ def _bench(args: argparse.Namespace) -> int:
         "peak_extra_bytes": engine.plan.peak_extra_bytes, "rss_growth_bytes": max(rss1 - rss0, 0),
     }
     skip = set(filter(None, args.skip.split(",")))
-    if "collective" not in skip and (engine.transport.name != "collective" or engine.pp_exchange is not None):
-        # The same engine with per-parameter collectives (the GPU path; gloo here), for reference.
+    if "collective" not in skip and (engine.transport.name != "collective"
+                                     or getattr(engine.pp_exchange, "name", "p2p") != "p2p"):
+        # The same engine with process-group collectives (the GPU path; gloo here), for reference.
         other = HybridEngine(model, desc, groups, (args.tp_gen, args.pp_gen), transport="collective")
         other.to_generation()
         other.to_training()

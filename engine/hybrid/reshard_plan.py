@@ -1,7 +1,9 @@
-"""Resharding planner: training layout (TP, PP, DP) -> generation layout (TP_g, PP_g, d_g).
+"""The reshard plan: training layout (TP, PP, DP) -> generation layout (TP_g, PP_g, d_g).
 
-Pure arithmetic: no ``torch.distributed``, no process groups, no tensors. The executor that
-talks to NCCL consumes a :class:`ReshardPlan`; the tests run the plan in a simulation.
+Pure arithmetic: no ``torch.distributed``, no process groups, no tensors. From a
+:class:`ReshardPlan`, :func:`hyflow.hybrid.reshard_table.rank_table` derives the per-parameter
+source/destination table one rank's executor runs (:mod:`hyflow.hybrid.executor`);
+:mod:`hyflow.hybrid.groups` the process groups; the tests run the plan in a simulation.
 
 Rank mapping (CP = EP = 1)
 --------------------------
@@ -85,18 +87,45 @@ from hyflow.hybrid.param_specs import (  # the model side of the plan, re-export
 
 __all__ = [
     "ReshardPlanError", "ParallelShape", "GenerationShape", "ParamSpec", "SlicePiece",
-    "ParamReshard", "Move", "RankPlan", "ReshardPlan", "gpt_param_specs", "plan_reshard",
-    "reshard_formula_bytes", "megatron_local_name",
+    "ParamReshard", "ReshardPlan", "gpt_param_specs", "plan_reshard",
+    "reshard_formula_bytes", "megatron_local_name", "source_stage", "staging_slot_bytes",
+    "staging_bytes_per_rank", "TP_STAGING_SLOT", "PP_STAGING_SLOT", "STAGING_SLACK",
 ]
 
-# Fix-ups that cannot run in place: they need a gather scratch of one generation shard.
-_SCRATCH_FIXUPS = ("gate_up", "row_concat")
+#: Slot size of the TP merge's staging (a bucket of this rank's shards per collective or per
+#: shared-memory round).
+TP_STAGING_SLOT = 64 << 20
+#: Slot size of the PP merge's shared-memory exchange (two per rank, mapped by its peers too).
+PP_STAGING_SLOT = 16 << 20
+#: Room for the 64-byte alignment of pieces in a staging slot sized to a group's whole gather.
+STAGING_SLACK = 64 * 1024
 # Divisibility checks run in this order, so the message names the most fundamental unit.
 _UNIT_ORDER = ("attention heads", "query groups", "ffn hidden size", "padded vocab size")
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def source_stage(holders: Sequence[int], stage: int, p: int) -> int:
+    """The training stage a rank of ``stage`` takes a parameter held by ``holders`` from: its
+    own when it holds it, else the first holder among the ``p`` stages merged into its
+    generation stage. The one place this rule is written."""
+    if stage in holders:
+        return stage
+    return next(q for q in holders if q // p == stage // p)
+
+
+def staging_slot_bytes(gather_bytes: int, slot_bytes: int) -> int:
+    """Size of one staging slot for a rank that moves ``gather_bytes`` of its own: ``slot_bytes``,
+    or less when everything fits (tiny models map tiny slots); 64-byte aligned, >= 4 KiB."""
+    return max(min(slot_bytes, gather_bytes + STAGING_SLACK), 4096) // 64 * 64
+
+
+def staging_bytes_per_rank(shard_bytes: int, s: int, slot_bytes: int = TP_STAGING_SLOT) -> int:
+    """Shared-memory staging a CPU rank maps (its two slots and its ``s - 1`` peers'),
+    when it moves ``shard_bytes`` of its own in a merge group of ``s``."""
+    return 0 if s <= 1 else 2 * s * staging_slot_bytes(shard_bytes, slot_bytes)
 
 
 @dataclass(frozen=True)
@@ -152,48 +181,6 @@ class ParamReshard:
     @property
     def name(self) -> str:
         return self.spec.name
-
-
-@dataclass(frozen=True)
-class Move:
-    """One slice landing in ``dst_rank``'s generation buffer (local copy when src == dst)."""
-
-    param: str
-    src_rank: int
-    dst_rank: int
-    dim: int
-    src_offset: int
-    dst_offset: int
-    length: int
-    nbytes: int
-
-    @property
-    def is_local(self) -> bool:
-        return self.src_rank == self.dst_rank
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """Everything one rank does in a train -> generation transition."""
-
-    rank: int
-    train_coord: tuple[int, int, int]  # (tp, pp, dp)
-    gen_coord: tuple[int, int, int]  # (tp_g, pp_g, dp_g)
-    micro_dp_rank: int
-    micro_dp_group: tuple[int, ...]
-    gen_tp_group: tuple[int, ...]
-    gen_pp_group: tuple[int, ...]
-    gen_offsets: dict[str, int]  # parameter -> byte offset in the flat generation buffer
-    moves: tuple[Move, ...]  # every slice of the generation buffer, local ones included
-    bytes_recv: int
-    bytes_sent: int
-    train_bytes: int
-    gen_bytes: int
-    scratch_bytes: int
-
-    @property
-    def extra_bytes(self) -> int:
-        return self.gen_bytes - self.train_bytes
 
 
 def reshard_formula_bytes(model_bytes: int, train: Any, gen: Any) -> Fraction:
@@ -276,45 +263,18 @@ class ReshardPlan:
         (tg, t), (pg, l) = divmod(tp, self.tp_ratio), divmod(pp, self.pp_ratio)
         return tg, pg, dp * self.micro_dp_size + l * self.tp_ratio + t
 
-    def _source_stage(self, pr: ParamReshard, stage: int) -> int:
-        if stage in pr.train_stages:
-            return stage
-        block = stage // self.pp_ratio
-        return next(q for q in pr.train_stages if q // self.pp_ratio == block)
-
-    # ---- per-rank views ----------------------------------------------------------------
-    def rank_plan(self, rank: int) -> RankPlan:
-        if not 0 <= rank < self.world_size:
-            raise ReshardPlanError(f"rank {rank} outside world of {self.world_size}")
+    def tp_merge_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ``s`` ranks whose training shards form ``rank``'s generation shards, in shard order."""
         tp, pp, dp = self.train_coord(rank)
-        tg, pg, dg = self.gen_coord(rank)
-        s, p = self.tp_ratio, self.pp_ratio
-        t, l = tp % s, pp % p
-        offsets, moves, off = {}, [], 0
-        for pr in self.params:
-            if pg not in pr.gen_stages:
-                continue
-            offsets[pr.name] = off
-            off += pr.gen_shard_bytes
-            src_stage = self._source_stage(pr, pp)
-            for pc in pr.pieces:
-                src_tp = tp if pc.src_slot is None else tg * s + pc.src_slot
-                moves.append(Move(pr.name, self.rank_of(src_tp, src_stage, dp), rank, pr.dim,
-                                  pc.src_offset, pc.dst_offset, pc.length, pc.nbytes))
-        return RankPlan(
-            rank=rank, train_coord=(tp, pp, dp), gen_coord=(tg, pg, dg), micro_dp_rank=l * s + t,
-            micro_dp_group=self.micro_dp_groups[(dp * self.gen.pp + pg) * self.gen.tp + tg],
-            gen_tp_group=self.gen_tp_groups[(dp * self.train.pp + pp) * s + t],
-            gen_pp_group=self.gen_pp_groups[(dp * self.train.tp + tp) * p + l],
-            gen_offsets=offsets, moves=tuple(moves), bytes_recv=self.bytes_recv[rank],
-            bytes_sent=self.bytes_sent[rank], train_bytes=self.train_bytes[rank],
-            gen_bytes=self.gen_bytes[rank], scratch_bytes=self.scratch_bytes[rank])
+        first = tp - tp % self.tp_ratio
+        return tuple(self.rank_of(first + t, pp, dp) for t in range(self.tp_ratio))
 
-    def send_moves(self, rank: int) -> list[Move]:
-        """Remote moves whose source is ``rank`` (all inside its micro-DP group)."""
-        group = self.rank_plan(rank).micro_dp_group
-        return [mv for r in group if r != rank for mv in self.rank_plan(r).moves
-                if mv.src_rank == rank]
+    def pp_merge_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ``p`` ranks (same tp and dp) of the training stages merged into ``rank``'s
+        generation stage, in stage order."""
+        tp, pp, dp = self.train_coord(rank)
+        first = pp - pp % self.pp_ratio
+        return tuple(self.rank_of(tp, first + l, dp) for l in range(self.pp_ratio))
 
     def summary(self) -> str:
         mib = 1 << 20
@@ -447,25 +407,25 @@ def plan_reshard(params: Iterable[ParamSpec], train: Any, gen: Any,
     plans = tuple(_plan_param(sp, train, gen, num_layers) for sp in params)
 
     # Per-stage accounting: every number depends on the training stage only (TP shards are equal).
-    recv, sent, held = [0] * PP, [0] * PP, [0] * PP
-    gen_b, scratch = [0] * PPg, [0] * PPg
+    recv, sent, held, gathered = [0] * PP, [0] * PP, [0] * PP, [0] * PP
+    gen_b = [0] * PPg
     for pr in plans:
         replicated = pr.spec.shard_dim is None
         for q in pr.train_stages:
             held[q] += pr.train_shard_bytes
+            gathered[q] += 0 if replicated else pr.train_shard_bytes
         for j in pr.gen_stages:
             gen_b[j] += pr.gen_shard_bytes
-            if s > 1 and pr.spec.fixup in _SCRATCH_FIXUPS:
-                scratch[j] = max(scratch[j], pr.gen_shard_bytes)
-            block_holders = [q for q in pr.train_stages if q // p == j]
             for q in range(j * p, (j + 1) * p):
-                src = q if q in pr.train_stages else block_holders[0]
+                src = source_stage(pr.train_stages, q, p)
                 if replicated:  # (q, t) gets a full copy from (src, t)
                     n = 0 if src == q else pr.gen_shard_bytes
                 else:  # same stage: s-1 peer shards; other stage: all s shards of src
                     n = (s - 1 if src == q else s) * pr.train_shard_bytes
                 recv[q] += n
                 sent[src] += n
+    # The bucketed TP-merge all-gather stages s slots of this stage's shards (collective path).
+    scratch = [s * staging_slot_bytes(g, TP_STAGING_SLOT) if s > 1 else 0 for g in gathered]
     per_stage = DP * TP
     stage_of = [r // per_stage for r in range(world)]
 
@@ -486,49 +446,6 @@ def plan_reshard(params: Iterable[ParamSpec], train: Any, gen: Any,
         train=train, gen=gen, num_layers=num_layers, params=plans, gen_tp_groups=gen_tp,
         gen_pp_groups=gen_pp, micro_dp_groups=micro, gen_dp_groups=gen_dp,
         bytes_recv=ranks(recv), bytes_sent=ranks(sent), train_bytes=ranks(held),
-        gen_bytes=ranks(gen_b, True), scratch_bytes=ranks(scratch, True),
+        gen_bytes=ranks(gen_b, True), scratch_bytes=ranks(scratch),
         model_bytes=model_bytes, formula_bytes=reshard_formula_bytes(model_bytes, train, gen),
         _by_name={pr.name: pr for pr in plans})
-
-
-#: Room for the 64-byte alignment of pieces in a staging slot sized to a group's whole gather.
-STAGING_SLACK = 64 * 1024
-#: Slot size of the PP merge's shared-memory exchange (two per rank, mapped by its peers too).
-PP_STAGING_SLOT = 16 << 20
-
-
-def staging_bytes_per_rank(shard_bytes: int, s: int, slot_bytes: int = 64 << 20) -> int:
-    """Shared-memory staging a CPU rank maps (its two slots and its ``s - 1`` peers'),
-    when it gathers ``shard_bytes`` of its own shards in a TP-merge group of ``s``."""
-    if s <= 1:
-        return 0
-    return 2 * s * (max(min(slot_bytes, shard_bytes + STAGING_SLACK), 4096) // 64 * 64)  # 64-byte aligned slots
-
-
-def _as_lists(groups) -> list[list[int]]:
-    return [list(g) for g in groups]
-
-
-def generation_enumerations(plan: ReshardPlan) -> dict[str, list[list[int]]]:
-    """Every group the hybrid engine builds from ``plan`` (the executor creates exactly these;
-    ``hyflow plan`` reports them): the generation layout's Megatron kinds, ``micro_dp``, and
-    the two merge groups of the reshard (``tp_merge`` members in shard order)."""
-    s, p = plan.tp_ratio, plan.pp_ratio
-    rk = plan.rank_of
-    by_dp: dict[int, list[int]] = {}
-    for r in range(plan.world_size):
-        by_dp.setdefault(plan.gen_coord(r)[2], []).append(r)
-    train = plan.train
-    return {
-        "tp": _as_lists(plan.gen_tp_groups), "pp": _as_lists(plan.gen_pp_groups),
-        "dp": _as_lists(plan.gen_dp_groups), "cp": [[r] for r in range(plan.world_size)],
-        "mp": _as_lists(by_dp.values()), "tp_cp": _as_lists(plan.gen_tp_groups),
-        "dp_cp": _as_lists(plan.gen_dp_groups),
-        "embd": [sorted({g[0], g[-1]}) for g in plan.gen_pp_groups],
-        "pos_embd": [[g[0]] for g in plan.gen_pp_groups],
-        "micro_dp": _as_lists(plan.micro_dp_groups),
-        "tp_merge": [[rk(g * s + t, pp, dp) for t in range(s)] for dp in range(train.dp)
-                     for pp in range(train.pp) for g in range(plan.gen.tp)],
-        "pp_merge": [[rk(tp, k * p + l, dp) for l in range(p)] for dp in range(train.dp)
-                     for tp in range(train.tp) for k in range(plan.gen.pp)],
-    }
