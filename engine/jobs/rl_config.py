@@ -304,7 +304,8 @@ class RLJobConfig:
                 f"actor.mini_batch_size={per_rank} must be a multiple of dp * micro_batch_size = "
                 f"{train.dp} * {self.actor.micro_batch_size}")
         total = self.rollout.max_prompt_length + self.rollout.max_new_tokens
-        if total > self.model.max_position_embeddings:
+        if total > self.model.context_length:
             raise ConfigError(
-                f"rollout.max_prompt_length + max_new_tokens = {total} exceeds "
-                f"model.max_position_embeddings={self.model.max_position_embeddings}")
+                f"rollout.max_prompt_length + max_new_tokens = {total} exceeds the model's context "
+                f"length {self.model.context_length} (model.max_position_embeddings, extended by "
+                "model.rope_scaling); shorten them or extend the context with rope_scaling")

@@ -27,6 +27,8 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_par
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hyflow.models.description import ModelDescription
+from hyflow.models.rope import softmax_scale as rope_softmax_scale
+from hyflow.models.rotary import DescribedRotaryEmbedding
 from hyflow.models.sdpa_attention import SDPAttention
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
@@ -106,6 +108,8 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
         persist_layer_norm=False,
         pipeline_dtype=DTYPES[dtype],
         deallocate_pipeline_outputs=False,
+        # YaRN / LongRoPE attention factor: HF scales cos and sin (so q and k) by it.
+        softmax_scale=rope_softmax_scale(desc),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -171,7 +175,7 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
         config=cfg,
         transformer_layer_spec=layer_spec(spec),
         vocab_size=padded_vocab_size or pad_vocab_size(desc.vocab_size, layout.tp),
-        max_sequence_length=desc.max_position_embeddings,
+        max_sequence_length=desc.context_length,
         pre_process=pre,
         post_process=post,
         share_embeddings_and_output_weights=desc.tied_embeddings and not value_head,
@@ -180,9 +184,9 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
         pg_collection=groups.pgs,
         vp_stage=vp_stage if layout.vpp else None,
     )
-    # RoPE frequencies computed once, in float64, from the description (covers linear
-    # and llama3 scaling with any parameters; Megatron hard-codes llama3's constants).
-    model.rotary_pos_emb.inv_freq = desc.inv_freq().to(torch.float32)
+    # RoPE frequencies from the description: every HF scaling family, bit-identical to HF's
+    # (Megatron's module knows llama3 with fixed constants), CP slicing on any device.
+    model.rotary_pos_emb = DescribedRotaryEmbedding(desc, cp_group=groups.pgs.cp)
     if value_head and post:
         model.output_layer = ValueHead(cfg, groups.pgs.tp)
     if cfg.params_dtype != torch.float32:

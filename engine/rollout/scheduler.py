@@ -185,10 +185,12 @@ class Scheduler:
                     ends.append(len(s.prompt) - 1 - start)
             positions = (torch.arange(width) + start).unsqueeze(0).expand(len(live), width)
             slots = torch.tensor([s.slot for s in live], dtype=torch.long)
+            lengths = torch.tensor([min(len(s.prompt), start + width) for s in live], dtype=torch.long)
             logits = self.runner.forward(
                 tokens.to(self._device), positions.to(self._device), slots.to(self._device),
                 rows=torch.tensor(rows, dtype=torch.long, device=self._device),
-                cols=torch.tensor(ends, dtype=torch.long, device=self._device))
+                cols=torch.tensor(ends, dtype=torch.long, device=self._device),
+                lengths=lengths.to(self._device))
             self.stats.prefill_forwards += 1
             self.stats.prefill_tokens += len(live) * width
             for j, r in enumerate(rows):
