@@ -8,6 +8,9 @@ says how it is split. The builder picks a layer spec:
   (default on GPU without TE);
 * ``local``: Megatron's local spec unchanged (default on CPU).
 
+With context parallelism (``layout.cp > 1``) the ``local`` and ``sdpa`` specs use
+:class:`~hyflow.models.ulysses_attention.UlyssesAttention` as core attention (TE does CP itself).
+
 Critic and reward models are the same trunk with a scalar :class:`ValueHead`
 instead of the vocabulary projection.
 """
@@ -30,6 +33,7 @@ from hyflow.models.description import ModelDescription
 from hyflow.models.rope import softmax_scale as rope_softmax_scale
 from hyflow.models.rotary import DescribedRotaryEmbedding
 from hyflow.models.sdpa_attention import SDPAttention
+from hyflow.models.ulysses_attention import UlyssesAttention
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
 
@@ -50,19 +54,22 @@ def resolve_spec(spec: SpecName = "auto") -> str:
     return spec
 
 
-def layer_spec(spec: SpecName = "auto"):
-    """Megatron ``ModuleSpec`` for one transformer layer."""
+def layer_spec(spec: SpecName = "auto", cp: int = 1):
+    """Megatron ``ModuleSpec`` for one transformer layer.
+
+    With ``cp > 1`` TE's attention does context parallelism itself; the local and sdpa specs
+    get :class:`UlyssesAttention` (all-to-all over the CP group) as core attention."""
     name = resolve_spec(spec)
     if name == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
     local = get_gpt_layer_local_spec(normalization="RMSNorm")
-    if name == "local":
+    if name == "local" and cp == 1:
         return local
-    sdpa = copy.deepcopy(local)
-    sdpa.submodules.self_attention.submodules.core_attention = SDPAttention
-    return sdpa
+    out = copy.deepcopy(local)
+    out.submodules.self_attention.submodules.core_attention = UlyssesAttention if cp > 1 else SDPAttention
+    return out
 
 
 def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: str = "fp32",
@@ -173,7 +180,7 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
         model_parallel_cuda_manual_seed(seed or 1234, tp_rank=groups.tp_rank, ep_rank=0, etp_rank=0)
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=layer_spec(spec),
+        transformer_layer_spec=layer_spec(spec, layout.cp),
         vocab_size=padded_vocab_size or pad_vocab_size(desc.vocab_size, layout.tp),
         max_sequence_length=desc.context_length,
         pre_process=pre,

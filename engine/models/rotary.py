@@ -25,18 +25,8 @@ from typing import Optional
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
+from hyflow.models.context_parallel import cp_chunk_index
 from hyflow.models.description import ModelDescription
-
-
-def cp_chunk_index(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
-    """Global positions held by CP rank ``cp_rank``: chunks ``r`` and ``2 cp - 1 - r`` of
-    ``2 cp`` equal chunks (Megatron-Core's load-balanced causal layout)."""
-    if seq_len % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2 * cp = {2 * cp_size}")
-    chunk = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    last = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk, device=device)
-    return torch.cat([first, last])
 
 
 class DescribedRotaryEmbedding(RotaryEmbedding):
