@@ -86,7 +86,8 @@ def forward_backward(chunks: Sequence[torch.nn.Module], micro_batches: Sequence[
         data_iterator=iterators,
         model=list(chunks) if n_chunks > 1 else chunks[0],
         num_microbatches=len(micro_batches),
-        seq_length=shape[1],
+        # micro-batches hold this CP rank's share of the sequence; the schedule wants the whole one
+        seq_length=shape[1] * getattr(chunks[0].config, "context_parallel_size", 1),
         micro_batch_size=shape[0],
         forward_only=forward_only,
         **extra,
