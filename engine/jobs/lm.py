@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hyflow.config import dump_yaml, format_config
 from hyflow.jobs.lm_config import LMJobConfig
-from hyflow.models.builder import build_model_chunks
+from hyflow.models.builder import build_model_chunks, recompute_overrides
 from hyflow.models.weights import random_full_state_dict, load_full_state_dict
 from hyflow.parallel.groups import init_training_groups
 from hyflow.training.optimizer import build_optimizer, wrap_ddp
@@ -50,7 +50,8 @@ def run(cfg: LMJobConfig) -> list[dict]:
         print(format_config(cfg), flush=True)
         print(f"[hyflow] layout {layout.describe()}", flush=True)
 
-    models = build_model_chunks(cfg.model, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec)
+    models = build_model_chunks(cfg.model, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
+                                config_overrides=recompute_overrides(cfg.actor.recompute))
     initial = random_full_state_dict(cfg.model, cfg.trainer.seed)
     for vp_stage, model in enumerate(models):
         load_full_state_dict(model, initial, cfg.model, groups, vp_stage=vp_stage if layout.vpp else None)

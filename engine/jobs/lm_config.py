@@ -41,6 +41,8 @@ class ActorConfig:
                            metadata={"help": "training layout; dp is derived from trainer.nproc"})
     dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={"help": "parameter dtype"})
     spec: Literal["auto", "local", "sdpa", "te"] = field(default="auto", metadata={"help": "layer spec"})
+    recompute: Literal["none", "selective", "full"] = field(default="none", metadata={
+        "help": "activation recomputation: selective (core attention) or full (every layer)"})
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 

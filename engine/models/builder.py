@@ -122,6 +122,19 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
     return TransformerConfig(**kwargs)
 
 
+def recompute_overrides(kind: str) -> dict:
+    """``TransformerConfig`` overrides for activation recomputation ``none`` / ``selective`` /
+    ``full``: selective recomputes core attention in the backward (Megatron's default
+    ``recompute_modules``), full recomputes every layer from its input."""
+    if kind == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if kind == "selective":
+        return {"recompute_granularity": "selective"}
+    if kind != "none":
+        raise ValueError(f"recompute must be none, selective or full, got {kind!r}")
+    return {}
+
+
 class ValueHead(torch.nn.Module):
     """Scalar head replacing ``GPTModel.output_layer`` for critics and reward models.
 

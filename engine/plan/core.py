@@ -145,7 +145,7 @@ def _plan_lm(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     result.phases.append(mem.worst(mem.training_estimates(
         cfg.model, layout, dtype=cfg.actor.dtype, seq=d.seq_length,
         micro_batch_size=d.micro_batch_size, n_micro=n_micro,
-        attention=_attention(cfg.actor.spec, opts.device), recompute="none",
+        attention=_attention(cfg.actor.spec, opts.device), recompute=cfg.actor.recompute,
         distributed_optimizer=cfg.actor.optim.distributed_optimizer, phase="train")))
 
 
