@@ -240,8 +240,9 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     # a prompt is prefilled once for its n samples (the engine's share_prompt_prefill)
     prompts = -(-slots // cfg.rollout.n) if _engine_default(cfg.rollout, "share_prompt_prefill", True) \
         else slots
+    chunk = cfg.rollout.prefill_chunk_size or cfg.rollout.max_prompt_length
     prefill = min(_engine_default(cfg.rollout, "max_prefill_tokens", 8192),
-                  prompts * cfg.rollout.max_prompt_length)
+                  prompts * min(chunk, cfg.rollout.max_prompt_length))
     est = mem.MemoryEstimate("generation")
     est.add("generation weights", max(plan.gen_bytes),
             f"actor in TP_g={gen.tp} PP_g={gen.pp} (holds the training shard)")
@@ -253,8 +254,8 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
             f"{slots} sequences x {capacity} tokens, {model.num_query_groups // gen.tp} "
             f"KV group(s) x {model.num_layers // gen.pp} layer(s)")
     est.add("forward transient", mem.generation_transient(
-        model, gen.tp, prefill_tokens=prefill, rows=slots, dtype=dtype),
-        f"prefill of {prefill} tokens, logits + sampling of {slots} rows")
+        model, gen.tp, prefill_tokens=prefill, rows=slots, dtype=dtype, context=capacity),
+        f"prefill of {prefill} tokens over a {capacity}-token cache, logits + sampling of {slots} rows")
     result.phases.append(est)
     if opts.device == "cpu" and plan.tp_ratio > 1:  # the TP merge's shared-memory staging, mapped for the run
         own = max(plan.bytes_recv) // (plan.tp_ratio - 1)

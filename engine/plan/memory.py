@@ -313,14 +313,16 @@ def inference_estimates(desc: ModelDescription, layout: Layout, *, dtype: str, s
 
 
 def generation_transient(desc: ModelDescription, gen_tp: int, *, prefill_tokens: int, rows: int,
-                         dtype: str) -> int:
+                         dtype: str, context: int = 0) -> int:
     """Largest forward-time transient of a generation rank: one layer's working set for a
-    prefill forward of ``prefill_tokens`` (memory-efficient attention over the cache), and
-    fp32 logits plus sampler work copies for the ``rows`` sequences sampled at once."""
+    prefill forward of ``prefill_tokens`` (memory-efficient attention over the cache), the
+    boolean attention mask of those tokens over up to ``context`` cached positions, and fp32
+    logits plus sampler work copies for the ``rows`` sequences sampled at once. Chunked
+    prefill bounds ``prefill_tokens`` (and so all of this) by the chunk size."""
     pbytes = DTYPE_BYTES[dtype]
     layer = forward_layer_bytes(desc, Layout(tp=gen_tp), prefill_tokens, 1, "sdpa", dtype)
     width = padded_vocab(desc, gen_tp) // gen_tp
-    return int(layer + rows * width * (pbytes + 4 * 4))
+    return int(layer + prefill_tokens * context + rows * width * (pbytes + 4 * 4))
 
 
 def kv_cache_bytes(desc: ModelDescription, gen_tp: int, gen_pp: int, slots: int, capacity: int,
