@@ -8,6 +8,7 @@ to change; :mod:`hyflow.plan.report` prints them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -224,7 +225,17 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
                             model.num_query_groups, model.head_dim, model.ffn_hidden_size,
                             mem.padded_vocab(model, layout.tp), tied_embeddings=model.tied_embeddings,
                             qkv_bias=model.qkv_bias, dtype_bytes=pbytes)
-    plan = plan_reshard(specs, layout, (gen.tp, gen.pp), world_size=world,
+    reshard_layout = layout
+    if layout.cp > 1:
+        # CP ranks hold the same weight shards, and in Megatron's rank order (tp-cp-dp-pp) a
+        # tp x cp x dp x pp layout puts them exactly where tp x (cp * dp) x pp would: for the
+        # weights' reshard CP is more data parallelism.
+        reshard_layout = dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1)
+        result.warnings.append(
+            f"actor.layout.cp={layout.cp}: the plan reshards the actor as {layout.cp * layout.dp}-way "
+            "data parallel (CP ranks hold the same weights); the RL job's hybrid engine does not "
+            "run context-parallel layouts yet")
+    plan = plan_reshard(specs, reshard_layout, (gen.tp, gen.pp), world_size=world,
                         num_layers=model.num_layers)
     result.reshard = plan
     enums = generation_enumerations(plan)

@@ -17,6 +17,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "generation tokens/s of the rollout engine vs transformers generate"),
     "reshard": ("hyflow.tools.bench.reshard",
                 "hybrid engine train<->generation transition vs swap_model_weights, ckpt, all-gather"),
+    "longctx": ("hyflow.tools.bench.longctx",
+                "long context: chunked prefill memory, recompute plan vs measured, CP=2 vs CP=1"),
 }
 
 
