@@ -11,8 +11,9 @@ Three measurements (``--only`` picks some):
   the measured ones;
 * ``cp``: one forward/backward (Megatron's schedule, DDP) of ``--cp-tokens`` tokens (default
   4096) of a tiny Llama with memory-efficient attention, CP=1 on one rank vs CP=2 on two
-  ranks (all-to-all attention; the same 2 cores in both): median step time and peak tensor
-  bytes per rank, also with selective and full recompute at CP=2.
+  ranks (all-to-all attention; the same 2 cores in both): median step wall time, median CPU
+  time summed over the ranks (robust to other load on a shared machine) and peak tensor bytes
+  per rank, also with selective and full recompute at CP=2.
 
 Memory is tensor bytes tracked by :class:`hyflow.plan.measure.TensorMemoryTracker` (what the
 planner counts); times come from separate, untracked runs. The last line is one JSON object.
@@ -35,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", default="0,256,1024,2048", help="prefill chunk sizes (0 = whole prompt)")
     p.add_argument("--cp-tokens", type=int, default=4096, help="sequence length of the CP measurement")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median kept)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per rank in the cp measurement (0: cores / ranks; 1 makes CPU "
+                        "seconds count work only, without OpenMP spin-waits)")
 
 
 def _tiny(num_layers: int = 4, max_pos: int = 8192):
@@ -67,12 +71,14 @@ def _prefill_rank(prompt_len: int, chunks: list[int], repeats: int) -> dict:
         tracker = TensorMemoryTracker()
         with tracker:
             tokens = engine.generate([prompt]).samples[0].token_ids
-        times = []
+        times, cpu = [], []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             engine.generate([prompt])
             times.append(time.perf_counter() - start)
-        out[chunk] = {"peak": tracker.peak, "seconds": statistics.median(times), "tokens": tokens}
+            cpu.append(time.process_time() - start_cpu)
+        out[chunk] = {"peak": tracker.peak, "seconds": statistics.median(times),
+                      "cpu_seconds": statistics.median(cpu), "tokens": tokens}
     return out
 
 
@@ -87,15 +93,16 @@ def _prefill(args: argparse.Namespace) -> dict:
     rows = {}
     print(f"chunked prefill: {args.prompt}-token prompt + 8 greedy tokens, tiny Llama "
           f"({desc.num_layers} layers, hidden {desc.hidden_size}), fp32, 1 rank; KV cache {cache / MIB:.2f} MiB")
-    print(f"{'chunk':>8s} {'extra MiB':>10s} {'plan MiB':>9s} {'seconds':>8s} {'same tokens':>12s}")
+    print(f"{'chunk':>8s} {'extra MiB':>10s} {'plan MiB':>9s} {'seconds':>8s} {'CPU s':>7s} {'same tokens':>12s}")
     for chunk, r in res.items():
         planned = generation_transient(desc, 1, prefill_tokens=chunk or args.prompt, rows=1, dtype="fp32",
                                        context=args.prompt + 8)
         rows[str(chunk)] = {"extra_mib": (r["peak"] - cache) / MIB, "plan_mib": planned / MIB,
-                            "seconds": r["seconds"], "same_tokens": r["tokens"] == res[chunks[0]]["tokens"]}
+                            "seconds": r["seconds"], "cpu_seconds": r["cpu_seconds"],
+                            "same_tokens": r["tokens"] == res[chunks[0]]["tokens"]}
         v = rows[str(chunk)]
         print(f"{chunk or 'whole':>8} {v['extra_mib']:10.2f} {v['plan_mib']:9.2f} {v['seconds']:8.2f} "
-              f"{str(v['same_tokens']):>12s}")
+              f"{v['cpu_seconds']:7.2f} {str(v['same_tokens']):>12s}")
     return {"prompt": args.prompt, "kv_cache_mib": cache / MIB, "chunks": rows}
 
 
@@ -135,7 +142,7 @@ def _recompute(args: argparse.Namespace) -> dict:
 # ----------------------------------------------------------------------------- context parallelism
 
 
-def _cp_rank(cp: int, seq: int, recompute: str, repeats: int) -> dict:
+def _cp_rank(cp: int, seq: int, recompute: str, repeats: int, threads: int) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -147,6 +154,8 @@ def _cp_rank(cp: int, seq: int, recompute: str, repeats: int) -> dict:
     from hyflow.training.optimizer import wrap_ddp
     from hyflow.training.step import forward_backward
 
+    if threads:
+        torch.set_num_threads(threads)
     groups = init_training_groups(Layout(cp=cp))
     desc = _tiny(max_pos=seq)
     model = build_gpt_model(desc, groups, spec="sdpa", seed=0, config_overrides=recompute_overrides(recompute))
@@ -169,14 +178,16 @@ def _cp_rank(cp: int, seq: int, recompute: str, repeats: int) -> dict:
     with tracker:
         before = tracker.current
         step()
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
+        cpu.append(time.process_time() - start_cpu)
         dist.barrier()
         times.append(time.perf_counter() - start)
-    return {"peak": tracker.peak - before, "seconds": statistics.median(times)}
+    return {"peak": tracker.peak - before, "seconds": statistics.median(times),
+            "cpu_seconds": statistics.median(cpu)}
 
 
 def _cp(args: argparse.Namespace) -> dict:
@@ -186,15 +197,17 @@ def _cp(args: argparse.Namespace) -> dict:
     cases = [(1, "none"), (2, "none"), (2, "selective"), (2, "full")]
     out = {}
     print(f"context parallelism: forward+backward of one {seq}-token sequence, tiny Llama "
-          f"({_tiny().num_layers} layers, hidden {_tiny().hidden_size}), fp32, SDPA attention, 2 cores")
-    print(f"{'layout':>22s} {'seconds':>8s} {'step MiB/rank':>14s}")
+          f"({_tiny().num_layers} layers, hidden {_tiny().hidden_size}), fp32, SDPA attention, "
+          f"{args.threads or 'cores / ranks'} thread(s) per rank")
+    print(f"{'layout':>26s} {'seconds':>8s} {'CPU s (all ranks)':>18s} {'step MiB/rank':>14s}")
     for cp, recompute in cases:
-        r = run_ranks(_cp_rank, cp, cp, seq, recompute, args.repeats)
-        row = {"seconds": max(x["seconds"] for x in r), "peak_mib": max(x["peak"] for x in r) / MIB}
+        r = run_ranks(_cp_rank, cp, cp, seq, recompute, args.repeats, args.threads)
+        row = {"seconds": max(x["seconds"] for x in r), "cpu_seconds": sum(x["cpu_seconds"] for x in r),
+               "peak_mib": max(x["peak"] for x in r) / MIB}
         name = f"cp={cp} ({cp} rank{'s' if cp > 1 else ''})" + (f" {recompute}" if recompute != "none" else "")
         out[name] = row
-        print(f"{name:>22s} {row['seconds']:8.3f} {row['peak_mib']:14.2f}")
-    return {"tokens": seq, "layouts": out}
+        print(f"{name:>26s} {row['seconds']:8.3f} {row['cpu_seconds']:18.3f} {row['peak_mib']:14.2f}")
+    return {"tokens": seq, "threads_per_rank": args.threads or None, "layouts": out}
 
 
 def run(args: argparse.Namespace) -> int:
