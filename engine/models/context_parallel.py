@@ -82,7 +82,11 @@ def split_for_cp(batch: Mapping[str, Optional[torch.Tensor]], cp_group, *,
 
 
 def next_token_labels(tokens: torch.Tensor, fill: int = 0) -> torch.Tensor:
-    """``labels[:, i] = tokens[:, i + 1]`` (the last column ``fill``): build before splitting."""
+    """``labels[:, i] = tokens[:, i + 1]`` (the last column ``fill``): build before splitting.
+
+    Works for any per-token ``[b, s]`` tensor: shifting a response mask or old log-probs that
+    are aligned to the predicted token (position i = log p(token i)) puts them on the position
+    whose logits predict it, which is where a CP rank computes that token's log-prob."""
     labels = torch.full_like(tokens, fill)
     labels[:, :-1] = tokens[:, 1:]
     return labels
