@@ -6,9 +6,11 @@ CP=2, CP=2 x TP=2 and CP=2 x PP=2 through Megatron's ``forward_backward`` schedu
 holds its share of every sequence (:func:`split_for_cp`); per-token outputs are gathered back
 (:func:`gather_from_cp`). Logits, log-probs of the next tokens, the loss and every parameter's
 gradient equal the CP=1 run (fp32, <= 1e-5 relative); so do logits under a whole-sequence
-block-diagonal mask (sequence packing).
+block-diagonal mask (sequence packing). The ``lm`` job trains at CP=2 with CP=1's losses.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch
 from hyflow.testing import run_on_ranks
 
 SEQ, MICRO, BATCHES = 64, 2, 2
+LM_TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "lm_tiny.yaml")
 TOLERANCE = 1e-5
 
 
@@ -153,3 +156,27 @@ def test_layout_names_heads_that_do_not_split_over_tp_x_cp():
     Layout(tp=2, cp=2).check_model(desc)
     with pytest.raises(LayoutError, match=r"cp=4: .* tp x cp = 2 x 4 = 8 .*num_attention_heads=4"):
         Layout(tp=2, cp=4).check_model(desc)
+
+
+def _lm_job(cp: int, out_dir: str) -> list:
+    import torch.distributed as dist
+
+    from hyflow.cli import load_job_config
+    from hyflow.jobs.lm import run
+
+    cfg = load_job_config(LM_TINY, ["actor.layout.tp=1", f"actor.layout.cp={cp}", "trainer.total_steps=2",
+                                    f"trainer.nproc={dist.get_world_size()}", f"trainer.output_dir={out_dir}",
+                                    "trainer.log_every=100"])
+    return [(m["loss"], m["grad_norm"]) for m in run(cfg)]
+
+
+@pytest.mark.multirank
+def test_lm_job_trains_the_same_at_cp2(tmp_path):
+    """The lm job end to end (2 optimizer steps, Adam, clipping) at CP=2 on 2 ranks: the same
+    losses and gradient norms as CP=1 on one rank."""
+    want = run_on_ranks(_lm_job, 1, 1, str(tmp_path / "cp1"), timeout=600)[0]
+    got = run_on_ranks(_lm_job, 2, 2, str(tmp_path / "cp2"), timeout=600)
+    for rank_result in got:
+        for (loss, norm), (ref_loss, ref_norm) in zip(rank_result, want):
+            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss) and abs(norm - ref_norm) <= 1e-5 * ref_norm
+    assert want[-1][0] < want[0][0]

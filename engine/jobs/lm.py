@@ -21,10 +21,11 @@ import torch.distributed as dist
 from hyflow.config import dump_yaml, format_config
 from hyflow.jobs.lm_config import LMJobConfig
 from hyflow.models.builder import build_model_chunks, recompute_overrides
+from hyflow.models.context_parallel import cp_token_mean, split_for_cp
 from hyflow.models.weights import random_full_state_dict, load_full_state_dict
 from hyflow.parallel.groups import init_training_groups
 from hyflow.training.optimizer import build_optimizer, wrap_ddp
-from hyflow.training.step import position_ids_for, train_step
+from hyflow.training.step import lm_loss, position_ids_for, train_step
 
 
 def arith_batch(vocab: int, batch: int, seq: int, max_step: int, gen: torch.Generator) -> dict:
@@ -61,6 +62,7 @@ def run(cfg: LMJobConfig) -> list[dict]:
 
     d = cfg.data
     n_micro = d.global_batch_size // (d.micro_batch_size * layout.dp)
+    loss_fn = _cp_lm_loss(groups.pgs.cp) if layout.cp > 1 else lm_loss
     gen = torch.Generator().manual_seed(cfg.trainer.seed)  # same stream on every rank
     metrics: list[dict] = []
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
@@ -70,7 +72,9 @@ def run(cfg: LMJobConfig) -> list[dict]:
         global_mbs = [arith_batch(cfg.model.vocab_size, d.micro_batch_size, d.seq_length,
                                   d.max_step_size, gen) for _ in range(n_micro * layout.dp)]
         mine = global_mbs[groups.dp_rank * n_micro:(groups.dp_rank + 1) * n_micro]
-        stats = train_step(chunks, optimizer, scheduler, mine, pp_group=groups.pgs.pp)
+        if layout.cp > 1:  # each CP rank trains on its share of every sequence
+            mine = [split_for_cp(mb, groups.pgs.cp) for mb in mine]
+        stats = train_step(chunks, optimizer, scheduler, mine, pp_group=groups.pgs.pp, loss_fn=loss_fn)
         loss = _dp_mean(stats["lm_loss"], groups.pgs.dp)
         dt = time.perf_counter() - t0
         row = {"step": step, "loss": loss, "grad_norm": stats["grad_norm"], "lr": stats["lr"],
@@ -88,6 +92,19 @@ def run(cfg: LMJobConfig) -> list[dict]:
         print(f"[hyflow] done: loss {metrics[0]['loss']:.4f} -> {metrics[-1]['loss']:.4f}; "
               f"metrics in {metrics_path}", flush=True)
     return metrics
+
+
+def _cp_lm_loss(cp_group):
+    """Token-mean cross entropy of sequences split over the CP group (``cp_token_mean``); the
+    reported value is the whole sequences' mean."""
+
+    def loss_fn(output: torch.Tensor, batch: dict):
+        loss = cp_token_mean(output, batch["loss_mask"], cp_group)
+        reported = loss.detach().clone()
+        dist.all_reduce(reported, group=cp_group)
+        return loss, {"lm_loss": reported}
+
+    return loss_fn
 
 
 def _dp_mean(value: float, dp_group) -> float:
