@@ -98,8 +98,8 @@ def test_unsupported_architecture(tiny, tmp_path) -> None:
     _edit_config(src, architectures=["GPT2LMHeadModel"], model_type="gpt2")
     _expect(r"unsupported architecture \['GPT2LMHeadModel'\]", src, str(tmp_path / "out"))
     _edit_config(src, architectures=["LlamaForCausalLM"], model_type="llama",
-                 rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    _expect("rope_scaling type 'yarn' is not supported", src, str(tmp_path / "out"))
+                 rope_scaling={"rope_type": "proportional", "factor": 4.0})
+    _expect("rope_scaling type 'proportional' is not supported", src, str(tmp_path / "out"))
     _edit_config(src, rope_scaling=None, attention_bias=True)
     _expect("attention_bias=true on llama", src, str(tmp_path / "out"))
 
@@ -295,7 +295,8 @@ def test_gguf_unpermute_inverts_llama_cpp_permute() -> None:
     assert torch.equal(unpermute_rotary_rows(permuted[head_dim:], heads - 1), w[head_dim:])
 
 
-@pytest.mark.parametrize("name", ["llama3", "llama_tied", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama3", "llama_tied", "qwen2", "mistral", "qwen2_yarn",
+                                  "llama_dynamic", "llama_longrope"])
 def test_hf_config_round_trip(name: str) -> None:
     """description -> config.json -> transformers -> to_dict (rope_parameters) -> same description."""
     transformers = pytest.importorskip("transformers")

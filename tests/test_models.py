@@ -15,7 +15,7 @@ from hyflow.testing import run_on_ranks
     (dict(num_attention_heads=6, num_query_groups=4), "num_attention_heads=6 is not a multiple of num_query_groups=4"),
     (dict(hidden_size=0), "model.hidden_size must be a positive integer, got 0"),
     (dict(head_dim=15), "head_dim=15 must be even"),
-    (dict(rope_scaling={"type": "yarn", "factor": 2.0}), "rope_scaling.type='yarn' is not supported"),
+    (dict(rope_scaling={"type": "proportional", "factor": 2.0}), "rope_scaling.type='proportional' is not supported"),
     (dict(rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}),
      "high_freq_factor must exceed low_freq_factor"),
 ])

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from hyflow.config import dump_yaml, format_config
 from hyflow.jobs.lm_config import LMJobConfig
-from hyflow.models.builder import build_model_chunks
+from hyflow.models.builder import build_model_chunks, recompute_overrides
+from hyflow.models.context_parallel import split_for_cp
 from hyflow.models.weights import random_full_state_dict, load_full_state_dict
 from hyflow.parallel.groups import init_training_groups
 from hyflow.training.optimizer import build_optimizer, wrap_ddp
@@ -53,7 +54,8 @@ def run(cfg: LMJobConfig) -> list[dict]:
         print(format_config(cfg), flush=True)
         print(f"[hyflow] layout {layout.describe()}", flush=True)
 
-    models = build_model_chunks(cfg.model, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec)
+    models = build_model_chunks(cfg.model, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
+                                config_overrides=recompute_overrides(cfg.actor.recompute))
     initial = random_full_state_dict(cfg.model, cfg.trainer.seed)
     for vp_stage, model in enumerate(models):
         load_full_state_dict(model, initial, cfg.model, groups, vp_stage=vp_stage if layout.vpp else None)
@@ -72,8 +74,10 @@ def run(cfg: LMJobConfig) -> list[dict]:
         global_mbs = [arith_batch(cfg.model.vocab_size, d.micro_batch_size, d.seq_length,
                                   d.max_step_size, gen, groups.device) for _ in range(n_micro * layout.dp)]
         mine = global_mbs[groups.dp_rank * n_micro:(groups.dp_rank + 1) * n_micro]
+        if layout.cp > 1:  # each CP rank trains on its share of every sequence
+            mine = [split_for_cp(mb, groups.pgs.cp) for mb in mine]
         stats = train_step(chunks, optimizer, scheduler, mine, groups=groups)
-        loss = stats["lm_loss"]  # the token mean over every data-parallel rank's micro-batches
+        loss = stats["lm_loss"]  # the token mean over every data-parallel (and CP) rank's micro-batches
         dt = time.perf_counter() - t0
         row = {"step": step, "loss": loss, "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                "tokens_per_s": d.global_batch_size * d.seq_length / dt, "time/step": dt}

@@ -41,6 +41,8 @@ class ActorConfig:
                            metadata={"help": "training layout; dp is derived from trainer.nproc"})
     dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={"help": "parameter dtype"})
     spec: Literal["auto", "local", "sdpa", "te"] = field(default="auto", metadata={"help": "layer spec"})
+    recompute: Literal["none", "selective", "full"] = field(default="none", metadata={
+        "help": "activation recomputation: selective (core attention) or full (every layer)"})
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -79,10 +81,11 @@ class LMJobConfig:
                 f"trainer.nproc={self.trainer.nproc} is not a multiple of tp*pp*cp = {per_replica}")
         layout = layout.with_dp_for(self.trainer.nproc)
         layout.check_model(self.model, seq_length=self.data.seq_length)
-        if self.data.seq_length > self.model.max_position_embeddings:
+        if self.data.seq_length > self.model.context_length:
             raise ConfigError(
-                f"data.seq_length={self.data.seq_length} exceeds model.max_position_embeddings="
-                f"{self.model.max_position_embeddings}")
+                f"data.seq_length={self.data.seq_length} exceeds the model's context length "
+                f"{self.model.context_length} (model.max_position_embeddings, extended by "
+                "model.rope_scaling)")
         if self.data.global_batch_size % (layout.dp * self.data.micro_batch_size):
             raise ConfigError(
                 f"data.global_batch_size={self.data.global_batch_size} must be a multiple of "

@@ -491,7 +491,8 @@ class RLJobConfig:
                     f"{key}={budget} is smaller than the longest sequence, rollout.max_prompt_length + "
                     f"max_new_tokens = {longest}; raise it to at least {longest}")
         total = self.rollout.max_prompt_length + self.rollout.max_new_tokens
-        if total > self.model.max_position_embeddings:
+        if total > self.model.context_length:
             raise ConfigError(
-                f"rollout.max_prompt_length + max_new_tokens = {total} exceeds "
-                f"model.max_position_embeddings={self.model.max_position_embeddings}")
+                f"rollout.max_prompt_length + max_new_tokens = {total} exceeds the model's context "
+                f"length {self.model.context_length} (model.max_position_embeddings, extended by "
+                "model.rope_scaling); shorten them or extend the context with rope_scaling")

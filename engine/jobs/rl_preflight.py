@@ -36,6 +36,10 @@ def preflight(cfg: Any) -> None:
 
 
 def _preflight(cfg: Any) -> None:
+    if cfg.actor.layout.cp > 1:  # hyflow plan still sizes such layouts (configs/long_context_32k.yaml)
+        raise _error("actor.layout.cp", f"the RL job does not run context parallelism yet (got cp="
+                                        f"{cfg.actor.layout.cp}); the lm job does. Use cp: 1 and tp / pp "
+                                        "for long sequences, with actor.recompute and rollout.prefill_chunk_size")
     _check_task(cfg.data)
     vocab = _check_tokenizer(cfg)
     _check_data_files(cfg)

@@ -8,6 +8,9 @@ says how it is split. The builder picks a layer spec:
   (default on GPU without TE);
 * ``local``: Megatron's local spec unchanged (default on CPU).
 
+With context parallelism (``layout.cp > 1``) the ``local`` and ``sdpa`` specs use
+:class:`~hyflow.models.ulysses_attention.UlyssesAttention` as core attention (TE does CP itself).
+
 Critic and reward models are the same trunk with a scalar :class:`ValueHead`
 instead of the vocabulary projection.
 """
@@ -30,7 +33,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from hyflow.models import positions
 from hyflow.models.description import ModelDescription
 from hyflow.models.norms import RMSNorm
+from hyflow.models.rope import softmax_scale as rope_softmax_scale
+from hyflow.models.rotary import DescribedRotaryEmbedding
 from hyflow.models.sdpa_attention import SDPAttention
+from hyflow.models.ulysses_attention import UlyssesAttention
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
 
@@ -51,8 +57,11 @@ def resolve_spec(spec: SpecName = "auto") -> str:
     return spec
 
 
-def layer_spec(spec: SpecName = "auto"):
-    """Megatron ``ModuleSpec`` for one transformer layer."""
+def layer_spec(spec: SpecName = "auto", cp: int = 1):
+    """Megatron ``ModuleSpec`` for one transformer layer.
+
+    With ``cp > 1`` TE's attention does context parallelism itself; the local and sdpa specs
+    get :class:`UlyssesAttention` (all-to-all over the CP group) as core attention."""
     name = resolve_spec(spec)
     if name == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -61,7 +70,9 @@ def layer_spec(spec: SpecName = "auto"):
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     spec.submodules.input_layernorm = RMSNorm  # sequence parallelism on the local spec too
     spec.submodules.pre_mlp_layernorm = RMSNorm
-    if name == "sdpa":
+    if cp > 1:
+        spec.submodules.self_attention.submodules.core_attention = UlyssesAttention
+    elif name == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
 
@@ -110,9 +121,24 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
         persist_layer_norm=False,
         pipeline_dtype=DTYPES[dtype],
         deallocate_pipeline_outputs=False,
+        # YaRN / LongRoPE attention factor: HF scales cos and sin (so q and k) by it.
+        softmax_scale=rope_softmax_scale(desc),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def recompute_overrides(kind: str) -> dict:
+    """``TransformerConfig`` overrides for activation recomputation ``none`` / ``selective`` /
+    ``full``: selective recomputes core attention in the backward (Megatron's default
+    ``recompute_modules``), full recomputes every layer from its input."""
+    if kind == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if kind == "selective":
+        return {"recompute_granularity": "selective"}
+    if kind != "none":
+        raise ValueError(f"recompute must be none, selective or full, got {kind!r}")
+    return {}
 
 
 class ValueHead(torch.nn.Module):
@@ -171,7 +197,7 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
     if not get_cuda_rng_tracker().is_initialized():
         # Groups built with build_groups() alone: Megatron's layers still fork this tracker.
         model_parallel_cuda_manual_seed(seed or 1234, tp_rank=groups.tp_rank, ep_rank=0, etp_rank=0)
-    layer = layer_spec(spec)
+    layer = layer_spec(spec, layout.cp)
     if resolve_spec(spec) != "te":  # the final norm too (Megatron would pick WrappedTorchNorm)
         layer = TransformerBlockSubmodules(
             layer_specs=[layer] * get_num_layers_to_build(cfg, vp_stage if layout.vpp else None, groups.pp_rank),
@@ -180,7 +206,7 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
         config=cfg,
         transformer_layer_spec=layer,
         vocab_size=padded_vocab_size or pad_vocab_size(desc.vocab_size, layout.tp),
-        max_sequence_length=desc.max_position_embeddings,
+        max_sequence_length=desc.context_length,
         pre_process=pre,
         post_process=post,
         share_embeddings_and_output_weights=desc.tied_embeddings and not value_head,
@@ -189,6 +215,9 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
         pg_collection=groups.pgs,
         vp_stage=vp_stage if layout.vpp else None,
     )
+    # RoPE frequencies from the description: every HF scaling family, bit-identical to HF's
+    # (Megatron's module knows llama3 with fixed constants), CP slicing on any device.
+    model.rotary_pos_emb = DescribedRotaryEmbedding(desc, cp_group=groups.pgs.cp)
     positions.install(model)  # packed rows: rotary tables at each token's own position
     if value_head and post:
         model.output_layer = ValueHead(cfg, groups.pgs.tp)
@@ -202,8 +231,7 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
     # Megatron builds on the host when asked (use_cpu_initialization; the local spec's norms and our
     # value head always); move to the rank's device as Megatron-LM's get_model does.
     model = model.to(groups.device)
-    # RoPE frequencies computed once, in float64, from the description (covers linear
-    # and llama3 scaling with any parameters; Megatron hard-codes llama3's constants).
+    # RoPE frequencies stay float32 whatever params_dtype the cast above gave the buffer.
     model.rotary_pos_emb.inv_freq = desc.inv_freq().to(device=groups.device, dtype=torch.float32)
     return model
 

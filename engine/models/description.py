@@ -8,7 +8,6 @@ A :class:`ModelDescription` is what the engine needs to build a Megatron
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Optional
@@ -23,29 +22,52 @@ class ModelDescriptionError(ConfigError):
     """A model description that cannot describe a valid model."""
 
 
+ROPE_TYPES = ("linear", "llama3", "dynamic", "yarn", "longrope")
+
+
 @dataclass
 class RopeScaling:
-    """RoPE frequency scaling, as in HF ``rope_scaling``.
+    """RoPE frequency scaling, as in HF ``rope_scaling`` (see :mod:`hyflow.models.rope`).
 
     Attributes:
-        type: ``linear`` (positions divided by ``factor``) or ``llama3``
-            (wavelength-dependent scaling of Llama 3.1).
-        factor: scaling factor.
+        type: ``linear`` (positions divided by ``factor``), ``llama3`` (Llama 3.1's
+            wavelength-dependent scaling), ``dynamic`` (dynamic NTK: the base grows with
+            the sequence length past ``max_position_embeddings``), ``yarn`` (NTK-by-parts
+            interpolation with attention scaling) or ``longrope`` (per-dimension factors).
+        factor: scaling factor (the context extension ratio).
         low_freq_factor: llama3 only.
         high_freq_factor: llama3 only.
-        original_max_position_embeddings: llama3 only: the pre-scaling context.
+        original_max_position_embeddings: llama3 / yarn / longrope: the pre-scaling context.
+        beta_fast: yarn: rotations where the ramp to interpolation starts (HF default 32).
+        beta_slow: yarn: rotations where it ends (HF default 1).
+        mscale: yarn: with ``mscale_all_dim``, the attention factor is the ratio of
+            ``0.1 * m * ln(factor) + 1`` for the two.
+        mscale_all_dim: yarn: see ``mscale``.
+        attention_factor: yarn / longrope: explicit attention factor (null = derived).
+        truncate: yarn: round the correction range to whole dimensions (HF default true).
+        short_factor: longrope: per-dimension factors (head_dim / 2 of them) up to the
+            original context.
+        long_factor: longrope: per-dimension factors beyond it.
     """
 
-    type: Literal["linear", "llama3"] = "linear"
+    type: str = "linear"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    attention_factor: Optional[float] = None
+    truncate: bool = True
+    short_factor: Optional[list[float]] = None
+    long_factor: Optional[list[float]] = None
 
-    def validate(self) -> None:
-        if self.type not in ("linear", "llama3"):
+    def validate(self, head_dim: Optional[int] = None) -> None:
+        if self.type not in ROPE_TYPES:
             raise ModelDescriptionError(
-                f"rope_scaling.type={self.type!r} is not supported; use 'linear' or 'llama3'"
+                f"rope_scaling.type={self.type!r} is not supported; use one of {', '.join(ROPE_TYPES)}"
             )
         if self.factor <= 0:
             raise ModelDescriptionError(f"rope_scaling.factor must be > 0, got {self.factor}")
@@ -54,6 +76,24 @@ class RopeScaling:
                 "rope_scaling: high_freq_factor must exceed low_freq_factor "
                 f"({self.high_freq_factor} <= {self.low_freq_factor})"
             )
+        if not isinstance(self.original_max_position_embeddings, int) or \
+                self.original_max_position_embeddings <= 0:
+            raise ModelDescriptionError("rope_scaling.original_max_position_embeddings must be a positive "
+                                        f"integer, got {self.original_max_position_embeddings!r}")
+        if self.attention_factor is not None and self.attention_factor <= 0:
+            raise ModelDescriptionError(
+                f"rope_scaling.attention_factor must be > 0 or null, got {self.attention_factor}")
+        if self.type == "yarn" and self.beta_fast < self.beta_slow:
+            raise ModelDescriptionError(
+                f"rope_scaling: yarn needs beta_fast >= beta_slow ({self.beta_fast} < {self.beta_slow})")
+        if self.type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                value = getattr(self, name)
+                if not isinstance(value, list) or (head_dim is not None and len(value) != head_dim // 2):
+                    want = f"{head_dim // 2} numbers (head_dim / 2)" if head_dim else "a list of numbers"
+                    raise ModelDescriptionError(
+                        f"rope_scaling.{name} of longrope must be {want}, got "
+                        f"{len(value) if isinstance(value, list) else value!r}")
 
 
 @dataclass
@@ -127,7 +167,7 @@ class ModelDescription:
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ModelDescriptionError("rope_theta and norm_eps must be positive")
         if self.rope_scaling is not None:
-            self.rope_scaling.validate()
+            self.rope_scaling.validate(self.head_dim)
 
     # ------------------------------------------------------------- derived
     @property
@@ -144,26 +184,31 @@ class ModelDescription:
         emb = self.vocab_size * h
         return self.num_layers * per_layer + h + emb * (1 if self.tied_embeddings else 2)
 
-    def inv_freq(self):
-        """RoPE inverse frequencies [head_dim/2] in float64 with scaling applied."""
-        import torch
+    def inv_freq(self, seq_len: Optional[int] = None):
+        """RoPE inverse frequencies ``[head_dim / 2]`` (float32, bit-identical to HF's) with
+        scaling applied, for a forward of ``seq_len`` tokens (:func:`hyflow.models.rope.inv_freq`)."""
+        from hyflow.models.rope import inv_freq
 
-        d = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        return inv_freq(self, seq_len)
+
+    @property
+    def context_length(self) -> int:
+        """Longest sequence the model is meant to run: ``max_position_embeddings``, or what the
+        RoPE scaling extends the original context to (``factor x original`` for llama3 / yarn /
+        longrope, ``factor x max_position_embeddings`` for dynamic NTK, whose HF threshold is
+        ``max_position_embeddings`` itself), whichever is larger."""
         s = self.rope_scaling
-        if s is None:
-            return inv
-        if s.type == "linear":
-            return inv / s.factor
-        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
-        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-            s.high_freq_factor - s.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
+        if s is None or s.type == "linear":
+            return self.max_position_embeddings
+        original = self.max_position_embeddings if s.type == "dynamic" else s.original_max_position_embeddings
+        return max(self.max_position_embeddings, int(s.factor * original))
+
+    @property
+    def rope_length_dependent(self) -> bool:
+        """True when the RoPE frequencies depend on the sequence length (dynamic, longrope)."""
+        from hyflow.models.rope import LENGTH_DEPENDENT
+
+        return self.rope_scaling is not None and self.rope_scaling.type in LENGTH_DEPENDENT
 
     # ------------------------------------------------------------------ io
     def to_dict(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from hyflow.kernels.reshard_reference import grouped_to_qkv, qkv_to_grouped
-from hyflow.models.description import ModelDescription, ModelDescriptionError, RopeScaling
+from hyflow.models.description import ROPE_TYPES, ModelDescription, ModelDescriptionError, RopeScaling
 
 _ARCH_FAMILY = {
     "LlamaForCausalLM": "llama",
@@ -36,7 +36,6 @@ _ARCH_FAMILY = {
     "MistralForCausalLM": "mistral",
 }
 _FAMILY_ARCH = {family: arch for arch, family in _ARCH_FAMILY.items()}
-_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 #: HF tensors that are derived buffers, not weights (older Llama checkpoints store them).
 IGNORED_HF_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
@@ -52,23 +51,67 @@ def _rope_settings(cfg: Mapping[str, Any]) -> tuple[Optional[float], Optional[Ma
     return theta, scaling
 
 
-def _rope_scaling(rs: Optional[Mapping[str, Any]]) -> Optional[RopeScaling]:
+def _rope_scaling(rs: Optional[Mapping[str, Any]], cfg: Mapping[str, Any]) -> Optional[RopeScaling]:
+    """RopeScaling from an HF ``rope_scaling`` / ``rope_parameters`` dict (``type`` or ``rope_type``).
+
+    Defaults follow transformers 5: a missing ``original_max_position_embeddings`` is the
+    config's top-level one if present (it wins, as for Phi-3), else ``max_position_embeddings``;
+    a missing yarn / longrope ``factor`` is ``max_position_embeddings / original``."""
     if not rs:
         return None
     kind = rs.get("rope_type", rs.get("type"))
     if kind in (None, "default"):
         return None
-    if kind not in ("linear", "llama3"):
+    if kind not in ROPE_TYPES:
         raise ModelDescriptionError(
-            f"rope_scaling type {kind!r} is not supported; hyflow runs 'linear' and 'llama3' "
-            "(dynamic / yarn / longrope change attention in ways the engine does not implement)")
+            f"rope_scaling type {kind!r} is not supported; hyflow runs {', '.join(ROPE_TYPES)}")
     if float(rs.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ModelDescriptionError("partial_rotary_factor != 1 is not supported")
+    max_pos = cfg.get("max_position_embeddings") or 4096
+    original = cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings") \
+        or max_pos
+    factor = rs.get("factor")
+    if factor is None:
+        if kind not in ("yarn", "longrope"):
+            raise ModelDescriptionError(f"rope_scaling of type {kind!r} needs a 'factor'")
+        factor = max_pos / original
+
+    def opt(key: str) -> Optional[float]:
+        value = rs.get(key)
+        return None if value is None else float(value)
+
     return RopeScaling(
-        type=kind, factor=float(rs.get("factor", 1.0)),
+        type=kind, factor=float(factor),
         low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
+        original_max_position_embeddings=int(original),
+        beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
+        mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
+        attention_factor=opt("attention_factor"), truncate=bool(rs.get("truncate", True)),
+        short_factor=[float(x) for x in rs["short_factor"]] if rs.get("short_factor") else None,
+        long_factor=[float(x) for x in rs["long_factor"]] if rs.get("long_factor") else None)
+
+
+def _hf_rope_scaling(s: RopeScaling) -> dict[str, Any]:
+    """HF ``rope_scaling`` dict of ``s``: both ``rope_type`` (transformers >= 4.43) and ``type``
+    (older readers, vLLM's legacy path), and only the keys its family uses."""
+    out: dict[str, Any] = {"rope_type": s.type, "type": s.type, "factor": s.factor}
+    if s.type in ("llama3", "yarn", "longrope"):
+        out["original_max_position_embeddings"] = s.original_max_position_embeddings
+    if s.type == "llama3":
+        out.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
+    if s.type == "yarn":
+        out.update(beta_fast=s.beta_fast, beta_slow=s.beta_slow)
+        for key in ("mscale", "mscale_all_dim"):
+            if getattr(s, key) is not None:
+                out[key] = getattr(s, key)
+        if not s.truncate:
+            out["truncate"] = False
+    if s.type == "longrope":
+        out.update(short_factor=list(s.short_factor), long_factor=list(s.long_factor))
+    if s.type in ("yarn", "longrope") and s.attention_factor is not None:
+        out["attention_factor"] = s.attention_factor
+    return out
 
 
 def _family(cfg: Mapping[str, Any]) -> str:
@@ -120,7 +163,7 @@ def description_from_hf_config(cfg: Mapping[str, Any]) -> ModelDescription:
         max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         rope_theta=float(theta if theta is not None else 10000.0),
-        rope_scaling=_rope_scaling(rs),
+        rope_scaling=_rope_scaling(rs, cfg),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -172,12 +215,7 @@ def hf_config_from_description(desc: ModelDescription, base: Optional[Mapping[st
         dtype=dtype,
     )
     if desc.rope_scaling is not None:
-        s = desc.rope_scaling
-        cfg["rope_scaling"] = {"rope_type": s.type, "factor": s.factor}
-        if s.type == "llama3":
-            cfg["rope_scaling"].update(
-                low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                original_max_position_embeddings=s.original_max_position_embeddings)
+        cfg["rope_scaling"] = _hf_rope_scaling(desc.rope_scaling)
     if desc.family != "qwen2":
         cfg.update(attention_bias=False, mlp_bias=False)
     if desc.eos_token_ids and "eos_token_id" not in cfg:

@@ -32,6 +32,9 @@ def _hook(module: torch.nn.Module, args, output):
     positions: Optional[torch.Tensor] = getattr(module, _ATTR, None)
     if positions is None:
         return output
+    angles = getattr(module, "angles", None)
+    if angles is not None:  # hyflow's DescribedRotaryEmbedding: every RoPE scaling family
+        return angles(positions.to(module.inv_freq.device))
     inv_freq = module.inv_freq
     seq = positions.to(device=inv_freq.device, dtype=inv_freq.dtype)
     if getattr(module, "seq_len_interpolation_factor", None) is not None:

@@ -38,7 +38,8 @@ class SDPAttention(MegatronModule):
                  cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not implement context parallelism; use the TE spec")
+            raise ValueError("SDPAttention does not implement context parallelism; with cp > 1 the "
+                             "builder uses UlyssesAttention (or TE's attention with the te spec)")
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 

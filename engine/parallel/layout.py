@@ -135,6 +135,13 @@ class Layout:
                 f"tp={self.tp} does not divide num_attention_heads={m.num_attention_heads}; "
                 f"use a tp that divides {m.num_attention_heads}"
             )
+        if self.cp > 1 and m.num_attention_heads % (self.tp * self.cp):
+            raise LayoutError(
+                f"cp={self.cp}: context parallelism gives each of the tp x cp = {self.tp} x {self.cp} "
+                f"= {self.tp * self.cp} ranks of a model replica a share of the "
+                f"num_attention_heads={m.num_attention_heads} heads inside attention; use tp and cp "
+                f"whose product divides {m.num_attention_heads}"
+            )
         if m.num_query_groups % self.tp:
             raise LayoutError(
                 f"tp={self.tp} does not divide the {m.num_query_groups} key/value groups "

@@ -8,6 +8,7 @@ to change; :mod:`hyflow.plan.report` prints them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -145,7 +146,7 @@ def _plan_lm(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     result.phases.append(mem.worst(mem.training_estimates(
         cfg.model, layout, dtype=cfg.actor.dtype, seq=d.seq_length,
         micro_batch_size=d.micro_batch_size, n_micro=n_micro,
-        attention=_attention(cfg.actor.spec, opts.device), recompute="none",
+        attention=_attention(cfg.actor.spec, opts.device), recompute=cfg.actor.recompute,
         distributed_optimizer=cfg.actor.optim.distributed_optimizer, phase="train")))
 
 
@@ -227,7 +228,17 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     # a slice of it); grads and optimizer state stay where they are.
     gen = cfg.rollout.layout
     specs = model_param_specs(model, mem.padded_vocab(model, layout.tp), pbytes)
-    plan = plan_reshard(specs, layout, (gen.tp, gen.pp), world_size=world,
+    reshard_layout = layout
+    if layout.cp > 1:
+        # CP ranks hold the same weight shards, and in Megatron's rank order (tp-cp-dp-pp) a
+        # tp x cp x dp x pp layout puts them exactly where tp x (cp * dp) x pp would: for the
+        # weights' reshard CP is more data parallelism.
+        reshard_layout = dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1)
+        result.warnings.append(
+            f"actor.layout.cp={layout.cp}: the plan reshards the actor as {layout.cp * layout.dp}-way "
+            "data parallel (CP ranks hold the same weights); the RL job's hybrid engine does not "
+            "run context-parallel layouts yet")
+    plan = plan_reshard(specs, reshard_layout, (gen.tp, gen.pp), world_size=world,
                         num_layers=model.num_layers)
     result.reshard = plan
     enums = generation_enumerations(plan)
@@ -243,8 +254,9 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     # a prompt is prefilled once for its n samples (the engine's share_prompt_prefill)
     prompts = -(-slots // cfg.rollout.n) if _engine_default(cfg.rollout, "share_prompt_prefill", True) \
         else slots
+    chunk = cfg.rollout.prefill_chunk_size or cfg.rollout.max_prompt_length
     prefill = min(_engine_default(cfg.rollout, "max_prefill_tokens", 8192),
-                  prompts * cfg.rollout.max_prompt_length)
+                  prompts * min(chunk, cfg.rollout.max_prompt_length))
     est = mem.MemoryEstimate("generation")
     est.add("generation weights", max(plan.gen_bytes),
             f"actor in TP_g={gen.tp} PP_g={gen.pp} (holds the training shard)")
@@ -257,8 +269,9 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
             f"{slots} sequences x {capacity} tokens, {model.num_query_groups // gen.tp} "
             f"KV group(s) x {model.num_layers // gen.pp} layer(s)")
     est.add("forward transient", mem.generation_transient(
-        model, gen.tp, prefill_tokens=prefill, rows=slots, dtype=dtype),
-        f"prefill of {prefill} tokens, logits + sampling of {slots} rows")
+        model, gen.tp, prefill_tokens=prefill, rows=slots, dtype=dtype, context=capacity,
+        chunked=chunk < cfg.rollout.max_prompt_length),
+        f"prefill of {prefill} tokens over a {capacity}-token cache, logits + sampling of {slots} rows")
     result.phases.append(est)
     if opts.device == "cpu" and plan.tp_ratio > 1:  # the TP merge's shared-memory staging, mapped for the run
         own = max(plan.bytes_recv) // (plan.tp_ratio - 1)

@@ -111,7 +111,7 @@ def measure_lm(config: str, overrides: Sequence[str] = (), steps: int = 2) -> di
 
     from hyflow.cli import load_job_config
     from hyflow.jobs.lm import arith_batch
-    from hyflow.models.builder import build_model_chunks
+    from hyflow.models.builder import build_model_chunks, recompute_overrides
     from hyflow.models.weights import load_full_state_dict, random_full_state_dict
     from hyflow.parallel.groups import init_training_groups
     from hyflow.plan import memory as mem
@@ -130,7 +130,8 @@ def measure_lm(config: str, overrides: Sequence[str] = (), steps: int = 2) -> di
     gc.collect()
     tracker = TensorMemoryTracker()
     with RssSampler() as rss, tracker:
-        models = build_model_chunks(cfg.model, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec)
+        models = build_model_chunks(cfg.model, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
+                                    config_overrides=recompute_overrides(cfg.actor.recompute))
         initial = random_full_state_dict(cfg.model, cfg.trainer.seed)
         for vp, model in enumerate(models):
             load_full_state_dict(model, initial, cfg.model, groups, vp_stage=vp if layout.vpp else None)
@@ -141,19 +142,25 @@ def measure_lm(config: str, overrides: Sequence[str] = (), steps: int = 2) -> di
         built = tracker.current
         build_peak = tracker.peak
         tracker.reset_peak()
+        step_peak, transient = 0, 0
         for mbs in batches:
+            before = tracker.current  # Adam's moments appear during the first step
+            tracker.reset_peak()
             train_step(chunks, optimizer, scheduler, mbs, groups=groups)
-        step_peak = tracker.peak
+            step_peak = max(step_peak, tracker.peak)
+            transient = tracker.peak - before  # the last step's: activations and temporaries only
     est = mem.training_estimates(
         cfg.model, layout, dtype=cfg.actor.dtype, seq=d.seq_length,
         micro_batch_size=d.micro_batch_size, n_micro=n_micro, attention="local",
-        recompute="none", distributed_optimizer=cfg.actor.optim.distributed_optimizer)
+        recompute=cfg.actor.recompute, distributed_optimizer=cfg.actor.optim.distributed_optimizer)
     mine = est[groups.pp_rank]
     return {
         "rank": dist.get_rank(), "stage": groups.pp_rank, "layout": layout.describe(),
         "estimate_bytes": mine.total, "estimate_items": {i.name: i.bytes for i in mine.items},
         "estimate_static_bytes": mine.get("weights") + mine.get("grads") + mine.get("optimizer"),
         "tensor_peak_bytes": step_peak, "tensor_after_build_bytes": built,
+        "tensor_step_transient_bytes": transient,
+        "estimate_transient_bytes": sum(mine.get(k) for k in ("activations", "logits", "backward transient")),
         "tensor_build_peak_bytes": build_peak, "rss_growth_bytes": rss.growth,
         "rss_baseline_bytes": rss.baseline,
     }

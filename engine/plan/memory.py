@@ -114,7 +114,8 @@ def layer_activation_bytes(desc: ModelDescription, layout: Layout, seq: int, mbs
 
     * ``local`` (Megatron's local spec, unfused attention; what CPU runs use): each RMSNorm
       keeps ``x * rsqrt`` in fp32, its output, an fp32 copy of its input when p < 4 and the
-      fp32 ``rsqrt`` (``sbh (4 + p [+ 4]) + 4 sb``, over ts); residual outputs ``2 sbh p / ts``;
+      fp32 ``rsqrt`` (``sbh (4 + p [+ 4]) + 4 sb``, over ts); in fp32 the norms' inputs are the
+      residual stream itself (``2 sbh p / ts``; in 16 bits the fp32 copies stand for it);
       rotated q, repeated k and v and the context ``4 sb a d p / t``; the fp32 softmax
       ``4 b a s^2 / t`` (plus its p-byte copy when p < 4); SwiGLU ``5 sb f p / t`` (fc1
       output, silu, offset input, product);
@@ -124,7 +125,8 @@ def layer_activation_bytes(desc: ModelDescription, layout: Layout, seq: int, mbs
       (``sbh p + 4 sb``, over ts), q/k/v and the attention output ``sb (2a + 2g) d p / t``,
       log-sum-exp, SwiGLU ``3 sb f p / t``.
 
-    ``selective`` recomputes core attention (keeps its inputs q, k, v and output);
+    ``selective`` recomputes core attention: it keeps its inputs (rotated q and k, and v, a
+    view that keeps the whole fused QKV projection alive) and its output, ``sb (3a + 3g) d p / t``;
     ``full`` keeps only each layer's input (the recomputed layer is a backward transient).
     """
     p = DTYPE_BYTES[dtype]
@@ -144,14 +146,50 @@ def layer_activation_bytes(desc: ModelDescription, layout: Layout, seq: int, mbs
         return norms + residual + sb * (2 * a + 2 * g) * d * p + lse + 3 * sb * f * p / t
     upcast = 4 if p < 4 else 0
     norms = 2 * (sb * h * (4 + p + upcast) + 4 * sb) / ts
+    if upcast:
+        residual = 0.0  # the norms keep fp32 copies (counted above), not the residual stream
     mlp = 5 * sb * f * p / t
     if recompute == "selective":
-        attn = sb * (2 * a + 2 * g) * d * p
+        attn = sb * (3 * a + 3 * g) * d * p
     elif attention == "sdpa":
         attn = 5 * sb * a * d * p + lse
     else:
         attn = 4 * sb * a * d * p + b * a * s * s * (4 + (p if p < 4 else 0))
     return norms + residual + attn + mlp
+
+
+def score_buffer_bytes(desc: ModelDescription, layout: Layout, seq: int, mbs: int, dtype: str) -> float:
+    """Megatron's local attention writes the ``[b a / t, s, s]`` scores into one global buffer
+    (``get_global_memory_buffer``) that every layer reuses and that stays allocated."""
+    s = seq // layout.cp
+    return mbs * desc.num_attention_heads / layout.tp * s * s * DTYPE_BYTES[dtype]
+
+
+def attention_backward_bytes(desc: ModelDescription, layout: Layout, seq: int, mbs: int,
+                             attention: Attention, recompute: Recompute, dtype: str) -> float:
+    """Transient bytes inside one layer's attention backward, beyond what the layer keeps.
+
+    * ``local``: the gradients of the ``s^2`` attention probabilities and scores. In fp32 both
+      are alive at once (``8 b a s^2 / t``); in 16 bits autograd has released the 16-bit
+      probabilities and the fp32 ones are consumed as the gradients appear (``3 b a s^2 / t``,
+      measured in ``tests/test_plan_memory.py``);
+    * ``sdpa`` / ``te`` (memory-efficient kernels): no ``s^2`` term (0 here; the activation
+      gradients of the backward transient dominate);
+    * ``selective`` recompute adds the recomputed core attention's own activations (the
+      ``none`` minus ``selective`` attention terms of :func:`layer_activation_bytes`, i.e. what
+      the forward kept beyond the inputs; with ``local`` the ``s^2`` softmax).
+    """
+    p = DTYPE_BYTES[dtype]
+    t = layout.tp
+    s, b = seq // layout.cp, mbs
+    a = desc.num_attention_heads / t
+    out = 0.0
+    if attention == "local":
+        out = b * a * s * s * (8 if p == 4 else 3)
+    if recompute == "selective" and attention != "te":
+        out += (layer_activation_bytes(desc, layout, seq, mbs, attention, "none", dtype)
+                - layer_activation_bytes(desc, layout, seq, mbs, attention, "selective", dtype))
+    return out
 
 
 def forward_layer_bytes(desc: ModelDescription, layout: Layout, seq: int, mbs: int,
@@ -235,12 +273,19 @@ def training_estimates(desc: ModelDescription, layout: Layout, *, dtype: str, se
         if recompute == "full":  # one layer recomputed with everything during backward
             act += layer_activation_bytes(desc, layout, seq, micro_batch_size, attention, "none", dtype)
         est.add("activations", act, note)
+        if attention == "local":
+            est.add("attention buffer", score_buffer_bytes(desc, layout, seq, micro_batch_size, dtype),
+                    "Megatron's global score buffer, reused by every layer (local spec)")
         if q == layout.pp - 1:
             width = 1 if head == "value" else vp // t
             logits = tokens * width * 4 * logits_copies + tokens * width * pbytes
             est.add("logits", logits, f"fp32 log-softmax over {width} vocab rows x {tokens} tokens")
-        transient = biggest_weight * pbytes + 2 * max(per_token_h * ts, tokens * 2 * f / t * pbytes)
-        est.add("backward transient", transient, "weight-grad temporary + activation grads")
+        transient = max(
+            biggest_weight * pbytes + 2 * max(per_token_h * ts, tokens * 2 * f / t * pbytes),
+            attention_backward_bytes(desc, layout, seq, micro_batch_size, attention, recompute, dtype))
+        est.add("backward transient", transient,
+                "weight-grad temporary + activation grads, or the attention backward"
+                + (" with its recomputed forward" if recompute == "selective" else ""))
         out.append(est)
     return out
 
@@ -257,6 +302,9 @@ def inference_estimates(desc: ModelDescription, layout: Layout, *, dtype: str, s
     for q in range(layout.pp):
         est = MemoryEstimate(phase, stage=q)
         est.add("activations", layer, "one layer at a time (no autograd graph)")
+        if attention == "local":
+            est.add("attention buffer", score_buffer_bytes(desc, layout, seq, micro_batch_size, dtype),
+                    "Megatron's global score buffer (local spec)")
         if q == layout.pp - 1 and head == "lm":
             width = padded_vocab(desc, layout.tp) // layout.tp
             est.add("logits", tokens * width * (4 + pbytes), f"fp32 log-softmax over {width} rows")
@@ -265,14 +313,21 @@ def inference_estimates(desc: ModelDescription, layout: Layout, *, dtype: str, s
 
 
 def generation_transient(desc: ModelDescription, gen_tp: int, *, prefill_tokens: int, rows: int,
-                         dtype: str) -> int:
+                         dtype: str, context: int = 0, chunked: bool = False) -> int:
     """Largest forward-time transient of a generation rank: one layer's working set for a
-    prefill forward of ``prefill_tokens`` (memory-efficient attention over the cache), and
-    fp32 logits plus sampler work copies for the ``rows`` sequences sampled at once."""
+    prefill forward of ``prefill_tokens`` (a prefill from position 0 is causal attention without
+    a mask or a score matrix), and fp32 logits plus sampler work copies for the ``rows``
+    sequences sampled at once. ``chunked``: prefill chunks after the first attend over up to
+    ``context`` cached positions with an additive fp32 mask (GQA folded into the queries) and a
+    materialised fp32 score matrix per head. Chunked prefill bounds ``prefill_tokens`` (and so
+    all of this) by the chunk size."""
     pbytes = DTYPE_BYTES[dtype]
     layer = forward_layer_bytes(desc, Layout(tp=gen_tp), prefill_tokens, 1, "sdpa", dtype)
     width = padded_vocab(desc, gen_tp) // gen_tp
-    return int(layer + rows * width * (pbytes + 4 * 4))
+    heads = desc.num_attention_heads // gen_tp
+    rep = desc.num_attention_heads // desc.num_query_groups
+    attention = 4 * prefill_tokens * context * (heads + rep) if chunked else 0
+    return int(layer + attention + rows * width * (pbytes + 4 * 4))
 
 
 def kv_cache_bytes(desc: ModelDescription, gen_tp: int, gen_pp: int, slots: int, capacity: int,

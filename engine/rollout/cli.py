@@ -256,7 +256,7 @@ def _generate(args: argparse.Namespace) -> int:
     if tokenizer is not None:
         eos = list(dict.fromkeys(eos + list(tokenizer.stop_token_ids())))
     engine = GenerationEngine(model, _configs(args), vocab_size=desc.vocab_size, eos_token_ids=eos,
-                              tp_group=groups.pgs.tp, max_position_embeddings=desc.max_position_embeddings,
+                              tp_group=groups.pgs.tp, max_position_embeddings=desc.context_length,
                               pp_group=groups.pgs.pp)
     result = generate_data_parallel(engine, prompts, groups.pgs.dp, device=groups.device).to_result()
     if dist.get_rank() == 0:

@@ -97,7 +97,8 @@ class RolloutConfig:
     max_concurrent: int = field(default=64, metadata={
         "help": "sequences decoded at once (KV-cache slots)"})
     max_seq_len: Optional[int] = field(default=None, metadata={
-        "help": "context limit prompt + response (None = the model's max_position_embeddings)"})
+        "help": "context limit prompt + response (None = the model's context length: "
+                "max_position_embeddings, extended by its RoPE scaling)"})
     max_prompt_length: Optional[int] = field(default=None, metadata={
         "help": "longest prompt (None = max_seq_len - 1); longer prompts are an error "
                 "unless truncate_long_prompts"})

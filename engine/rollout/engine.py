@@ -87,7 +87,7 @@ class GenerationEngine:
                          tp_group=None, pp_group=None) -> "GenerationEngine":
         """Engine for a model built from a :class:`~hyflow.models.description.ModelDescription`."""
         return cls(model, config, vocab_size=desc.vocab_size, eos_token_ids=desc.eos_token_ids,
-                   tp_group=tp_group, max_position_embeddings=desc.max_position_embeddings,
+                   tp_group=tp_group, max_position_embeddings=desc.context_length,
                    pp_group=pp_group)
 
     # -------------------------------------------------------------- requests

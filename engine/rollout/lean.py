@@ -111,20 +111,24 @@ class LeanDecoder:
         half = self.head_dim // 2
         per_group = self.heads // self.groups
         x = hidden
+        # Intermediates are deleted as soon as they are consumed: a long prefill's peak is then
+        # one block's working set (Python locals would otherwise keep the previous block's alive).
         for layer in self.layers:
             attn, mlp = layer.self_attention, layer.mlp
-            h = layer.input_layernorm(x)
-            qkv = self._linear(attn.linear_qkv, h)
+            qkv = self._linear(attn.linear_qkv, layer.input_layernorm(x))
             qkv = qkv.view(s, b, self.groups, (per_group + 2) * self.head_dim)
             q, k, v = torch.split(qkv, [per_group * self.head_dim, self.head_dim, self.head_dim], dim=3)
+            del qkv
             q = q.reshape(s, b, self.heads, self.head_dim)
             q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
             k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
             ctx = attn.core_attention(q, k, v, None)
-            out = self._reduce(self._linear(attn.linear_proj, ctx))
-            x = x + out
-            h = layer.pre_mlp_layernorm(x)
-            gate, up = torch.chunk(self._linear(mlp.linear_fc1, h), 2, dim=-1)
-            down = self._reduce(self._linear(mlp.linear_fc2, F.silu(gate) * up))
-            x = x + down
+            del q, k, v
+            x = x + self._reduce(self._linear(attn.linear_proj, ctx))
+            del ctx
+            gate, up = torch.chunk(self._linear(mlp.linear_fc1, layer.pre_mlp_layernorm(x)), 2, dim=-1)
+            act = F.silu(gate) * up
+            del gate, up
+            x = x + self._reduce(self._linear(mlp.linear_fc2, act))
+            del act
         return self.final_norm(x) if self.final_norm is not None else x

@@ -7,7 +7,9 @@ hyflow's own (Megatron's static inference context cannot give rows different
 positions):
 
 * RoPE angles are computed per row from absolute positions (``[s, b, 1, d]``,
-  which Megatron's unfused RoPE broadcasts), from the model's own ``inv_freq``;
+  which Megatron's unfused RoPE broadcasts), by the model's own rotary module
+  (:meth:`~hyflow.models.rotary.DescribedRotaryEmbedding.angles`: the frequencies
+  training uses, per row for length-dependent scalings such as dynamic NTK);
 * every layer's core attention is swapped for a :class:`CachedAttention` while
   the runner is attached (:meth:`ModelRunner.attach`), and restored afterwards.
 
@@ -189,9 +191,13 @@ class ModelRunner:
                 if self.lean is not None:
                     self.lean.linear = None
 
-    def rope(self, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE angles ``[s, b, 1, d]`` for absolute ``positions [b, s]`` (as Megatron computes)."""
-        inv_freq = self.model.rotary_pos_emb.inv_freq.to(self.device)
+    def rope(self, positions: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """RoPE angles ``[s, b, 1, d]`` for absolute ``positions [b, s]`` (as Megatron computes);
+        ``lengths [b]``: each row's real length after this forward (right padding excluded)."""
+        rotary = self.model.rotary_pos_emb
+        if hasattr(rotary, "angles"):  # hyflow's module: every scaling family
+            return rotary.angles(positions, lengths)
+        inv_freq = rotary.inv_freq.to(self.device)
         seq = positions.t().to(inv_freq.dtype)
         if self._interp is not None:
             seq = seq * (1 / self._interp)
@@ -209,9 +215,12 @@ class ModelRunner:
                                   device=self.device)
 
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch,
-                rows: Optional[torch.Tensor] = None, cols: Optional[torch.Tensor] = None
-                ) -> Optional[torch.Tensor]:
+                rows: Optional[torch.Tensor] = None, cols: Optional[torch.Tensor] = None,
+                lengths: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Run ``tokens [b, s]`` at the slots and positions of ``batch`` (see :meth:`plan`).
+
+        ``lengths [b]``: each row's real length after this forward when rows are right-padded
+        (default: last position + 1); length-dependent RoPE scalings (dynamic NTK) use it.
 
         Returns fp32 vocab-parallel logits ``[n, V / TP]`` of the hidden state at
         (``rows[i]``, ``cols[i]``) (default: every row's last column), or None when
@@ -231,11 +240,11 @@ class ModelRunner:
             hidden = torch.empty(s, b, self.hidden_size, dtype=self.hidden_dtype, device=tokens.device)
             dist.recv(hidden, src=self._prev, group=self.pp_group)
         if self.lean is not None:
-            hidden = self.lean.forward(hidden, self.rope(positions))
+            hidden = self.lean.forward(hidden, self.rope(positions, lengths))
         else:
             if not self.is_first_stage:
                 m.decoder.set_input_tensor(hidden)
-            hidden = m.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=self.rope(positions))
+            hidden = m.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=self.rope(positions, lengths))
         n = b if rows is None else rows.numel()
         if not self.is_last_stage:
             dist.send(hidden.contiguous(), dst=self._next, group=self.pp_group)

@@ -211,9 +211,12 @@ class Scheduler:
                     rows.append(r)
                     ends.append(len(s.prompt) - 1 - start)
             batch = self.runner.plan([s.slot for s in live], [start] * len(live), width)
-            index = to_device([rows, ends], torch.long, self._device)
+            # one transfer: the rows that end a prompt, their last columns, every row's real length
+            index = to_device(rows + ends + [min(len(s.prompt), start + width) for s in live], torch.long,
+                              self._device)
+            k = len(rows)
             logits = self.runner.forward(to_device(flat, torch.long, self._device), batch,
-                                         rows=index[0], cols=index[1])
+                                         rows=index[:k], cols=index[k:2 * k], lengths=index[2 * k:])
             self.stats.prefill_forwards += 1
             self.stats.prefill_tokens += len(live) * width
             for j, r in enumerate(rows):

@@ -35,6 +35,12 @@ Batch = dict
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+def data_group(groups):
+    """The group DDP averages gradients over: data-parallel x context-parallel ranks (each CP rank
+    holds a share of every sequence, so its tokens count like another DP rank's)."""
+    return getattr(groups.pgs, "dp_cp", None) or groups.pgs.dp
+
+
 def token_mean_weights(micro_batches: Sequence[Batch], mask_key: str, dp_group) -> None:
     """Add ``loss_weight = mask / (mask tokens of every micro-batch on every DP rank)`` to each
     micro-batch (in place): summed contributions are then the token mean of the whole step."""
@@ -58,7 +64,7 @@ class LMLoss:
 
     def prepare(self, micro_batches: Sequence[Batch], groups) -> None:
         if "loss_weight" not in micro_batches[0]:
-            token_mean_weights(micro_batches, "loss_mask", groups.pgs.dp)
+            token_mean_weights(micro_batches, "loss_mask", data_group(groups))
 
     def __call__(self, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = (output.float() * batch["loss_weight"]).sum()
@@ -137,7 +143,8 @@ def forward_backward(chunks: Sequence[torch.nn.Module], micro_batches: Sequence[
             data_iterator=iterators,
             model=list(chunks) if n_chunks > 1 else chunks[0],
             num_microbatches=len(micro_batches),
-            seq_length=first[1],
+            # micro-batches hold this CP rank's share of the sequence; the schedule wants the whole one
+            seq_length=first[1] * getattr(config, "context_parallel_size", 1),
             micro_batch_size=first[0],
             forward_only=forward_only,
             **extra,
@@ -160,9 +167,9 @@ def train_step(chunks, optimizer, scheduler, micro_batches: Sequence[Batch], *, 
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    dp_group = groups.pgs.dp
+    # DDP averages over DP x CP ranks and the schedule multiplies by the CP size: net, DP
     stats = forward_backward(chunks, micro_batches, loss_fn=loss_fn, with_labels=with_labels,
-                             dp_size=dp_group.size())
+                             dp_size=groups.pgs.dp.size())
     update_ok, grad_norm, _ = optimizer.step()
     if update_ok and scheduler is not None:
         scheduler.step(increment=1)
@@ -181,7 +188,7 @@ def reduce_stats(stats: list[dict[str, torch.Tensor]], names: Sequence[str], gro
     vec = torch.zeros(len(names), dtype=torch.float64, device=groups.device)
     for s in stats:
         vec += torch.stack([s[k].detach().to(device=groups.device, dtype=torch.float64) for k in names])
-    dp, pp = groups.pgs.dp, groups.pgs.pp
+    dp, pp = data_group(groups), groups.pgs.pp
     if dp.size() > 1:
         dist.all_reduce(vec, group=dp)
     if pp.size() > 1:

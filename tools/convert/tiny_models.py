@@ -17,7 +17,9 @@ _COMMON: dict[str, Any] = dict(vocab_size=300, hidden_size=64, intermediate_size
                                max_position_embeddings=256, rms_norm_eps=1e-5)
 
 #: name -> (transformers config class, overrides). Covers GQA and MHA, tied and untied
-#: embeddings, Q/K/V biases, llama3 and linear RoPE scaling, rope_theta, head_dim != hidden/heads.
+#: embeddings, Q/K/V biases, every RoPE scaling family (llama3, linear, yarn with the legacy
+#: ``type`` spelling, dynamic NTK, longrope), rope_theta, head_dim != hidden/heads. The
+#: long-context ones have a short original context (64) so tests run past it cheaply.
 TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": ("LlamaConfig", dict(rope_theta=500000.0, tie_word_embeddings=False, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -27,6 +29,14 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(head_dim=32, rope_theta=1000000.0, sliding_window=None,
                                       tie_word_embeddings=False)),
+    "qwen2_yarn": ("Qwen2Config", dict(rope_theta=10000.0, tie_word_embeddings=False, rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama_dynamic": ("LlamaConfig", dict(max_position_embeddings=64, tie_word_embeddings=False,
+                                          rope_scaling={"rope_type": "dynamic", "factor": 4.0})),
+    "llama_longrope": ("LlamaConfig", dict(tie_word_embeddings=False, rope_scaling={
+        "rope_type": "longrope", "original_max_position_embeddings": 64, "factor": 4.0,
+        "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.2],
+        "long_factor": [1.0, 1.3, 1.8, 2.5, 3.2, 3.8, 4.0, 4.0]})),
 }
 
 
