@@ -3,7 +3,7 @@
 * :mod:`.masked` -- masked reductions and whitening shared by everything else;
 * :mod:`.advantages` -- GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++ (+ baseline), ReMax;
 * :mod:`.kl` -- per-token KL estimators, KL coefficient controllers, KL reward penalty;
-* :mod:`.losses` -- loss aggregation, PPO policy / value losses, entropy, DPO / IPO, KTO.
+* :mod:`.losses` -- loss aggregation, PPO policy / value losses, entropy, DPO / IPO / hinge, KTO.
 
 Registries: ``ADV_ESTIMATORS`` maps an estimator name to its function (signatures differ:
 token-level estimators return ``(advantages, returns)``, outcome estimators ``advantages``);
@@ -32,6 +32,7 @@ from hyflow.algorithms.kl import (
     kl_estimate,
 )
 from hyflow.algorithms.losses import (
+    DPO_KINDS,
     LOSS_AGG_MODES,
     aggregate_loss,
     dpo_loss,
@@ -87,6 +88,7 @@ __all__ = [
     "value_loss",
     "entropy_from_logits",
     "entropy_bonus",
+    "DPO_KINDS",
     "dpo_loss",
     "kto_loss",
 ]
