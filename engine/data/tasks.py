@@ -148,8 +148,10 @@ def _plausible_wrong(answer: int, operands: tuple[int, str, int], rng: random.Ra
     """A wrong answer a model could give: off by one or ten, a dropped carry, the other operation,
     reversed digits."""
     a, op, b = operands
-    candidates = {answer - 1, answer + 1, answer + 10, answer - 10, answer % 10, int(str(answer)[::-1]),
-                  a - b if op == "+" else a + b, answer + a if op == "*" else abs(a - b)}
+    candidates = {answer - 1, answer + 1, answer + 10, answer - 10, a - b if op == "+" else a + b,
+                  answer + a if op == "*" else abs(a - b)}
+    if answer >= 10 and answer % 10:  # the carry dropped; the digits swapped
+        candidates |= {answer % 10, int(str(answer)[::-1])}
     options = sorted(c for c in candidates if c >= 0 and c != answer)
     return rng.choice(options)
 
