@@ -274,3 +274,23 @@ def test_build_preference_dataset_from_task_config():
     cfg.data.task_options = {"format": "kto"}
     with pytest.raises(ConfigError, match="drop task_options.format"):
         build_preference_dataset(cfg.data, TOK, "dpo")
+
+
+def test_plan_counts_the_reference_unless_precomputed():
+    import os
+
+    from hyflow.plan.core import PlanOptions, build_plan
+
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "dpo_smollm2.yaml")
+    opts = PlanOptions(world_size=2, megatron_ranks=[])
+    per_batch = build_plan(config, [], opts)
+    assert not per_batch.errors and [r.name for r in per_batch.roles] == ["actor", "reference"]
+    peak = per_batch.peak
+    assert peak.phase == "dpo update" and peak.get("reference weights") == peak.get("weights") > 0
+    pre = build_plan(config, ["algorithm.precompute_ref_logprobs=true"], opts)
+    assert [r.name for r in pre.roles] == ["actor"] and pre.peak.get("reference weights") == 0
+    assert pre.required_bytes < per_batch.required_bytes
+    quick = config.replace("dpo_smollm2", "dpo_quickstart")
+    dpo, kto = build_plan(quick, [], opts), build_plan(quick, ["job=kto"], opts)
+    assert not kto.errors and kto.peak.phase == "kto update"
+    assert kto.peak.get("activations") < dpo.peak.get("activations")  # one row per example, a pair has two
