@@ -191,18 +191,17 @@ def precompute(model: torch.nn.Module, dataset: PreferenceDataset, policy: Polic
     dp, rank = groups.layout.dp, groups.dp_rank
     mine = list(range(rank, len(dataset), dp))
     per = -(-len(dataset) // dp)
-    mine += mine[:per - len(mine)] or [0] * (per - len(mine))  # equal shares for the all-gather
+    mine += [mine[-1]] * (per - len(mine))  # equal shares for the all-gather (the dataset holds >= dp records)
     order = sorted(range(per), key=lambda k: sum(len(p) + len(c) for p, c in record_sequences(dataset[mine[k]],
                                                                                                  dataset.kind)))
     local = torch.zeros(per, 2, dtype=torch.float32, device=groups.device)
     block = micro_size * micro_per_call
-    pad_id = 0
     start, last_report = time.perf_counter(), 0.0
     for b in range(0, per, block):
         ks = order[b:b + block]
         ks = ks + ks[:(-len(ks)) % micro_size]  # whole micro-batches (repeats are scored twice)
         rows = [s for k in ks for s in record_sequences(dataset[mine[k]], dataset.kind)]
-        tensors = sequence_tensors(rows, pad_id, groups.device)
+        tensors = sequence_tensors(rows, 0, groups.device)  # right padding: any id
         micro = micro_batches(tensors, list(range(len(rows))), 2 * micro_size)
         scores = score_sequences([model], micro, policy.vocab_size, groups).view(-1, 2)
         local[torch.tensor(ks, dtype=torch.long, device=groups.device)] = scores
