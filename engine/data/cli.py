@@ -5,8 +5,10 @@
 The rows are in the format the RL job reads (verl's: ``prompt`` chat messages,
 ``data_source``, ``reward_model.ground_truth``, ``extra_info``), as ``.jsonl`` or
 ``.parquet``: use them as ``data.train_files``, or to score a model with
-``hyflow generate --prompts FILE --reward RULE``. Rows are a function of the task,
-``--seed`` and the options only (the RL job's ``data.task`` draws with ``data.seed``).
+``hyflow generate --prompts FILE --reward RULE``. Preference tasks (``pref_*``) add TRL's
+keys for the DPO / KTO jobs: ``chosen`` / ``rejected``, or with ``format=kto`` two rows per
+problem with ``completion`` / ``label``. Rows are a function of the task, ``--seed`` and the
+options only (a job's ``data.task`` draws with ``data.seed``).
 """
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ def cmd_make_task(args: argparse.Namespace) -> int:
 
     if args.list or not args.task:
         for info in TASKS.values():
-            print(f"{info.name:16s} {info.description}; reward rule {info.reward_rule}; "
+            kind = " [preference: job dpo / kto]" if info.kind == "preference" else ""
+            print(f"{info.name:16s} {info.description}{kind}; reward rule {info.reward_rule}; "
                   f"options: {', '.join(_task_options(info.make)) or '-'}")
         return 0 if args.list else 2
     info = TASKS.get(args.task)
@@ -67,6 +70,7 @@ def cmd_make_task(args: argparse.Namespace) -> int:
     except (ValueError, DatasetError) as e:
         print(f"hyflow make-task: {e}", file=sys.stderr)
         return 2
+    use = "train a dpo / kto job on them (data.train_files) or score" if info.kind == "preference" else "score"
     print(f"hyflow make-task: wrote {len(rows)} {info.name} rows to {args.out} "
-          f"(score them with --reward {info.reward_rule})")
+          f"({use} them with --reward {info.reward_rule})")
     return 0

@@ -11,22 +11,36 @@ Word problems for an instruct model such as SmolLM2-135M-Instruct (numeric-match
 
 * ``arithmetic`` -- ``"What is 17 + 25? Answer with just the number."`` -> ``"42"``
 
+Preference tasks for the DPO / KTO jobs (the same problems, a right and a plausible wrong answer):
+
+* ``pref_digit_add``  -- ``digit_add`` with ``chosen: "12"``, ``rejected: "11"`` (char tokenizer);
+* ``pref_arithmetic`` -- ``arithmetic`` with ``chosen: "42"``, ``rejected: "41"`` / ``"52"`` / ``"8"`` ...
+
+Their rows are in TRL's formats (option ``format=dpo``: ``prompt`` / ``chosen`` / ``rejected``
+chat messages; ``format=kto``: two rows per problem, ``prompt`` / ``completion`` / ``label``) and
+keep the verl keys too, so the same file can be scored with ``hyflow generate --reward``.
+
 Each row carries the reference answer in ``extra_info["answer"]`` (the SFT warm-up target) as
-well as in ``reward_model.ground_truth``. Generation is deterministic in ``seed``.
+well as in ``reward_model.ground_truth``. Generation is deterministic in ``seed``. The
+arithmetic tasks take ``split=train|test|all``: a fixed fifth of all questions (by a hash of
+the question) is the test split, so a model can be scored on questions it never trained on.
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import random
+import zlib
 from typing import Any, Callable, Optional
 
 from hyflow.config import ConfigError
 
 __all__ = ["TaskInfo", "TASKS", "task_info", "task_options", "check_task_options", "make_task_rows",
-           "tokenizer_spec_for", "load_data_tokenizer", "QUICKSTART_TASK"]
+           "make_preference_rows", "tokenizer_spec_for", "load_data_tokenizer", "QUICKSTART_TASK",
+           "DPO_QUICKSTART_TASK"]
 
 QUICKSTART_TASK = "digits_reverse"
+DPO_QUICKSTART_TASK = "pref_digit_add"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +52,7 @@ class TaskInfo:
     make: Callable[..., list[dict]]     # make(size, seed, **options) -> rows
     tokenizer: Optional[str]            # "char", or None (use data.tokenizer)
     reward_rule: str                    # the hyflow.rewards rule that scores it
+    kind: str = "rl"                    # "rl": prompts; "preference": rows for job dpo / kto
 
 
 def _row(task: str, index: int, question: str, answer: str, ability: str) -> dict:
@@ -64,14 +79,18 @@ def _digit_task(task: str, verb: str, fn: Callable[[str], str]) -> Callable[...,
     return make
 
 
+def _digit_add_problems(size: int, seed: int) -> list[tuple[str, int, tuple[int, str, int]]]:
+    rng = random.Random(f"digit_add:{seed}")
+    out = []
+    for _ in range(size):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        out.append((f"{a}+{b}=", a + b, (a, "+", b)))
+    return out
+
+
 def _make_digit_add(size: int, seed: int = 0) -> list[dict]:
     """Rows ``"a+b="`` -> ``"a+b"`` for single digits a, b."""
-    rng = random.Random(f"digit_add:{seed}")
-    rows = []
-    for i in range(size):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append(_row("digit_add", i, f"{a}+{b}=", str(a + b), "math"))
-    return rows
+    return [_row("digit_add", i, q, str(ans), "math") for i, (q, ans, _) in enumerate(_digit_add_problems(size, seed))]
 
 
 _OPS: dict[str, tuple[str, Callable[[int, int], int]]] = {
@@ -81,17 +100,30 @@ _OPS: dict[str, tuple[str, Callable[[int, int], int]]] = {
 }
 
 
-def _make_arithmetic(size: int, seed: int = 0, ops: str = "+-", max_operand: int = 50,
-                     max_factor: int = 12) -> list[dict]:
-    """Rows ``"What is a op b? Answer with just the number."`` -> the result (non-negative)."""
+SPLITS = ("all", "train", "test")
+
+
+def _in_split(question: str, split: str) -> bool:
+    """``test``: a fixed fifth of all questions (by a CRC of the text); ``train``: the rest."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    held_out = zlib.crc32(question.encode()) % 5 == 0
+    return split == "all" or held_out == (split == "test")
+
+
+def _arithmetic_problems(size: int, seed: int, ops: str, max_operand: int, max_factor: int,
+                         split: str) -> list[tuple[str, int, tuple[int, str, int]]]:
     unknown = set(ops) - set(_OPS)
     if not ops or unknown:
         raise ValueError(f"ops must be drawn from '+-*', got {ops!r}")
     if max_operand < 0 or max_factor < 0:
         raise ValueError(f"max_operand and max_factor must be >= 0, got {max_operand}, {max_factor}")
+    _in_split("", split)  # checks the name
     rng = random.Random(f"arithmetic:{seed}")
-    rows = []
-    for i in range(size):
+    out: list[tuple[str, int, tuple[int, str, int]]] = []
+    for _ in range(1000 * size):  # a split keeps about 4/5 or 1/5 of the draws
+        if len(out) == size:
+            break
         op = rng.choice(ops)
         hi = max_factor if op == "*" else max_operand
         a, b = rng.randint(0, hi), rng.randint(0, hi)
@@ -99,8 +131,64 @@ def _make_arithmetic(size: int, seed: int = 0, ops: str = "+-", max_operand: int
             a, b = b, a
         symbol, fn = _OPS[op]
         question = f"What is {a} {symbol} {b}? Answer with just the number."
-        rows.append(_row("arithmetic", i, question, str(fn(a, b)), "math"))
+        if _in_split(question, split):
+            out.append((question, fn(a, b), (a, op, b)))
+    if len(out) < size:
+        raise ValueError(f"split={split!r} holds too few questions for ops={ops!r} max_operand={max_operand}")
+    return out
+
+
+def _make_arithmetic(size: int, seed: int = 0, ops: str = "+-", max_operand: int = 50,
+                     max_factor: int = 12, split: str = "all") -> list[dict]:
+    """Rows ``"What is a op b? Answer with just the number."`` -> the result (non-negative)."""
+    problems = _arithmetic_problems(size, seed, ops, max_operand, max_factor, split)
+    return [_row("arithmetic", i, q, str(ans), "math") for i, (q, ans, _) in enumerate(problems)]
+
+
+# ----------------------------------------------------------------------------- preference tasks
+
+
+def _plausible_wrong(answer: int, operands: tuple[int, str, int], rng: random.Random) -> int:
+    """A wrong answer a model could give: off by one or ten, a dropped carry, the other operation,
+    reversed digits."""
+    a, op, b = operands
+    candidates = {answer - 1, answer + 1, answer + 10, answer - 10, a - b if op == "+" else a + b,
+                  answer + a if op == "*" else abs(a - b)}
+    if answer >= 10 and answer % 10:  # the carry dropped; the digits swapped
+        candidates |= {answer % 10, int(str(answer)[::-1])}
+    options = sorted(c for c in candidates if c >= 0 and c != answer)
+    return rng.choice(options)
+
+
+def _preference_rows(task: str, problems: list, seed: int, fmt: str) -> list[dict]:
+    if fmt not in ("dpo", "kto"):
+        raise ValueError(f"format must be 'dpo' or 'kto', got {fmt!r}")
+    rng = random.Random(f"{task}:wrong:{seed}")
+    rows = []
+    for i, (question, answer, operands) in enumerate(problems):
+        base = _row(task, i, question, str(answer), "math")
+        right = [{"role": "assistant", "content": str(answer)}]
+        wrong = [{"role": "assistant", "content": str(_plausible_wrong(answer, operands, rng))}]
+        if fmt == "dpo":
+            rows.append(dict(base, chosen=right, rejected=wrong))
+        else:  # one desirable and one undesirable example per problem
+            rows.append(dict(base, completion=right, label=True))
+            rows.append(dict(base, completion=wrong, label=False))
     return rows
+
+
+def _make_pref_digit_add(size: int, seed: int = 0, format: str = "dpo") -> list[dict]:  # noqa: A002 - the option's name
+    """``digit_add`` problems with the right sum as ``chosen`` and a plausible wrong one as ``rejected``
+    (``format=kto``: two rows per problem, labels true / false)."""
+    return _preference_rows("pref_digit_add", _digit_add_problems(size, seed), seed, format)
+
+
+def _make_pref_arithmetic(size: int, seed: int = 0, format: str = "dpo", ops: str = "+-",  # noqa: A002
+                          max_operand: int = 50, max_factor: int = 12, split: str = "all") -> list[dict]:
+    """``arithmetic`` problems (the same ones for the same seed and options) with the right result as
+    ``chosen`` and a plausible wrong one as ``rejected`` (``format=kto``: two rows per problem)."""
+    problems = _arithmetic_problems(size, seed, ops, max_operand, max_factor, split)
+    return _preference_rows("pref_arithmetic", problems, seed, format)
 
 
 TASKS: dict[str, TaskInfo] = {
@@ -114,6 +202,10 @@ TASKS: dict[str, TaskInfo] = {
         TaskInfo("digit_add", "add two single digits", _make_digit_add, "char", "exact_match"),
         TaskInfo("arithmetic", "'What is 17 + 25? Answer with just the number.' word problems",
                  _make_arithmetic, None, "numeric_match"),
+        TaskInfo("pref_digit_add", "digit_add preference pairs: right sum chosen, a plausible wrong one rejected",
+                 _make_pref_digit_add, "char", "exact_match", kind="preference"),
+        TaskInfo("pref_arithmetic", "arithmetic preference pairs: right result chosen, a plausible wrong one "
+                 "rejected", _make_pref_arithmetic, None, "numeric_match", kind="preference"),
     )
 }
 
@@ -163,6 +255,20 @@ def make_task_rows(name: str, size: int, seed: int = 0, **options: Any) -> list[
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
     return task_info(name).make(size, seed, **check_task_options(name, options))
+
+
+def make_preference_rows(name: str, size: int, kind: str, seed: int = 0, **options: Any) -> list[dict]:
+    """Rows of preference task ``name`` for job ``kind`` (``dpo``: one pair per problem; ``kto``: a
+    desirable and an undesirable example per problem); ``options`` go to the task's generator."""
+    info = task_info(name)
+    if info.kind != "preference":
+        prefs = ", ".join(sorted(t.name for t in TASKS.values() if t.kind == "preference"))
+        raise ConfigError(f"task {name!r} has prompts only, no preference pairs; preference tasks: {prefs}",
+                          key="data.task")
+    if "format" in options:
+        raise ConfigError("the job sets the preference task's format (dpo / kto): drop task_options.format",
+                          key="data.task_options")
+    return make_task_rows(name, size, seed, format=kind, **options)
 
 
 def tokenizer_spec_for(data: Any) -> str:

@@ -150,6 +150,34 @@ def _plan_lm(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         distributed_optimizer=cfg.actor.optim.distributed_optimizer, phase="train")))
 
 
+def _plan_preference(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> None:
+    """DPO / KTO: the actor's update (a DPO micro-batch holds 2 rows per pair) with the frozen
+    reference resident, unless reference-free or precomputed (then it is freed before training)."""
+    notes: list[str] = []
+    model = _load_model(cfg.actor.checkpoint, cfg.model, "actor.checkpoint", notes)
+    layout = cfg.actor_layout(world)
+    dtype = cfg.actor.dtype
+    result.roles.append(_role("actor", layout, model, dtype, True))
+    frozen: list[tuple[str, int, str]] = []
+    if getattr(cfg.algorithm, "reference_free", False):
+        notes.append("reference_free: no reference model")
+    elif cfg.algorithm.precompute_ref_logprobs:
+        notes.append("precompute_ref_logprobs: the reference scores the dataset once, then is freed")
+    else:
+        ref = _role("reference", layout, model, dtype, False)
+        result.roles.append(ref)
+        frozen.append(("reference weights", max(ref.stage_params) * mem.DTYPE_BYTES[dtype], f"frozen, {dtype}"))
+    result.warnings.extend(notes)
+    mb = cfg.actor.micro_batch_size
+    train = mem.training_estimates(
+        model, layout, dtype=dtype, seq=cfg.data.max_prompt_length + cfg.data.max_completion_length,
+        micro_batch_size=(2 if cfg.job == "dpo" else 1) * mb, n_micro=cfg.data.train_batch_size // (layout.dp * mb),
+        attention=_attention(cfg.actor.spec, opts.device), recompute=cfg.actor.recompute,
+        distributed_optimizer=cfg.actor.optim.distributed_optimizer, logits_copies=2,  # vocab-parallel log-probs
+        phase=f"{cfg.job} update")
+    result.phases.append(_with_resident(train, frozen, f"{cfg.job} update"))
+
+
 def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> None:
     notes: list[str] = []
     model = _load_model(cfg.actor.checkpoint, cfg.model, "actor.checkpoint", notes)
@@ -333,7 +361,7 @@ def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) ->
                                 else (2.5 if gpu else 0.0)) * GIB)
     result.fragmentation = opts.fragmentation if opts.fragmentation is not None else (0.05 if gpu else 0.0)
     try:
-        (_plan_rl if cfg.job == "rl" else _plan_lm)(cfg, world, opts, result)
+        {"rl": _plan_rl, "dpo": _plan_preference, "kto": _plan_preference}.get(cfg.job, _plan_lm)(cfg, world, opts, result)
     except (ConfigError, ReshardPlanError) as e:
         result.errors.append(f"layout: {e}")
         return result

@@ -173,7 +173,7 @@ def train_step(chunks, optimizer, scheduler, micro_batches: Sequence[Batch], *, 
     update_ok, grad_norm, _ = optimizer.step()
     if update_ok and scheduler is not None:
         scheduler.step(increment=1)
-    out = reduce_stats(stats, loss_fn.names, groups)
+    out = reduce_stats(stats, getattr(loss_fn, "names", ()), groups)
     out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     out["update_ok"] = float(bool(update_ok))
     out["lr"] = optimizer.param_groups[0]["lr"]

@@ -1,0 +1,312 @@
+"""The preference jobs (``job: dpo`` and ``job: kto``): offline preference optimisation of the
+Megatron actor against a frozen copy of itself, as one readable dataflow per step.
+
+DPO, per step::
+
+    pairs ──► this DP rank's pairs as rows c0 r0 c1 r1 ... ──► reference log-probs
+          ──► update (chosen + rejected of a pair in one forward, DPO / IPO / hinge loss)
+          ──► metrics over the global batch
+
+KTO, per step::
+
+    examples ──► this DP rank's completions and KL pairs (prompt + another example's completion)
+             ──► reference log-probs of both ──► KL reference point z0 (policy, forward only)
+             ──► update (KTO loss) ──► metrics over the global batch
+
+Every rank holds the step's whole batch of records (token ids are small); each data-parallel
+rank scores and trains on its own slice of whole pairs, and metrics are sums all-reduced over
+the data-parallel group. Checkpoints, resume, preemption, the NaN guard, metrics and the plot
+are the RL job's (:class:`~hyflow.checkpoint.checkpointer.Checkpointer`,
+:class:`~hyflow.training.supervisor.StepSupervisor`, :mod:`hyflow.monitor`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from hyflow.algorithms import dpo_loss, kto_loss
+from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel, resume_path
+from hyflow.config import dump_yaml, format_config
+from hyflow.data.preference import sequence_tensors
+from hyflow.jobs.preference_config import DPOJobConfig, KTOJobConfig
+from hyflow.jobs.preference_losses import dpo_loss_fn, from_last_stage, kto_loss_fn, loss_scale, score_sequences
+from hyflow.jobs.preference_models import CACHE_FILE, Policy, ReferenceLogps, build_policy, micro_batches
+from hyflow.training.step import train_step
+from hyflow.training.supervisor import StepOutcome, StepSupervisor
+
+PreferenceJobConfig = Union[DPOJobConfig, KTOJobConfig]
+#: Right padding never reaches a real token's prediction (causal attention, completion mask),
+#: so any id works as the pad.
+PAD_ID = 0
+DPO_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+            "logps/chosen", "logps/rejected")
+KTO_KEYS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+            "logps/rejected", "count/chosen", "count/rejected")
+PLOT_FILE = "rewards.png"
+
+
+def run(cfg: PreferenceJobConfig) -> list[dict]:
+    """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
+    from hyflow.data.preference import build_preference_dataset
+    from hyflow.data.sampler import PromptLoader
+    from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
+    from hyflow.monitor.metrics import MetricsWriter
+    from hyflow.monitor.progress import Progress
+    from hyflow.monitor.timers import PhaseTimers
+    from hyflow.rl.models import check_actor_checkpoint
+
+    rank = dist.get_rank()
+    if cfg.actor.checkpoint:  # before the tokenizer, which usually lives in the checkpoint's folder
+        check_actor_checkpoint(cfg.actor.checkpoint)
+    tokenizer = load_data_tokenizer(cfg.data)
+    dataset = build_preference_dataset(cfg.data, tokenizer, cfg.job)
+    loader = PromptLoader(dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    policy = build_policy(cfg, tokenizer)
+    # SIGTERM / SIGUSR1 flags and the NaN/inf guard, before the long set-up so no signal is lost
+    supervisor = StepSupervisor(cfg.trainer.max_bad_steps, [policy.optimizer]).install()
+    ckpt = Checkpointer(cfg.trainer.output_dir, policy.groups, policy.desc, cfg.trainer.keep_last,
+                        tokenizer=tokenizer_spec_for(cfg.data))
+    if rank == 0:
+        os.makedirs(cfg.trainer.output_dir, exist_ok=True)
+        dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
+        print(format_config(cfg), flush=True)
+        print(f"[hyflow] {cfg.job}: actor {policy.groups.layout.describe()}; {dataset.describe()}", flush=True)
+        if cfg.job == "kto":
+            _check_kto_balance(cfg, dataset)
+    reference = ReferenceLogps.build(cfg, policy, dataset, ckpt.root, ckpt.log)
+    start = _resume(cfg, ckpt, policy, loader, supervisor)  # the checkpoint's step; 0: fresh run
+    keys = DPO_KEYS if cfg.job == "dpo" else KTO_KEYS
+    writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if rank == 0 else None
+    if writer is not None:
+        writer.required_keys = ("step", "grad_norm", "learning_rate", "tokens_per_s") + keys
+    shown = (("loss", "loss"), ("rewards/accuracies", "acc"), ("rewards/margins", "margin")) if cfg.job == "dpo" \
+        else (("loss", "loss"), ("kl", "kl"), ("rewards/margins", "margin"))
+    progress = Progress.from_config(cfg.trainer, initial=start, enabled=rank == 0, shown=shown)
+    timers = PhaseTimers(phases=("ref", "update") if cfg.job == "dpo" else ("ref", "kl", "update"))
+    step_fn = dpo_step if cfg.job == "dpo" else kto_step
+    history = []
+    try:
+        for step in range(start + 1, cfg.trainer.total_steps + 1):
+            records = loader.next_batch()
+            supervisor.begin_step()
+            metrics = step_fn(cfg, policy, reference, records, timers)
+            outcome = supervisor.end_step(metrics, step)  # collective: agrees on stop signals and NaN/inf
+            metrics.update({k.replace("timing_s/", "time/"): v for k, v in timers.step_summary().items()})
+            metrics["tokens_per_s"] = batch_tokens(records, cfg.job) / max(metrics["time/step"], 1e-9)
+            metrics["epoch"] = loader.sampler.epoch + loader.sampler.index / len(dataset)
+            metrics["step"] = step
+            history.append(metrics)
+            if writer is not None:
+                writer.log(step, metrics)
+            progress.update(step, metrics)
+            saved = _maybe_save(cfg, ckpt, policy, loader, supervisor, reference, step, outcome)
+            if outcome.diverged:
+                ckpt.wait()
+                raise supervisor.divergence_error(saved)
+            if outcome.preempted:
+                ckpt.log(f"[hyflow] stopped after step {step} on a stop signal; resume with the same command "
+                         "(trainer.resume=auto)")
+                break
+        ckpt.wait()
+    finally:
+        supervisor.uninstall()
+        ckpt.close(abort=True)  # no-op unless an error left a background save unfinished
+    progress.close()
+    if writer is not None:
+        writer.close()
+        _finish(cfg, writer.path)
+    return history
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def _my_slice(records: list, policy: Policy) -> list:
+    """This data-parallel rank's records of the global batch: whole pairs / examples."""
+    g = policy.groups
+    per = len(records) // g.layout.dp
+    return records[g.dp_rank * per:(g.dp_rank + 1) * per]
+
+
+def dpo_step(cfg: DPOJobConfig, policy: Policy, reference: ReferenceLogps, pairs: list, timers) -> dict:
+    """One DPO step on the global batch ``pairs`` (the same on every rank); returns its metrics,
+    identical on every rank."""
+    g, mb = policy.groups, cfg.actor.micro_batch_size
+    mine = _my_slice(pairs, policy)
+    # 1. this rank's pairs as rows c0 r0 c1 r1 ..., padded to the global batch's longest sequence
+    length = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs)
+    batch = sequence_tensors([s for p in mine for s in p.sequences()], PAD_ID, g.device, length)
+    rows = list(range(2 * len(mine)))
+    # 2. reference log-probs of every row (zeros when reference-free)
+    with timers.phase("ref"):
+        batch["ref_logps"] = reference.for_rows(mine, micro_batches(batch, rows, 2 * mb), None, policy, len(rows))
+    # 3. update: a pair's chosen and rejected rows in one forward; the mean loss over all pairs
+    with timers.phase("update"):
+        scale = loss_scale(len(pairs))
+        loss_fn, captured = dpo_loss_fn(cfg.algorithm, policy.vocab_size, g.pgs.tp, scale)
+        stats = train_step(policy.chunks, policy.optimizer, policy.scheduler, micro_batches(batch, rows, 2 * mb),
+                           with_labels=False, loss_fn=loss_fn, groups=g)
+    # 4. metrics over the global batch, from the log-probs the update saw
+    logps = from_last_stage(captured, len(rows), g).view(-1, 2)
+    out = dpo_metrics(logps, batch["ref_logps"].view(-1, 2), cfg.algorithm, g, len(pairs))
+    out.update(_update_stats(stats))
+    return out
+
+
+def kto_step(cfg: KTOJobConfig, policy: Policy, reference: ReferenceLogps, examples: list, timers) -> dict:
+    """One KTO step on the global batch ``examples``; returns its metrics, identical on every rank."""
+    g, mb, algo = policy.groups, cfg.actor.micro_batch_size, cfg.algorithm
+    mine = _my_slice(examples, policy)
+    # 1. this rank's completions, and its KL pairs (each prompt with another example's completion)
+    length = max(len(e.prompt_ids) + max(len(e.completion_ids), len(e.kl_completion_ids)) for e in examples)
+    batch = sequence_tensors([(e.prompt_ids, e.completion_ids) for e in mine], PAD_ID, g.device, length)
+    batch["label"] = torch.tensor([float(e.label) for e in mine], dtype=torch.float32, device=g.device)
+    kl_batch = sequence_tensors([(e.prompt_ids, e.kl_completion_ids) for e in mine], PAD_ID, g.device, length)
+    rows = list(range(len(mine)))
+    # 2. reference log-probs of both
+    with timers.phase("ref"):
+        batch["ref_logps"] = reference.for_rows(mine, micro_batches(batch, rows, mb), 0, policy, len(rows))
+        kl_ref = reference.for_rows(mine, micro_batches(kl_batch, rows, mb), 1, policy, len(rows))
+    # 3. the KL reference point z0 = max(0, mean over the global batch's KL pairs), no gradient
+    with timers.phase("kl"):
+        kl_policy = score_sequences(policy.chunks, micro_batches(kl_batch, rows, mb), policy.vocab_size, g)
+        kl_sum = (kl_policy - kl_ref).double().sum().reshape(1)
+        if g.layout.dp > 1:
+            dist.all_reduce(kl_sum, group=g.pgs.dp)
+        z0 = torch.clamp(kl_sum / len(examples), min=0.0).float()
+    # 4. update: the mean KTO loss over all examples
+    with timers.phase("update"):
+        scale = loss_scale(len(examples))
+        loss_fn, captured = kto_loss_fn(algo, policy.vocab_size, g.pgs.tp, scale, z0)
+        stats = train_step(policy.chunks, policy.optimizer, policy.scheduler, micro_batches(batch, rows, mb),
+                           with_labels=False, loss_fn=loss_fn, groups=g)
+    # 5. metrics over the global batch
+    logps = from_last_stage(captured, len(rows), g)
+    out = kto_metrics(logps, batch["ref_logps"], batch["label"] > 0, z0, algo, g, len(examples))
+    out.update(_update_stats(stats))
+    return out
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def _dp_sum(values: list, groups) -> list[float]:
+    """Sums over the data-parallel group (float64)."""
+    vec = torch.stack([v.double().sum() for v in values])
+    if groups.layout.dp > 1:
+        dist.all_reduce(vec, group=groups.pgs.dp)
+    return vec.tolist()
+
+
+def dpo_metrics(policy: torch.Tensor, ref: torch.Tensor, algo, groups, global_pairs: int) -> dict:
+    """TRL's DPO metrics, means over the global batch: ``policy`` / ``ref`` are this rank's [n, 2]
+    (chosen, rejected) sequence log-probs."""
+    losses, chosen, rejected = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta=algo.beta,
+                                        label_smoothing=algo.label_smoothing, kind=algo.loss_type, reduction="none")
+    sums = _dp_sum([losses, chosen, rejected, (chosen > rejected).float(), chosen - rejected, policy[:, 0],
+                    policy[:, 1]], groups)
+    return {key: value / global_pairs for key, value in zip(DPO_KEYS, sums)}
+
+
+def kto_metrics(policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, z0: torch.Tensor, algo, groups,
+                global_count: int) -> dict:
+    """TRL's KTO metrics: the mean loss over the global batch, ``kl`` (z0), and per class (chosen:
+    desirable, rejected: undesirable) the mean reward and log-prob (NaN for a class the batch lacks)."""
+    losses = kto_loss(policy, ref, desirable, z0, beta=algo.beta, desirable_weight=algo.desirable_weight,
+                      undesirable_weight=algo.undesirable_weight, reduction="none")
+    rewards = algo.beta * (policy - ref)
+    d, u = desirable.float(), (~desirable).float()
+    loss, r_d, r_u, lp_d, lp_u, n_d, n_u = _dp_sum(
+        [losses, rewards * d, rewards * u, policy * d, policy * u, d, u], groups)
+    mean = lambda total, n: total / n if n else math.nan  # noqa: E731
+    out = {"loss": loss / global_count, "kl": float(z0), "rewards/chosen": mean(r_d, n_d),
+           "rewards/rejected": mean(r_u, n_u), "logps/chosen": mean(lp_d, n_d), "logps/rejected": mean(lp_u, n_u),
+           "count/chosen": n_d, "count/rejected": n_u}
+    out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    return out
+
+
+def _update_stats(stats: dict) -> dict:
+    return {"grad_norm": stats.get("grad_norm", math.nan), "learning_rate": stats.get("lr", 0.0)}
+
+
+def batch_tokens(records: list, kind: str) -> int:
+    """Tokens the update's forward reads for a global batch (prompt + completion of every row)."""
+    if kind == "dpo":
+        return sum(2 * len(r.prompt_ids) + len(r.chosen_ids) + len(r.rejected_ids) for r in records)
+    return sum(len(r.prompt_ids) + len(r.completion_ids) for r in records)
+
+
+def _check_kto_balance(cfg: KTOJobConfig, dataset) -> None:
+    """The KTO paper's advice: lambda_D n_D / (lambda_U n_U) in [1, 4/3]."""
+    s, a = dataset.stats, cfg.algorithm
+    ratio = a.desirable_weight * s.desirable / (a.undesirable_weight * s.undesirable) if s.undesirable else math.inf
+    if not 1.0 <= ratio <= 4 / 3:
+        print(f"[hyflow] warning: desirable_weight * desirable / (undesirable_weight * undesirable) = "
+              f"{a.desirable_weight} * {s.desirable} / ({a.undesirable_weight} * {s.undesirable}) = {ratio:.3g}; "
+              "the KTO paper recommends a value in [1, 4/3] (adjust algorithm.desirable_weight / "
+              "undesirable_weight)", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _trained_models(policy: Policy) -> dict[str, TrainedModel]:
+    return {"actor": TrainedModel(policy.chunks, policy.optimizer, policy.scheduler)}
+
+
+def _maybe_save(cfg: PreferenceJobConfig, ckpt: Checkpointer, policy: Policy, loader, supervisor: StepSupervisor,
+                reference: ReferenceLogps, step: int, outcome: StepOutcome) -> Optional[str]:
+    """Checkpoint every ``trainer.save_every`` steps, at the last step and before stopping;
+    returns the checkpoint's directory when one was written."""
+    ckpt.poll()  # finalize background saves that finished (collective)
+    every = cfg.trainer.save_every
+    if not (outcome.stop or step == cfg.trainer.total_steps or (every and step % every == 0)):
+        return None
+    # The reference is rebuilt from the config (actor.checkpoint / the seeded init); a precomputed
+    # table is cached beside the checkpoints, found again by its fingerprint.
+    job = {"data": loader.state_dict(), "supervisor": supervisor.state_dict(),
+           "reference_logps": os.path.join("..", CACHE_FILE) if reference.table is not None else None}
+    return ckpt.save(step, _trained_models(policy), job, config_text=format_config(cfg))
+
+
+def _resume(cfg: PreferenceJobConfig, ckpt: Checkpointer, policy: Policy, loader, supervisor: StepSupervisor) -> int:
+    """Load the checkpoint ``trainer.resume`` names (rank 0 decides which); returns its step, 0
+    when the run starts fresh. Restores the random streams, so it runs last in the set-up."""
+    def warn(message: str) -> None:
+        print(f"[hyflow] warning: {message}", file=sys.stderr, flush=True)
+
+    choice = [resume_path(cfg.trainer.resume, cfg.trainer.output_dir, warn) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return 0
+    state = ckpt.load(choice[0], _trained_models(policy))
+    loader.load_state_dict(state["job"]["data"])
+    supervisor.load_state_dict(state["job"]["supervisor"])
+    step = int(state["step"])
+    if step >= cfg.trainer.total_steps:
+        ckpt.log(f"[hyflow] the checkpoint is at step {step}: trainer.total_steps={cfg.trainer.total_steps} "
+                 "is reached already, nothing to train")
+    return step
+
+
+def _finish(cfg: PreferenceJobConfig, metrics_path: str) -> None:
+    """Rank 0: plot the whole run's metrics (resumed parts included) and print a summary."""
+    from hyflow.monitor.metrics import read_metrics
+    from hyflow.monitor.plot import plot_metrics
+
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return
+    keys = ("rewards/accuracies", "rewards/margins", "loss") if cfg.job == "dpo" else \
+        ("rewards/margins", "kl", "loss")
+    plot_metrics(rows, os.path.join(cfg.trainer.output_dir, PLOT_FILE), keys=keys, title=f"hyflow {cfg.job}")
+    fmt = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731 - NaN rows are written as null
+    summary = ", ".join(f"{k} {fmt(rows[0].get(k))} -> {fmt(rows[-1].get(k))}" for k in keys)
+    print(f"[hyflow] done: {summary}; run directory {cfg.trainer.output_dir}", flush=True)
