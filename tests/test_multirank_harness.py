@@ -103,6 +103,24 @@ def _megatron_layout(tp: int, leak: bool) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------- tests
 
 
+def _groups_with_comm_stats() -> int:
+    """Build a layout's groups, register them with the communication monitor (as the jobs do),
+    run a collective on each; return this process's thread count before the build."""
+    import torch
+    import torch.distributed as dist
+
+    from hyflow.monitor import comm
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+
+    before = len(os.listdir("/proc/self/task"))
+    groups = init_training_groups(Layout(tp=2))
+    comm.register_collection(groups.pgs)
+    for group in (groups.pgs.tp, groups.pgs.dp, groups.pgs.pp):
+        dist.all_reduce(torch.ones(1), group=group)
+    return before
+
+
 def test_results_per_rank_in_rank_order() -> None:
     results = run_on_ranks(_rank_info, 2, 10.0, offset=0.5)
     assert [r[0] for r in results] == [0, 1]
@@ -143,6 +161,15 @@ def test_megatron_state_is_reset_between_tasks() -> None:
             assert not first[rank][key] and not second[rank][key]
         assert second[rank]["groups_before"] == first[rank]["groups_before"]  # extra groups destroyed
         assert second[rank]["dtype_before"] == "torch.float32"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_process_groups_and_their_threads_go_between_tasks() -> None:
+    """A gloo group's threads end when its last reference goes; the communication monitor's
+    registry held every group alive, so a worker grew ~80 threads per RL step until scheduling
+    them dominated the suite (63 min on CI)."""
+    counts = [run_on_ranks(_groups_with_comm_stats, 2) for _ in range(4)]
+    assert counts[-1] == counts[1], counts  # after the first task, nothing accumulates
 
 
 def test_worker_output_is_streamed_with_rank_prefix(capsys: pytest.CaptureFixture[str]) -> None:

@@ -79,6 +79,14 @@ def register_group(group: Any, kind: str) -> None:
     _GROUPS[id(group)] = group
 
 
+def forget_groups() -> None:
+    """Drop every registration (and the references that keep the groups alive): for processes
+    that destroy their process groups and build new ones, like the test workers."""
+    _KIND_OF.clear()
+    _GROUPS.clear()
+    _GUESSED.clear()
+
+
 def register_collection(pgs: Any) -> None:
     """Register the groups of a Megatron ``ProcessGroupCollection`` by attribute name."""
     for attr, kind in _COLLECTION_KINDS:

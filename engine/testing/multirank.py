@@ -29,6 +29,7 @@ import atexit
 import collections
 import datetime
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -95,6 +96,11 @@ def _reset_state(baseline_pgs: set, env: Dict[str, str], cwd: str, threads: int)
     for pg in list(dist.distributed_c10d._world.pg_map):
         if id(pg) not in baseline_pgs:
             dist.destroy_process_group(pg)
+    # A gloo group's threads end only when the last reference goes: drop ours, collect cycles.
+    comm = sys.modules.get("hyflow.monitor.comm")
+    if comm is not None:
+        comm.forget_groups()
+    gc.collect()
     if os.getcwd() != cwd:
         os.chdir(cwd)
     os.environ.clear()
