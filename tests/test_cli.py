@@ -118,6 +118,14 @@ def test_config_describe_shows_effective_defaults_and_the_configs_values():
     assert "(no help)" not in out.stdout and "``" not in out.stdout
 
 
+@pytest.mark.parametrize("config, extra", [("dpo_quickstart.yaml", []), ("dpo_quickstart.yaml", ["job=kto"]),
+                                           ("lm_tiny.yaml", [])])
+def test_every_key_of_every_job_has_help(config, extra):
+    out = hyflow("config", os.path.join(REPO, "configs", config), *extra, "--describe")
+    assert out.returncode == 0, out.stderr
+    assert "(no help)" not in out.stdout, [line for line in out.stdout.splitlines() if line.strip()][:3]
+
+
 def test_config_without_arguments_is_the_rl_job_and_head_does_not_break_the_pipe():
     out = hyflow("config")
     assert out.returncode == 0 and "adv_estimator: grpo" in out.stdout and "no config file given" in out.stderr

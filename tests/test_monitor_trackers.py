@@ -84,14 +84,14 @@ def test_quickstart_logs_to_wandb_offline_and_mlflow(tmp_path):
     if "mlflow" in loggers:
         run, history, config = _mlflow_metrics(run_dir)
         assert run.info.run_name == "q3" and run.info.status == "FINISHED"
-        for key in ("reward/mean", "kl", "comm/bytes", "time/step"):
+        for key in ("critic/score/mean", "actor/reward_kl_penalty", "comm/bytes", "timing_s/step"):
             assert history[key] == [(r["step"], pytest.approx(r[key])) for r in rows], key
         assert "adv_estimator: grpo" in config and run.data.params["trainer.total_steps"] == "3"
     if "wandb" in loggers:
         logged, files = _wandb_history(run_dir)
         assert [r["_step"] for r in logged] == [1, 2, 3]
         for row, got in zip(rows, logged):
-            assert got["reward/mean"] == pytest.approx(row["reward/mean"])
+            assert got["critic/score/mean"] == pytest.approx(row["critic/score/mean"])
             assert got["comm/bytes"] == pytest.approx(row["comm/bytes"])
         assert "adv_estimator: grpo" in open(os.path.join(files, "files", "config.resolved.yaml")).read()
 

@@ -34,8 +34,11 @@ class PolicyConfig:
     checkpoint: Optional[str] = field(default=None, metadata={
         "help": "converted checkpoint directory (hyflow convert hf2mcore); null = random init of `model`"})
     layout: Layout = field(default_factory=Layout, metadata={"help": "training layout; dp is derived"})
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    spec: Literal["auto", "local", "sdpa", "te"] = "auto"
+    dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={
+        "help": "parameter and compute dtype of the policy and the reference"})
+    spec: Literal["auto", "local", "sdpa", "te"] = field(default="auto", metadata={
+        "help": "Megatron layer spec: local (plain torch), sdpa, te (Transformer Engine); auto picks te on GPU "
+                "when installed"})
     recompute: Literal["none", "selective", "full"] = field(default="none", metadata={
         "help": "activation recomputation during the update"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
@@ -122,7 +125,8 @@ class PreferenceDataConfig:
     truncate_long: bool = field(default=False, metadata={
         "help": "truncate over-long rows (prompts from the left, completions from the right) instead of "
                 "dropping them"})
-    shuffle: bool = True
+    shuffle: bool = field(default=True, metadata={
+        "help": "shuffle the rows every epoch (deterministic from data.seed, resumable)"})
     seed: int = field(default=1, metadata={"help": "data order (and the synthetic task's draw)"})
 
     def validate(self) -> None:
@@ -161,7 +165,7 @@ def _validate_job(cfg) -> None:
 class DPOJobConfig:
     """``job: dpo`` - Direct Preference Optimisation (and IPO, hinge, cDPO) on preference pairs."""
 
-    job: Literal["dpo"] = "dpo"
+    job: Literal["dpo"] = field(default="dpo", metadata={"help": "the job this config runs (dpo or kto)"})
     model: ModelDescription = field(default_factory=tiny_llama, metadata={
         "help": "architecture (ignored when actor.checkpoint is set: read from its model.json)"})
     actor: PolicyConfig = field(default_factory=PolicyConfig)
@@ -181,7 +185,7 @@ class DPOJobConfig:
 class KTOJobConfig:
     """``job: kto`` - Kahneman-Tversky Optimisation on unpaired desirable / undesirable examples."""
 
-    job: Literal["kto"] = "kto"
+    job: Literal["kto"] = field(default="kto", metadata={"help": "the job this config runs (dpo or kto)"})
     model: ModelDescription = field(default_factory=tiny_llama, metadata={
         "help": "architecture (ignored when actor.checkpoint is set: read from its model.json)"})
     actor: PolicyConfig = field(default_factory=PolicyConfig)

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     cols = {"tokens": tokens, "response_mask": mask, "old_logp": -torch.rand(args.rows, S, generator=gen),
             "advantages": torch.randn(args.rows, S, generator=gen)}
     cols["loss_weight"] = cols["token_weight"] = loss_weights(mask, "token-mean", mask.sum(), (mask.sum(-1) > 0).sum())
-    cfg = argparse.Namespace(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, entropy_coeff=0.0,
+    cfg = argparse.Namespace(policy_loss="vanilla", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, entropy_coeff=0.0,
                              use_kl_loss=False)
     loss_fn = PolicyLoss(cfg, args.vocab, groups.pgs.tp)
     methods = {
