@@ -8,8 +8,8 @@ of at most one staging slot (:func:`plan_buckets`):
 * :class:`CollectiveGather` -- one ``all_gather_into_tensor`` per bucket through the process
   group (NCCL on GPU, gloo elsewhere) into a staging buffer of ``s`` slots on the parameters'
   device, then every shard straight into its place in the generation buffer. Small parameters
-  share a collective, large ones are cut to the slot (BENCHMARKS.md: 34 -> 6 all-gathers per
-  transition for a 185M-parameter model, 402 -> 330 for Qwen2-72B at TP 8 -> 1).
+  share a collective, large ones are cut to the slot (the Qwen2-72B preset, TP 8 -> 4: 101
+  parameters per rank in 85 all-gathers, BENCHMARKS.md).
 * :class:`SharedMemoryGather` -- for groups whose ranks are CPU processes on one host. gloo
   moves bytes through loopback TCP at 0.4-0.7 GB/s on the dev box, which made it the whole cost
   of a transition; here each rank copies a bucket into its own slot of a small shared-memory

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hyflow.algorithms import dpo_loss, kto_loss
-from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel, resume_path
+from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 from hyflow.config import dump_yaml, format_config
 from hyflow.data.preference import sequence_tensors
 from hyflow.jobs.preference_config import DPOJobConfig, KTOJobConfig
@@ -277,16 +277,15 @@ def _maybe_save(cfg: PreferenceJobConfig, ckpt: Checkpointer, policy: Policy, lo
 
 
 def _resume(cfg: PreferenceJobConfig, ckpt: Checkpointer, policy: Policy, loader, supervisor: StepSupervisor) -> int:
-    """Load the checkpoint ``trainer.resume`` names (rank 0 decides which); returns its step, 0
+    """Load the checkpoint ``trainer.resume`` names (the newest that verifies, for ``auto``); returns its step, 0
     when the run starts fresh. Restores the random streams, so it runs last in the set-up."""
     def warn(message: str) -> None:
         print(f"[hyflow] warning: {message}", file=sys.stderr, flush=True)
 
-    choice = [resume_path(cfg.trainer.resume, cfg.trainer.output_dir, warn) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
+    path = ckpt.find_resume(cfg.trainer.resume, warn)  # verified; falls back past damaged ones (auto)
+    if path is None:
         return 0
-    state = ckpt.load(choice[0], _trained_models(policy))
+    state = ckpt.load(path, _trained_models(policy))
     loader.load_state_dict(state["job"]["data"])
     supervisor.load_state_dict(state["job"]["supervisor"])
     step = int(state["step"])

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from hyflow.config import ConfigError
-from hyflow.jobs.rl_config import TrainerConfig
+from hyflow.jobs.rl_config import TrainedModelConfig, TrainerConfig
 from hyflow.models.description import ModelDescription, tiny_llama
 from hyflow.parallel.layout import Layout
-from hyflow.training.optim_config import OptimConfig
 
 
 def _positive(obj, *names: str) -> None:
@@ -28,20 +27,9 @@ def _positive(obj, *names: str) -> None:
 
 
 @dataclass
-class PolicyConfig:
+class PolicyConfig(TrainedModelConfig):
     """The trained policy; the reference is a frozen copy of its starting weights."""
 
-    checkpoint: Optional[str] = field(default=None, metadata={
-        "help": "converted checkpoint directory (hyflow convert hf2mcore); null = random init of `model`"})
-    layout: Layout = field(default_factory=Layout, metadata={"help": "training layout; dp is derived"})
-    dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={
-        "help": "parameter and compute dtype of the policy and the reference"})
-    spec: Literal["auto", "local", "sdpa", "te"] = field(default="auto", metadata={
-        "help": "Megatron layer spec: local (plain torch), sdpa, te (Transformer Engine); auto picks te on GPU "
-                "when installed"})
-    recompute: Literal["none", "selective", "full"] = field(default="none", metadata={
-        "help": "activation recomputation during the update"})
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     micro_batch_size: int = field(default=4, metadata={
         "help": "pairs (dpo: chosen + rejected, 2 sequences each) or examples (kto) per forward/backward"})
 

@@ -108,20 +108,27 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
-class ActorConfig:
-    """The policy: trained in ``layout``, generating in ``rollout.layout``."""
+class TrainedModelConfig:
+    """What every trained policy has (the RL actor, the DPO / KTO policy): where its weights
+    come from, its layout, precision, layer spec, recomputation and optimizer."""
 
     checkpoint: Optional[str] = field(default=None, metadata={
         "help": "converted checkpoint directory (hyflow convert hf2mcore); null = random init of `model`"})
     layout: Layout = field(default_factory=Layout, metadata={"help": "training layout; dp is derived"})
     dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={
-        "help": "parameter and compute dtype of the trained models"})
+        "help": "parameter and compute dtype of the trained models (and their frozen copies)"})
     spec: Literal["auto", "local", "sdpa", "te"] = field(default="auto", metadata={
         "help": "Megatron layer spec: local (plain torch), sdpa, te (Transformer Engine); "
                 "auto picks te on GPU when installed"})
     recompute: Literal["none", "selective", "full"] = field(default="none", metadata={
         "help": "activation recomputation during the update"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+
+
+@dataclass
+class ActorConfig(TrainedModelConfig):
+    """The policy: trained in ``layout``, generating in ``rollout.layout``."""
+
     micro_batch_size: int = field(default=4, metadata={
         "help": "sequences per forward/backward (when max_tokens_per_micro_batch is null)"})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={

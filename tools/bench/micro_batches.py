@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
         table.append((name, len(micro), processed, ratio, seconds))
     base = result["step-max"]
     for name in ("fixed", "token-budget", "packed"):
-        result[name]["padding_drop"] = base["padding_ratio"] / max(result[name]["padding_ratio"], 1e-12)
+        padding = result[name]["padding_ratio"]  # no padding left: the drop is unbounded (null)
+        result[name]["padding_drop"] = base["padding_ratio"] / padding if padding else None
         result[name]["speedup"] = base["update_s"] / result[name]["update_s"]
     print(f"micro-batches: {args.rows} rows, prompts {args.prompt} + responses {args.response} tokens "
           f"({real} real tokens), model {args.layers}x{args.hidden}, vocab {args.vocab}, "
