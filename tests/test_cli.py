@@ -111,7 +111,7 @@ def test_config_describe_shows_effective_defaults_and_the_configs_values():
     # the RL job's effective model default (tiny_llama), not the ModelDescription field's 32000
     assert "model.vocab_size: int = 256   [config: 128]" in lines
     assert "model.hidden_size: int = 64" in lines  # the quickstart keeps the default: no mark
-    assert "actor.optim.lr: float = 1.0e-06   [config: 0.0005]" in lines
+    assert "actor.optim.lr: float = 1.0e-06   [config: 0.0003]" in lines
     entries = [i for i, line in enumerate(lines[1:], 1) if not line.startswith("    ")]
     for i in entries:  # one help line under every key
         assert lines[i + 1].startswith("    ") and lines[i + 1].strip() not in ("", "(no help)"), lines[i]
