@@ -38,7 +38,8 @@ LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Ten
 def data_group(groups):
     """The group DDP averages gradients over: data-parallel x context-parallel ranks (each CP rank
     holds a share of every sequence, so its tokens count like another DP rank's)."""
-    return getattr(groups.pgs, "dp_cp", None) or groups.pgs.dp
+    group = getattr(groups.pgs, "dp_cp", None)
+    return group if group is not None else groups.pgs.dp
 
 
 def token_mean_weights(micro_batches: Sequence[Batch], mask_key: str, dp_group) -> None:
