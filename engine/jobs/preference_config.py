@@ -14,16 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from hyflow.config import ConfigError
-from hyflow.jobs.rl_config import TrainedModelConfig, TrainerConfig
+from hyflow.jobs.rl_config import TrainedModelConfig, TrainerConfig, _positive
 from hyflow.models.description import ModelDescription, tiny_llama
 from hyflow.parallel.layout import Layout
-
-
-def _positive(obj, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is None or value < 1:
-            raise ConfigError(f"must be >= 1, got {value}", key=name)
 
 
 @dataclass
