@@ -28,7 +28,7 @@ def _train(config: str, out: str) -> None:
     """Rank function: one RL step after an SFT warm-up, checkpointed at the end."""
     import torch
 
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.jobs.rl import run
 
     torch.set_num_threads(1)

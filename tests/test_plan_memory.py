@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from hyflow.cli import load_job_config
+from hyflow.jobs.registry import load_job_config
 from hyflow.models.description import tiny_llama
 from hyflow.parallel.layout import Layout, pad_vocab_size
 from hyflow.plan import memory as mem

@@ -370,12 +370,3 @@ def reference_response_ids(record: PromptRecord, tokenizer: Tokenizer) -> list[i
         raise DatasetError(f"{record.where}: no reference answer (extra_info.answer) for the SFT warm-up",
                            path=record.path, row=record.row, key="extra_info.answer")
     return tokenizer.encode(record.reference, add_special_tokens=False) + [tokenizer.eos_token_id]
-
-
-def __getattr__(name: str) -> Any:
-    """``EpochSampler`` / ``PromptLoader`` live in :mod:`hyflow.data.sampler`; importable from here too."""
-    if name in ("EpochSampler", "PromptLoader"):
-        from hyflow.data import sampler
-
-        return getattr(sampler, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

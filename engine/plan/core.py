@@ -335,7 +335,7 @@ def _engine_default(rollout: Any, name: str, fallback: Any) -> Any:
 def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) -> PlanResult:
     """Plan a job; every problem found ends up in ``result.errors`` (nothing is raised for a
     bad config)."""
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
 
     t0 = time.perf_counter()
     result = PlanResult(config=config_path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hyflow.launch.args import format_bytes
+from hyflow.config.units import format_bytes
 from hyflow.plan.core import PlanResult
 
 
