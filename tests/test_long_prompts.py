@@ -32,7 +32,7 @@ def _generate() -> dict:
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
     from hyflow.plan.measure import TensorMemoryTracker
-    from hyflow.rollout import GenerationEngine, RolloutConfig, SamplingConfig
+    from hyflow.rollout import GenerationEngine, GenerationConfig, SamplingConfig
 
     groups = init_training_groups(Layout())
     desc = _desc()
@@ -40,7 +40,7 @@ def _generate() -> dict:
     prompt = torch.randint(0, 256, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
     for chunk in CHUNKS:
-        engine = GenerationEngine.from_description(model, desc, RolloutConfig(
+        engine = GenerationEngine.from_description(model, desc, GenerationConfig(
             sampling=SamplingConfig(temperature=0, max_new_tokens=NEW, ignore_eos=True),
             max_concurrent=1, prefill_chunk_size=chunk, cpu_weight_packing=False))
         tracker = TensorMemoryTracker()

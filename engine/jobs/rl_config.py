@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 from hyflow.config import ConfigError
 from hyflow.models.description import ModelDescription, tiny_llama
 from hyflow.parallel.layout import Layout
+from hyflow.rollout.config import GenerationConfig
 from hyflow.training.optim_config import OptimConfig
 
 AdvEstimator = Literal["gae", "grpo", "dr_grpo", "grpo_passk", "rloo", "reinforce_plus_plus",
@@ -54,7 +55,9 @@ class GenerationLayout:
 
 @dataclass
 class RolloutConfig:
-    """How the actor generates responses."""
+    """How the actor generates responses (the job's section; the generation engine's
+    :class:`~hyflow.rollout.config.GenerationConfig` takes these fields by name and owns their
+    checks)."""
 
     layout: GenerationLayout = field(default_factory=GenerationLayout)
     n: int = field(default=4, metadata={"help": "responses sampled per prompt (the GRPO group size)"})
@@ -75,14 +78,9 @@ class RolloutConfig:
         "help": "move the actor's optimizer state to host memory while generating (GPU)"})
 
     def validate(self) -> None:
-        _positive(self, "n", "max_prompt_length", "max_new_tokens", "max_concurrent")
         _finite(self, "temperature", "top_p")
-        if self.temperature < 0:
-            raise ConfigError(f"must be >= 0, got {self.temperature}", key="temperature")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"must be in (0, 1], got {self.top_p}", key="top_p")
-        if self.top_k < 0 or self.prefill_chunk_size < 0:
-            raise ConfigError("top_k and prefill_chunk_size must be >= 0")
+        # sampling, lengths, chunking, concurrency: the generation engine's own checks
+        GenerationConfig.from_job(self)
 
 
 @dataclass

@@ -73,12 +73,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _configs(args: argparse.Namespace):
-    from hyflow.rollout.config import RolloutConfig, SamplingConfig
+    from hyflow.rollout.config import GenerationConfig, SamplingConfig
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, n=args.n,
                               max_new_tokens=args.max_new_tokens, seed=args.seed,
                               stop_token_ids=list(args.stop_token_ids), ignore_eos=args.ignore_eos)
-    cfg = RolloutConfig(sampling=sampling, max_concurrent=args.max_concurrent, max_seq_len=args.max_seq_len,
+    cfg = GenerationConfig(sampling=sampling, max_concurrent=args.max_concurrent, max_seq_len=args.max_seq_len,
                         prefill_chunk_size=args.prefill_chunk_size,
                         truncate_long_prompts=args.truncate_long_prompts)
     cfg.validate()

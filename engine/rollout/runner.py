@@ -36,18 +36,13 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
 from hyflow.rollout.kv_cache import CachedAttention, ForwardBatch, KVCache
 
 
 class GenerationLayoutError(ValueError):
     """The model's layout or configuration is not supported by the generation engine."""
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module  # Megatron DDP / Float16Module wrappers
-    return model
 
 
 class ModelRunner:
@@ -68,7 +63,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, tp_group=None, layer_impl: str = "auto",
                  pp_group=None) -> None:
-        self.model = _unwrap(model)
+        self.model = unwrap_model(model)  # Megatron DDP / Float16Module wrappers
         m = self.model
         cfg = m.config
         if pp_group is None:
