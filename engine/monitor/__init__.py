@@ -3,7 +3,7 @@
 * :mod:`.metrics` -- :class:`MetricsWriter` (``metrics.jsonl``, one row per step; resumable);
 * :mod:`.timers` -- :class:`PhaseTimers` (``timing_s/<phase>`` per step);
 * :mod:`.progress` -- :class:`Progress` (in-place bar on a TTY, periodic lines in CI logs);
-* :mod:`.plot` -- :func:`plot_metrics` (PNG of reward and KL; matplotlib optional);
+* :mod:`.plot` -- :func:`plot_metrics` (PNG of reward and KL, drawn with matplotlib);
 * :mod:`.trackers` -- TensorBoard, Weights & Biases, MLflow (``trainer.loggers``);
 * :mod:`.comm` -- per-step communication statistics (seconds / bytes per collective and group kind);
 * :mod:`.memory` -- peak memory of the ranks.
