@@ -11,7 +11,7 @@ Malformed rows raise :class:`DatasetError` naming the file, the row index and th
 the whole file was scanned (the first few problems are listed with a total count). Prompts
 longer than ``max_prompt_length`` tokens (after the chat template) are dropped, or
 left-truncated when asked, and the count is logged and kept in :attr:`PromptDataset.stats`.
-Batches come from :class:`hyflow.data.sampler.PromptLoader`.
+Batches come from :class:`hyflow.data.loader.PromptLoader`.
 """
 from __future__ import annotations
 

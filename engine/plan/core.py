@@ -19,8 +19,8 @@ from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
 from hyflow.hybrid.reshard_plan import PP_STAGING_SLOT, ReshardPlan, plan_reshard, staging_bytes_per_rank
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.layout import Layout
-from hyflow.plan import memory as mem
-from hyflow.plan.groups import (RankCheck, check_partition, generation_enumerations,
+from hyflow.plan import memory_estimate as mem
+from hyflow.plan.group_check import (RankCheck, check_partition, generation_enumerations,
                                 layout_enumerations, summarize, verify_rank)
 from hyflow.rollout.config import GenerationConfig
 

@@ -114,7 +114,7 @@ def measure_lm(config: str, overrides: Sequence[str] = (), steps: int = 2) -> di
     from hyflow.models.builder import build_model_chunks, recompute_overrides
     from hyflow.models.weights import load_full_state_dict, random_full_state_dict
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.plan import memory as mem
+    from hyflow.plan import memory_estimate as mem
     from hyflow.training.optimizer import build_optimizer, wrap_ddp
     from hyflow.training.step import train_step
 

@@ -55,7 +55,7 @@ class ModelRunner:
         tp_group: tensor-parallel group of the generation layout (``None``: the
             model's own ``pg_collection.tp``).
         layer_impl: ``megatron`` runs Megatron's ``TransformerBlock``; ``lean`` the
-            :class:`~hyflow.rollout.lean.LeanDecoder` over the same modules (error if
+            :class:`~hyflow.rollout.decode_forward.LeanDecoder` over the same modules (error if
             the model is outside what it covers); ``auto`` picks lean when it can.
         pp_group: pipeline-parallel group of the generation layout (``None``: the
             model's own ``pg_collection.pp``); its rank order is the stage order.
@@ -130,7 +130,7 @@ class ModelRunner:
         if layer_impl not in ("auto", "lean", "megatron"):
             raise ValueError(f"layer_impl must be auto, lean or megatron, got {layer_impl!r}")
         if layer_impl != "megatron":
-            from hyflow.rollout.lean import LeanDecoder, unsupported_reason
+            from hyflow.rollout.decode_forward import LeanDecoder, unsupported_reason
 
             reason = unsupported_reason(m)
             if reason is None:

@@ -83,7 +83,7 @@ def _prefill_rank(prompt_len: int, chunks: list[int], repeats: int) -> dict:
 
 
 def _prefill(args: argparse.Namespace) -> dict:
-    from hyflow.plan.memory import generation_transient, kv_cache_bytes
+    from hyflow.plan.memory_estimate import generation_transient, kv_cache_bytes
     from hyflow.tools.convert.launch import run_ranks
 
     chunks = [int(c) for c in args.chunks.split(",")]
