@@ -5,7 +5,8 @@
 * :mod:`.progress` -- :class:`Progress` (in-place bar on a TTY, periodic lines in CI logs);
 * :mod:`.plot` -- :func:`plot_metrics` (PNG of reward and KL, drawn with matplotlib);
 * :mod:`.trackers` -- TensorBoard, Weights & Biases, MLflow (``trainer.loggers``);
-* :mod:`.comm` -- per-step communication statistics (seconds / bytes per collective and group kind);
+* :mod:`.comm` -- per-step communication statistics (seconds / bytes per collective and group kind;
+  :mod:`.comm_groups` says which kind of traffic each process group carries);
 * :mod:`.memory` -- peak memory of the ranks.
 
 Named ``monitor`` rather than ``logging`` so it never shadows the standard library module.
