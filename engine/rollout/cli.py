@@ -24,13 +24,9 @@ import sys
 from typing import Any, Optional
 
 
-def rule_names() -> list[str]:
-    from hyflow.rewards.rules import rule_names as names
-
-    return names()
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from hyflow.rewards.rules import rule_names  # light: no torch
+
     p = subparsers.add_parser("generate", help="generate responses with the rollout engine",
                               description=__doc__.split("\n\n")[1] if __doc__ else None)
     src = p.add_mutually_exclusive_group(required=True)
