@@ -13,7 +13,7 @@ import os
 from typing import Any, Callable, Optional, Sequence
 
 from hyflow.config import ConfigError, load_config
-from hyflow.config.core import _yaml_load
+from hyflow.config.core import yaml_load
 
 #: job name -> (config schema, run function), as ``"module:attribute"``.
 JOBS = {
@@ -39,7 +39,7 @@ def job_schema(yaml_path: Optional[str], overrides: Sequence[str]) -> tuple[type
             raise ConfigError(f"config file {yaml_path!r} does not exist")
         try:
             with open(yaml_path) as f:
-                data = _yaml_load(f.read()) or {}
+                data = yaml_load(f.read()) or {}
         except Exception:  # load_config reports the file's problem with its line number
             data = {}
         job = data.get("job", job) if isinstance(data, dict) else job
