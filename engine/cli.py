@@ -13,58 +13,13 @@ import os
 import sys
 from typing import Optional, Sequence
 
-#: job name -> (config schema, run function). Schemas are light modules, so a config
-#: validates before torch or Megatron is imported.
-JOBS = {
-    "lm": ("hyflow.jobs.lm_config:LMJobConfig", "hyflow.jobs.lm:run"),
-    "rl": ("hyflow.jobs.rl_config:RLJobConfig", "hyflow.jobs.rl:run"),
-    "dpo": ("hyflow.jobs.preference_config:DPOJobConfig", "hyflow.jobs.dpo:run"),
-    "kto": ("hyflow.jobs.preference_config:KTOJobConfig", "hyflow.jobs.dpo:run"),
-}
+from hyflow.jobs.registry import job_runner, job_schema, load_job_config
 
 #: Modules that add subcommands: each defines ``register(subparsers)`` and sets
 #: ``func`` on its parsers. Imported lazily only to build the parser (keep their
 #: top-level imports light: no torch / Megatron at import time).
 COMMAND_MODULES: tuple[str, ...] = ("hyflow.launch.cli", "hyflow.plan.cli", "hyflow.doctor.cli", "hyflow.tools.convert.cli",
                                      "hyflow.tools.convert.export", "hyflow.rollout.cli", "hyflow.data.cli", "hyflow.tools.bench")
-
-
-def _job_schema(yaml_path: Optional[str], overrides: Sequence[str]):
-    """Pick the schema class from the config's ``job`` key (default ``lm``)."""
-    from hyflow.config import ConfigError
-    from hyflow.config.core import _yaml_load
-
-    job = "lm"
-    if yaml_path:
-        if not os.path.isfile(yaml_path):
-            raise ConfigError(f"config file {yaml_path!r} does not exist")
-        try:
-            with open(yaml_path) as f:
-                data = _yaml_load(f.read()) or {}
-        except Exception:  # load_config reports the file's problem with its line number
-            data = {}
-        job = data.get("job", job) if isinstance(data, dict) else job
-    for item in overrides:
-        if item.startswith("job="):
-            job = item.split("=", 1)[1]
-    if job not in JOBS:
-        raise ConfigError(f"unknown job {job!r}; one of {sorted(JOBS)}", key="job")
-    return _resolve(JOBS[job][0]), job
-
-
-def _resolve(path: str):
-    import importlib
-
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def load_job_config(yaml_path: Optional[str], overrides: Sequence[str]):
-    """Parse and validate a job config; raises ConfigError with a clear message."""
-    from hyflow.config import load_config
-
-    schema, _ = _job_schema(yaml_path, overrides)
-    return load_config(schema, yaml_path, list(overrides))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -112,7 +67,7 @@ def _run_rank(cfg) -> int:
 
     init_distributed()
     try:
-        return run_reporting(lambda: _resolve(JOBS[cfg.job][1])(cfg), dist.get_rank())
+        return run_reporting(lambda: job_runner(cfg.job)(cfg), dist.get_rank())
     finally:
         shutdown()
 
@@ -141,7 +96,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     if not args.config and not any(o.startswith("job=") for o in overrides):
         overrides.insert(0, "job=rl")
     try:
-        schema, job = _job_schema(args.config, overrides)
+        schema, job = job_schema(args.config, overrides)
         if args.describe:
             cfg = None
             if args.config or args.overrides:
@@ -236,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hyflow", description="RL post-training engine on Megatron-Core.")
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from hyflow.launch.args import make_intermixed
+    from hyflow.cli_support import make_intermixed
 
     train = make_intermixed(sub.add_parser("train", help="run a training job from a YAML config"))
     train.add_argument("config", help="YAML config file (see configs/)")

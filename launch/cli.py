@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from hyflow.launch.args import IntermixedParser
+from hyflow.cli_support import IntermixedParser
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -40,7 +40,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         if nproc is None:
             nproc = 1
             if args.target.endswith((".yaml", ".yml")):
-                from hyflow.cli import load_job_config
+                from hyflow.jobs.registry import load_job_config
 
                 nproc = load_job_config(args.target, args.args).trainer.nproc
         target = resolve_target(args.target, args.args, nproc)

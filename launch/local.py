@@ -70,7 +70,7 @@ def resolve_target(target: str, args: Sequence[str], world_size: int,
     if not os.path.isfile(target):
         raise LaunchError(
             f"{target!r} is neither a config file nor one of {', '.join(RANK_COMMANDS)}")
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
 
     overrides = [a for a in args if not a.startswith("trainer.nproc=")]
     overrides += [f"trainer.nproc={world_size}", *extra_overrides]

@@ -29,6 +29,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from hyflow.checkpoint.files import write_json
+
 LOG_DIR_ENV = "HYFLOW_LOG_DIR"
 #: Text of errors that only report that another rank is gone.
 _PEER_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
@@ -43,13 +45,6 @@ def rank_log(log_dir: str, rank: int) -> str:
 
 def _record_path(log_dir: str, rank: int, kind: str) -> str:
     return os.path.join(log_dir, f"rank_{rank:05d}.{kind}.json")
-
-
-def _write(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
 
 
 def one_line(text: str) -> str:
@@ -83,7 +78,7 @@ def run_reporting(fn: Callable[[], Any], rank: int, log_dir: Optional[str] = Non
         record_failure(exc, rank, log_dir)
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
-        _write(_record_path(log_dir, rank, "exit"), exit_record)
+        write_json(_record_path(log_dir, rank, "exit"), exit_record)
 
 
 def record_failure(exc: BaseException, rank: int, log_dir: str) -> dict:
@@ -94,17 +89,8 @@ def record_failure(exc: BaseException, rank: int, log_dir: str) -> dict:
         f.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
     record = {"rank": rank, "type": type(exc).__name__, "message": one_line(exc) or type(exc).__name__,
               "peer": is_peer_error(exc), "time": time.time(), "log": path}
-    _write(_record_path(log_dir, rank, "error"), record)
+    write_json(_record_path(log_dir, rank, "error"), record)
     return record
-
-
-def clear_records(log_dir: str) -> None:
-    """Remove the records of an earlier launch from ``log_dir`` (the logs are kept)."""
-    if not os.path.isdir(log_dir):
-        return
-    for name in os.listdir(log_dir):
-        if name.endswith((".error.json", ".exit.json")):
-            os.remove(os.path.join(log_dir, name))
 
 
 def read_records(log_dir: str, kind: str) -> list[dict]:

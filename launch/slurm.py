@@ -167,10 +167,10 @@ def _needs_resume(target: Target) -> list[str]:
     """``trainer.resume=auto`` when the job schema has that key and the user did not set it."""
     if target.command != "train" or any(a.startswith("trainer.resume=") for a in target.args):
         return []
-    from hyflow.cli import _job_schema
+    from hyflow.jobs.registry import job_schema
     from hyflow.config import config_keys
 
-    schema, _ = _job_schema(target.config, target.args)
+    schema, _ = job_schema(target.config, target.args)
     return ["trainer.resume=auto"] if "trainer.resume" in config_keys(schema) else []
 
 

@@ -371,7 +371,7 @@ def test_grpo_passk_credits_only_the_best_response(norm):
 def test_config_errors_name_the_key(overrides, needle):
     import os
 
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.config import ConfigError
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -382,7 +382,7 @@ def test_config_errors_name_the_key(overrides, needle):
 def test_config_loss_norm_length_defaults_to_the_response_budget():
     import os
 
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart.yaml")
     cfg = load_job_config(path, ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hyflow.cli import load_job_config
+from hyflow.jobs.registry import load_job_config
 from hyflow.config import dump_yaml
 from hyflow.monitor.metrics import read_metrics
 from hyflow.tools.bench import perf

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from hyflow.cli import load_job_config
+from hyflow.jobs.registry import load_job_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "smollm2_arith.yaml")

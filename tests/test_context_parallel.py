@@ -161,7 +161,7 @@ def test_layout_names_heads_that_do_not_split_over_tp_x_cp():
 def _lm_job(cp: int, out_dir: str) -> list:
     import torch.distributed as dist
 
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.jobs.lm import run
 
     cfg = load_job_config(LM_TINY, ["actor.layout.tp=1", f"actor.layout.cp={cp}", "trainer.total_steps=4",

@@ -51,9 +51,9 @@ PICKLING = ("all_gather_object", "broadcast_object_list", "gather_object", "scat
 def _guarded_steps(overrides):
     import hyflow.jobs.rl as rl
     from hyflow.algorithms.kl import make_kl_controller
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.data.dataset import build_dataset
-    from hyflow.data.sampler import PromptLoader
+    from hyflow.data.loader import PromptLoader
     from hyflow.data.tasks import load_data_tokenizer
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.rewards.manager import RewardManager

@@ -28,7 +28,7 @@ def _train(config: str, out: str) -> None:
     """Rank function: one RL step after an SFT warm-up, checkpointed at the end."""
     import torch
 
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.jobs.rl import run
 
     torch.set_num_threads(1)
@@ -40,13 +40,13 @@ def _hyflow_greedy(model_dir: str) -> list:
     from hyflow.checkpoint.model import load_model_from_checkpoint
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.rollout.config import RolloutConfig, SamplingConfig
+    from hyflow.rollout.config import GenerationConfig, SamplingConfig
     from hyflow.rollout.engine import GenerationEngine
 
     groups = init_training_groups(Layout(tp=2))
     model, desc, _ = load_model_from_checkpoint(model_dir, groups)
     model.eval()
-    config = RolloutConfig(sampling=SamplingConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    config = GenerationConfig(sampling=SamplingConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
     engine = GenerationEngine.from_description(model, desc, config, tp_group=groups.pgs.tp)
     return [s.token_ids for s in engine.generate(PROMPTS).samples]
 

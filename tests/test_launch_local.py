@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from hyflow.launch.args import IntermixedParser, format_bytes, parse_size
+from hyflow.cli_support import IntermixedParser
+from hyflow.config.units import format_bytes, parse_size
 from hyflow.launch.local import LaunchError, resolve_target, torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,7 +99,7 @@ def test_launcher_passes_sigterm_to_its_child(tmp_path):
 
 
 def test_grace_period_comes_from_measured_save_and_step_times(tmp_path):
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.launch.grace import preemption_grace
 
     cfg = load_job_config(QUICKSTART, [f"trainer.output_dir={tmp_path}"])

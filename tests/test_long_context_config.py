@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from hyflow.cli import load_job_config
+from hyflow.jobs.registry import load_job_config
 from hyflow.plan.core import PlanOptions, build_plan
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",

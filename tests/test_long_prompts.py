@@ -3,7 +3,7 @@
 Greedy generation after a 4096-token prompt gives the same tokens whether the prompt is
 prefilled whole or in chunks of 256 tokens, and the generation's extra memory (the
 peak of tensor bytes allocated during ``generate``, less the KV cache) agrees with the planner's
-generation transient (:func:`hyflow.plan.memory.generation_transient`) from 30% below (the plan
+generation transient (:func:`hyflow.plan.memory_estimate.generation_transient`) from 30% below (the plan
 is an upper bound) to 15% above. The whole prompt's prefill from position 0 is causal attention
 without a score matrix; a later chunk attends over the cache with a materialised mask and
 scores, O(chunk x context): bounded by the chunk, but at this size not below the whole prefill.
@@ -32,7 +32,7 @@ def _generate() -> dict:
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
     from hyflow.plan.measure import TensorMemoryTracker
-    from hyflow.rollout import GenerationEngine, RolloutConfig, SamplingConfig
+    from hyflow.rollout import GenerationEngine, GenerationConfig, SamplingConfig
 
     groups = init_training_groups(Layout())
     desc = _desc()
@@ -40,7 +40,7 @@ def _generate() -> dict:
     prompt = torch.randint(0, 256, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
     for chunk in CHUNKS:
-        engine = GenerationEngine.from_description(model, desc, RolloutConfig(
+        engine = GenerationEngine.from_description(model, desc, GenerationConfig(
             sampling=SamplingConfig(temperature=0, max_new_tokens=NEW, ignore_eos=True),
             max_concurrent=1, prefill_chunk_size=chunk, cpu_weight_packing=False))
         tracker = TensorMemoryTracker()
@@ -52,7 +52,7 @@ def _generate() -> dict:
 
 
 def test_chunked_prefill_same_tokens_and_bounded_memory():
-    from hyflow.plan.memory import generation_transient, kv_cache_bytes
+    from hyflow.plan.memory_estimate import generation_transient, kv_cache_bytes
 
     result = run_on_ranks(_generate, 1, timeout=900)[0]
     desc = _desc()

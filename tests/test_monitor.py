@@ -6,9 +6,7 @@ import io
 import json
 import logging
 import math
-import struct
 import sys
-import zlib
 
 import numpy as np
 import pytest
@@ -26,7 +24,6 @@ from hyflow.monitor import (
     auto_smooth_window,
     read_metrics,
 )
-from hyflow.monitor._png import Canvas, decode_png_header
 
 
 def full_row(step: int) -> dict:
@@ -224,33 +221,28 @@ def test_format_duration():
 
 # ----------------------------------------------------------------------------- plot
 
-def _decode_rgb(data: bytes) -> tuple[int, int, bytes]:
-    """Minimal decoder for the builtin writer's output (filter 0, RGB8)."""
-    w, h = decode_png_header(data)
-    pos, idat = 8, b""
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind = data[pos + 4:pos + 8]
-        chunk = data[pos + 8:pos + 8 + n]
-        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + chunk)
-        if kind == b"IDAT":
-            idat += chunk
-        pos += 12 + n
-    raw = zlib.decompress(idat)
-    rows = [raw[y * (3 * w + 1) + 1:(y + 1) * (3 * w + 1)] for y in range(h)]
-    assert all(raw[y * (3 * w + 1)] == 0 for y in range(h))
-    return w, h, b"".join(rows)
+def _rgb(path: str) -> np.ndarray:
+    """The PNG's pixels as an [h, w, 3] array of 0-255 ints."""
+    import matplotlib.image as mpimg
+
+    return (mpimg.imread(path)[..., :3] * 255).round().astype(int)
 
 
-def test_builtin_png_plot_draws_both_curves(tmp_path):
+def _count(rgb: np.ndarray, color, tol: int = 10) -> int:
+    return int((np.abs(rgb - np.array(color)).max(-1) <= tol).sum())
+
+
+def _has(rgb: np.ndarray, color, tol: int = 10) -> bool:
+    return _count(rgb, color, tol) > 0
+
+
+def test_png_plot_draws_both_curves(tmp_path):
     rows = [{"step": s, "critic/score/mean": s / 20, "actor/reward_kl_penalty": None if s == 10 else 0.01 * s} for s in range(1, 21)]
-    path = plot_metrics(rows, str(tmp_path / "p.png"), backend="builtin")
-    w, h, rgb = _decode_rgb(open(path, "rb").read())
-    assert (w, h) == (800, 630)
-    pixels = {tuple(rgb[i:i + 3]) for i in range(0, len(rgb), 3)}
-    assert (31, 119, 180) in pixels and (214, 39, 40) in pixels      # reward (blue) and KL (red) curves
-    top_half = rgb[: 3 * w * 330]
-    assert (214, 39, 40) not in {tuple(top_half[i:i + 3]) for i in range(0, len(top_half), 3)}
+    path = plot_metrics(rows, str(tmp_path / "p.png"), smooth=1)
+    rgb = _rgb(path)
+    assert rgb.shape == (520, 800, 3)
+    assert _has(rgb, (31, 119, 180)) and _has(rgb, (214, 39, 40))      # reward (blue) and KL (red) curves
+    assert not _has(rgb[:260], (214, 39, 40))                          # KL only in the lower panel
 
 
 def test_trailing_mean_matches_a_direct_computation():
@@ -270,44 +262,22 @@ def test_trailing_mean_matches_a_direct_computation():
     assert [auto_smooth_window(n) for n in (1, 19, 20, 45, 250, 1000)] == [1, 1, 5, 5, 12, 50]
 
 
-def test_builtin_plot_draws_faint_raw_curve_under_the_trailing_mean(tmp_path):
+def test_plot_draws_faint_raw_curve_under_the_trailing_mean(tmp_path):
     rows = [{"step": s, "critic/score/mean": (s % 2) * 0.8 + s / 100, "actor/reward_kl_penalty": 0.01 * s} for s in range(1, 41)]
-    colours = []
-    for smooth in (1, None):
-        path = plot_metrics(rows, str(tmp_path / f"s{smooth}.png"), backend="builtin", smooth=smooth)
-        w, _, rgb = _decode_rgb(open(path, "rb").read())
-        colours.append({tuple(rgb[i:i + 3]) for i in range(0, len(rgb), 3)})
-    faint_blue = (177, 207, 229)        # (31, 119, 180) 65% of the way to white
-    assert faint_blue not in colours[0] and (31, 119, 180) in colours[0]
-    assert faint_blue in colours[1] and (31, 119, 180) in colours[1]
+    images = [_rgb(plot_metrics(rows, str(tmp_path / f"s{smooth}.png"), smooth=smooth)) for smooth in (1, None)]
+    faint_blue = (177, 207, 229)        # (31, 119, 180) at alpha 0.35 over white
+    raw, smoothed = (_count(img, faint_blue, tol=2) for img in images)
+    assert smoothed > 2000 and smoothed > 10 * raw      # (raw: only anti-aliased edges of the blue line)
+    assert _has(images[0], (31, 119, 180)) and _has(images[1], (31, 119, 180))
     with pytest.raises(ValueError, match="window"):
-        plot_metrics(rows, str(tmp_path / "bad.png"), backend="builtin", smooth=0)
+        plot_metrics(rows, str(tmp_path / "bad.png"), smooth=0)
 
 
 def test_plot_from_run_dir_and_edge_cases(tmp_path):
     with MetricsWriter(str(tmp_path), tensorboard=False) as mw:
         mw.log(1, {"critic/score/mean": 0.3})                 # a single point, no KL at all
-    path = plot_metrics(str(tmp_path), backend="builtin")
+    path = plot_metrics(str(tmp_path))
     assert path == str(tmp_path / "reward_kl.png")
-    assert decode_png_header(open(path, "rb").read()) == (800, 630)
+    assert _rgb(path).shape == (520, 800, 3)
     with pytest.raises(ValueError, match="out_path is required"):
         plot_metrics([{"step": 1}])
-    with pytest.raises(ValueError, match="unknown plot backend"):
-        plot_metrics([{"step": 1}], str(tmp_path / "x.png"), backend="svg")
-
-
-def test_plot_auto_backend(tmp_path):
-    rows = [{"step": s, "critic/score/mean": s / 20, "actor/reward_kl_penalty": 0.01 * s} for s in range(1, 21)]
-    path = plot_metrics(rows, str(tmp_path / "auto.png"))   # matplotlib if installed, else builtin
-    data = open(path, "rb").read()
-    assert decode_png_header(data)[0] >= 400 and len(data) > 2000
-
-
-def test_canvas_primitives():
-    c = Canvas(20, 10)
-    c.line(0, 0, 19, 9, (255, 0, 0))
-    assert c.get(0, 0) == (255, 0, 0) and c.get(19, 9) == (255, 0, 0) and c.get(19, 0) == (255, 255, 255)
-    c.text(0, 0, "1", (0, 0, 255), scale=1)
-    assert c.get(1, 0) == (0, 0, 255) and c.get(0, 0) == (255, 0, 0)   # "1" = 010 on its first row
-    c.set(100, 100, (0, 0, 0))                                           # out of bounds: ignored
-    assert decode_png_header(c.to_png()) == (20, 10)

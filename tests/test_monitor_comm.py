@@ -124,7 +124,7 @@ def _quickstart(overrides):
     import torch.distributed as dist
 
     import hyflow.jobs.rl as rl
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.hybrid.reshard_plan import GenerationShape, gpt_param_specs, plan_reshard
     from hyflow.models.builder import build_gpt_model
     from hyflow.parallel.groups import init_training_groups

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hyflow.cli import load_job_config
+from hyflow.jobs.registry import load_job_config
 from hyflow.config import ConfigError
 from hyflow.monitor.metrics import MetricsWriter, read_metrics
 

@@ -15,7 +15,7 @@ import pytest
 
 from hyflow.hybrid import gpt_param_specs, plan_reshard, rank_plan
 from hyflow.parallel.layout import Layout, pad_vocab_size
-from hyflow.plan.groups import (check_partition, digest, generation_enumerations,
+from hyflow.plan.group_check import (check_partition, digest, generation_enumerations,
                                 layout_enumerations, verify_rank)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

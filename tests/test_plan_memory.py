@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from hyflow.cli import load_job_config
+from hyflow.jobs.registry import load_job_config
 from hyflow.models.description import tiny_llama
 from hyflow.parallel.layout import Layout, pad_vocab_size
-from hyflow.plan import memory as mem
+from hyflow.plan import memory_estimate as mem
 from hyflow.testing import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -260,10 +260,10 @@ def test_configs_validate_before_any_rank_starts(tmp_path):
 
 
 def test_train_cli_picks_the_preference_schemas():
-    from hyflow.cli import _job_schema
+    from hyflow.jobs.registry import job_schema
 
-    assert _job_schema(None, ["job=dpo"])[0] is DPOJobConfig
-    assert _job_schema(None, ["job=kto"])[0] is KTOJobConfig
+    assert job_schema(None, ["job=dpo"])[0] is DPOJobConfig
+    assert job_schema(None, ["job=kto"])[0] is KTOJobConfig
 
 
 def test_build_preference_dataset_from_task_config():

@@ -37,7 +37,7 @@ def _train(config: str, overrides: list, sigterm_call: int = 0, nan_from_call: i
 
     import hyflow.jobs.dpo as job
     import hyflow.jobs.preference_models as models
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.training.supervisor import DivergenceError
 
     torch.set_num_threads(1)  # as `hyflow train` runs its ranks

@@ -31,7 +31,7 @@ def _run(config: str, overrides: list) -> list:
     import torch.distributed as dist
 
     import hyflow.jobs.dpo as job
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
 
     history = job.run(load_job_config(config, overrides))
     return history if dist.get_rank() == 0 else None

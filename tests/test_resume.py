@@ -64,7 +64,7 @@ def _train(config: str, overrides: list, sigterm_call: int = 0, nan_from_call: i
     import torch.distributed as dist
 
     import hyflow.jobs.rl as rl
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.training.supervisor import DivergenceError
 
     torch.set_num_threads(1)  # as `hyflow train` runs its ranks (OMP_NUM_THREADS=1)
@@ -347,7 +347,7 @@ def _async_save_and_load(config: str, out: str) -> dict:
     CPU) counts only once finalized; it loads back exactly. The optimizer has not stepped yet."""
     import torch
 
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.data.tasks import load_data_tokenizer
     from hyflow.checkpoint.checkpointer import Checkpointer
     from hyflow.checkpoint.discovery import latest_checkpoint

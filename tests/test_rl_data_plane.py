@@ -41,9 +41,9 @@ def _steps(layouts, steps=3):
 
     import hyflow.jobs.rl as rl
     from hyflow.algorithms.kl import make_kl_controller
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.data.dataset import build_dataset
-    from hyflow.data.sampler import PromptLoader
+    from hyflow.data.loader import PromptLoader
     from hyflow.data.tasks import load_data_tokenizer
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.rewards.manager import RewardManager

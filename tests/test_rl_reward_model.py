@@ -34,7 +34,7 @@ def _save_checkpoints(root: str) -> None:
     """A reward model (value head, random weights with a large head) and a language model, at TP=2."""
     import torch.distributed as dist
 
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.models.builder import build_gpt_model
     from hyflow.checkpoint.model import save_model_checkpoint
     from hyflow.parallel.groups import init_training_groups
@@ -96,7 +96,7 @@ def _reference_scores(ckpt: str, seqs):
 
 def _build_error(overrides):
     """The error building the RL models raises (both ranks), as text."""
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.config import ConfigError
     from hyflow.data.tasks import load_data_tokenizer
     from hyflow.rl.models import build_rl_models

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hyflow.config import ConfigError
-from hyflow.rollout.config import RolloutConfig, SamplingConfig
+from hyflow.rollout.config import GenerationConfig, SamplingConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,19 +32,19 @@ def test_sampling_config_errors_name_the_key(changes, key):
 
 def test_rollout_config_errors_and_job_mapping():
     with pytest.raises(ConfigError) as info:
-        RolloutConfig(max_seq_len=64, max_prompt_length=64).validate()
+        GenerationConfig(max_seq_len=64, max_prompt_length=64).validate()
     assert info.value.key == "max_prompt_length"
     with pytest.raises(ConfigError):
-        RolloutConfig(batching="dynamic").validate()  # type: ignore[arg-type]
+        GenerationConfig(batching="dynamic").validate()  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
-        RolloutConfig(prefill_chunk_size=-1).validate()
+        GenerationConfig(prefill_chunk_size=-1).validate()
 
     class JobRollout:  # the RL job's rollout section uses the same field names
         n, max_new_tokens, temperature, top_k, top_p = 4, 32, 0.7, 20, 0.9
         stop_token_ids, truncate_long_prompts, prefill_chunk_size, max_concurrent = [7], True, 16, 8
         layout = object()
 
-    cfg = RolloutConfig.from_job(JobRollout(), pad_token_id=3)
+    cfg = GenerationConfig.from_job(JobRollout(), pad_token_id=3)
     assert (cfg.sampling.n, cfg.sampling.top_k, cfg.sampling.stop_token_ids) == (4, 20, [7])
     assert (cfg.max_concurrent, cfg.prefill_chunk_size, cfg.truncate_long_prompts, cfg.pad_token_id) == \
         (8, 16, True, 3)

@@ -63,11 +63,11 @@ def _model(family: str, tp: int, pp: int = 1, dp: int = 1):
 
 def _make(built, **config: Any):
     """An engine over an already built (model, desc, hf, groups) with ``config`` overrides."""
-    from hyflow.rollout import GenerationEngine, RolloutConfig, SamplingConfig
+    from hyflow.rollout import GenerationEngine, GenerationConfig, SamplingConfig
 
     model, desc, _, groups = built
     sampling = SamplingConfig(**config.pop("sampling", dict(temperature=0, max_new_tokens=NEW, ignore_eos=True)))
-    return GenerationEngine.from_description(model, desc, RolloutConfig(sampling=sampling, **config),
+    return GenerationEngine.from_description(model, desc, GenerationConfig(sampling=sampling, **config),
                                              tp_group=groups.pgs.tp)
 
 

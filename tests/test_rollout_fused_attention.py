@@ -214,7 +214,7 @@ def _decode_syncs_and_compaction():
     import hyflow.rollout.scheduler as sched
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.rollout import GenerationEngine, RolloutConfig, SamplingConfig
+    from hyflow.rollout import GenerationEngine, GenerationConfig, SamplingConfig
     from hyflow.rollout.loading import megatron_from_hf
 
     torch.set_num_threads(1)
@@ -225,7 +225,7 @@ def _decode_syncs_and_compaction():
                                       initializer_range=0.1, tie_word_embeddings=False)).eval()
     model, desc = megatron_from_hf(hf, groups)
     prompts = [[5, 9, 200], [17, 3, 250, 9, 8, 1], [100 + i for i in range(11)], [7], [44, 45]]
-    engine = GenerationEngine.from_description(model, desc, RolloutConfig(max_concurrent=4), tp_group=groups.pgs.tp)
+    engine = GenerationEngine.from_description(model, desc, GenerationConfig(max_concurrent=4), tp_group=groups.pgs.tp)
     counts, state = [], {"on": False}
     originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
 

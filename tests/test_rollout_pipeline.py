@@ -86,7 +86,7 @@ def _run(tp: int, pp: int, impls: tuple = ("lean", "megatron")) -> dict:
     """Rank fn: every family and layer path in Layout(tp, pp); plus HF's greedy tokens."""
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.rollout import GenerationEngine, RolloutConfig, SamplingConfig
+    from hyflow.rollout import GenerationEngine, GenerationConfig, SamplingConfig
     from hyflow.rollout.loading import megatron_from_hf
 
     torch.set_num_threads(1)
@@ -98,7 +98,7 @@ def _run(tp: int, pp: int, impls: tuple = ("lean", "megatron")) -> dict:
         assert (model.pre_process, model.post_process) == (groups.is_first_stage, groups.is_last_stage)
         out[family] = {}
         for impl in impls:
-            config = RolloutConfig(sampling=SamplingConfig(temperature=0, max_new_tokens=NEW, ignore_eos=True),
+            config = GenerationConfig(sampling=SamplingConfig(temperature=0, max_new_tokens=NEW, ignore_eos=True),
                                    max_concurrent=3, prefill_chunk_size=8, layer_impl=impl)
             engine = GenerationEngine.from_description(model, desc, config, tp_group=groups.pgs.tp,
                                                        pp_group=groups.pgs.pp)

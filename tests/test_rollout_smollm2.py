@@ -27,7 +27,7 @@ def _smollm2_parity() -> dict:
 
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.rollout import GenerationEngine, RolloutConfig, SamplingConfig
+    from hyflow.rollout import GenerationEngine, GenerationConfig, SamplingConfig
     from hyflow.rollout.loading import load_hf, megatron_from_hf, smollm2_gguf
 
     groups = init_training_groups(Layout())
@@ -39,7 +39,7 @@ def _smollm2_parity() -> dict:
                                       tokenize=True)
         prompts.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
     engine = GenerationEngine.from_description(
-        model, desc, RolloutConfig(sampling=SamplingConfig(temperature=0, max_new_tokens=NEW, ignore_eos=True)))
+        model, desc, GenerationConfig(sampling=SamplingConfig(temperature=0, max_new_tokens=NEW, ignore_eos=True)))
     res = engine.generate(prompts)
     ours = [s.token_ids for s in res.samples]
     hf.generation_config.eos_token_id = None

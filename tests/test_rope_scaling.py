@@ -198,7 +198,7 @@ def _generation(names) -> dict:
     """Rank fn: per model and layer path, greedy tokens and sampled log-probs vs HF."""
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.rollout import GenerationEngine, RolloutConfig, SamplingConfig
+    from hyflow.rollout import GenerationEngine, GenerationConfig, SamplingConfig
     from hyflow.rollout.loading import megatron_from_hf
     from hyflow.testing.references import hf_response_logprobs
     from hyflow.tools.convert.tiny_models import tiny_hf_config
@@ -225,7 +225,7 @@ def _generation(names) -> dict:
         out[name] = {"hf": want}
         for impl in ("lean", "megatron"):
             engine = GenerationEngine.from_description(
-                model, desc, RolloutConfig(sampling=SamplingConfig(temperature=0, max_new_tokens=NEW,
+                model, desc, GenerationConfig(sampling=SamplingConfig(temperature=0, max_new_tokens=NEW,
                                                                    ignore_eos=True),
                                            max_concurrent=3, layer_impl=impl), tp_group=groups.pgs.tp)
             greedy = [s.token_ids for s in engine.generate(prompts).samples]

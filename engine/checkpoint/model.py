@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model  # Megatron DDP / Float16Module wrappers
 
 from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError  # noqa: F401 - re-exported
 from hyflow.checkpoint.files import write_json
@@ -83,13 +84,9 @@ class CheckpointInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)  # Megatron DDP / Float16Module
-
-
 def model_dtype_name(model: torch.nn.Module) -> str:
     """``fp32`` / ``bf16`` / ``fp16`` of the model's parameters."""
-    dtype = next(_unwrap(model).parameters()).dtype
+    dtype = next(unwrap_model(model).parameters()).dtype
     if dtype not in _DTYPE_NAMES:
         raise CheckpointError(f"unsupported parameter dtype {dtype}")
     return _DTYPE_NAMES[dtype]
@@ -114,7 +111,7 @@ def build_model_for_loading(desc: ModelDescription, groups: ParallelGroups, *, d
 @torch.no_grad()
 def zero_vocab_padding(model: torch.nn.Module, vocab_size: int, groups: ParallelGroups) -> None:
     """Zero the padded vocabulary rows of the embedding and output layer of this rank."""
-    for name, param in _unwrap(model).named_parameters():
+    for name, param in unwrap_model(model).named_parameters():
         if name not in ("embedding.word_embeddings.weight", "output_layer.weight") or param.dim() != 2:
             continue
         start = groups.tp_rank * param.shape[0]
@@ -301,7 +298,7 @@ def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
     if errors[0]:
         raise CheckpointError(errors[0])
     with quiet_dist_checkpointing():
-        dist_checkpointing.save(_unwrap(model).sharded_state_dict(), ckpt_dir)
+        dist_checkpointing.save(unwrap_model(model).sharded_state_dict(), ckpt_dir)
     dist.barrier()
     if dist.get_rank() == 0:
         desc.save(ckpt_dir)
@@ -334,7 +331,7 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
         check_compatible(desc, ckpt_desc, ckpt_dir)
     if verify:
         verify_model_checkpoint(ckpt_dir, groups)
-    module = _unwrap(model)
+    module = unwrap_model(model)
     try:
         with quiet_dist_checkpointing():
             state = dist_checkpointing.load(module.sharded_state_dict(), ckpt_dir,

@@ -259,11 +259,3 @@ def maybe_activate() -> bool:
         return False
     activate()
     return True
-
-
-def default_device() -> torch.device:
-    """The device hyflow places models and batches on: cuda when present, else cpu."""
-    if _cuda_really_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-

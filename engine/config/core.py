@@ -79,7 +79,9 @@ for _cls in (_Loader, _Dumper):  # same float rule both ways, so dumps round-tri
 del _cls
 
 
-def _yaml_load(text: str) -> Any:
+def yaml_load(text: str) -> Any:
+    """Parse YAML text as hyflow configs are parsed: safe loading, `1e-4` read as a float, a
+    duplicate key an error."""
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
 
 
@@ -396,7 +398,7 @@ def apply_overrides(data: Mapping, overrides: Sequence[str], schema: type | None
             raise ConfigError(f"malformed override {item!r}: expected key=value, "
                               "e.g. trainer.total_steps=100")
         try:
-            value = _yaml_load(raw) if raw.strip() else ""
+            value = yaml_load(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(f"override {item!r}: value is not valid YAML ({exc}); "
                               "quote it to pass a string", key) from exc
@@ -427,7 +429,7 @@ def load_config(cls: type[T], yaml_path: str | None, overrides: Sequence[str] = 
     if yaml_path is not None:
         try:
             with open(yaml_path, encoding="utf-8") as fh:
-                data = _yaml_load(fh)
+                data = yaml_load(fh)
         except FileNotFoundError:
             raise ConfigError(f"config file '{yaml_path}' not found; check the path") from None
         except OSError as exc:

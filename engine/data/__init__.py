@@ -4,7 +4,7 @@
   and :func:`load_tokenizer`;
 * :mod:`.dataset` -- :class:`PromptDataset` (validation with row-level errors, length
   filtering);
-* :mod:`.sampler` -- :class:`EpochSampler` / :class:`PromptLoader` (deterministic, resumable);
+* :mod:`.loader` -- :class:`EpochSampler` / :class:`PromptLoader` (deterministic, resumable);
 * :mod:`.tasks` -- synthetic verifiable tasks (``digits_reverse`` for the CPU quickstart,
   ``arithmetic`` for SmolLM2) and preference tasks (``pref_digit_add``, ``pref_arithmetic``);
 * :mod:`.preference` -- DPO / KTO rows in TRL's formats (:class:`PreferenceDataset`).
@@ -21,7 +21,7 @@ from hyflow.data.dataset import (
     write_rows,
 )
 from hyflow.data.preference import KTOExample, PreferenceDataset, PreferencePair, build_preference_dataset
-from hyflow.data.sampler import EpochSampler, PromptLoader
+from hyflow.data.loader import EpochSampler, PromptLoader
 from hyflow.data.tasks import (
     QUICKSTART_TASK,
     TASKS,

@@ -19,7 +19,7 @@ from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from hyflow.launch.args import make_intermixed
+    from hyflow.cli_support import make_intermixed
 
     p = make_intermixed(subparsers.add_parser("make-task", help="write a synthetic task's rows (jsonl / parquet)",
                                               description=__doc__.split("\n\n")[2] if __doc__ else None))

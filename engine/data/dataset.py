@@ -11,7 +11,7 @@ Malformed rows raise :class:`DatasetError` naming the file, the row index and th
 the whole file was scanned (the first few problems are listed with a total count). Prompts
 longer than ``max_prompt_length`` tokens (after the chat template) are dropped, or
 left-truncated when asked, and the count is logged and kept in :attr:`PromptDataset.stats`.
-Batches come from :class:`hyflow.data.sampler.PromptLoader`.
+Batches come from :class:`hyflow.data.loader.PromptLoader`.
 """
 from __future__ import annotations
 
@@ -370,12 +370,3 @@ def reference_response_ids(record: PromptRecord, tokenizer: Tokenizer) -> list[i
         raise DatasetError(f"{record.where}: no reference answer (extra_info.answer) for the SFT warm-up",
                            path=record.path, row=record.row, key="extra_info.answer")
     return tokenizer.encode(record.reference, add_special_tokens=False) + [tokenizer.eos_token_id]
-
-
-def __getattr__(name: str) -> Any:
-    """``EpochSampler`` / ``PromptLoader`` live in :mod:`hyflow.data.sampler`; importable from here too."""
-    if name in ("EpochSampler", "PromptLoader"):
-        from hyflow.data import sampler
-
-        return getattr(sampler, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

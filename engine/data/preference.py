@@ -25,7 +25,7 @@ Malformed rows raise :class:`~hyflow.data.dataset.DatasetError` naming the file,
 the key, after the whole file was scanned. Rows whose prompt or completion is longer than
 the limits are dropped, or truncated when asked (prompts keep their end, completions their
 start); the counts are logged and kept in :attr:`PreferenceDataset.stats`. Batches come from
-:class:`hyflow.data.sampler.PromptLoader` (deterministic, resumable) over the dataset.
+:class:`hyflow.data.loader.PromptLoader` (deterministic, resumable) over the dataset.
 """
 from __future__ import annotations
 

@@ -23,13 +23,14 @@ import json
 import os
 from typing import Any, Optional
 
-from hyflow.launch.args import format_bytes, make_intermixed, parse_size
+from hyflow.cli_support import make_intermixed
+from hyflow.config.units import format_bytes, parse_size
 
 
 def _layout_groups(config: Optional[str], overrides: list[str], world: int) -> dict[str, list[list[int]]]:
     if not config:
         return {}
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
 
     cfg = load_job_config(config, [o for o in overrides if not o.startswith("trainer.nproc=")]
                           + [f"trainer.nproc={world}"])

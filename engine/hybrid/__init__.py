@@ -4,9 +4,9 @@ on the same ranks.
 * :mod:`~hyflow.hybrid.param_specs`: the model side of a reshard (one ``ParamSpec`` per parameter);
 * :mod:`~hyflow.hybrid.reshard_plan`: the reshard between the two layouts (pure arithmetic);
 * :mod:`~hyflow.hybrid.reshard_table`: one rank's table of routes, what the executor runs;
-* :mod:`~hyflow.hybrid.groups`: the generation-side process groups;
+* :mod:`~hyflow.hybrid.generation_groups`: the generation-side process groups;
 * :mod:`~hyflow.hybrid.executor`: :class:`HybridEngine`, the transitions;
-* :mod:`~hyflow.hybrid.transport`, :mod:`~hyflow.hybrid.memory`, :mod:`~hyflow.hybrid.offload`:
+* :mod:`~hyflow.hybrid.transport`, :mod:`~hyflow.hybrid.generation_buffer`, :mod:`~hyflow.hybrid.offload`:
   how bytes move, the generation buffer, optimizer state out of the way.
 
 The layout fix-up kernels live in ``hyflow.kernels``. Importing this package does not import torch.

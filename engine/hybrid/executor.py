@@ -3,9 +3,9 @@
 ``HybridEngine(train_model, desc, train_groups, (tp_g, pp_g))`` plans the reshard once
 (:mod:`hyflow.hybrid.reshard_plan`), takes this rank's table from the plan
 (:mod:`hyflow.hybrid.reshard_table`), creates the generation groups
-(:func:`hyflow.hybrid.groups.build_generation_groups`) and the generation-layout
+(:func:`hyflow.hybrid.generation_groups.build_generation_groups`) and the generation-layout
 ``GPTModel``, whose parameters are views of one flat generation buffer
-(:class:`hyflow.hybrid.memory.GenerationBuffer`) for the whole run. The executor runs the
+(:class:`hyflow.hybrid.generation_buffer.GenerationBuffer`) for the whole run. The executor runs the
 table and decides nothing itself: every route names its generation parameter, the training
 parameter that supplies it and how the bytes come.
 
@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
-from hyflow.hybrid.groups import build_generation_groups
-from hyflow.hybrid.memory import GenerationBuffer, advise_huge_pages
+from hyflow.hybrid.generation_groups import build_generation_groups
+from hyflow.hybrid.generation_buffer import GenerationBuffer, advise_huge_pages
 from hyflow.hybrid.offload import OptimizerStateOffload
 from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
 from hyflow.hybrid.reshard_plan import (PP_STAGING_SLOT, TP_STAGING_SLOT, GenerationShape, ReshardPlan,
@@ -193,7 +193,7 @@ class HybridEngine:
         if self._released:
             for storage, nbytes in self._released:
                 storage.resize_(nbytes)
-                advise_huge_pages(storage)  # before the first touch (see hyflow.hybrid.memory)
+                advise_huge_pages(storage)  # before the first touch (see hyflow.hybrid.generation_buffer)
                 # no stale bytes in padding
                 torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
             s, slot = self.table.tp_merge_size, self.table.tp_slot

@@ -3,7 +3,7 @@
 Pure arithmetic: no ``torch.distributed``, no process groups, no tensors. From a
 :class:`ReshardPlan`, :func:`hyflow.hybrid.reshard_table.rank_table` derives the per-parameter
 source/destination table one rank's executor runs (:mod:`hyflow.hybrid.executor`);
-:mod:`hyflow.hybrid.groups` the process groups; the tests run the plan in a simulation.
+:mod:`hyflow.hybrid.generation_groups` the process groups; the tests run the plan in a simulation.
 
 Rank mapping (CP = EP = 1)
 --------------------------

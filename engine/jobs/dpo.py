@@ -54,7 +54,7 @@ PLOT_FILE = "rewards.png"
 def run(cfg: PreferenceJobConfig) -> list[dict]:
     """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
     from hyflow.data.preference import build_preference_dataset
-    from hyflow.data.sampler import PromptLoader
+    from hyflow.data.loader import PromptLoader
     from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
     from hyflow.monitor.metrics import MetricsWriter
     from hyflow.monitor.progress import Progress

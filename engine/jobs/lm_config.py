@@ -34,7 +34,7 @@ class LMDataConfig:
 
 
 @dataclass
-class ActorConfig:
+class LMActorConfig:
     """The trained model: layout, precision, optimizer."""
 
     layout: Layout = field(default_factory=Layout,
@@ -47,7 +47,7 @@ class ActorConfig:
 
 
 @dataclass
-class TrainerConfig:
+class LMTrainerConfig:
     """Run-level settings."""
 
     total_steps: int = field(default=60, metadata={"help": "optimizer steps"})
@@ -69,9 +69,9 @@ class LMJobConfig:
 
     job: Literal["lm"] = field(default="lm", metadata={"help": "which job the config describes"})
     model: ModelDescription = field(default_factory=tiny_llama)
-    actor: ActorConfig = field(default_factory=ActorConfig)
+    actor: LMActorConfig = field(default_factory=LMActorConfig)
     data: LMDataConfig = field(default_factory=LMDataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: LMTrainerConfig = field(default_factory=LMTrainerConfig)
 
     def validate(self) -> None:
         layout = self.actor.layout

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from hyflow.config import ConfigError
-from hyflow.jobs.rl_config import TrainedModelConfig, TrainerConfig, _positive
+from hyflow.config.checks import check_positive
+from hyflow.jobs.rl_config import TrainedModelConfig, TrainerConfig
 from hyflow.models.description import ModelDescription, tiny_llama
 from hyflow.parallel.layout import Layout
 
@@ -27,7 +28,7 @@ class PolicyConfig(TrainedModelConfig):
         "help": "pairs (dpo: chosen + rejected, 2 sequences each) or examples (kto) per forward/backward"})
 
     def validate(self) -> None:
-        _positive(self, "micro_batch_size")
+        check_positive(self, "micro_batch_size")
         if self.layout.cp > 1:
             raise ConfigError("context parallelism (cp > 1) is not supported by the preference jobs; "
                               "set actor.layout.cp=1", key="layout.cp")
@@ -111,7 +112,7 @@ class PreferenceDataConfig:
     seed: int = field(default=1, metadata={"help": "data order (and the synthetic task's draw)"})
 
     def validate(self) -> None:
-        _positive(self, "train_batch_size", "task_size", "max_prompt_length", "max_completion_length")
+        check_positive(self, "train_batch_size", "task_size", "max_prompt_length", "max_completion_length")
         if not self.train_files and not self.task:
             raise ConfigError("set data.train_files or data.task")
 

@@ -45,7 +45,7 @@ def setup(cfg: RLJobConfig) -> tuple[RLState, "StepJob"]:
     """Everything a run steps with: its state (models, data position, KL controller, supervisor;
     the supervisor's signal handlers are not installed yet) and the step's helpers."""
     from hyflow.data.dataset import build_dataset
-    from hyflow.data.sampler import PromptLoader
+    from hyflow.data.loader import PromptLoader
     from hyflow.data.tasks import load_data_tokenizer
     from hyflow.rewards.manager import RewardManager
 

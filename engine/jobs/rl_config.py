@@ -8,37 +8,18 @@ critic, reward, algorithm, data, trainer, cluster.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from hyflow.config import ConfigError
+from hyflow.config.checks import check_finite, check_positive
+from hyflow.jobs.algorithm_config import (GROUP_ESTIMATORS, AlgorithmConfig, KLKind, LossAgg, PolicyLoss,
+                                          RolloutCorrectionConfig)
 from hyflow.models.description import ModelDescription, tiny_llama
 from hyflow.parallel.layout import Layout
+from hyflow.rollout.config import GenerationConfig
 from hyflow.training.optim_config import OptimConfig
 
-AdvEstimator = Literal["gae", "grpo", "dr_grpo", "grpo_passk", "rloo", "reinforce_plus_plus",
-                       "reinforce_plus_plus_baseline", "remax"]
-PolicyLoss = Literal["vanilla", "gspo", "cispo"]
-CorrectionMode = Literal["off", "token_tis", "seq_tis", "seq_mis", "icepop"]
-#: estimators that compare the responses within a prompt's group (they need rollout.n >= 2)
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline")
-LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLKind = Literal["k1", "k2", "k3", "abs", "low_var_kl"]
-
-
-def _finite(obj, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is not None and not math.isfinite(value):
-            raise ConfigError(f"must be a finite number, got {value}", key=name)
-
-
-def _positive(obj, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is None or value < 1:
-            raise ConfigError(f"must be >= 1, got {value}", key=name)
 
 
 @dataclass
@@ -49,12 +30,14 @@ class GenerationLayout:
     pp: int = field(default=1, metadata={"help": "generation pipeline parallel (must divide actor pp)"})
 
     def validate(self) -> None:
-        _positive(self, "tp", "pp")
+        check_positive(self, "tp", "pp")
 
 
 @dataclass
 class RolloutConfig:
-    """How the actor generates responses."""
+    """How the actor generates responses (the job's section; the generation engine's
+    :class:`~hyflow.rollout.config.GenerationConfig` takes these fields by name and owns their
+    checks)."""
 
     layout: GenerationLayout = field(default_factory=GenerationLayout)
     n: int = field(default=4, metadata={"help": "responses sampled per prompt (the GRPO group size)"})
@@ -75,36 +58,9 @@ class RolloutConfig:
         "help": "move the actor's optimizer state to host memory while generating (GPU)"})
 
     def validate(self) -> None:
-        _positive(self, "n", "max_prompt_length", "max_new_tokens", "max_concurrent")
-        _finite(self, "temperature", "top_p")
-        if self.temperature < 0:
-            raise ConfigError(f"must be >= 0, got {self.temperature}", key="temperature")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"must be in (0, 1], got {self.top_p}", key="top_p")
-        if self.top_k < 0 or self.prefill_chunk_size < 0:
-            raise ConfigError("top_k and prefill_chunk_size must be >= 0")
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    """Importance-sampling correction of the gap between the sampler's log-probs and the
-    training-layout forward's (``actor.old_logprobs=recompute``); see docs/algorithms.md."""
-
-    mode: CorrectionMode = field(default="off", metadata={
-        "help": "off | token_tis (w = min(rho_t, cap)) | seq_tis (w = min(prod_t rho_t, cap)) | seq_mis "
-                "(drop sequences whose prod_t rho_t leaves [low, high], weight the rest by it) | icepop "
-                "(drop tokens whose rho_t leaves [low, high], weight the rest by it); "
-                "rho = pi_train / pi_sampler"})
-    cap: float = field(default=2.0, metadata={"help": "truncation C of token_tis / seq_tis (> 0)"})
-    low: float = field(default=0.5, metadata={"help": "lower end of the kept ratio band (seq_mis, icepop)"})
-    high: float = field(default=2.0, metadata={
-        "help": "upper end of the kept ratio band (seq_mis, icepop; the IcePop paper used [0.5, 5])"})
-
-    def validate(self) -> None:
-        if self.cap <= 0:
-            raise ConfigError(f"must be > 0, got {self.cap}", key="cap")
-        if not 0 <= self.low < self.high:
-            raise ConfigError(f"need 0 <= low < high, got low={self.low}, high={self.high}")
+        check_finite(self, "temperature", "top_p")
+        # sampling, lengths, chunking, concurrency: the generation engine's own checks
+        GenerationConfig.from_job(self)
 
 
 @dataclass
@@ -175,10 +131,10 @@ class ActorConfig(TrainedModelConfig):
     sft_lr: float = field(default=1e-3, metadata={"help": "constant learning rate of the SFT warm-up"})
 
     def validate(self) -> None:
-        _positive(self, "micro_batch_size", "mini_batch_size", "ppo_epochs")
+        check_positive(self, "micro_batch_size", "mini_batch_size", "ppo_epochs")
         if self.max_tokens_per_micro_batch is not None:
-            _positive(self, "max_tokens_per_micro_batch")
-        _finite(self, "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "kl_loss_coef", "sft_lr")
+            check_positive(self, "max_tokens_per_micro_batch")
+        check_finite(self, "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "kl_loss_coef", "sft_lr")
         if self.kl_loss_coef < 0:
             raise ConfigError(f"must be >= 0, got {self.kl_loss_coef}", key="kl_loss_coef")
         if self.sft_lr <= 0:
@@ -225,11 +181,11 @@ class CriticConfig:
         "help": "PPO value clip: new values stay within this distance of the old ones"})
 
     def validate(self) -> None:
-        _positive(self, "micro_batch_size")
+        check_positive(self, "micro_batch_size")
         for name in ("max_tokens_per_micro_batch", "mini_batch_size", "ppo_epochs"):
             if getattr(self, name) is not None:
-                _positive(self, name)
-        _finite(self, "cliprange_value")
+                check_positive(self, name)
+        check_finite(self, "cliprange_value")
 
 
 @dataclass
@@ -248,7 +204,7 @@ class ReferenceConfig:
     def validate(self) -> None:
         for name in ("micro_batch_size", "max_tokens_per_micro_batch"):
             if getattr(self, name) is not None:
-                _positive(self, name)
+                check_positive(self, name)
 
 
 @dataclass
@@ -283,70 +239,11 @@ class RewardConfig:
     format_pattern: Optional[str] = field(default=None, metadata={"help": "regex of the `format` rule"})
 
     def validate(self) -> None:
-        _finite(self, "model_coef", "format_score")
+        check_finite(self, "model_coef", "format_score")
         if self.kind == "function" and not self.function_path:
             raise ConfigError("reward.kind=function needs reward.function_path", key="function_path")
         if self.kind == "model" and not self.model_checkpoint:
             raise ConfigError("reward.kind=model needs reward.model_checkpoint", key="model_checkpoint")
-
-
-@dataclass
-class KLControlConfig:
-    """KL penalty coefficient in the reward: fixed, or adaptive towards a target KL."""
-
-    type: Literal["fixed", "adaptive"] = field(default="fixed", metadata={
-        "help": "fixed coefficient, or adaptive (moves the coefficient towards target_kl)"})
-    kl_coef: float = field(default=0.001, metadata={
-        "help": "coefficient of the in-reward KL penalty (initial value when adaptive)"})
-    target_kl: float = field(default=0.1, metadata={"help": "adaptive: the KL the controller aims for"})
-    horizon: int = field(default=10000, metadata={"help": "adaptive: steps over which the coefficient adapts"})
-
-    def validate(self) -> None:
-        _finite(self, "kl_coef", "target_kl")
-        if self.kl_coef < 0:
-            raise ConfigError(f"must be >= 0 (a penalty), got {self.kl_coef}", key="kl_coef")
-        if self.target_kl <= 0:
-            raise ConfigError(f"must be > 0, got {self.target_kl}", key="target_kl")
-        _positive(self, "horizon")
-
-
-@dataclass
-class OverlongBufferConfig:
-    """DAPO soft overlong punishment: a reward term falling linearly from 0 to -penalty_factor over
-    the last ``length`` tokens of the response budget (rollout.max_new_tokens)."""
-
-    enable: bool = field(default=False, metadata={"help": "add the overlong penalty to every response's reward"})
-    length: int = field(default=16, metadata={"help": "buffer length in tokens (<= rollout.max_new_tokens)"})
-    penalty_factor: float = field(default=1.0, metadata={"help": "penalty of a response that uses the whole budget"})
-
-    def validate(self) -> None:
-        _positive(self, "length")
-        if self.penalty_factor < 0:
-            raise ConfigError(f"must be >= 0, got {self.penalty_factor}", key="penalty_factor")
-
-
-@dataclass
-class AlgorithmConfig:
-    """Advantage estimation and reward shaping."""
-
-    adv_estimator: AdvEstimator = field(default="grpo", metadata={
-        "help": "gae (needs critic.enable=true) | grpo | dr_grpo | grpo_passk (only each group's best response is "
-                "credited, with its margin over the second best) | rloo | reinforce_plus_plus | "
-                "reinforce_plus_plus_baseline | remax"})
-    gamma: float = field(default=1.0, metadata={"help": "discount factor (gae, reinforce_plus_plus)"})
-    lam: float = field(default=1.0, metadata={"help": "GAE lambda"})
-    norm_adv_by_std_in_grpo: bool = field(default=True, metadata={
-        "help": "GRPO: divide group-centred scores by the group's standard deviation"})
-    use_kl_in_reward: bool = field(default=False, metadata={
-        "help": "subtract kl_ctrl.kl_coef x KL(actor || reference) from the reward"})
-    kl_penalty: KLKind = field(default="k1", metadata={"help": "KL estimator of the in-reward penalty"})
-    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-
-    def validate(self) -> None:
-        _finite(self, "gamma", "lam")
-        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
-            raise ConfigError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
 
 
 @dataclass
@@ -366,7 +263,7 @@ class DataConfig:
     seed: int = field(default=1, metadata={"help": "seed of the shuffle"})
 
     def validate(self) -> None:
-        _positive(self, "train_batch_size", "task_size")
+        check_positive(self, "train_batch_size", "task_size")
         if not self.train_files and not self.task:
             raise ConfigError("set data.train_files or data.task")
 
@@ -394,7 +291,7 @@ class TrainerConfig:
         "help": "W&B / MLflow run name (null: the output_dir's name)"})
 
     def validate(self) -> None:
-        _positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps")
+        check_positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps")
         if self.save_every < 0:
             raise ConfigError(f"must be >= 0, got {self.save_every}", key="save_every")
         from hyflow.monitor.trackers import check_available

@@ -259,11 +259,6 @@ def _has(model: torch.nn.Module, name: str) -> bool:
         return False
 
 
-def gpt_model_parameters(model: GPTModel) -> int:
-    """Number of parameters held by this rank's model part."""
-    return sum(p.numel() for p in model.parameters())
-
-
 def build_model_chunks(desc: ModelDescription, groups: ParallelGroups, **kwargs) -> list[GPTModel]:
     """This rank's model chunks: one, or ``layout.vpp`` for the interleaved pipeline."""
     if not groups.layout.vpp:

@@ -23,7 +23,7 @@ Streaming converters call :func:`hf_to_megatron_tensor` one tensor at a time.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -310,8 +310,3 @@ def megatron_to_hf(mc: Mapping[str, torch.Tensor], desc: ModelDescription) -> di
         for name, tensor in zip(hf_names, megatron_to_hf_tensors(mc_name, mc[mc_name], desc), strict=True):
             out[name] = tensor.contiguous()
     return out
-
-
-def iter_layer_groups(desc: ModelDescription) -> Iterator[tuple[str, list[str]]]:
-    """(Megatron name, HF names) in file order: embeddings, layer 0..L-1, norm, head."""
-    yield from name_map(desc).items()

@@ -3,9 +3,10 @@
 * :mod:`.metrics` -- :class:`MetricsWriter` (``metrics.jsonl``, one row per step; resumable);
 * :mod:`.timers` -- :class:`PhaseTimers` (``timing_s/<phase>`` per step);
 * :mod:`.progress` -- :class:`Progress` (in-place bar on a TTY, periodic lines in CI logs);
-* :mod:`.plot` -- :func:`plot_metrics` (PNG of reward and KL; matplotlib optional);
+* :mod:`.plot` -- :func:`plot_metrics` (PNG of reward and KL, drawn with matplotlib);
 * :mod:`.trackers` -- TensorBoard, Weights & Biases, MLflow (``trainer.loggers``);
-* :mod:`.comm` -- per-step communication statistics (seconds / bytes per collective and group kind);
+* :mod:`.comm` -- per-step communication statistics (seconds / bytes per collective and group kind;
+  :mod:`.comm_groups` says which kind of traffic each process group carries);
 * :mod:`.memory` -- peak memory of the ranks.
 
 Named ``monitor`` rather than ``logging`` so it never shadows the standard library module.

@@ -45,7 +45,7 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     device = rank_device()
     backend = "gloo"
     if device.type == "cuda":
@@ -55,7 +55,8 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (the OS picks it; another process may take it later)."""
     import socket
 
     with socket.socket() as s:

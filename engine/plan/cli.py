@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from hyflow.launch.args import make_intermixed
+from hyflow.cli_support import make_intermixed
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -19,9 +19,10 @@ from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
 from hyflow.hybrid.reshard_plan import PP_STAGING_SLOT, ReshardPlan, plan_reshard, staging_bytes_per_rank
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.layout import Layout
-from hyflow.plan import memory as mem
-from hyflow.plan.groups import (RankCheck, check_partition, generation_enumerations,
+from hyflow.plan import memory_estimate as mem
+from hyflow.plan.group_check import (RankCheck, check_partition, generation_enumerations,
                                 layout_enumerations, summarize, verify_rank)
+from hyflow.rollout.config import GenerationConfig
 
 GIB = 1 << 30
 
@@ -220,8 +221,8 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         logits_copies=3, phase="actor update")  # log-prob exp; entropy exp and mask (always logged)
     actor_static = max(e.get("weights") + e.get("grads") + e.get("optimizer") for e in actor_train)
     # What stays in device memory while generating (rollout.offload_* free the rest).
-    actor_state = max((0 if _engine_default(cfg.rollout, "offload_grad_buffers", False) else e.get("grads"))
-                      + (0 if _engine_default(cfg.rollout, "offload_optimizer", False) else e.get("optimizer"))
+    actor_state = max((0 if cfg.rollout.offload_grad_buffers else e.get("grads"))
+                      + (0 if cfg.rollout.offload_optimizer else e.get("optimizer"))
                       for e in actor_train)
     critic_static: list[tuple[str, int, str]] = []
     if critic is not None:
@@ -278,13 +279,12 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     capacity = seq
     # the engine sizes its cache for min(max_concurrent, the samples of its replica)
     per_replica = -(-cfg.data.train_batch_size * cfg.rollout.n // plan.gen_dp_size)
-    slots = min(cfg.rollout.max_concurrent, per_replica)
+    engine = GenerationConfig.from_job(cfg.rollout)  # what the generation engine will run with
+    slots = min(engine.max_concurrent, per_replica)
     # a prompt is prefilled once for its n samples (the engine's share_prompt_prefill)
-    prompts = -(-slots // cfg.rollout.n) if _engine_default(cfg.rollout, "share_prompt_prefill", True) \
-        else slots
+    prompts = -(-slots // cfg.rollout.n) if engine.share_prompt_prefill else slots
     chunk = cfg.rollout.prefill_chunk_size or cfg.rollout.max_prompt_length
-    prefill = min(_engine_default(cfg.rollout, "max_prefill_tokens", 8192),
-                  prompts * min(chunk, cfg.rollout.max_prompt_length))
+    prefill = min(engine.max_prefill_tokens, prompts * min(chunk, cfg.rollout.max_prompt_length))
     est = mem.MemoryEstimate("generation")
     est.add("generation weights", max(plan.gen_bytes),
             f"actor in TP_g={gen.tp} PP_g={gen.pp} (holds the training shard)")
@@ -319,23 +319,10 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     }
 
 
-def _engine_default(rollout: Any, name: str, fallback: Any) -> Any:
-    """A rollout-engine setting: the job's value when its schema has the key, else the
-    engine's own default (:class:`hyflow.rollout.config.RolloutConfig`)."""
-    if hasattr(rollout, name):
-        return getattr(rollout, name)
-    try:
-        from hyflow.rollout.config import RolloutConfig as EngineRollout
-
-        return getattr(EngineRollout(), name)
-    except (ImportError, AttributeError, TypeError):
-        return fallback
-
-
 def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) -> PlanResult:
     """Plan a job; every problem found ends up in ``result.errors`` (nothing is raised for a
     bad config)."""
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
 
     t0 = time.perf_counter()
     result = PlanResult(config=config_path)

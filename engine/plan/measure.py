@@ -109,12 +109,12 @@ def measure_lm(config: str, overrides: Sequence[str] = (), steps: int = 2) -> di
 
     import torch.distributed as dist
 
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.jobs.lm import arith_batch
     from hyflow.models.builder import build_model_chunks, recompute_overrides
     from hyflow.models.weights import load_full_state_dict, random_full_state_dict
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.plan import memory as mem
+    from hyflow.plan import memory_estimate as mem
     from hyflow.training.optimizer import build_optimizer, wrap_ddp
     from hyflow.training.step import train_step
 
@@ -173,14 +173,14 @@ def measure_job(config: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
 
     import torch.distributed as dist
 
-    from hyflow.cli import JOBS, _resolve, load_job_config
+    from hyflow.jobs.registry import JOBS, load_job_config, resolve
     from hyflow.plan.core import PlanOptions, build_plan
 
     world = dist.get_world_size()
     overrides = list(overrides) + [f"trainer.nproc={world}"]
     cfg = load_job_config(config, overrides)
     plan = build_plan(config, overrides, PlanOptions(world_size=world, device="cpu", megatron_ranks=()))
-    run = _resolve(JOBS[cfg.job][1])
+    run = resolve(JOBS[cfg.job][1])
     gc.collect()
     tracker = TensorMemoryTracker()
     with RssSampler() as rss, tracker:

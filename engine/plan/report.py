@@ -1,7 +1,7 @@
 """Print a :class:`~hyflow.plan.core.PlanResult`: a human table, then one JSON line.
 
 The JSON line (last line of stdout) is the machine interface: sizes in bytes, group
-enumerations as count / size / first group / digest (:func:`hyflow.plan.groups.digest`).
+enumerations as count / size / first group / digest (:func:`hyflow.plan.group_check.digest`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hyflow.launch.args import format_bytes
+from hyflow.config.units import format_bytes
 from hyflow.plan.core import PlanResult
 
 

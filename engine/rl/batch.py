@@ -255,13 +255,6 @@ def scatter_rows(outputs: Sequence[torch.Tensor], micro: Sequence[dict], shape: 
     return result
 
 
-def micro_batch_tokens(micro: Sequence[dict]) -> tuple[int, int]:
-    """(tokens processed with padding, real tokens) over ``micro``: the padding ratio's parts."""
-    processed = sum(mb["tokens"].numel() for mb in micro)
-    real = sum(sum(n for _, _, n in mb["segments"]) if mb.get("packed") else 0 for mb in micro)
-    return processed, real
-
-
 @dataclass
 class MicroBatching:
     """How a role cuts a batch: ``max_tokens`` None means ``micro_batch_size`` rows each; widths

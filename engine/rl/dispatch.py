@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from hyflow.hybrid.groups import generation_enumerations
+from hyflow.hybrid.generation_groups import generation_enumerations
 from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
 
 

@@ -98,7 +98,7 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
     """Groups, actor (+ optimizer, hybrid engine, dispatcher), reference, critic and reward model."""
     import torch.distributed as dist
 
-    from hyflow.rollout.config import RolloutConfig
+    from hyflow.rollout.config import GenerationConfig
 
     if cfg.reward.model_checkpoint:  # a bad path fails here, before any model is built
         from hyflow.rl.reward_model import check_reward_model_checkpoint
@@ -125,7 +125,7 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
                           offload_optimizer=cfg.rollout.offload_optimizer)
     sample_vocab = min(desc.vocab_size, tokenizer.vocab_size)
     eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
-    dispatcher = RolloutDispatcher(hybrid, groups, RolloutConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
+    dispatcher = RolloutDispatcher(hybrid, groups, GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
                                    desc, sample_vocab, eos)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), hybrid=hybrid,
                       dispatcher=dispatcher, sample_vocab=sample_vocab)

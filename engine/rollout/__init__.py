@@ -1,6 +1,6 @@
 """Rollout engine: KV-cache batched generation on the actor's Megatron model.
 
-* :mod:`~hyflow.rollout.config`: :class:`SamplingConfig`, :class:`RolloutConfig`;
+* :mod:`~hyflow.rollout.config`: :class:`SamplingConfig`, :class:`GenerationConfig`;
 * :mod:`~hyflow.rollout.engine`: :class:`GenerationEngine` (one replica);
 * :mod:`~hyflow.rollout.dp`: :func:`generate_data_parallel` (micro-DP split / gather);
 * :mod:`~hyflow.rollout.kv_cache`, :mod:`~hyflow.rollout.runner`,
@@ -10,7 +10,7 @@ Only the config and request types are imported eagerly (no torch); the engine
 classes load on first access.
 """
 
-from hyflow.rollout.config import RolloutConfig, SamplingConfig
+from hyflow.rollout.config import GenerationConfig, SamplingConfig
 
 _LAZY = {
     "GenerationEngine": "hyflow.rollout.engine",
@@ -32,4 +32,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'hyflow.rollout' has no attribute {name!r}")
 
 
-__all__ = ["RolloutConfig", "SamplingConfig", *_LAZY]
+__all__ = ["GenerationConfig", "SamplingConfig", *_LAZY]

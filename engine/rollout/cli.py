@@ -24,13 +24,9 @@ import sys
 from typing import Any, Optional
 
 
-def rule_names() -> list[str]:
-    from hyflow.rewards.rules import rule_names as names
-
-    return names()
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from hyflow.rewards.rules import rule_names  # light: no torch
+
     p = subparsers.add_parser("generate", help="generate responses with the rollout engine",
                               description=__doc__.split("\n\n")[1] if __doc__ else None)
     src = p.add_mutually_exclusive_group(required=True)
@@ -73,12 +69,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _configs(args: argparse.Namespace):
-    from hyflow.rollout.config import RolloutConfig, SamplingConfig
+    from hyflow.rollout.config import GenerationConfig, SamplingConfig
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, n=args.n,
                               max_new_tokens=args.max_new_tokens, seed=args.seed,
                               stop_token_ids=list(args.stop_token_ids), ignore_eos=args.ignore_eos)
-    cfg = RolloutConfig(sampling=sampling, max_concurrent=args.max_concurrent, max_seq_len=args.max_seq_len,
+    cfg = GenerationConfig(sampling=sampling, max_concurrent=args.max_concurrent, max_seq_len=args.max_seq_len,
                         prefill_chunk_size=args.prefill_chunk_size,
                         truncate_long_prompts=args.truncate_long_prompts)
     cfg.validate()

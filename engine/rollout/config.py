@@ -1,10 +1,10 @@
 """Configuration of the rollout engine (light module: no torch import).
 
 :class:`SamplingConfig` says *how one response is drawn* (temperature, top-k,
-top-p, stop tokens, length, seed); :class:`RolloutConfig` says *how the engine
+top-p, stop tokens, length, seed); :class:`GenerationConfig` says *how the engine
 runs* (concurrent sequences, context limit, chunked prefill, batching policy).
 Field names follow the ``rollout`` section of the RL job config
-(:mod:`hyflow.jobs.rl_config`), so :meth:`RolloutConfig.from_job` maps it 1:1.
+(:mod:`hyflow.jobs.rl_config`), so :meth:`GenerationConfig.from_job` maps it 1:1.
 
 Both validate themselves and raise :class:`hyflow.config.ConfigError` naming the key.
 """
@@ -83,7 +83,7 @@ class SamplingConfig:
 
 
 @dataclass
-class RolloutConfig:
+class GenerationConfig:
     """How the engine runs a batch of requests on one generation replica.
 
     Continuous batching keeps ``max_concurrent`` sequences in flight: a finished
@@ -145,7 +145,7 @@ class RolloutConfig:
                               key="batching")
 
     @classmethod
-    def from_job(cls, rollout: Any, **overrides: Any) -> "RolloutConfig":
+    def from_job(cls, rollout: Any, **overrides: Any) -> "GenerationConfig":
         """Build from the RL job's ``rollout`` section (same field names), then validate."""
         sampling_names = {f.name for f in dataclasses.fields(SamplingConfig)}
         engine_names = {f.name for f in dataclasses.fields(cls)} - {"sampling"}

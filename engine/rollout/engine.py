@@ -2,7 +2,7 @@
 
 Typical use on one generation replica (all TP ranks of it call the same)::
 
-    engine = GenerationEngine.from_description(model, desc, RolloutConfig(...))
+    engine = GenerationEngine.from_description(model, desc, GenerationConfig(...))
     result = engine.generate([[1, 2, 3], [4, 5]])
     batch = result.to_tensors()            # responses, response_mask, logprobs, ...
 
@@ -24,7 +24,7 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from hyflow.config import ConfigError
-from hyflow.rollout.config import RolloutConfig, SamplingConfig
+from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.request import GenerationRequest, RolloutResult, RolloutStats, SampleOutput, as_requests
 from hyflow.rollout.runner import ModelRunner
 from hyflow.rollout.sampler import PipelineSampler, VocabParallelSampler, stream_seed
@@ -55,10 +55,10 @@ class GenerationEngine:
             ``max_sequence_length``); ``config.max_seq_len`` may lower it.
     """
 
-    def __init__(self, model: torch.nn.Module, config: Optional[RolloutConfig] = None, *,
+    def __init__(self, model: torch.nn.Module, config: Optional[GenerationConfig] = None, *,
                  vocab_size: int, eos_token_ids: Seq[int] = (), tp_group=None,
                  max_position_embeddings: Optional[int] = None, pp_group=None) -> None:
-        self.config = config or RolloutConfig()
+        self.config = config or GenerationConfig()
         self.config.validate()
         self.runner = ModelRunner(model, tp_group, self.config.layer_impl, pp_group=pp_group)
         if not 0 < vocab_size <= self.runner.padded_vocab:
@@ -69,7 +69,7 @@ class GenerationEngine:
         model_len = max_position_embeddings or int(getattr(self.runner.model, "max_sequence_length", 0) or 0)
         limit = self.config.max_seq_len or model_len
         if not limit:
-            raise ConfigError("set RolloutConfig.max_seq_len (the model does not report its context length)",
+            raise ConfigError("set GenerationConfig.max_seq_len (the model does not report its context length)",
                               key="max_seq_len")
         if model_len and limit > model_len:
             raise ConfigError(f"max_seq_len={limit} exceeds the model's context length {model_len}",
@@ -83,7 +83,7 @@ class GenerationEngine:
         self.last_stats = RolloutStats()
 
     @classmethod
-    def from_description(cls, model: torch.nn.Module, desc, config: Optional[RolloutConfig] = None,
+    def from_description(cls, model: torch.nn.Module, desc, config: Optional[GenerationConfig] = None,
                          tp_group=None, pp_group=None) -> "GenerationEngine":
         """Engine for a model built from a :class:`~hyflow.models.description.ModelDescription`."""
         return cls(model, config, vocab_size=desc.vocab_size, eos_token_ids=desc.eos_token_ids,

@@ -36,18 +36,13 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
 from hyflow.rollout.kv_cache import CachedAttention, ForwardBatch, KVCache
 
 
 class GenerationLayoutError(ValueError):
     """The model's layout or configuration is not supported by the generation engine."""
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module  # Megatron DDP / Float16Module wrappers
-    return model
 
 
 class ModelRunner:
@@ -60,7 +55,7 @@ class ModelRunner:
         tp_group: tensor-parallel group of the generation layout (``None``: the
             model's own ``pg_collection.tp``).
         layer_impl: ``megatron`` runs Megatron's ``TransformerBlock``; ``lean`` the
-            :class:`~hyflow.rollout.lean.LeanDecoder` over the same modules (error if
+            :class:`~hyflow.rollout.decode_forward.LeanDecoder` over the same modules (error if
             the model is outside what it covers); ``auto`` picks lean when it can.
         pp_group: pipeline-parallel group of the generation layout (``None``: the
             model's own ``pg_collection.pp``); its rank order is the stage order.
@@ -68,7 +63,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, tp_group=None, layer_impl: str = "auto",
                  pp_group=None) -> None:
-        self.model = _unwrap(model)
+        self.model = unwrap_model(model)  # Megatron DDP / Float16Module wrappers
         m = self.model
         cfg = m.config
         if pp_group is None:
@@ -135,7 +130,7 @@ class ModelRunner:
         if layer_impl not in ("auto", "lean", "megatron"):
             raise ValueError(f"layer_impl must be auto, lean or megatron, got {layer_impl!r}")
         if layer_impl != "megatron":
-            from hyflow.rollout.lean import LeanDecoder, unsupported_reason
+            from hyflow.rollout.decode_forward import LeanDecoder, unsupported_reason
 
             reason = unsupported_reason(m)
             if reason is None:

@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 import torch
 
-from hyflow.rollout.config import RolloutConfig, SamplingConfig
+from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.host import to_device
 from hyflow.rollout.kv_cache import KVCache
 from hyflow.rollout.request import RolloutStats, SampleOutput
@@ -82,7 +82,7 @@ class Scheduler:
     runner: ModelRunner
     sampler: VocabParallelSampler
     cache: KVCache
-    config: RolloutConfig
+    config: GenerationConfig
     stats: RolloutStats = field(default_factory=RolloutStats)
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
 def rl_setup(overrides: Sequence[str], config: str = QUICKSTART):
     """``(cfg, state, job)`` of the RL job for ``config`` with ``overrides`` (call on every rank)."""
     import hyflow.jobs.rl as rl
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
 
     cfg = load_job_config(config, list(overrides))
     state, job = rl.setup(cfg)

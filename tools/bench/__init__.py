@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
         importlib.import_module(module).add_arguments(bench)
         if getattr(importlib.import_module(module), "INTERMIXED", False):  # overrides after options
-            from hyflow.launch.args import make_intermixed
+            from hyflow.cli_support import make_intermixed
 
             make_intermixed(bench)
         bench.set_defaults(func=lambda args, _m=module: _run(_m, args))

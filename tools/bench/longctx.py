@@ -57,7 +57,7 @@ def _prefill_rank(prompt_len: int, chunks: list[int], repeats: int) -> dict:
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
     from hyflow.plan.measure import TensorMemoryTracker
-    from hyflow.rollout import GenerationEngine, RolloutConfig, SamplingConfig
+    from hyflow.rollout import GenerationEngine, GenerationConfig, SamplingConfig
 
     groups = init_training_groups(Layout())
     desc = _tiny()
@@ -65,7 +65,7 @@ def _prefill_rank(prompt_len: int, chunks: list[int], repeats: int) -> dict:
     prompt = torch.randint(0, 256, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
     for chunk in chunks:
-        engine = GenerationEngine.from_description(model, desc, RolloutConfig(
+        engine = GenerationEngine.from_description(model, desc, GenerationConfig(
             sampling=SamplingConfig(temperature=0, max_new_tokens=8, ignore_eos=True), max_concurrent=1,
             prefill_chunk_size=chunk, cpu_weight_packing=False))
         tracker = TensorMemoryTracker()
@@ -83,7 +83,7 @@ def _prefill_rank(prompt_len: int, chunks: list[int], repeats: int) -> dict:
 
 
 def _prefill(args: argparse.Namespace) -> dict:
-    from hyflow.plan.memory import generation_transient, kv_cache_bytes
+    from hyflow.plan.memory_estimate import generation_transient, kv_cache_bytes
     from hyflow.tools.convert.launch import run_ranks
 
     chunks = [int(c) for c in args.chunks.split(",")]

@@ -129,7 +129,7 @@ def machine() -> str:
 def analyse(run_dir: str, warmup: int, peak_per_rank: Optional[float] = None, peak_source: str = "",
             overhead_per_call: Optional[float] = None) -> dict[str, Any]:
     """The figures of ``run_dir``'s steps after the first ``warmup``."""
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.monitor.metrics import read_metrics
     from hyflow.tools.bench.perf import step_flops
 
@@ -237,7 +237,7 @@ def measure(config: str, overrides: Sequence[str], nproc: Optional[int], steps: 
             output_dir: Optional[str] = None, peak_tflops: Optional[float] = None,
             quiet: bool = False) -> dict[str, Any]:
     """Run the job and analyse it (what ``bench rl`` and ``bench scaling`` share)."""
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.monitor import comm
     from hyflow.tools.bench.perf import device_peak
 

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from hyflow.parallel.distributed import init_distributed, shutdown
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.rollout import GenerationEngine, RolloutConfig, SamplingConfig
+    from hyflow.rollout import GenerationEngine, GenerationConfig, SamplingConfig
     from hyflow.rollout.loading import load_hf, megatron_from_hf, smollm2_gguf
 
     init_distributed()
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         greedy = SamplingConfig(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True,
                                 logprobs=True)
         engine = GenerationEngine.from_description(
-            model, desc, RolloutConfig(max_concurrent=args.batch, sampling=greedy))
+            model, desc, GenerationConfig(max_concurrent=args.batch, sampling=greedy))
         # Warm-up (allocator, first-call dispatch) on both sides.
         engine.generate(prompts[:2], greedy.replace(max_new_tokens=4))
         _hf_generate(hf, prompts[:2], 4, pad_id)

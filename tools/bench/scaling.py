@@ -106,7 +106,7 @@ def _submit(config: str, overrides: list[str], ranks: int, total: int, run_dir: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from hyflow.cli import load_job_config
+    from hyflow.jobs.registry import load_job_config
     from hyflow.config import ConfigError
     from hyflow.tools.bench.rl import analyse, machine, measure
 

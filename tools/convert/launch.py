@@ -13,7 +13,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import threading
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -22,12 +21,6 @@ from typing import Any, Callable
 
 class RankFailure(RuntimeError):
     """A rank raised or died; the message holds its traceback or exit status."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _exit_with_parent() -> None:
@@ -93,9 +86,10 @@ def _in_process(fn: Callable[..., Any], args: tuple) -> list[Any]:
                                "function directly on every rank instead")
         return [fn(*args)]
     from hyflow.compat import cpu
+    from hyflow.parallel.distributed import free_port
 
     was_active = cpu.is_active()
-    _init_gloo(0, 1, _free_port())
+    _init_gloo(0, 1, free_port())
     try:
         return [fn(*args)]
     finally:
@@ -108,8 +102,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """``[fn(*args) on rank r for r in range(world_size)]``; ``fn`` must be module-level."""
     if world_size == 1:
         return _in_process(fn, args)
+    from hyflow.parallel.distributed import free_port
+
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs, conns = [], []
     for rank in range(world_size):
         parent, child = ctx.Pipe(duplex=False)

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from hyflow.hybrid.groups import MEGATRON_KINDS, build_generation_groups, generation_enumerations
+from hyflow.hybrid.generation_groups import MEGATRON_KINDS, build_generation_groups, generation_enumerations
 from hyflow.hybrid.reshard_plan import ReshardPlan
 from hyflow.hybrid.reshard_table import rank_plan
 from hyflow.parallel.layout import Layout
@@ -120,7 +120,7 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
 
     Training: Megatron's ``initialize_model_parallel`` (as :func:`init_training_groups` calls
     it; gloo side groups off since the fake backend cannot host them). Generation (when
-    ``plan`` is given): :func:`hyflow.hybrid.groups.build_generation_groups`, the function
+    ``plan`` is given): :func:`hyflow.hybrid.generation_groups.build_generation_groups`, the function
     the hybrid engine calls.
     """
     import torch.distributed as dist
