@@ -380,7 +380,10 @@ def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) ->
     if cfg.job == "rl" and result.roles:
         from hyflow.plan.stages import compute_plan
 
-        result.compute = compute_plan(cfg, result.roles[0].model, result.roles[0].layout, opts.device)
+        try:
+            result.compute = compute_plan(cfg, result.roles[0].model, result.roles[0].layout, opts.device)
+        except ValueError as e:  # e.g. fewer layers than pipeline stages (the layout check says so too)
+            result.warnings.append(f"compute estimate skipped: {e}")
     ranks = opts.megatron_ranks if opts.megatron_ranks is not None else sorted({0, world - 1})
     if ranks == "all":
         ranks = range(world)

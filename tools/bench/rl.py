@@ -152,7 +152,8 @@ def analyse(run_dir: str, warmup: int, peak_per_rank: Optional[float] = None, pe
     if not gen_tokens:
         gen_tokens = sum((_value(r, RESPONSE_KEYS) or 0.0) * batch_rows for r in rows)
     flops = [step_flops(cfg, _value(r, TOKEN_KEYS) or 0.0, batch_rows,
-                        (_value(r, RESPONSE_KEYS) or 0.0) * batch_rows) for r in rows]
+                        None if _value(r, RESPONSE_KEYS) is None else _value(r, RESPONSE_KEYS) * batch_rows)
+             for r in rows]
     step_flops_mean = sum(f["step"] for f in flops) / n
     update_flops = sum(f["update"] for f in flops)
     update_s = _sum(rows, PHASES["update"])
