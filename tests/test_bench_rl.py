@@ -36,6 +36,25 @@ def _run_dir(path, nproc, step_times, tokens=3000.0, overrides=()):
     return str(path)
 
 
+def test_update_mfu_in_cpu_time_and_the_fused_head_flops(tmp_path):
+    run = _run_dir(tmp_path / "run", 2, [4.0, 4.0])
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        for row in rows:  # the update took 0.5 s wall but 0.25 CPU s; 10 response tokens per row
+            f.write(json.dumps(dict(row, **{"cpu_s/update_actor": 0.25, "response_length/mean": 10.0})) + "\n")
+    r = analyse(run, warmup=0, peak_per_rank=1e9, peak_source="test")
+    assert r["update_cpu_s"] == pytest.approx(0.25)
+    assert r["mfu_update_cpu"] == pytest.approx(2 * r["mfu_update"])
+    cfg = load_job_config(os.path.join(run, "config.resolved.yaml"), [])
+    rows_per_step = cfg.data.train_batch_size * cfg.rollout.n
+    fused = perf.step_flops(cfg, 3001, rows_per_step, 10.0 * rows_per_step)
+    full = perf.step_flops(cfg, 3001, rows_per_step)
+    assert fused["update"] < full["update"] and fused["generate"] == full["generate"]
+    from hyflow.tools.bench.rl import format_table
+
+    assert "update MFU in CPU time" in format_table(r)
+
+
 def test_analyse_reads_the_metrics(tmp_path):
     run = _run_dir(tmp_path / "run", 2, [9.0, 1.0, 2.0, 3.0])
     r = analyse(run, warmup=1, peak_per_rank=1e9, peak_source="test", overhead_per_call=1e-6)

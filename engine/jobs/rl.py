@@ -103,6 +103,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
             metrics, _ = rl_step(cfg, state, records, job, timers)
             outcome = supervisor.end_step(metrics, step)  # collective: agrees on stop signals and NaN/inf
             state.step = step
+            metrics.update(timers.cpu_summary())
             metrics.update(timers.step_summary())
             metrics.update(comm.step_summary(), **memory_summary(models.groups.device))
             metrics["perf/time_per_step"] = metrics["timing_s/step"]
@@ -193,14 +194,14 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
         if cfg.actor.old_logprobs == "rollout":  # the weights that sampled are the ones about to be updated
             old_logp = batch.rollout_logprobs
         else:
-            old_logp = forward_score(models.actor.chunks, scoring, logprob_scorer(vocab, tp_group, temp), groups, shape)
+            old_logp = forward_score(models.actor.chunks, scoring, logprob_scorer(vocab, tp_group, temp, cfg.actor.fused_output_layer), groups, shape)
             # the sampler's log-probs vs the training layout's, same weights (docs/algorithms.md)
             stats.row_totals("mismatch", mismatch_row_stats(old_logp, batch.rollout_logprobs, batch.response_mask),
                              mismatch_metrics)
     ref_logp = None
     if models.reference is not None:
         with timers.phase("ref"):
-            ref_logp = forward_score([models.reference], scoring, logprob_scorer(vocab, tp_group, temp), groups, shape)
+            ref_logp = forward_score([models.reference], scoring, logprob_scorer(vocab, tp_group, temp, cfg.actor.fused_output_layer), groups, shape)
     values = None
     if models.critic is not None:
         with timers.phase("values"):
@@ -224,7 +225,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     common = dict(seed=cfg.trainer.seed, step=step, row_offset=first * n, agg_mode=cfg.actor.loss_agg_mode,
                   norm_length=float(cfg.loss_norm_length))
     with timers.phase("update_actor"):
-        actor = update_model(models.actor, groups, train, lengths, PolicyLoss(cfg.actor, vocab, tp_group, temp),
+        actor = update_model(models.actor, groups, train, lengths, PolicyLoss(cfg.actor, vocab, tp_group, temp, cfg.actor.fused_output_layer),
                              batching=batching_for(cfg, "actor", groups, job.pad_id),
                              mini_batch_size=cfg.actor.mini_batch_size,
                              epochs=cfg.actor.ppo_epochs, **common)

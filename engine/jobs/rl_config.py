@@ -103,6 +103,10 @@ class ActorConfig(TrainedModelConfig):
                 "'rollout' reuses the log-probs the sampler reported (same weights, one forward pass "
                 "less per step; equal to ~1e-5 in fp32, but generation kernels or bf16 can differ more: "
                 "watch rollout/logprob_diff_max under 'recompute')"})
+    fused_output_layer: bool = field(default=True, metadata={
+        "help": "score only response tokens: the output layer and log-softmax run on response positions "
+                "in chunks, never holding [batch, seq, vocab] float32 logits (false: full logits, the "
+                "reference path; the same numbers to ~1e-6)"})
     clip_ratio_low: float = field(default=0.2, metadata={
         "help": "PPO clip: ratios below 1 - clip_ratio_low are clipped"})
     clip_ratio_high: float = field(default=0.2, metadata={

@@ -6,7 +6,9 @@
     metrics.update(timers.step_summary())   # {"timing_s/gen": 1.2, ..., "timing_s/step": 3.4}
 
 A phase entered several times in one step accumulates. ``sync`` (e.g. a CUDA synchronize) runs
-at each phase boundary so asynchronous device work is charged to the right phase.
+at each phase boundary so asynchronous device work is charged to the right phase. Each phase also
+records this process's CPU seconds (all its threads), ``cpu_s/<phase>``: on a shared CPU machine
+the work a phase did, whatever else ran (what ``hyflow bench rl`` turns into a CPU-time MFU).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ class PhaseTimers:
         self.step_times: dict[str, float] = {}
         self._totals: dict[str, float] = {}
         self._open: dict[str, float] = {}
+        self._cpu_open: dict[str, float] = {}
+        self.step_cpu: dict[str, float] = {}
         self._step_start = clock()
 
     def start(self, name: str) -> None:
@@ -39,6 +43,7 @@ class PhaseTimers:
         if self.sync is not None:
             self.sync()
         self._open[name] = self.clock()
+        self._cpu_open[name] = time.process_time()
 
     def stop(self, name: str) -> float:
         """Stop ``name``; returns the seconds of this interval."""
@@ -47,6 +52,8 @@ class PhaseTimers:
         if self.sync is not None:
             self.sync()
         seconds = self.clock() - self._open.pop(name)
+        cpu = time.process_time() - self._cpu_open.pop(name)
+        self.step_cpu[name] = self.step_cpu.get(name, 0.0) + cpu
         self.add(name, seconds)
         return seconds
 
@@ -68,6 +75,11 @@ class PhaseTimers:
         finally:
             self.stop(name)
 
+    def cpu_summary(self) -> dict[str, float]:
+        """``cpu_s/<phase>``: this process's CPU seconds in each phase timed this step (call before
+        :meth:`step_summary`, which starts the next step)."""
+        return {f"cpu_s/{n}": v for n, v in self.step_cpu.items()}
+
     def step_summary(self, reset: bool = True) -> dict[str, float]:
         """``timing_s/<phase>`` (verl's key names) for every known phase (0.0 when it did not run)
         plus any other phase timed this step, and ``timing_s/step``: wall time since the last reset."""
@@ -78,6 +90,6 @@ class PhaseTimers:
         now = self.clock()
         out["timing_s/step"] = now - self._step_start
         if reset:
-            self.step_times = {}
+            self.step_times, self.step_cpu = {}, {}
             self._step_start = now
         return out

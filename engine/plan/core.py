@@ -87,6 +87,7 @@ class PlanResult:
     warnings: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     distributed_optimizer: bool = False
+    compute: dict[str, Any] = field(default_factory=dict)  #: :func:`hyflow.plan.stages.compute_plan`
 
     @property
     def peak(self) -> Optional[mem.MemoryEstimate]:
@@ -363,6 +364,13 @@ def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) ->
                 result.warnings.append(f"{role.name}: tp={role.layout.tp} spans nodes "
                                        f"(gpus_per_node={per_node}); keep tp within a node")
     _check_memory(result)
+    if cfg.job == "rl" and result.roles:
+        from hyflow.plan.stages import compute_plan
+
+        try:
+            result.compute = compute_plan(cfg, result.roles[0].model, result.roles[0].layout, opts.device)
+        except ValueError as e:  # e.g. fewer layers than pipeline stages (the layout check says so too)
+            result.warnings.append(f"compute estimate skipped: {e}")
     ranks = opts.megatron_ranks if opts.megatron_ranks is not None else sorted({0, world - 1})
     if ranks == "all":
         ranks = range(world)

@@ -118,6 +118,10 @@ def format_table(result: PlanResult) -> str:
                      f"fragmentation + {format_bytes(result.reserve_bytes)} reserve = "
                      f"{format_bytes(result.required_bytes)} of {format_bytes(result.gpu_memory_bytes)}"
                      f" per GPU: {verdict}")
+    if result.compute:
+        from hyflow.plan.stages import format_compute
+
+        lines += format_compute(result.compute)
     for w in result.warnings:
         lines.append(f"warning: {w}")
     for e in result.errors:

@@ -2,7 +2,10 @@
 
 The losses are callables handed to :func:`hyflow.training.step.train_step` (Megatron's pipeline
 schedule), so the same code runs at any TP x PP. Logits stay vocab-parallel: log-probs and entropy
-come from :mod:`hyflow.training.logprobs`.
+come from :mod:`hyflow.training.logprobs`. The actor's losses and log-prob scorer take the model's
+last hidden states (:mod:`hyflow.training.output_head`) and apply the output layer to the response
+positions only, in chunks, never holding [B, S, V] float32 logits; ``fused=False`` keeps the
+full-logits path (the reference the tests compare against).
 
 Every micro-batch carries two per-token weights computed once per mini-batch from counts over all
 data-parallel ranks (:func:`loss_weights`): ``loss_weight`` realises ``actor.loss_agg_mode``
@@ -23,6 +26,7 @@ from hyflow.algorithms import kl_estimate
 from hyflow.algorithms.losses import aggregation_weights, value_token_loss
 from hyflow.algorithms.policy_losses import get_policy_loss
 from hyflow.training.logprobs import shifted_entropy, shifted_token_logprobs
+from hyflow.training.output_head import Hidden, response_logprobs_entropy
 from hyflow.training.step import Batch, forward_backward
 
 from hyflow.rl.batch import scatter_rows
@@ -58,27 +62,40 @@ class PolicyLoss:
     weights ``is_weights`` when the batch has them) + entropy bonus + KL loss to the reference, of
     the policy at the rollout's sampling ``temperature``; statistics with verl's names."""
 
-    def __init__(self, actor_cfg, vocab_size: int, tp_group, temperature: float = 1.0) -> None:
+    def __init__(self, actor_cfg, vocab_size: int, tp_group, temperature: float = 1.0, fused: bool = True) -> None:
         self.cfg, self.vocab, self.tp_group, self.temperature = actor_cfg, vocab_size, tp_group, temperature
+        self.hidden_states = fused  # the schedule then hands us Hidden, not logits
         self.policy_loss = get_policy_loss(actor_cfg.policy_loss)
         self.names = ("actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
                       "actor/ppo_kl") + (("actor/kl_loss",) if actor_cfg.use_kl_loss else ())
 
-    def __call__(self, logits: torch.Tensor, batch: Batch):
-        cfg, T = self.cfg, self.temperature
-        logp = shifted_token_logprobs(logits, batch["tokens"], self.vocab, self.tp_group, T)
+    def _scores(self, output, batch: Batch):
+        """(log-probs, entropy) [b, s]; entropy carries a graph only with an entropy bonus."""
+        T = self.temperature
+        if isinstance(output, Hidden):
+            scored = batch["response_mask"] > 0
+            logp, ent = response_logprobs_entropy(output, batch["tokens"], scored, self.vocab, self.tp_group, T)
+            # unscored positions: ratio 1 (their loss weight is 0; this keeps them finite)
+            logp = torch.where(scored, logp, batch["old_logp"].to(logp.dtype))
+            return logp, ent if self.cfg.entropy_coeff else ent.detach()
+        logp = shifted_token_logprobs(output, batch["tokens"], self.vocab, self.tp_group, T)
+        if self.cfg.entropy_coeff:
+            return logp, shifted_entropy(output, self.vocab, self.tp_group, T)
+        with torch.no_grad():  # a metric only: no graph through the vocabulary
+            return logp, shifted_entropy(output.detach(), self.vocab, self.tp_group, T)
+
+    def __call__(self, output, batch: Batch):
+        cfg = self.cfg
+        logp, ent = self._scores(output, batch)
         loss_mat, tok = self.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["response_mask"],
                                          clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                                          clip_ratio_c=cfg.clip_ratio_c, is_weights=batch.get("is_weights"))
         w, tw = batch["loss_weight"], batch["token_weight"]
         pg = (loss_mat * w).sum()
         total = pg
+        entropy = (ent * w).sum()
         if cfg.entropy_coeff:
-            entropy = (shifted_entropy(logits, self.vocab, self.tp_group, T) * w).sum()
             total = total - cfg.entropy_coeff * entropy
-        else:  # a metric only: no graph through the vocabulary
-            with torch.no_grad():
-                entropy = (shifted_entropy(logits.detach(), self.vocab, self.tp_group, T) * w).sum()
         stats = {"actor/pg_loss": pg.detach(), "actor/entropy": entropy.detach(),
                  "actor/pg_clipfrac": (tok["clip_frac"] * tw).sum(),
                  "actor/pg_clipfrac_lower": (tok["clip_frac_lower"] * tw).sum(), "actor/ppo_kl": (tok["approx_kl"] * tw).sum()}
@@ -122,9 +139,11 @@ def forward_score(chunks: Sequence[torch.nn.Module], micro: Sequence[Batch], sco
     ``[B, S]`` result (``shape``) on every rank of the model's pipeline."""
     captured: list[torch.Tensor] = []
 
-    def keep(output: torch.Tensor, batch: Batch):
+    def keep(output, batch: Batch):
         captured.append(score(output, batch).float())
-        return output.new_zeros(()), {}
+        return captured[-1].new_zeros(()), {}
+
+    keep.hidden_states = getattr(score, "hidden_states", False)
 
     with torch.no_grad():
         forward_backward(chunks, micro, loss_fn=keep, with_labels=False, forward_only=True)
@@ -138,8 +157,19 @@ def forward_score(chunks: Sequence[torch.nn.Module], micro: Sequence[Batch], sco
     return result
 
 
-def logprob_scorer(vocab_size: int, tp_group, temperature: float = 1.0) -> Scorer:
-    return lambda logits, batch: shifted_token_logprobs(logits, batch["tokens"], vocab_size, tp_group, temperature)
+class logprob_scorer:
+    """Scorer of log p(token) under the actor; with ``fused`` (default) only at the batch's
+    ``response_mask`` positions (0 elsewhere), from the last hidden states."""
+
+    def __init__(self, vocab_size: int, tp_group, temperature: float = 1.0, fused: bool = True) -> None:
+        self.vocab, self.tp_group, self.temperature, self.hidden_states = vocab_size, tp_group, temperature, fused
+
+    def __call__(self, output, batch: Batch) -> torch.Tensor:
+        if isinstance(output, Hidden):
+            scored = batch["response_mask"] > 0
+            return response_logprobs_entropy(output, batch["tokens"], scored, self.vocab, self.tp_group,
+                                             self.temperature)[0]
+        return shifted_token_logprobs(output, batch["tokens"], self.vocab, self.tp_group, self.temperature)
 
 
 def value_scorer() -> Scorer:

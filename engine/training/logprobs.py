@@ -113,3 +113,112 @@ def shifted_entropy(logits: torch.Tensor, vocab_size: int, tp_group=None,
     """Entropy of the distribution that produced position i (position 0 is 0)."""
     ent = vocab_parallel_entropy(logits[:, :-1], vocab_size, tp_group, temperature)
     return torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+
+
+# --------------------------------------------------------------------------- fused output layer
+
+#: float32 logits per chunk of the fused path (rows x vocabulary shard): 16 Mi values, 64 MiB
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _shard(weight: torch.Tensor, vocab_size: int, tp_group) -> tuple[int, int]:
+    """This rank's first vocabulary id and how many of its rows are real (not padding)."""
+    rank = dist.get_rank(tp_group) if _tp_size(tp_group) > 1 else 0
+    start = rank * weight.shape[0]
+    return start, max(0, min(weight.shape[0], vocab_size - start))
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 ``h @ w.T / temperature``: the product in the model's dtype, like its output layer."""
+    z = (h @ w.t()).float()
+    return z.div_(temperature) if temperature not in (0.0, 1.0) else z
+
+
+class _FusedHeadScores(torch.autograd.Function):
+    """log p(label) and entropy of ``softmax(hidden @ weight.T / T)`` for ``hidden`` [N, h] and a
+    vocabulary shard ``weight`` [V/tp, h], chunk by chunk of rows: a chunk's logits live only while
+    it is reduced (forward) or differentiated (backward, recomputed from the saved log-normaliser
+    and entropy), so no [N, V] float32 tensor exists. Padded vocabulary rows are skipped.
+
+    Gradients: with ``p = softmax(z)``, ``d logp / dz = onehot(label) - p`` and
+    ``dH / dz = -p (log p + H)``. The hidden-state gradient is this shard's partial; the caller's
+    TP copy region (Megatron's ``copy_to_tensor_model_parallel_region``) sums it over the group,
+    exactly as the model's own column-parallel output layer does.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, vocab_size, tp_group, temperature, chunk_rows):
+        start, valid = _shard(weight, vocab_size, tp_group)
+        w = weight[:valid]
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ent, lse = torch.empty_like(logp), torch.empty_like(logp)
+        tp = _tp_size(tp_group)
+        for i in range(0, n, chunk_rows):
+            z = _chunk_logits(hidden[i:i + chunk_rows], w, temperature)
+            lab = labels[i:i + chunk_rows] - start
+            own = (lab >= 0) & (lab < valid)
+            if valid:
+                m = z.max(dim=-1).values
+            else:
+                m = torch.full((z.shape[0],), float("-inf"), dtype=z.dtype, device=z.device)
+            if tp > 1:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+            e = torch.exp(z - m.unsqueeze(-1))
+            sums = torch.stack([e.sum(dim=-1), (e * z).sum(dim=-1),
+                                torch.where(own, z.gather(-1, lab.clamp(0, max(valid - 1, 0)).unsqueeze(-1)).squeeze(-1)
+                                            if valid else torch.zeros_like(m), torch.zeros_like(m))])
+            if tp > 1:
+                dist.all_reduce(sums, group=tp_group)
+            log_s = torch.log(sums[0])
+            lse[i:i + chunk_rows] = m + log_s
+            logp[i:i + chunk_rows] = sums[2] - (m + log_s)
+            ent[i:i + chunk_rows] = m + log_s - sums[1] / sums[0]
+        ctx.save_for_backward(hidden, weight, labels, lse, ent)
+        ctx.vocab, ctx.tp_group, ctx.temperature, ctx.chunk_rows = vocab_size, tp_group, temperature, chunk_rows
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, labels, lse, ent = ctx.saved_tensors
+        T, chunk_rows = ctx.temperature, ctx.chunk_rows
+        start, valid = _shard(weight, ctx.vocab, ctx.tp_group)
+        w = weight[:valid]
+        grad_h = torch.zeros_like(hidden)
+        grad_w = torch.zeros_like(weight)
+        scale = T if T not in (0.0, 1.0) else 1.0
+        for i in range(0, hidden.shape[0], chunk_rows):
+            if not valid:
+                break
+            h = hidden[i:i + chunk_rows]
+            z = _chunk_logits(h, w, T)
+            rows = slice(i, i + chunk_rows)
+            p = torch.exp(z - lse[rows].unsqueeze(-1))
+            coef = torch.zeros_like(lse[rows]) if g_logp is None else g_logp[rows]
+            if g_ent is not None:  # -p (g_logp + g_ent (log p + H))
+                gz = (z - (lse[rows] - ent[rows]).unsqueeze(-1)).mul_(g_ent[rows].unsqueeze(-1))
+                gz.add_(coef.unsqueeze(-1)).mul_(p).neg_()
+            else:
+                gz = p.mul_(-coef.unsqueeze(-1))
+            if g_logp is not None:
+                lab = labels[rows] - start
+                own = (lab >= 0) & (lab < valid)
+                gz[own.nonzero().squeeze(-1), lab[own]] += coef[own]
+            if scale != 1.0:
+                gz.div_(scale)
+            gz = gz.to(hidden.dtype)
+            grad_h[rows] = gz @ w
+            grad_w[:valid].addmm_(gz.t(), h)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                           tp_group=None, temperature: float = 1.0,
+                           chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(label), entropy), float32 [N] each, of the output layer ``weight`` [V/tp, h] (this
+    rank's vocabulary shard, padded rows included) applied to ``hidden`` [N, h] at ``temperature``:
+    the values and gradients of :func:`vocab_parallel_logprobs` / :func:`vocab_parallel_entropy`
+    on ``hidden @ weight.T`` without ever holding those logits whole. ``hidden`` must already be in
+    the TP region (:func:`hyflow.training.output_head.hidden_states`)."""
+    rows = max(1, chunk_elements // max(1, weight.shape[0]))
+    return _FusedHeadScores.apply(hidden, weight, labels, vocab_size, tp_group, temperature, rows)

@@ -21,6 +21,7 @@ pipeline stage, as one device tensor (no pickled objects).
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Callable, Sequence
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from hyflow.models.positions import explicit_positions
+from hyflow.training.output_head import Hidden, hidden_states, wants_hidden
 
 Batch = dict
 #: loss_fn(output, batch) -> (this micro-batch's contribution to the loss, {name: detached 0-d contribution})
@@ -91,7 +93,8 @@ def _forward_step(loss_fn: LossFn, with_labels: bool, scale: float, data_iterato
     thd = packed_seq_params(batch)
     # packed rows restart positions per sequence (TE's THD attention does it from cu_seqlens)
     positions = batch["position_ids"] if batch.get("packed") and thd is None else None
-    with explicit_positions(model, positions):
+    head = contextlib.nullcontext() if not wants_hidden(loss_fn) else hidden_states(model)
+    with explicit_positions(model, positions), head as capture:
         output = model(
             batch["tokens"],
             batch["position_ids"],
@@ -99,11 +102,13 @@ def _forward_step(loss_fn: LossFn, with_labels: bool, scale: float, data_iterato
             labels=batch["labels"] if with_labels else None,
             **({"packed_seq_params": thd} if thd is not None else {}),
         )
-    return output, partial(_loss_wrapper, loss_fn, batch, scale)
+    weight = getattr(capture, "weight", None)
+    return output, partial(_loss_wrapper, loss_fn, batch, scale, weight)
 
 
-def _loss_wrapper(loss_fn: LossFn, batch: Batch, scale: float, output: torch.Tensor):
-    loss, stats = loss_fn(output, batch)
+def _loss_wrapper(loss_fn: LossFn, batch: Batch, scale: float, weight, output: torch.Tensor):
+    # a hidden-state loss (``loss_fn.hidden_states``) applies the output layer itself
+    loss, stats = loss_fn(output if weight is None else Hidden(output, weight), batch)
     return loss * scale, stats
 
 

@@ -21,6 +21,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                       "padding and update time of a mixed-length batch: step-max, fixed, token budget, packed"),
     "rl": ("hyflow.tools.bench.rl",
            "an RL job's step: seconds and share per phase, tokens/s, MFU, communication, peak memory"),
+    "head": ("hyflow.tools.bench.head",
+             "output layer + log-prob/entropy of an update micro-batch: fused response-only head vs full logits"),
     "scaling": ("hyflow.tools.bench.scaling",
                 "strong or weak scaling efficiency of an RL job over several world sizes"),
     "manifest": ("hyflow.tools.bench.manifest",

@@ -51,14 +51,19 @@ def forward_flops(desc: Any, tokens: float, mean_seq: float, output_layer: bool 
     return tokens * (2 * matmul_params(desc, output_layer) + attention)
 
 
-def step_flops(cfg: Any, tokens: float, rows: int) -> dict[str, float]:
-    """Model FLOPs of one RL step by phase, for a resolved RL job config."""
+def step_flops(cfg: Any, tokens: float, rows: int, response_tokens: Optional[float] = None) -> dict[str, float]:
+    """Model FLOPs of one RL step by phase, for a resolved RL job config. With
+    ``response_tokens`` and ``actor.fused_output_layer``, the scoring and update passes count the
+    output layer on response tokens only (all the loss needs, and all they compute)."""
     desc = cfg.model
     seq = tokens / max(rows, 1)
     fwd = forward_flops(desc, tokens, seq)
     critic_fwd = forward_flops(desc, tokens, seq, output_layer=False)
+    gen = fwd
+    if response_tokens is not None and getattr(cfg.actor, "fused_output_layer", False):
+        fwd = critic_fwd + 2 * desc.hidden_size * desc.vocab_size * response_tokens
     critic = bool(getattr(cfg.critic, "enable", False))
-    out = {"generate": fwd,
+    out = {"generate": gen,
            "ref": fwd * ((cfg.actor.old_logprobs != "rollout") + bool(cfg.reference.enable)),
            "critic": critic_fwd if critic else 0.0,
            "update": 3 * cfg.actor.ppo_epochs * (fwd + (critic_fwd if critic else 0.0))}

@@ -43,6 +43,7 @@ PHASES: dict[str, tuple[tuple[str, ...], ...]] = {
     "update": (("time/update",), ("timing_s/update_actor", "timing_s/update_critic")),
 }
 STEP_KEYS = (("time/step",), ("timing_s/step",))
+UPDATE_CPU_KEYS = (("cpu_s/update_actor", "cpu_s/update_critic"),)
 TOKEN_KEYS = (("perf/total_num_tokens",),)
 GEN_RATE_KEYS = (("tokens_per_s",), ("rollout/tokens_per_s",))
 RESPONSE_KEYS = (("response_length/mean",),)
@@ -150,7 +151,9 @@ def analyse(run_dir: str, warmup: int, peak_per_rank: Optional[float] = None, pe
     gen_tokens = sum((_value(r, GEN_RATE_KEYS) or 0.0) * (_value(r, PHASES["generate"]) or 0.0) for r in rows)
     if not gen_tokens:
         gen_tokens = sum((_value(r, RESPONSE_KEYS) or 0.0) * batch_rows for r in rows)
-    flops = [step_flops(cfg, _value(r, TOKEN_KEYS) or 0.0, batch_rows) for r in rows]
+    flops = [step_flops(cfg, _value(r, TOKEN_KEYS) or 0.0, batch_rows,
+                        None if _value(r, RESPONSE_KEYS) is None else _value(r, RESPONSE_KEYS) * batch_rows)
+             for r in rows]
     step_flops_mean = sum(f["step"] for f in flops) / n
     update_flops = sum(f["update"] for f in flops)
     update_s = _sum(rows, PHASES["update"])
@@ -170,6 +173,12 @@ def analyse(run_dir: str, warmup: int, peak_per_rank: Optional[float] = None, pe
         result["peak_source"] = peak_source
         result["mfu"] = sum(f["step"] for f in flops) / (total_s * ranks * peak_per_rank)
         result["mfu_update"] = update_flops / (update_s * ranks * peak_per_rank) if update_s else None
+        # the same FLOPs over the CPU seconds rank 0 spent updating (x ranks): what the update's code
+        # achieves on the cores it got, whatever else shared the machine
+        update_cpu = _sum(rows, UPDATE_CPU_KEYS)
+        if update_cpu:
+            result["update_cpu_s"] = update_cpu / n
+            result["mfu_update_cpu"] = update_flops / (update_cpu * ranks * peak_per_rank)
     if any("comm/seconds" in r for r in rows):
         kinds = sorted({k.split("/")[1] for r in rows for k in r
                         if k.startswith("comm/") and k.endswith("/bytes") and k.count("/") == 2}
@@ -217,6 +226,9 @@ def format_table(r: dict[str, Any]) -> str:
         upd = f", updates {100 * r['mfu_update']:.2f}%" if r.get("mfu_update") is not None else ""
         lines.append(f"MFU: {100 * r['mfu']:.2f}% of {r['peak_flops_per_rank'] / 1e9:.1f} GFLOP/s per rank{upd} "
                      f"({r['model_flops_per_step'] / 1e9:.2f} GFLOP per step; peak {r['peak_source']})")
+        if r.get("mfu_update_cpu") is not None:
+            lines.append(f"update MFU in CPU time: {100 * r['mfu_update_cpu']:.1f}% "
+                         f"({r['update_cpu_s']:.2f} CPU s per rank per step in the update)")
     comm = r.get("comm")
     if comm:
         kinds = ", ".join(f"{k} {v['seconds']:.3f} s / {_fmt_bytes(v['bytes'])}" for k, v in comm["by_kind"].items())
