@@ -22,9 +22,11 @@ import torch.distributed as dist
 from hyflow.algorithms import kl_estimate
 from hyflow.algorithms.losses import aggregation_weights, value_token_loss
 from hyflow.algorithms.policy_losses import get_policy_loss
-from hyflow.training.logprobs import shifted_entropy, shifted_token_logprobs
+from hyflow.training.logprobs import (shifted_entropy, shifted_token_logprobs, vocab_parallel_entropy,
+                                      vocab_parallel_logprobs)
 from hyflow.training.step import Batch, forward_backward
 
+from hyflow.models.context_parallel import to_token_aligned
 from hyflow.rl.batch import scatter_rows
 
 
@@ -53,6 +55,22 @@ def minibatch_counts(mask: torch.Tensor, assignment: torch.Tensor, count: int, d
     return sums[0].float(), sums[1].float()
 
 
+def token_logprobs(logits: torch.Tensor, batch: Batch, vocab: int, tp_group, temperature: float) -> torch.Tensor:
+    """Per-token log-probs aligned like the batch's columns: of ``labels`` at each position in a
+    context-parallel share (label-aligned, :func:`hyflow.models.context_parallel.shard_micro_batch`),
+    else of each token from the previous position's logits."""
+    if "labels" in batch:
+        return vocab_parallel_logprobs(logits, batch["labels"], vocab, tp_group, temperature)
+    return shifted_token_logprobs(logits, batch["tokens"], vocab, tp_group, temperature)
+
+
+def token_entropy(logits: torch.Tensor, batch: Batch, vocab: int, tp_group, temperature: float) -> torch.Tensor:
+    """Entropy of the distribution that produced each column's token (see :func:`token_logprobs`)."""
+    if "labels" in batch:
+        return vocab_parallel_entropy(logits, vocab, tp_group, temperature)
+    return shifted_entropy(logits, vocab, tp_group, temperature)
+
+
 class PolicyLoss:
     """The policy loss ``actor.policy_loss`` (PPO clip, GSPO or CISPO; times the rollout-correction
     weights ``is_weights`` when the batch has them) + entropy bonus + KL loss to the reference, of
@@ -66,7 +84,7 @@ class PolicyLoss:
 
     def __call__(self, logits: torch.Tensor, batch: Batch):
         cfg, T = self.cfg, self.temperature
-        logp = shifted_token_logprobs(logits, batch["tokens"], self.vocab, self.tp_group, T)
+        logp = token_logprobs(logits, batch, self.vocab, self.tp_group, T)
         loss_mat, tok = self.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["response_mask"],
                                          clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                                          clip_ratio_c=cfg.clip_ratio_c, is_weights=batch.get("is_weights"))
@@ -74,11 +92,11 @@ class PolicyLoss:
         pg = (loss_mat * w).sum()
         total = pg
         if cfg.entropy_coeff:
-            entropy = (shifted_entropy(logits, self.vocab, self.tp_group, T) * w).sum()
+            entropy = (token_entropy(logits, batch, self.vocab, self.tp_group, T) * w).sum()
             total = total - cfg.entropy_coeff * entropy
         else:  # a metric only: no graph through the vocabulary
             with torch.no_grad():
-                entropy = (shifted_entropy(logits.detach(), self.vocab, self.tp_group, T) * w).sum()
+                entropy = (token_entropy(logits.detach(), batch, self.vocab, self.tp_group, T) * w).sum()
         stats = {"actor/pg_loss": pg.detach(), "actor/entropy": entropy.detach(),
                  "actor/pg_clipfrac": (tok["clip_frac"] * tw).sum(),
                  "actor/pg_clipfrac_lower": (tok["clip_frac_lower"] * tw).sum(), "actor/ppo_kl": (tok["approx_kl"] * tw).sum()}
@@ -98,7 +116,7 @@ class ValueLoss:
         self.cfg = critic_cfg
 
     def __call__(self, output: torch.Tensor, batch: Batch):
-        values = shifted_values(output)
+        values = token_values(output, batch)
         loss_mat, tok = value_token_loss(values, batch["old_values"], batch["returns"], batch["response_mask"],
                                          self.cfg.cliprange_value)
         vl = (loss_mat * batch["loss_weight"]).sum()
@@ -113,6 +131,14 @@ def shifted_values(output: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 
+def token_values(output: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Values aligned like the batch's columns: the head's output itself in a label-aligned
+    context-parallel share, else :func:`shifted_values`."""
+    return output.squeeze(-1).float() if "labels" in batch else shifted_values(output)
+
+
+#: score(output, micro-batch) -> [b, s]; a scorer with ``predicts_next = True`` returns, for a
+#: context-parallel share, label-aligned values (position i: token i + 1) that forward_score shifts back
 Scorer = Callable[[torch.Tensor, Batch], torch.Tensor]
 
 
@@ -121,9 +147,13 @@ def forward_score(chunks: Sequence[torch.nn.Module], micro: Sequence[Batch], sco
     """Run ``score(output, micro-batch) -> [b, s]`` forward-only over ``micro``; return the per-row
     ``[B, S]`` result (``shape``) on every rank of the model's pipeline."""
     captured: list[torch.Tensor] = []
+    predicts_next = getattr(score, "predicts_next", False)
 
     def keep(output: torch.Tensor, batch: Batch):
-        captured.append(score(output, batch).float())
+        value = score(output, batch).float()
+        if batch.get("cp_split"):  # this CP rank's share of each sequence -> the whole sequence
+            value = to_token_aligned(value, groups.pgs.cp, predicts_next)
+        captured.append(value)
         return output.new_zeros(()), {}
 
     with torch.no_grad():
@@ -139,8 +169,16 @@ def forward_score(chunks: Sequence[torch.nn.Module], micro: Sequence[Batch], sco
 
 
 def logprob_scorer(vocab_size: int, tp_group, temperature: float = 1.0) -> Scorer:
-    return lambda logits, batch: shifted_token_logprobs(logits, batch["tokens"], vocab_size, tp_group, temperature)
+    def score(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return token_logprobs(logits, batch, vocab_size, tp_group, temperature)
+
+    score.predicts_next = True
+    return score
 
 
 def value_scorer() -> Scorer:
-    return lambda output, batch: shifted_values(output)
+    def score(output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return token_values(output, batch)
+
+    score.predicts_next = True
+    return score
