@@ -125,8 +125,15 @@ def shard_micro_batch(mb: Mapping, cp_group) -> dict:
     ``labels`` at each local position (``"labels" in batch`` tells them). A packed row's shift
     crosses sequence boundaries only at positions whose weights are 0 (a sequence's first token
     is a prompt token, padding has no weight). Adds ``cp_split: True``. A micro-batch that has
-    ``labels`` already (an LM batch) is only split."""
+    ``labels`` already (an LM batch) is only split.
+
+    A packed row's ``[1, 1, s, s]`` mask becomes its sequence boundaries (:func:`sequence_bounds`):
+    the all-to-all attention then runs causal attention per sequence, without an ``s x s`` mask
+    (which every CP rank would otherwise hold whole)."""
     out = dict(mb)
+    if mb.get("packed") and "segments" in mb and mb.get("attention_mask") is not None:
+        out["attention_mask"] = sequence_bounds([n for _, _, n in mb["segments"]], mb["tokens"].shape[1],
+                                                mb["tokens"].device)
     tokens = out["tokens"]
     width = tokens.shape[1]
     if "labels" not in out:
@@ -139,6 +146,18 @@ def shard_micro_batch(mb: Mapping, cp_group) -> dict:
     out = split_for_cp(out, cp_group, keys=keys)
     out["cp_split"] = True
     return out
+
+
+def sequence_bounds(lengths: Iterable[int], width: int, device=None) -> torch.Tensor:
+    """``[0, n1, n1 + n2, ..., width]`` int64: where the packed sequences of a row of ``width``
+    tokens start and end (padding after them is one more sequence), the ``attention_mask`` form
+    :class:`hyflow.models.ulysses_attention.UlyssesAttention` runs per sequence."""
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + int(n))
+    if bounds[-1] < width:
+        bounds.append(width)
+    return torch.tensor(bounds, dtype=torch.long, device=device)
 
 
 def to_token_aligned(local: torch.Tensor, cp_group, predicts_next: bool = True) -> torch.Tensor:
