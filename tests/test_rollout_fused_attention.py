@@ -234,6 +234,36 @@ def test_sdpa_attention_never_repeats_kv(sq, sk, explicit):
         assert has_mask and mask_dtype == torch.float32 and q_heads == 2  # folded, additive mask
 
 
+def _sdpa_packed_bounds():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from hyflow.models.context_parallel import sequence_bounds
+    from hyflow.models.sdpa_attention import SDPAttention
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.rl.batch import packed_attention_mask
+
+    init_training_groups(Layout())
+    cfg = TransformerConfig(num_layers=1, hidden_size=48, num_attention_heads=6, num_query_groups=2,
+                            kv_channels=8, attention_dropout=0.0, use_cpu_initialization=True)
+    attn = SDPAttention(cfg, 1, AttnMaskType.causal, "self",
+                        pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp"]))
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(12, 1, 6, 8, generator=g), torch.randn(12, 1, 2, 8, generator=g), \
+        torch.randn(12, 1, 2, 8, generator=g)
+    lengths = [4, 7]  # two packed sequences and one padding token
+    return attn(q, k, v, sequence_bounds(lengths, 12)), attn(q, k, v, packed_attention_mask(lengths, 12, q.device))
+
+
+def test_sdpa_attention_runs_packed_rows_per_sequence_from_their_bounds():
+    """A packed row's sequence bounds (1-D ``attention_mask``) give what its block-diagonal causal
+    mask gives, with one causal kernel call per sequence instead of an ``s x s`` mask."""
+    by_bounds, by_mask = run_on_ranks(_sdpa_packed_bounds, 1)[0]
+    torch.testing.assert_close(by_bounds, by_mask, rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------ decode loop on a model
 
 SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")

@@ -131,7 +131,8 @@ def shard_micro_batch(mb: Mapping, cp_group) -> dict:
     the all-to-all attention then runs causal attention per sequence, without an ``s x s`` mask
     (which every CP rank would otherwise hold whole)."""
     out = dict(mb)
-    if mb.get("packed") and "segments" in mb and mb.get("attention_mask") is not None:
+    mask = mb.get("attention_mask")
+    if mb.get("packed") and "segments" in mb and mask is not None and mask.dim() > 1:
         out["attention_mask"] = sequence_bounds([n for _, _, n in mb["segments"]], mb["tokens"].shape[1],
                                                 mb["tokens"].device)
     tokens = out["tokens"]

@@ -185,7 +185,8 @@ def packed_attention_mask(seq_lengths: Sequence[int], width: int, device: torch.
 
 
 def make_micro_batches(columns: dict[str, torch.Tensor], lengths: Sequence[int], plan: Plan, *,
-                       packed: bool = False, pad_multiple: int = 1, pad_id: int = 0, thd: bool = False) -> list[dict]:
+                       packed: bool = False, pad_multiple: int = 1, pad_id: int = 0, thd: bool = False,
+                       bounds: bool = False) -> list[dict]:
     """The micro-batches of ``plan`` from per-row ``columns`` ([B, S] each; ``tokens`` among them).
 
     Unpacked: rows ``plan[i]``, cut to their longest row (rounded up to ``pad_multiple``, e.g. the
@@ -194,6 +195,8 @@ def make_micro_batches(columns: dict[str, torch.Tensor], lengths: Sequence[int],
     Each micro-batch also records ``rows`` (and, packed, ``segments``: (row, start, length)) for
     :func:`scatter_rows`. ``thd``: packed rows for Transformer Engine's THD attention, which takes
     the sequence boundaries (``cu_seqlens``) instead of a mask and restarts positions itself.
+    ``bounds``: a packed row's ``attention_mask`` is its sequences' bounds (1-D) instead of the
+    ``s x s`` mask, for attention that runs per sequence (the SDPA spec).
     """
     device = columns["tokens"].device
     out = []
@@ -223,6 +226,10 @@ def make_micro_batches(columns: dict[str, torch.Tensor], lengths: Sequence[int],
                 bounds.append(bounds[-1] + n)  # the padding is a sequence of its own
             mb["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32, device=device)
             mb["max_seqlen"] = max(b - a for a, b in zip(bounds, bounds[1:]))
+        elif bounds:
+            from hyflow.models.context_parallel import sequence_bounds
+
+            mb["attention_mask"] = sequence_bounds(seq_lengths, width, device)
         else:
             mb["attention_mask"] = packed_attention_mask(seq_lengths, width, device)
         mb["rows"] = index
@@ -278,6 +285,7 @@ class MicroBatching:
     pad_id: int = 0
     thd: bool = False
     cp_group: Any = None
+    bounds: bool = False
 
     @property
     def cp_size(self) -> int:
@@ -286,7 +294,8 @@ class MicroBatching:
     def cut(self, columns: dict[str, torch.Tensor], lengths: Sequence[int]) -> list[dict]:
         """The micro-batches of ``columns`` (per-row [B, S] tensors) under this policy."""
         micro = make_micro_batches(columns, lengths, self.plan(lengths), packed=self.packed,
-                                   pad_multiple=self.pad_multiple, pad_id=self.pad_id, thd=self.thd)
+                                   pad_multiple=self.pad_multiple, pad_id=self.pad_id, thd=self.thd,
+                                   bounds=self.bounds)
         if self.cp_size > 1:
             from hyflow.models.context_parallel import shard_micro_batch
 
@@ -327,5 +336,7 @@ def batching_for(cfg, role: str, groups, pad_id: int) -> MicroBatching:
     elif role == "critic":
         size, budget = cfg.critic.micro_batch_size, cfg.critic.max_tokens_per_micro_batch or budget
     cp_group = groups.pgs.cp if groups.layout.cp > 1 else None
+    from hyflow.models.builder import resolve_spec
+
     return MicroBatching(size, budget, actor.pack_sequences, pad_multiple=pad_multiple(groups), pad_id=pad_id,
-                         thd=_thd(cfg), cp_group=cp_group)
+                         thd=_thd(cfg), cp_group=cp_group, bounds=resolve_spec(actor.spec) == "sdpa")

@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-tokens", type=int, default=4096, help="sequence length of the CP measurement")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median kept)")
     p.add_argument("--rl-prompt", type=int, default=4000, help="prompt tokens of the rl measurement")
+    p.add_argument("--rl-layouts", default="1:none,2:none,2:full",
+                   help="layouts of the rl measurement, cp:recompute, comma-separated")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per rank in the cp measurement (0: cores / ranks; 1 makes CPU "
                         "seconds count work only, without OpenMP spin-waits)")
@@ -302,7 +304,7 @@ def _rl_rank(cp: int, recompute: str, prompt: int, repeats: int, threads: int) -
 def _rl(args: argparse.Namespace) -> dict:
     from hyflow.tools.convert.launch import run_ranks
 
-    cases = [(1, "none"), (2, "none"), (2, "full")]
+    cases = [(int(c.split(":")[0]), c.split(":")[1]) for c in args.rl_layouts.split(",")]
     out = {}
     print(f"RL step at context parallelism: GRPO, quickstart tiny Llama, {args.rl_prompt}-token prompts + "
           f"{RL_NEW_TOKENS} new tokens, 2 prompts x 2 samples, packed 2 a micro-batch, KL loss, SDPA attention, "
