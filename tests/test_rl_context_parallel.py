@@ -30,6 +30,7 @@ BASE = [
     "actor.old_logprobs=recompute", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "actor.entropy_coeff=0.01",
     "actor.pack_sequences=true", "actor.max_tokens_per_micro_batch=48",
 ]
+GAE = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.optim.lr=1e-3", "critic.micro_batch_size=3"]
 KEYS = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/kl_loss",
         "critic/advantages/max")  # perf/padding_ratio differs: CP pads rows to 2 cp tokens
 #: differences of nearly equal log-probs: rounding is amplified by the cancellation
@@ -77,10 +78,10 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
 
 
-def _compare(want, got, name):
+def _compare(want, got, name, keys=KEYS):
     (m1, lp1, w1), (m2, lp2, w2) = want, got
     for step, (a, b) in enumerate(zip(m1, m2)):
-        for key in KEYS + LOOSE:
+        for key in keys + LOOSE:
             assert key in a and key in b, key
             rel = 1e-4 if key in LOOSE else 1e-5
             assert abs(a[key] - b[key]) <= rel * max(abs(a[key]), abs(b[key]), 1e-6), (name, step + 1, key, a[key], b[key])
@@ -113,3 +114,12 @@ def test_rl_step_at_cp2_with_recompute_and_packing_equals_cp1(cp1):
 def test_rl_step_at_cp2_tp2_equals_cp1(cp1):
     got = run_on_ranks(_steps, 4, ["actor.layout.tp=2", "actor.layout.cp=2"], timeout=1200)
     _compare(cp1, got[0], "cp2 x tp2")
+
+
+@pytest.mark.slow
+def test_ppo_with_a_critic_at_cp2_equals_cp1():
+    """Values (scored label-aligned, gathered and shifted back) and the critic's update under CP."""
+    keys = KEYS + ("critic/vf_loss", "critic/vpred_mean", "critic/grad_norm", "critic/values/mean")
+    want = run_on_ranks(_steps, 1, ["actor.layout.tp=1"] + GAE, timeout=900)[0]
+    got = run_on_ranks(_steps, 2, ["actor.layout.tp=1", "actor.layout.cp=2"] + GAE, timeout=900)
+    _compare(want, got[0], "gae cp2", keys)
