@@ -155,8 +155,8 @@ class ForwardBatch:
         rows = None if in_order else packed[2]
         mask = None
         uniform = min(starts) == max(starts)
-        if not fresh and width > 1 and uniform and in_order:  # a later prefill chunk: masks per block
-            return cls(slots=slot_t, positions=positions, kv_len=kv_len, fresh=False, span=(lo, hi), rows=None,
+        if not fresh and width > 1 and uniform:  # a later prefill chunk: masks per query block
+            return cls(slots=slot_t, positions=positions, kv_len=kv_len, fresh=False, span=(lo, hi), rows=rows,
                        mask=None, chunk_start=starts[0])
         if not fresh and not (width == 1 and uniform):
             keys = torch.arange(kv_len, device=device)
@@ -226,6 +226,8 @@ class CachedAttention(torch.nn.Module):
         of every row: query blocks, each over the keys up to its last query with its own mask
         (query ``i`` of a block at ``a`` sees keys ``0 .. start + a + i``). Returns ``[b, np, sq, hn]``."""
         lo, hi = batch.span
+        if batch.rows is not None:  # slots of the span outside the batch: dummy rows
+            q = q.new_zeros((hi - lo,) + tuple(q.shape[1:])).index_copy_(0, batch.rows, q)
         b, _, sq, hn = q.shape
         start, rep = batch.chunk_start, self.rep
         block = prefill_query_block(sq, batch.kv_len, rep)
@@ -243,4 +245,4 @@ class CachedAttention(torch.nn.Module):
             ctx = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale)
             del mask, qb
             out[:, :, a:a + n] = ctx.reshape(b, self.heads, n, hn)
-        return out
+        return out if batch.rows is None else out.index_select(0, batch.rows)
