@@ -4,7 +4,8 @@ Two GRPO steps (KL loss to the reference, entropy bonus, old log-probs recompute
 layout, sequence packing with a token budget) on the quickstart's tiny Llama give the same
 per-step metrics, old / reference log-probs and weight updates at CP=2 (with full
 recompute, on 2 ranks) and at CP=2 x TP=2 (4 ranks) as at CP=1 on one rank (<= 1e-5 relative;
-a few differences of nearly equal log-probs at 1e-4). The hybrid engine reshards the CP layout to
+a few differences of nearly equal log-probs at 1e-4); so does PPO with a critic (values scored and
+trained under CP; slow). The hybrid engine reshards the CP layout to
 the generation layout (no CP) around the step, so generation sees the same weights and samples.
 Adam runs with a large epsilon: its step is then nearly linear in the gradient, so the weight
 updates compare at gradient precision (at eps=1e-8 the sign of a near-zero gradient decides a
