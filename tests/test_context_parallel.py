@@ -6,7 +6,7 @@ CP=2, CP=2 x TP=2 and CP=2 x PP=2 through Megatron's ``forward_backward`` schedu
 holds its share of every sequence (:func:`split_for_cp`); per-token outputs are gathered back
 (:func:`gather_from_cp`). Logits, log-probs of the next tokens, the loss and every parameter's
 gradient equal the CP=1 run (fp32, <= 1e-5 relative); so do logits under a whole-sequence
-block-diagonal mask (sequence packing). The ``lm`` job trains at CP=2 with CP=1's losses.
+block-diagonal mask (sequence packing), also given as sequence bounds (per-sequence attention). The ``lm`` job trains at CP=2 with CP=1's losses.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _run(tp: int, cp: int, pp: int = 1) -> dict:
     import torch.distributed as dist
 
     from hyflow.models.builder import build_model_chunks
-    from hyflow.models.context_parallel import cp_token_mean, gather_from_cp, split_for_cp
+    from hyflow.models.context_parallel import cp_token_mean, gather_from_cp, sequence_bounds, split_for_cp
     from hyflow.models.weights import gather_full_state_dict, load_full_state_dict, random_full_state_dict
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
@@ -88,6 +88,9 @@ def _run(tp: int, cp: int, pp: int = 1) -> dict:
                 out["logprobs"].append(gather_from_cp(lp, cp_group))
             packed = split_for_cp({**_batches()[0], "attention_mask": _packing_mask()}, cp_group)
             out["packed"] = full_logits(model(packed["tokens"], packed["position_ids"], packed["attention_mask"]))
+            if cp > 1:  # the same packing as sequence bounds: per-sequence attention, no s x s mask
+                bounds = sequence_bounds([24, SEQ - 24], SEQ)
+                out["bounds"] = full_logits(model(packed["tokens"], packed["position_ids"], bounds))
     model.train()
 
     def loss_fn(output, batch):
@@ -126,6 +129,7 @@ def test_context_parallel_equals_cp1(reference, tp, cp, pp):
                 assert g.shape == w.shape
                 errors[key] = max(errors.get(key, 0.0), _rel(g, w))
         errors["packed logits"] = _rel(got["packed"], reference["packed"])
+        errors["packed logits (bounds)"] = _rel(got["bounds"], reference["packed"])
         assert _rel(got["packed"], reference["logits"][0]) > 1e-2  # the packing mask matters
     assert len(got["loss"]) == BATCHES
     errors["loss"] = max(abs(g - w) / abs(w) for g, w in zip(got["loss"], reference["loss"]))

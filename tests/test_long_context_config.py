@@ -29,7 +29,7 @@ def test_long_context_preset_fits_h100_80gb():
     assert (actor.layout.tp, actor.layout.cp, actor.layout.dp) == (2, 2, 16)
     update = next(p for p in result.phases if p.phase == "actor update")
     assert "16896 tokens" in next(i.note for i in update.items if i.name == "logits")  # 33792 / cp
-    assert any("hybrid engine does not run context-parallel layouts yet" in w for w in result.warnings)
+    assert (result.reshard.train.tp, result.reshard.train.dp) == (2, 32)  # the reshard counts CP ranks as DP
 
 
 def test_context_parallelism_and_recompute_are_what_make_it_fit():

@@ -5,8 +5,9 @@ prefilled whole or in chunks of 256 tokens, and the generation's extra memory (t
 peak of tensor bytes allocated during ``generate``, less the KV cache) agrees with the planner's
 generation transient (:func:`hyflow.plan.memory_estimate.generation_transient`) from 30% below (the plan
 is an upper bound) to 15% above. The whole prompt's prefill from position 0 is causal attention
-without a score matrix; a later chunk attends over the cache with a materialised mask and
-scores, O(chunk x context): bounded by the chunk, but at this size not below the whole prefill.
+without a mask or score matrix; a later chunk attends over the cache in query blocks, each with
+its own mask of at most ``PREFILL_MASK_BYTES``, so 256-token chunks need less than a third of the
+whole prompt's extra memory.
 """
 from __future__ import annotations
 
@@ -72,4 +73,5 @@ def test_chunked_prefill_same_tokens_and_bounded_memory():
               f"{planned / 2**20:.1f} MiB)")
         # the plan is an upper bound: the lean decoder frees a block's intermediates as they are consumed
         assert 0.7 * planned < extra < 1.15 * planned, (chunk, extra, planned)
+    assert result[256]["peak"] - cache < (whole["peak"] - cache) / 3  # chunking bounds the extra memory
 

@@ -71,7 +71,8 @@ CASES = [  # (overrides with {d} = the files directory, the key named, words the
     (["actor.optim.lr=.inf"], "actor.optim.lr", ["must be a finite number, got inf"]),
     (["actor.optim.lr=.nan"], "actor.optim.lr", ["must be a finite number, got nan"]),
     (["algorithm.kl_ctrl.kl_coef=-1"], "algorithm.kl_ctrl.kl_coef", ["must be >= 0", "got -1"]),
-    (["actor.layout.tp=1", "actor.layout.cp=2"], "actor.layout.cp", ["does not run context parallelism yet"]),
+    (["actor.layout.tp=1", "actor.layout.cp=2", "actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"],
+     "actor.policy_loss", ["gspo's sequence-level ratio", "actor.layout.cp=2"]),
 ]
 
 

@@ -99,6 +99,37 @@ def test_cached_attention_paths_match_float64(monkeypatch, case, slots):
             assert call["mask"] is not None and call["mask"].dtype == torch.float32
 
 
+def test_continued_prefill_chunk_runs_in_query_blocks_with_their_own_masks(monkeypatch):
+    """A later prefill chunk (rows continuing at one position) attends in query blocks sized by
+    the mask budget; each block reads the cache up to its last query only, and the result equals
+    float64 attention."""
+    spy = _Spy(monkeypatch)
+    slots, start, width = [0, 1], 5, 7
+    rep = H // G
+    monkeypatch.setattr(kv_mod, "PREFILL_MASK_BYTES", 4 * rep * (start + width) * 3)  # 3 queries a block
+    assert kv_mod.prefill_query_block(width, start + width, rep) == 3
+    g = torch.Generator().manual_seed(11)
+    cache = KVCache(LAYERS, SLOTS, G, CAP, D, torch.float32)
+    history = torch.randn(2, SLOTS, G, CAP, D, generator=g)
+    cache.keys[0].copy_(history[0])
+    cache.values[0].copy_(history[1])
+    q = torch.randn(2, width, H, D, generator=g)
+    k = torch.randn(2, width, G, D, generator=g)
+    v = torch.randn(2, width, G, D, generator=g)
+    out = _run(cache, slots, [start, start], width, q, k, v)
+    assert cache.batch.chunk_start == start and cache.batch.mask is None  # no whole-chunk mask
+    for r, slot in enumerate(slots):
+        keys, values = history[0, slot].clone(), history[1, slot].clone()
+        keys[:, start:start + width] = k[r].transpose(0, 1)
+        values[:, start:start + width] = v[r].transpose(0, 1)
+        want = _reference(q[r], keys, values, [start + i for i in range(width)])
+        torch.testing.assert_close(out[:, r].double(), want, rtol=1e-5, atol=1e-5)
+    assert [c["k"].shape[2] for c in spy.calls] == [start + 3, start + 6, start + 7]
+    assert [tuple(c["mask"].shape) for c in spy.calls] == [(1, 1, rep * 3, start + 3), (1, 1, rep * 3, start + 6),
+                                                         (1, 1, rep, start + 7)]
+    assert all(c["k"].untyped_storage().data_ptr() == cache.keys[0].untyped_storage().data_ptr() for c in spy.calls)
+
+
 def test_contiguous_and_scattered_slots_give_identical_outputs():
     g = torch.Generator().manual_seed(3)
     history = torch.randn(2, SLOTS, G, CAP, D, generator=g)
@@ -201,6 +232,36 @@ def test_sdpa_attention_never_repeats_kv(sq, sk, explicit):
         assert gqa and not has_mask  # the training forward: is_causal + enable_gqa
     else:
         assert has_mask and mask_dtype == torch.float32 and q_heads == 2  # folded, additive mask
+
+
+def _sdpa_packed_bounds():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from hyflow.models.context_parallel import sequence_bounds
+    from hyflow.models.sdpa_attention import SDPAttention
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.rl.batch import packed_attention_mask
+
+    init_training_groups(Layout())
+    cfg = TransformerConfig(num_layers=1, hidden_size=48, num_attention_heads=6, num_query_groups=2,
+                            kv_channels=8, attention_dropout=0.0, use_cpu_initialization=True)
+    attn = SDPAttention(cfg, 1, AttnMaskType.causal, "self",
+                        pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp"]))
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(12, 1, 6, 8, generator=g), torch.randn(12, 1, 2, 8, generator=g), \
+        torch.randn(12, 1, 2, 8, generator=g)
+    lengths = [4, 7]  # two packed sequences and one padding token
+    return attn(q, k, v, sequence_bounds(lengths, 12)), attn(q, k, v, packed_attention_mask(lengths, 12, q.device))
+
+
+def test_sdpa_attention_runs_packed_rows_per_sequence_from_their_bounds():
+    """A packed row's sequence bounds (1-D ``attention_mask``) give what its block-diagonal causal
+    mask gives, with one causal kernel call per sequence instead of an ``s x s`` mask."""
+    by_bounds, by_mask = run_on_ranks(_sdpa_packed_bounds, 1)[0]
+    torch.testing.assert_close(by_bounds, by_mask, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------ decode loop on a model

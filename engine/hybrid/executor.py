@@ -79,8 +79,8 @@ class HybridEngine:
                  optimizer=None, offload_grad_buffers: bool = False, offload_optimizer: bool = False,
                  table: Optional[RankTable] = None):
         layout = train_groups.layout
-        if layout.vpp or layout.cp > 1:
-            raise ValueError("the hybrid engine reshards layouts without vpp or cp")
+        if layout.vpp:
+            raise ValueError("the hybrid engine reshards layouts without vpp")
         self.desc = desc
         self.train_model = unwrap_model(train_model)
         # During generation, optionally free the DDP gradient buffers (they are zeroed before
@@ -102,7 +102,10 @@ class HybridEngine:
         self.padded_vocab = pad_vocab_size(desc.vocab_size, layout.tp)
         specs = model_param_specs(desc, self.padded_vocab, first.element_size(),
                                   fused_norms=resolve_spec(spec) == "te")
-        self.plan: ReshardPlan = plan_reshard(specs, layout, self.gen_shape)
+        # CP ranks hold the same weight shards and, in Megatron's rank order (tp-cp-dp-pp), sit where
+        # the ranks of tp x (cp * dp) x pp would: for the weights CP is more data parallelism (the
+        # generation layout has no CP; hyflow plan reshards the same way).
+        self.plan: ReshardPlan = plan_reshard(specs, (layout.tp, layout.pp, layout.dp * layout.cp), self.gen_shape)
         rank = dist.get_rank()
         self.table: RankTable = table if table is not None else rank_table(self.plan, rank)
         groups = build_generation_groups(self.plan, rank)

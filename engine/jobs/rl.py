@@ -321,7 +321,7 @@ def sft_warmup(cfg: RLJobConfig, state: RLState, tokenizer) -> None:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from hyflow.data.dataset import reference_response_ids
-    from hyflow.training.step import lm_loss
+    from hyflow.training.step import data_group, lm_loss
 
     models = state.models
     groups, actor = models.groups, models.actor
@@ -351,9 +351,9 @@ def sft_warmup(cfg: RLJobConfig, state: RLState, tokenizer) -> None:
             loss_mask[i, prompt_len:len(seq)] = 1.0
         data = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask[:, 1:]}
         lengths = [len(seq) for seq, _ in rows]
-        micro = MicroBatching(cfg.actor.micro_batch_size, pad_multiple=pad_multiple(groups), pad_id=pad_id).cut(
-            data, lengths)
-        token_mean_weights(micro, "loss_mask", groups.pgs.dp)
+        micro = MicroBatching(cfg.actor.micro_batch_size, pad_multiple=pad_multiple(groups), pad_id=pad_id,
+                              cp_group=groups.pgs.cp if groups.layout.cp > 1 else None).cut(data, lengths)
+        token_mean_weights(micro, "loss_mask", data_group(groups))  # CP ranks hold shares of the masks
         stats = train_step(actor.chunks, actor.optimizer, sft_scheduler, micro, groups=groups, loss_fn=lm_loss)
         if rank == 0 and (step % 10 == 0 or step == cfg.actor.sft_warmup_steps):
             print(f"[hyflow] sft warm-up {step}/{cfg.actor.sft_warmup_steps} loss {stats['lm_loss']:.4f}", flush=True)

@@ -36,10 +36,7 @@ def preflight(cfg: Any) -> None:
 
 
 def _preflight(cfg: Any) -> None:
-    if cfg.actor.layout.cp > 1:  # hyflow plan still sizes such layouts (configs/long_context_32k.yaml)
-        raise _error("actor.layout.cp", f"the RL job does not run context parallelism yet (got cp="
-                                        f"{cfg.actor.layout.cp}); the lm job does. Use cp: 1 and tp / pp "
-                                        "for long sequences, with actor.recompute and rollout.prefill_chunk_size")
+    _check_context_parallel(cfg)
     _check_task(cfg.data)
     vocab = _check_tokenizer(cfg)
     _check_data_files(cfg)
@@ -53,6 +50,23 @@ def _preflight(cfg: Any) -> None:
                                        "use a model / tokenizer pair that match")
     _check_resume(cfg.trainer.resume)
     _check_output_dir(cfg.trainer.output_dir)
+
+
+def _check_context_parallel(cfg: Any) -> None:
+    """What the RL job's context parallelism (each CP rank holds a share of every sequence) cannot do."""
+    cp = cfg.actor.layout.cp
+    if cp == 1:
+        return
+    if cfg.actor.policy_loss == "gspo":
+        raise _error("actor.policy_loss", f"gspo's sequence-level ratio needs a whole response on one rank; "
+                                          f"at actor.layout.cp={cp} each rank holds 1/{cp} of it: use vanilla or "
+                                          "cispo, or cp: 1")
+    from hyflow.models.builder import resolve_spec
+
+    if cfg.actor.pack_sequences and resolve_spec(cfg.actor.spec) == "te":
+        raise _error("actor.pack_sequences", f"packed rows go to Transformer Engine's THD attention, which hyflow "
+                                             f"does not split over context-parallel ranks (actor.layout.cp={cp}); "
+                                             "set actor.pack_sequences=false or actor.spec=local")
 
 
 def _check_task(data: Any) -> None:

@@ -18,6 +18,11 @@ Helpers for the step that feeds a CP model:
   last local token's successor usually lives on another rank);
 * :func:`gather_from_cp` - per-token outputs of the local tokens (log-probs, values, entropies)
   -> ``[b, s, ...]`` in natural order (no gradient: for scoring);
+* :func:`shard_micro_batch` - a micro-batch of token-aligned per-token columns (the RL job's) ->
+  this rank's label-aligned share (``labels`` added, every other per-token column shifted
+  left by one, so the position whose logits predict a token carries that token's values);
+* :func:`to_token_aligned` - a scorer's label-aligned outputs of the local tokens -> the whole
+  sequence, aligned to the scored token again (the inverse, for scoring);
 * :func:`cp_token_mean` - the token-mean of a per-token loss over the *whole* sequence: local sum
   over the CP-global token count. Megatron's schedule multiplies a micro-batch's loss by ``cp``
   and DDP averages gradients over ``dp x cp`` ranks, so exactly this gives the CP=1 gradient.
@@ -104,6 +109,67 @@ def gather_from_cp(local: torch.Tensor, cp_group, seq_dim: int = 1) -> torch.Ten
     joined = torch.cat(parts, dim=seq_dim)
     natural = torch.argsort(cp_order(joined.shape[seq_dim], size, joined.device))
     return joined.index_select(seq_dim, natural)
+
+
+#: micro-batch keys :func:`shard_micro_batch` neither shifts nor splits along the sequence
+_KEEP = ("tokens", "position_ids", "labels")
+
+
+def shard_micro_batch(mb: Mapping, cp_group) -> dict:
+    """This CP rank's share of a micro-batch (:func:`hyflow.rl.batch.make_micro_batches`) whose
+    per-token columns ``[b, s]`` are aligned to the token they score (position i = token i).
+
+    A rank's last local token's successor usually lives on another rank, so everything is made
+    label-aligned *before* the split: ``labels = next_token_labels(tokens)`` and every other
+    ``[b, s]`` column shifted left by one (0 at the end). Losses then read the log-probability of
+    ``labels`` at each local position (``"labels" in batch`` tells them). A packed row's shift
+    crosses sequence boundaries only at positions whose weights are 0 (a sequence's first token
+    is a prompt token, padding has no weight). Adds ``cp_split: True``. A micro-batch that has
+    ``labels`` already (an LM batch) is only split.
+
+    A packed row's ``[1, 1, s, s]`` mask becomes its sequence boundaries (:func:`sequence_bounds`):
+    the all-to-all attention then runs causal attention per sequence, without an ``s x s`` mask
+    (which every CP rank would otherwise hold whole)."""
+    out = dict(mb)
+    mask = mb.get("attention_mask")
+    if mb.get("packed") and "segments" in mb and mask is not None and mask.dim() > 1:
+        out["attention_mask"] = sequence_bounds([n for _, _, n in mb["segments"]], mb["tokens"].shape[1],
+                                                mb["tokens"].device)
+    tokens = out["tokens"]
+    width = tokens.shape[1]
+    if "labels" not in out:
+        out["labels"] = next_token_labels(tokens)
+        for key, value in mb.items():
+            if key not in _KEEP and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == width:
+                out[key] = next_token_labels(value)
+    keys = [k for k, v in out.items()
+            if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == width and k not in WHOLE_KEYS]
+    out = split_for_cp(out, cp_group, keys=keys)
+    out["cp_split"] = True
+    return out
+
+
+def sequence_bounds(lengths: Iterable[int], width: int, device=None) -> torch.Tensor:
+    """``[0, n1, n1 + n2, ..., width]`` int64: where the packed sequences of a row of ``width``
+    tokens start and end (padding after them is one more sequence), the ``attention_mask`` form
+    :class:`hyflow.models.ulysses_attention.UlyssesAttention` runs per sequence."""
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + int(n))
+    if bounds[-1] < width:
+        bounds.append(width)
+    return torch.tensor(bounds, dtype=torch.long, device=device)
+
+
+def to_token_aligned(local: torch.Tensor, cp_group, predicts_next: bool = True) -> torch.Tensor:
+    """Outputs ``[b, s / cp]`` of this rank's tokens -> ``[b, s]`` of the whole sequence in
+    natural order; ``predicts_next``: position i holds a value of token i + 1 (a log-probability of
+    the label, the value before it) and is moved to i + 1 (position 0 gets 0), the convention of
+    :func:`hyflow.training.logprobs.shifted_token_logprobs`."""
+    whole = gather_from_cp(local, cp_group)
+    if not predicts_next:
+        return whole
+    return torch.cat([torch.zeros_like(whole[:, :1]), whole[:, :-1]], dim=1)
 
 
 def cp_token_mean(values: torch.Tensor, mask: torch.Tensor, cp_group) -> torch.Tensor:

@@ -7,7 +7,9 @@ Transformer Engine. Megatron's local module materialises the full
 ``[b, heads, sq, sk]`` score matrix; SDPA does not need to.
 
 Masks follow Megatron's convention: ``attention_mask`` is boolean with ``True``
-meaning *masked out*. Without a mask the attention is causal, aligned to the end
+meaning *masked out*; a 1-D ``attention_mask`` holds the bounds of the sequences packed into a row
+(:func:`hyflow.models.context_parallel.sequence_bounds`), and causal attention runs inside each
+one with no ``s x s`` mask. Without a mask the attention is causal, aligned to the end
 of the key sequence (a query at position i of the last sq positions sees keys
 0..sk-sq+i), which also covers incremental decoding against a KV cache.
 
@@ -67,6 +69,15 @@ class SDPAttention(MegatronModule):
         mask = None
         mask_type = attn_mask_type or self.attn_mask_type
         dropout = self.dropout_p if self.training else 0.0
+        if attention_mask is not None and attention_mask.dim() == 1 and sq == sk:  # packed sequences' bounds
+            bounds = attention_mask.tolist()
+            if bounds[0] != 0 or bounds[-1] != sq or any(e <= a for a, e in zip(bounds, bounds[1:])):
+                raise ValueError(f"packed sequence bounds must rise from 0 to the row's {sq} tokens, got {bounds}")
+            ctx = torch.cat([F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], dropout_p=dropout,
+                                                            is_causal=True, scale=self.softmax_scale,
+                                                            enable_gqa=rep > 1)
+                             for a, e in zip(bounds, bounds[1:])], dim=2)
+            return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
         if attention_mask is None and mask_type == AttnMaskType.causal and sq == sk:
             # The training forward: causal, no mask tensor (flash attention on CUDA, GQA included).
             ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,

@@ -19,7 +19,9 @@ forward, context back), i.e. independent of ``cp`` per rank; attention memory is
 ``1 / cp`` of the heads over the full sequence. The all-to-all is differentiable: with equal
 splits it is its own inverse, so its backward is the same exchange on the gradient.
 ``attention_mask`` (optional) is the *whole-sequence* boolean mask ``[b or 1, 1, s, s]``,
-True = masked, in natural order.
+True = masked, in natural order; or, for a packed row, the sequences' bounds ``[0, n1, ..., s]``
+(1-D, :func:`hyflow.models.context_parallel.sequence_bounds`): causal attention then runs per
+sequence, with no mask and no cross-sequence scores.
 """
 
 from __future__ import annotations
@@ -127,17 +129,33 @@ class UlyssesAttention(MegatronModule):
         seq_len = q.shape[0]
         to_natural, to_ranks = self._order(seq_len, q.device)
         q, k, v = (t.index_select(0, to_natural).permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
-        mask, is_causal = None, False
-        if attention_mask is not None:
-            if attention_mask.shape[-1] != seq_len or attention_mask.shape[-2] != seq_len:
-                raise ValueError(
-                    f"under context parallelism attention_mask must cover the whole sequence "
-                    f"[b, 1, {seq_len}, {seq_len}], got {tuple(attention_mask.shape)}")
-            mask = ~attention_mask.to(torch.bool)
-        elif (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal:
-            is_causal = True
-        ctx = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=is_causal, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        if attention_mask is not None and attention_mask.dim() == 1:  # packed sequences' bounds
+            ctx = self._per_sequence(q, k, v, attention_mask.tolist(), seq_len)
+        else:
+            mask, is_causal = None, False
+            if attention_mask is not None:
+                if attention_mask.shape[-1] != seq_len or attention_mask.shape[-2] != seq_len:
+                    raise ValueError(
+                        f"under context parallelism attention_mask must cover the whole sequence "
+                        f"[b, 1, {seq_len}, {seq_len}], got {tuple(attention_mask.shape)}")
+                mask = ~attention_mask.to(torch.bool)
+            elif (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal:
+                is_causal = True
+            ctx = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
+                is_causal=is_causal, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
         ctx = ctx.permute(2, 0, 1, 3).index_select(0, to_ranks)  # [s, b, h/cp, d] in rank order
         return heads_to_sequence(ctx, self.cp_group).reshape(s_local, b, self.heads * self.head_dim)
+
+    def _per_sequence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int],
+                      seq_len: int) -> torch.Tensor:
+        """Causal attention inside each packed sequence ``[bounds[i], bounds[i + 1])`` of ``[b, h, s, d]``."""
+        if bounds[0] != 0 or bounds[-1] != seq_len or any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"packed sequence bounds must rise from 0 to the sequence length {seq_len}, "
+                             f"got {bounds}")
+        dropout = self.dropout_p if self.training else 0.0
+        parts = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dropout_p=dropout,
+                                                is_causal=True, scale=self.softmax_scale,
+                                                enable_gqa=q.shape[1] != k.shape[1])
+                 for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(parts, dim=2)

@@ -262,12 +262,8 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     if layout.cp > 1:
         # CP ranks hold the same weight shards, and in Megatron's rank order (tp-cp-dp-pp) a
         # tp x cp x dp x pp layout puts them exactly where tp x (cp * dp) x pp would: for the
-        # weights' reshard CP is more data parallelism.
+        # weights' reshard CP is more data parallelism (so does the RL job's hybrid engine).
         reshard_layout = dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1)
-        result.warnings.append(
-            f"actor.layout.cp={layout.cp}: the plan reshards the actor as {layout.cp * layout.dp}-way "
-            "data parallel (CP ranks hold the same weights); the RL job's hybrid engine does not "
-            "run context-parallel layouts yet")
     plan = plan_reshard(specs, reshard_layout, (gen.tp, gen.pp), world_size=world,
                         num_layers=model.num_layers)
     result.reshard = plan

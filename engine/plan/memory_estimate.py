@@ -318,15 +318,16 @@ def generation_transient(desc: ModelDescription, gen_tp: int, *, prefill_tokens:
     prefill forward of ``prefill_tokens`` (a prefill from position 0 is causal attention without
     a mask or a score matrix), and fp32 logits plus sampler work copies for the ``rows``
     sequences sampled at once. ``chunked``: prefill chunks after the first attend over up to
-    ``context`` cached positions with an additive fp32 mask (GQA folded into the queries) and a
-    materialised fp32 score matrix per head. Chunked prefill bounds ``prefill_tokens`` (and so
-    all of this) by the chunk size."""
+    ``context`` cached positions in query blocks, each with its own additive fp32 mask (GQA
+    folded into the queries; :func:`hyflow.rollout.kv_cache.prefill_block_mask_bytes`, at most
+    a fixed budget), so chunked prefill bounds all of this by the chunk size."""
+    from hyflow.rollout.kv_cache import prefill_block_mask_bytes
+
     pbytes = DTYPE_BYTES[dtype]
     layer = forward_layer_bytes(desc, Layout(tp=gen_tp), prefill_tokens, 1, "sdpa", dtype)
     width = padded_vocab(desc, gen_tp) // gen_tp
-    heads = desc.num_attention_heads // gen_tp
     rep = desc.num_attention_heads // desc.num_query_groups
-    attention = 4 * prefill_tokens * context * (heads + rep) if chunked else 0
+    attention = prefill_block_mask_bytes(prefill_tokens, context, rep) if chunked else 0
     return int(layer + attention + rows * width * (pbytes + 4 * 4))
 
 

@@ -22,8 +22,9 @@ depend on the grouping: losses are weighted per token with global denominators
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -184,7 +185,8 @@ def packed_attention_mask(seq_lengths: Sequence[int], width: int, device: torch.
 
 
 def make_micro_batches(columns: dict[str, torch.Tensor], lengths: Sequence[int], plan: Plan, *,
-                       packed: bool = False, pad_multiple: int = 1, pad_id: int = 0, thd: bool = False) -> list[dict]:
+                       packed: bool = False, pad_multiple: int = 1, pad_id: int = 0, thd: bool = False,
+                       bounds: bool = False) -> list[dict]:
     """The micro-batches of ``plan`` from per-row ``columns`` ([B, S] each; ``tokens`` among them).
 
     Unpacked: rows ``plan[i]``, cut to their longest row (rounded up to ``pad_multiple``, e.g. the
@@ -193,6 +195,8 @@ def make_micro_batches(columns: dict[str, torch.Tensor], lengths: Sequence[int],
     Each micro-batch also records ``rows`` (and, packed, ``segments``: (row, start, length)) for
     :func:`scatter_rows`. ``thd``: packed rows for Transformer Engine's THD attention, which takes
     the sequence boundaries (``cu_seqlens``) instead of a mask and restarts positions itself.
+    ``bounds``: a packed row's ``attention_mask`` is its sequences' bounds (1-D) instead of the
+    ``s x s`` mask, for attention that runs per sequence (the SDPA spec).
     """
     device = columns["tokens"].device
     out = []
@@ -222,6 +226,10 @@ def make_micro_batches(columns: dict[str, torch.Tensor], lengths: Sequence[int],
                 bounds.append(bounds[-1] + n)  # the padding is a sequence of its own
             mb["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32, device=device)
             mb["max_seqlen"] = max(b - a for a, b in zip(bounds, bounds[1:]))
+        elif bounds:
+            from hyflow.models.context_parallel import sequence_bounds
+
+            mb["attention_mask"] = sequence_bounds(seq_lengths, width, device)
         else:
             mb["attention_mask"] = packed_attention_mask(seq_lengths, width, device)
         mb["rows"] = index
@@ -258,8 +266,10 @@ def scatter_rows(outputs: Sequence[torch.Tensor], micro: Sequence[dict], shape: 
 @dataclass
 class MicroBatching:
     """How a role cuts a batch: ``max_tokens`` None means ``micro_batch_size`` rows each; widths
-    rounded up to ``pad_multiple`` (sequence parallelism); ``thd``: packed rows for TE's THD
-    attention."""
+    rounded up to ``pad_multiple`` (sequence and context parallelism); ``thd``: packed rows for
+    TE's THD attention; ``cp_group``: each micro-batch becomes this context-parallel rank's
+    label-aligned share (:func:`hyflow.models.context_parallel.shard_micro_batch`); planning
+    (token budgets, packing) counts whole sequences."""
 
     micro_batch_size: int
     max_tokens: Optional[int] = None
@@ -267,11 +277,23 @@ class MicroBatching:
     pad_multiple: int = 1
     pad_id: int = 0
     thd: bool = False
+    cp_group: Any = None
+    bounds: bool = False
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp_group.size() if self.cp_group is not None else 1
 
     def cut(self, columns: dict[str, torch.Tensor], lengths: Sequence[int]) -> list[dict]:
         """The micro-batches of ``columns`` (per-row [B, S] tensors) under this policy."""
-        return make_micro_batches(columns, lengths, self.plan(lengths), packed=self.packed,
-                                  pad_multiple=self.pad_multiple, pad_id=self.pad_id, thd=self.thd)
+        micro = make_micro_batches(columns, lengths, self.plan(lengths), packed=self.packed,
+                                   pad_multiple=self.pad_multiple, pad_id=self.pad_id, thd=self.thd,
+                                   bounds=self.bounds)
+        if self.cp_size > 1:
+            from hyflow.models.context_parallel import shard_micro_batch
+
+            micro = [shard_micro_batch(mb, self.cp_group) for mb in micro]
+        return micro
 
     def plan(self, lengths: Sequence[int]) -> Plan:
         if self.max_tokens is None:  # packed too: micro_batch_size sequences per packed row
@@ -282,8 +304,11 @@ class MicroBatching:
 
 
 def pad_multiple(groups) -> int:
-    """Sequence parallelism shards the sequence over TP: micro-batch widths must divide."""
-    return groups.layout.tp if groups.layout.sequence_parallel else 1
+    """Micro-batch widths must divide: sequence parallelism shards the sequence over TP, context
+    parallelism into ``2 cp`` chunks (and a CP rank's share over TP under both)."""
+    layout = groups.layout
+    tp = layout.tp if layout.sequence_parallel else 1
+    return tp if layout.cp == 1 else layout.cp * math.lcm(2, tp)
 
 
 def _thd(cfg) -> bool:
@@ -303,5 +328,8 @@ def batching_for(cfg, role: str, groups, pad_id: int) -> MicroBatching:
         budget = cfg.reference.max_tokens_per_micro_batch or budget
     elif role == "critic":
         size, budget = cfg.critic.micro_batch_size, cfg.critic.max_tokens_per_micro_batch or budget
+    cp_group = groups.pgs.cp if groups.layout.cp > 1 else None
+    from hyflow.models.builder import resolve_spec
+
     return MicroBatching(size, budget, actor.pack_sequences, pad_multiple=pad_multiple(groups), pad_id=pad_id,
-                         thd=_thd(cfg))
+                         thd=_thd(cfg), cp_group=cp_group, bounds=resolve_spec(actor.spec) == "sdpa")

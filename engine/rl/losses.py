@@ -25,10 +25,12 @@ import torch.distributed as dist
 from hyflow.algorithms import kl_estimate
 from hyflow.algorithms.losses import aggregation_weights, value_token_loss
 from hyflow.algorithms.policy_losses import get_policy_loss
-from hyflow.training.logprobs import shifted_entropy, shifted_token_logprobs
-from hyflow.training.output_head import Hidden, response_logprobs_entropy
+from hyflow.training.logprobs import (shifted_entropy, shifted_token_logprobs, vocab_parallel_entropy,
+                                      vocab_parallel_logprobs)
+from hyflow.training.output_head import Hidden, label_logprobs_entropy, response_logprobs_entropy
 from hyflow.training.step import Batch, forward_backward
 
+from hyflow.models.context_parallel import to_token_aligned
 from hyflow.rl.batch import scatter_rows
 
 
@@ -57,6 +59,31 @@ def minibatch_counts(mask: torch.Tensor, assignment: torch.Tensor, count: int, d
     return sums[0].float(), sums[1].float()
 
 
+def token_logprobs(logits: torch.Tensor, batch: Batch, vocab: int, tp_group, temperature: float) -> torch.Tensor:
+    """Per-token log-probs aligned like the batch's columns: of ``labels`` at each position in a
+    context-parallel share (label-aligned, :func:`hyflow.models.context_parallel.shard_micro_batch`),
+    else of each token from the previous position's logits."""
+    if "labels" in batch:
+        return vocab_parallel_logprobs(logits, batch["labels"], vocab, tp_group, temperature)
+    return shifted_token_logprobs(logits, batch["tokens"], vocab, tp_group, temperature)
+
+
+def token_entropy(logits: torch.Tensor, batch: Batch, vocab: int, tp_group, temperature: float) -> torch.Tensor:
+    """Entropy of the distribution that produced each column's token (see :func:`token_logprobs`)."""
+    if "labels" in batch:
+        return vocab_parallel_entropy(logits, vocab, tp_group, temperature)
+    return shifted_entropy(logits, vocab, tp_group, temperature)
+
+
+def hidden_scores(hidden: Hidden, batch: Batch, scored: torch.Tensor, vocab: int, tp_group,
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy) of the fused output head at the ``scored`` positions, aligned like
+    :func:`token_logprobs` (label-aligned in a context-parallel share)."""
+    if "labels" in batch:
+        return label_logprobs_entropy(hidden, batch["labels"], scored, vocab, tp_group, temperature)
+    return response_logprobs_entropy(hidden, batch["tokens"], scored, vocab, tp_group, temperature)
+
+
 class PolicyLoss:
     """The policy loss ``actor.policy_loss`` (PPO clip, GSPO or CISPO; times the rollout-correction
     weights ``is_weights`` when the batch has them) + entropy bonus + KL loss to the reference, of
@@ -74,15 +101,15 @@ class PolicyLoss:
         T = self.temperature
         if isinstance(output, Hidden):
             scored = batch["response_mask"] > 0
-            logp, ent = response_logprobs_entropy(output, batch["tokens"], scored, self.vocab, self.tp_group, T)
+            logp, ent = hidden_scores(output, batch, scored, self.vocab, self.tp_group, T)
             # unscored positions: ratio 1 (their loss weight is 0; this keeps them finite)
             logp = torch.where(scored, logp, batch["old_logp"].to(logp.dtype))
             return logp, ent if self.cfg.entropy_coeff else ent.detach()
-        logp = shifted_token_logprobs(output, batch["tokens"], self.vocab, self.tp_group, T)
+        logp = token_logprobs(output, batch, self.vocab, self.tp_group, T)
         if self.cfg.entropy_coeff:
-            return logp, shifted_entropy(output, self.vocab, self.tp_group, T)
+            return logp, token_entropy(output, batch, self.vocab, self.tp_group, T)
         with torch.no_grad():  # a metric only: no graph through the vocabulary
-            return logp, shifted_entropy(output.detach(), self.vocab, self.tp_group, T)
+            return logp, token_entropy(output.detach(), batch, self.vocab, self.tp_group, T)
 
     def __call__(self, output, batch: Batch):
         cfg = self.cfg
@@ -115,7 +142,7 @@ class ValueLoss:
         self.cfg = critic_cfg
 
     def __call__(self, output: torch.Tensor, batch: Batch):
-        values = shifted_values(output)
+        values = token_values(output, batch)
         loss_mat, tok = value_token_loss(values, batch["old_values"], batch["returns"], batch["response_mask"],
                                          self.cfg.cliprange_value)
         vl = (loss_mat * batch["loss_weight"]).sum()
@@ -130,6 +157,14 @@ def shifted_values(output: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 
+def token_values(output: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Values aligned like the batch's columns: the head's output itself in a label-aligned
+    context-parallel share, else :func:`shifted_values`."""
+    return output.squeeze(-1).float() if "labels" in batch else shifted_values(output)
+
+
+#: score(output, micro-batch) -> [b, s]; a scorer with ``predicts_next = True`` returns, for a
+#: context-parallel share, label-aligned values (position i: token i + 1) that forward_score shifts back
 Scorer = Callable[[torch.Tensor, Batch], torch.Tensor]
 
 
@@ -138,10 +173,14 @@ def forward_score(chunks: Sequence[torch.nn.Module], micro: Sequence[Batch], sco
     """Run ``score(output, micro-batch) -> [b, s]`` forward-only over ``micro``; return the per-row
     ``[B, S]`` result (``shape``) on every rank of the model's pipeline."""
     captured: list[torch.Tensor] = []
+    predicts_next = getattr(score, "predicts_next", False)
 
     def keep(output, batch: Batch):
-        captured.append(score(output, batch).float())
-        return captured[-1].new_zeros(()), {}
+        value = score(output, batch).float()
+        if batch.get("cp_split"):  # this CP rank's share of each sequence -> the whole sequence
+            value = to_token_aligned(value, groups.pgs.cp, predicts_next)
+        captured.append(value)
+        return value.new_zeros(()), {}
 
     keep.hidden_states = getattr(score, "hidden_states", False)
 
@@ -161,16 +200,21 @@ class logprob_scorer:
     """Scorer of log p(token) under the actor; with ``fused`` (default) only at the batch's
     ``response_mask`` positions (0 elsewhere), from the last hidden states."""
 
+    predicts_next = True  # under CP a position holds the log-prob of its label (the next token)
+
     def __init__(self, vocab_size: int, tp_group, temperature: float = 1.0, fused: bool = True) -> None:
         self.vocab, self.tp_group, self.temperature, self.hidden_states = vocab_size, tp_group, temperature, fused
 
     def __call__(self, output, batch: Batch) -> torch.Tensor:
         if isinstance(output, Hidden):
-            scored = batch["response_mask"] > 0
-            return response_logprobs_entropy(output, batch["tokens"], scored, self.vocab, self.tp_group,
-                                             self.temperature)[0]
-        return shifted_token_logprobs(output, batch["tokens"], self.vocab, self.tp_group, self.temperature)
+            return hidden_scores(output, batch, batch["response_mask"] > 0, self.vocab, self.tp_group,
+                                 self.temperature)[0]
+        return token_logprobs(output, batch, self.vocab, self.tp_group, self.temperature)
 
 
 def value_scorer() -> Scorer:
-    return lambda output, batch: shifted_values(output)
+    def score(output: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return token_values(output, batch)
+
+    score.predicts_next = True
+    return score

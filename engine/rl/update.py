@@ -81,7 +81,7 @@ def update_model(model, groups, columns: dict[str, torch.Tensor], lengths: Seque
             cols["token_weight"] = loss_weights(cols["response_mask"], "token-mean", tokens[k], seqs[k])
             sub = [lengths[r] for r in rows]
             micro = batching.cut(cols, sub)
-            out.processed_tokens += sum(mb["tokens"].numel() for mb in micro)
+            out.processed_tokens += sum(mb["tokens"].numel() for mb in micro) * batching.cp_size  # CP: a share
             out.real_tokens += sum(sub)
             out.add(train_step(model.chunks, model.optimizer, model.scheduler, micro, groups=groups,
                                loss_fn=loss_fn, with_labels=False))

@@ -27,8 +27,15 @@ Attention takes a fused SDPA path in the common cases and never copies the cache
   a key/value group are folded into the query axis (``[b, groups, heads/groups * s, d]``), so
   keys and values are used as stored, with no repeat and no ``enable_gqa`` (which no fused
   CUDA kernel accepts together with a mask). An additive float mask is passed only when rows
-  see different numbers of keys (ragged decode, chunk continuation); a decode batch whose rows
-  all sit at one position runs without a mask.
+  see different numbers of keys (ragged decode); a decode batch whose rows all sit at one
+  position runs without a mask;
+* **a later prefill chunk** (every row continues at one position ``p``, ``s > 1`` tokens):
+  query-blocked attention. A chunk's mask is ``s x (p + s)`` per folded head, i.e. more than the
+  whole prompt's mask-free prefill once the context is long (the fused kernels keep no score
+  matrix, but they take the mask as a tensor). So the chunk's queries run in blocks of
+  :func:`prefill_query_block` tokens; a block reads only the keys up to its last query and
+  builds its own mask, so a chunk costs one block's mask (at most :data:`PREFILL_MASK_BYTES`,
+  or one query's row) whatever its width, and the same tokens as the unchunked prefill.
 
 Positions past a row's prompt that were written by right padding are masked (or not yet
 read) until overwritten.
@@ -44,6 +51,26 @@ import torch
 import torch.nn.functional as F
 
 from hyflow.rollout.host import to_device
+
+
+#: Budget of one query block's additive mask in a continued prefill chunk (``4 x rep x block x
+#: context`` bytes, see :func:`prefill_query_block`).
+PREFILL_MASK_BYTES = 2 << 20
+
+
+def prefill_query_block(width: int, context: int, rep: int, budget: Optional[int] = None) -> int:
+    """Queries per block of a continued prefill chunk of ``width`` tokens over ``context`` keys,
+    ``rep`` query heads per key/value group: the most whose fp32 mask fits ``budget`` (default
+    :data:`PREFILL_MASK_BYTES`; at least one query)."""
+    budget = PREFILL_MASK_BYTES if budget is None else budget
+    return max(1, min(width, budget // (4 * rep * max(context, 1))))
+
+
+def prefill_block_mask_bytes(width: int, context: int, rep: int, budget: Optional[int] = None) -> int:
+    """Peak bytes of one block's mask (the fp32 mask and its ``rep`` folded copies, alive
+    together while it is built): what a continued chunk adds to a layer's working set."""
+    block = prefill_query_block(width, context, rep, budget)
+    return block * context * (4 + 4 * rep)
 
 
 class KVCache:
@@ -90,6 +117,8 @@ class ForwardBatch:
         positions: ``[b, s]`` absolute position of each input token (device).
         kv_len: keys to attend over (max position + 1).
         fresh: every row starts at position 0: attend causally over this forward's keys.
+        chunk_start: every row continues at this position with more than one token (a later
+            prefill chunk): query-blocked attention, masks built per block; else None.
         span: ``(lo, hi)``: the cache rows attention reads as one view (min / max + 1 slot).
         rows: ``[b]`` index of each row within the span, or None when the rows are the span
             in order (the usual decode batch).
@@ -104,6 +133,7 @@ class ForwardBatch:
     span: tuple[int, int]
     rows: Optional[torch.Tensor]
     mask: Optional[torch.Tensor]
+    chunk_start: Optional[int] = None
 
     @classmethod
     def build(cls, slots: Sequence[int], starts: Sequence[int], width: int, *, rep: int,
@@ -124,7 +154,11 @@ class ForwardBatch:
         fresh = max(starts) == 0
         rows = None if in_order else packed[2]
         mask = None
-        if not fresh and not (width == 1 and min(starts) == max(starts)):
+        uniform = min(starts) == max(starts)
+        if not fresh and width > 1 and uniform:  # a later prefill chunk: masks per query block
+            return cls(slots=slot_t, positions=positions, kv_len=kv_len, fresh=False, span=(lo, hi), rows=rows,
+                       mask=None, chunk_start=starts[0])
+        if not fresh and not (width == 1 and uniform):
             keys = torch.arange(kv_len, device=device)
             allowed = keys.view(1, 1, -1) <= positions.unsqueeze(-1)  # [b, s, kv]
             add = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
@@ -173,6 +207,8 @@ class CachedAttention(torch.nn.Module):
         if batch.fresh:
             ctx = F.scaled_dot_product_attention(q, k_new, v_new, is_causal=sq > 1, scale=self.scale,
                                                  enable_gqa=self.rep > 1)
+        elif batch.chunk_start is not None:
+            ctx = self._blocked(q, k_buf, v_buf, batch)
         else:
             lo, hi = batch.span
             k, v = k_buf[lo:hi, :, :batch.kv_len], v_buf[lo:hi, :, :batch.kv_len]  # views of the cache
@@ -184,3 +220,29 @@ class CachedAttention(torch.nn.Module):
             if batch.rows is not None:
                 ctx = ctx.index_select(0, batch.rows)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
+    def _blocked(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """A continued prefill chunk, ``q [b, np, sq, hn]`` at positions ``start .. start + sq - 1``
+        of every row: query blocks, each over the keys up to its last query with its own mask
+        (query ``i`` of a block at ``a`` sees keys ``0 .. start + a + i``). Returns ``[b, np, sq, hn]``."""
+        lo, hi = batch.span
+        if batch.rows is not None:  # slots of the span outside the batch: dummy rows
+            q = q.new_zeros((hi - lo,) + tuple(q.shape[1:])).index_copy_(0, batch.rows, q)
+        b, _, sq, hn = q.shape
+        start, rep = batch.chunk_start, self.rep
+        block = prefill_query_block(sq, batch.kv_len, rep)
+        out = torch.empty_like(q)
+        for a in range(0, sq, block):
+            n = min(block, sq - a)
+            keys = start + a + n
+            k, v = k_buf[lo:hi, :, :keys], v_buf[lo:hi, :, :keys]  # views of the cache
+            allowed = torch.arange(keys, device=q.device).view(1, -1) <= torch.arange(
+                start + a, keys, device=q.device).view(-1, 1)  # [n, keys]
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+            del allowed
+            mask = mask.repeat(rep, 1).view(1, 1, rep * n, keys)  # the folded query heads of a group
+            qb = q[:, :, a:a + n].reshape(b, self.groups, rep * n, hn)
+            ctx = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale)
+            del mask, qb
+            out[:, :, a:a + n] = ctx.reshape(b, self.heads, n, hn)
+        return out if batch.rows is None else out.index_select(0, batch.rows)

@@ -95,14 +95,20 @@ def response_logprobs_entropy(hidden: Hidden, tokens: torch.Tensor, scored: torc
     """log p(tokens[:, i] | tokens[:, :i]) and the entropy of that distribution, [b, s] float32
     aligned to position i like :func:`hyflow.training.logprobs.shifted_token_logprobs`, computed
     only where ``scored`` [b, s] is true (position 0 never is); 0 elsewhere."""
+    shifted = Hidden(hidden.states[:, :-1], hidden.weight)
+    lp, ent = label_logprobs_entropy(shifted, tokens[:, 1:], scored[:, 1:], vocab_size, tp_group, temperature)
+    return tuple(torch.cat([torch.zeros_like(v[:, :1]), v], dim=1) for v in (lp, ent))
+
+
+def label_logprobs_entropy(hidden: Hidden, labels: torch.Tensor, scored: torch.Tensor, vocab_size: int,
+                           tp_group=None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(labels[:, i]) from the states at position i and that distribution's entropy, [b, s]
+    float32, only where ``scored`` is true (0 elsewhere): the label-aligned form a context-parallel
+    share uses (:func:`hyflow.models.context_parallel.shard_micro_batch`)."""
     from hyflow.training.logprobs import fused_logprobs_entropy
 
-    sel = scored[:, 1:].bool()
-    h = hidden.states[:, :-1][sel]  # [N, h]: the states that predict the scored tokens
-    lp, ent = fused_logprobs_entropy(h, hidden.weight, tokens[:, 1:][sel], vocab_size, tp_group, temperature)
-    b, s = tokens.shape
-    out = []
-    for v in (lp, ent):
-        full = torch.zeros(b, s - 1, dtype=torch.float32, device=tokens.device).masked_scatter(sel, v)
-        out.append(torch.cat([torch.zeros_like(full[:, :1]), full], dim=1))
-    return out[0], out[1]
+    sel = scored.bool()
+    lp, ent = fused_logprobs_entropy(hidden.states[sel], hidden.weight, labels[sel], vocab_size, tp_group,
+                                     temperature)
+    zeros = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+    return zeros.masked_scatter(sel, lp), zeros.masked_scatter(sel, ent)

@@ -1,6 +1,6 @@
 """``hyflow bench longctx``: long-context memory and time on a tiny model, CPU ranks.
 
-Three measurements (``--only`` picks some):
+Four measurements (``--only`` picks some):
 
 * ``prefill``: greedy generation after a ``--prompt``-token prompt (default 4096) with chunked
   prefill at several chunk sizes: the extra memory of ``generate`` (peak tensor bytes it
@@ -13,7 +13,14 @@ Three measurements (``--only`` picks some):
   4096) of a tiny Llama with memory-efficient attention, CP=1 on one rank vs CP=2 on two
   ranks (all-to-all attention; the same 2 cores in both): median step wall time, median CPU
   time summed over the ranks (robust to other load on a shared machine) and peak tensor bytes
-  per rank, also with selective and full recompute at CP=2.
+  per rank, also with selective and full recompute at CP=2;
+* ``rl``: RL steps of the real job (``hyflow.jobs.rl.rl_step``: generation through the hybrid
+  engine, old / reference log-probs, the GRPO update with a KL loss) on the quickstart's tiny
+  Llama with ``--rl-prompt``-token prompts (default 4000, chunked prefill) and 8-token responses,
+  2 prompts x 2 samples, packed two sequences a micro-batch, SDPA attention: CP=1 on one rank vs
+  CP=2 on two (the same cores), without and with full recompute: median seconds per step, CPU
+  seconds summed over the ranks, each phase's median, and per rank the peak tensor bytes a step
+  allocates above what was live before it (weights, gradients, Adam state).
 
 Memory is tensor bytes tracked by :class:`hyflow.plan.measure.TensorMemoryTracker` (what the
 planner counts); times come from separate, untracked runs. The last line is one JSON object.
@@ -31,11 +38,15 @@ MIB = 2 ** 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--only", default="prefill,recompute,cp", help="comma-separated subset of prefill,recompute,cp")
+    p.add_argument("--only", default="prefill,recompute,cp,rl",
+                   help="comma-separated subset of prefill,recompute,cp,rl")
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens of the prefill measurement")
     p.add_argument("--chunks", default="0,256,1024,2048", help="prefill chunk sizes (0 = whole prompt)")
     p.add_argument("--cp-tokens", type=int, default=4096, help="sequence length of the CP measurement")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median kept)")
+    p.add_argument("--rl-prompt", type=int, default=4000, help="prompt tokens of the rl measurement")
+    p.add_argument("--rl-layouts", default="1:none,2:none,2:full",
+                   help="layouts of the rl measurement, cp:recompute, comma-separated")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per rank in the cp measurement (0: cores / ranks; 1 makes CPU "
                         "seconds count work only, without OpenMP spin-waits)")
@@ -210,11 +221,115 @@ def _cp(args: argparse.Namespace) -> dict:
     return {"tokens": seq, "threads_per_rank": args.threads or None, "layouts": out}
 
 
+# ----------------------------------------------------------------------------- RL step at CP
+
+
+RL_NEW_TOKENS = 8
+RL_PHASES = ("gen", "old_log_prob", "ref", "update_actor")
+
+
+def _rl_overrides(cp: int, recompute: str, prompt: int) -> list[str]:
+    seq = prompt + 16 + RL_NEW_TOKENS  # the task's own prompt (< 16 tokens) after the filler
+    return [
+        "actor.spec=sdpa", "actor.layout.tp=1", f"actor.layout.cp={cp}", f"actor.recompute={recompute}", "actor.sft_warmup_steps=0",
+        "actor.pack_sequences=true", f"actor.max_tokens_per_micro_batch={2 * seq}", "actor.micro_batch_size=2",
+        "actor.mini_batch_size=4", "actor.ppo_epochs=1", "actor.old_logprobs=recompute", "actor.use_kl_loss=true",
+        "actor.kl_loss_coef=0.01", f"model.max_position_embeddings={seq + 16}", f"rollout.max_prompt_length={prompt + 16}",
+        f"rollout.max_new_tokens={RL_NEW_TOKENS}", "rollout.n=2", "rollout.prefill_chunk_size=1024",
+        "data.task_size=64", "data.train_batch_size=2", "trainer.seed=1", f"trainer.nproc={cp}",
+    ]
+
+
+def _rl_rank(cp: int, recompute: str, prompt: int, repeats: int, threads: int) -> dict:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import hyflow.jobs.rl as rl
+    from hyflow.algorithms.kl import make_kl_controller
+    from hyflow.jobs.registry import load_job_config
+    from hyflow.data.dataset import build_dataset
+    from hyflow.data.loader import PromptLoader
+    from hyflow.data.tasks import load_data_tokenizer
+    from hyflow.monitor.timers import PhaseTimers
+    from hyflow.plan.measure import TensorMemoryTracker
+    from hyflow.rewards.manager import RewardManager
+    from hyflow.rl.models import build_rl_models
+    from hyflow.rl.state import RLState
+    from hyflow.training.supervisor import StepSupervisor
+
+    if threads:
+        torch.set_num_threads(threads)
+    config = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.yaml"))
+    cfg = load_job_config(config, _rl_overrides(cp, recompute, prompt))
+    tok = load_data_tokenizer(cfg.data)
+    dataset = build_dataset(cfg.data, cfg.rollout, tok)
+    # a long context before each task prompt: digits and letters of the character tokenizer
+    alphabet = tok.encode("0123456789abcdefghijklmnopqrstuvwxyz ")
+    filler = torch.randint(0, len(alphabet), (prompt,), generator=torch.Generator().manual_seed(2)).tolist()
+    for record in dataset:
+        record.prompt_ids = [alphabet[i] for i in filler] + list(record.prompt_ids)
+    loader = PromptLoader(dataset, cfg.data.train_batch_size, seed=3)
+    models = build_rl_models(cfg, tok)
+    state = RLState(models, loader, make_kl_controller(cfg.algorithm), StepSupervisor(3))
+    job = rl.StepJob(tok, RewardManager.from_config(cfg.reward), sorted({r.data_source for r in dataset}))
+
+    def step(timers) -> dict:
+        metrics, _ = rl.rl_step(cfg, state, loader.next_batch(), job, timers)
+        state.step += 1
+        return metrics
+
+    step(PhaseTimers())  # warm-up: caches, the generation buffer, Adam state
+    tracker = TensorMemoryTracker()
+    with tracker:
+        before = tracker.current
+        metrics = step(PhaseTimers())
+    times, cpu, phases = [], [], {p: [] for p in RL_PHASES}
+    for _ in range(repeats):
+        dist.barrier()
+        timers = PhaseTimers()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step(timers)
+        cpu.append(time.process_time() - start_cpu)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+        for p in RL_PHASES:
+            phases[p].append(timers.step_times.get(p, 0.0))
+    return {"peak": tracker.peak - before, "seconds": statistics.median(times), "cpu_seconds": statistics.median(cpu),
+            "phases": {p: statistics.median(v) for p, v in phases.items()},
+            "tokens": metrics["perf/total_num_tokens"], "pg_loss": metrics["actor/pg_loss"]}
+
+
+def _rl(args: argparse.Namespace) -> dict:
+    from hyflow.tools.convert.launch import run_ranks
+
+    cases = [(int(c.split(":")[0]), c.split(":")[1]) for c in args.rl_layouts.split(",")]
+    out = {}
+    print(f"RL step at context parallelism: GRPO, quickstart tiny Llama, {args.rl_prompt}-token prompts + "
+          f"{RL_NEW_TOKENS} new tokens, 2 prompts x 2 samples, packed 2 a micro-batch, KL loss, SDPA attention, "
+          f"{args.threads or 'cores / ranks'} thread(s) per rank")
+    print(f"{'layout':>24s} {'s/step':>7s} {'CPU s':>7s} {'gen':>6s} {'old lp':>7s} {'ref':>6s} {'update':>7s} "
+          f"{'step MiB/rank':>14s}")
+    for cp, recompute in cases:
+        r = run_ranks(_rl_rank, cp, cp, recompute, args.rl_prompt, args.repeats, args.threads)
+        row = {"seconds": max(x["seconds"] for x in r), "cpu_seconds": sum(x["cpu_seconds"] for x in r),
+               "phases": {p: max(x["phases"][p] for x in r) for p in RL_PHASES},
+               "peak_mib": max(x["peak"] for x in r) / MIB,
+               "tokens": r[0]["tokens"], "pg_loss": r[0]["pg_loss"]}
+        name = f"cp={cp} ({cp} rank{'s' if cp > 1 else ''})" + (f" {recompute}" if recompute != "none" else "")
+        out[name] = row
+        ph = row["phases"]
+        print(f"{name:>24s} {row['seconds']:7.2f} {row['cpu_seconds']:7.2f} {ph['gen']:6.2f} {ph['old_log_prob']:7.2f} "
+              f"{ph['ref']:6.2f} {ph['update_actor']:7.2f} {row['peak_mib']:14.2f}")
+    return {"prompt": args.rl_prompt, "threads_per_rank": args.threads or None, "layouts": out}
+
+
 def run(args: argparse.Namespace) -> int:
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    unknown = parts - {"prefill", "recompute", "cp"}
+    unknown = parts - {"prefill", "recompute", "cp", "rl"}
     if unknown:
-        raise SystemExit(f"--only: unknown part(s) {sorted(unknown)}; use prefill, recompute, cp")
+        raise SystemExit(f"--only: unknown part(s) {sorted(unknown)}; use prefill, recompute, cp, rl")
     result: dict[str, Any] = {"bench": "longctx"}
     if "prefill" in parts:
         result["prefill"] = _prefill(args)
@@ -222,5 +337,7 @@ def run(args: argparse.Namespace) -> int:
         result["recompute"] = _recompute(args)
     if "cp" in parts:
         result["cp"] = _cp(args)
+    if "rl" in parts:
+        result["rl"] = _rl(args)
     print(json.dumps(result))
     return 0
