@@ -350,10 +350,7 @@ def _project(cfg: Any, model: ModelDescription, world: int, opts: PlanOptions, r
     if reshard is None:  # a pooled config: the colocated equivalent on every rank
         try:
             colocated = cfg.actor.layout.with_dp_for(world)
-            specs = gpt_param_specs(model.num_layers, model.hidden_size, model.num_attention_heads,
-                                    model.num_query_groups, model.head_dim, model.ffn_hidden_size,
-                                    mem.padded_vocab(model, colocated.tp), tied_embeddings=model.tied_embeddings,
-                                    qkv_bias=model.qkv_bias, dtype_bytes=pbytes)
+            specs = model_param_specs(model, mem.padded_vocab(model, colocated.tp), pbytes)
             reshard = plan_reshard(specs, colocated, (cfg.rollout.layout.tp, cfg.rollout.layout.pp),
                                    world_size=world, num_layers=model.num_layers)
         except (ConfigError, ReshardPlanError):

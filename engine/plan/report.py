@@ -95,6 +95,8 @@ def format_table(result: PlanResult) -> str:
                       f"DP_g={g['dp']} (micro-DP {g['micro_dp_size']})",
                   f"  {'kind':9s} {'count':>6s} {'size':>5s}  first group"]
         for kind in ("tp", "pp", "dp", "micro_dp", "tp_merge", "pp_merge"):
+            if kind not in g["groups"]:  # a generation pool of its own has no micro-DP / merge groups
+                continue
             grp = g["groups"][kind]
             lines.append(f"  {kind:9s} {grp['count']:6d} {str(grp['size']):>5s}  {_short(grp['first'])}")
     if result.pools:
