@@ -36,6 +36,9 @@ def preflight(cfg: Any) -> None:
 
 
 def _preflight(cfg: Any) -> None:
+    from hyflow.jobs.one_step_off import check_supported
+
+    check_supported(cfg)  # placement pools and trainer.mode=one_step_off: what runs today
     if cfg.actor.layout.cp > 1:  # hyflow plan still sizes such layouts (configs/long_context_32k.yaml)
         raise _error("actor.layout.cp", f"the RL job does not run context parallelism yet (got cp="
                                         f"{cfg.actor.layout.cp}); the lm job does. Use cp: 1 and tp / pp "

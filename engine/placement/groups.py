@@ -72,7 +72,13 @@ def build_pool_groups(placement: Placement, backend: Optional[str] = None):
         group, _ = dist.new_subgroups_by_enumeration(ranks, backend=backend)
         setattr(pgs, kind, group)
     pgs.intra_dp_cp = pgs.dp_cp
+    # Dense models: Megatron's DDP and optimizer still ask for the expert groups (ep = 1: one rank each;
+    # the others equal the dense ones).
+    pgs.ep, _ = dist.new_subgroups_by_enumeration([[r] for r in range(placement.world)], backend=backend)
+    pgs.expt_tp, pgs.tp_ep = pgs.tp, pgs.tp
+    pgs.expt_dp, pgs.intra_expt_dp, pgs.tp_ep_pp, pgs.intra_dist_opt = pgs.dp, pgs.dp, pgs.mp, pgs.dp
     comm.register_collection(pgs)
+    _install_megatron_globals(pgs, pool_enumerations(placement), dist.get_rank())
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         # Megatron's attention takes scratch from this process-wide buffer even when every group is
         # passed explicitly (initialize_model_parallel makes it; pools do not call that).
@@ -83,6 +89,32 @@ def build_pool_groups(placement: Placement, backend: Optional[str] = None):
                             device=rank_device())
     groups.pool = pool  # type: ignore[attr-defined]
     return groups
+
+
+def _install_megatron_globals(pgs, enums: dict[str, list[list[int]]], rank: int) -> None:
+    """Make this rank's pool groups Megatron's global state (every rank lives in one pool, so each
+    rank's globals are well defined). hyflow passes groups explicitly; this is for the Megatron
+    code that still reads the globals (its vocab-parallel cross entropy, used by the SFT warm-up)."""
+    from megatron.core import parallel_state as ps
+
+    def mine(kind: str) -> list[int]:
+        return next(g for g in enums[kind] if rank in g)
+
+    for group_attr, ranks_attr, kind in (
+            ("_TENSOR_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "tp"),
+            ("_PIPELINE_MODEL_PARALLEL_GROUP", "_PIPELINE_GLOBAL_RANKS", "pp"),
+            ("_DATA_PARALLEL_GROUP", "_DATA_PARALLEL_GLOBAL_RANKS", "dp"),
+            ("_DATA_PARALLEL_GROUP_WITH_CP", "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP", "dp_cp"),
+            ("_CONTEXT_PARALLEL_GROUP", "_CONTEXT_PARALLEL_GLOBAL_RANKS", "cp"),
+            ("_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GLOBAL_RANKS", "mp"),
+            ("_TENSOR_AND_CONTEXT_PARALLEL_GROUP", None, "tp_cp")):
+        setattr(ps, group_attr, getattr(pgs, kind))
+        if ranks_attr:
+            setattr(ps, ranks_attr, mine(kind))
+    embd = [g for g in enums["embd"] if rank in g]
+    pos = [g for g in enums["pos_embd"] if rank in g]
+    ps._EMBEDDING_GROUP, ps._EMBEDDING_GLOBAL_RANKS = (pgs.embd, embd[0]) if embd else (None, None)
+    ps._POSITION_EMBEDDING_GROUP, ps._POSITION_EMBEDDING_GLOBAL_RANKS = (pgs.pos_embd, pos[0]) if pos else (None, None)
 
 
 def build_sync_group(src: Pool, dst: Pool, backend: Optional[str] = None):

@@ -23,7 +23,7 @@ from hyflow.algorithms import kl_estimate
 from hyflow.algorithms.losses import aggregation_weights, value_token_loss
 from hyflow.algorithms.policy_losses import get_policy_loss
 from hyflow.training.logprobs import shifted_entropy, shifted_token_logprobs
-from hyflow.training.step import Batch, forward_backward
+from hyflow.training.step import Batch, explicit_pgs, forward_backward
 
 from hyflow.rl.batch import scatter_rows
 
@@ -127,7 +127,7 @@ def forward_score(chunks: Sequence[torch.nn.Module], micro: Sequence[Batch], sco
         return output.new_zeros(()), {}
 
     with torch.no_grad():
-        forward_backward(chunks, micro, loss_fn=keep, with_labels=False, forward_only=True)
+        forward_backward(chunks, micro, loss_fn=keep, with_labels=False, forward_only=True, pgs=explicit_pgs(groups))
     if captured:
         result = scatter_rows(captured, micro, shape)
     else:  # not the last stage: the broadcast fills it
