@@ -74,3 +74,24 @@ def test_batch_must_split_over_each_roles_dp():
         _load(*GAE, "placement.pools={train: [0, 2], gen: [2, 3], critic: [3, 5]}", "trainer.nproc=5",
               "placement.actor=train", "placement.rollout=gen", "placement.critic=critic",
               "critic.layout={tp: 1}", "data.train_batch_size=33", "actor.mini_batch_size=33")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.mode=one_step_off", "trainer.save_every=5"], "does not write checkpoints yet"),
+    (["trainer.mode=one_step_off", "trainer.resume=/some/ckpt"], "does not resume from checkpoints yet"),
+    (["placement.pools={train: [0, 2], gen: [2, 4]}", "placement.actor=train", "placement.rollout=gen"],
+     "placement.pools run with trainer.mode=one_step_off"),
+    (["trainer.mode=one_step_off", "algorithm.adv_estimator=remax"], "ReMax's greedy baselines"),
+])
+def test_what_one_step_off_does_not_run_yet_is_named_before_launch(overrides, message):
+    from hyflow.jobs.rl_preflight import preflight
+
+    with pytest.raises(ConfigError, match=message):
+        preflight(_load("trainer.nproc=4", *overrides))
+
+
+def test_one_step_off_adopts_token_tis():
+    cfg = _load("trainer.nproc=4", "trainer.mode=one_step_off")
+    assert cfg.actor.rollout_correction.mode == "token_tis"
+    assert any("token_tis" in n for n in cfg.notes)
+    assert _load("trainer.nproc=4").actor.rollout_correction.mode == "off"  # sync unchanged

@@ -17,8 +17,8 @@ step and global prompt index), so step 1 equals a ``sync`` run's step 1.
 
 After each update the training pool's first rank tells every generation rank whether to go on
 (one int64 per rank), then the weight sync moves the actor's shards
-(:mod:`hyflow.placement.weight_sync`). Checkpoints: not written in this mode yet (see
-:func:`check_supported`).
+(:mod:`hyflow.placement.weight_sync`). Checkpoints are not written or resumed in this mode yet
+(:func:`check_supported` says so before any rank starts).
 """
 
 from __future__ import annotations
@@ -53,6 +53,17 @@ def check_supported(cfg: RLJobConfig) -> None:
     if cfg.trainer.save_every:
         raise ConfigError("trainer.mode=one_step_off does not write checkpoints yet (the in-flight batch would be "
                           "lost): set trainer.save_every=0", key="trainer.save_every")
+    if cfg.trainer.resume not in ("auto", "never"):
+        raise ConfigError("trainer.mode=one_step_off does not resume from checkpoints yet: set trainer.resume=never "
+                          "or trainer.mode=sync", key="trainer.resume")
+    if cfg.trainer.resume == "auto":
+        from hyflow.checkpoint.discovery import checkpoints_root, latest_checkpoint
+
+        found = latest_checkpoint(checkpoints_root(cfg.trainer.output_dir), lambda _: None)
+        if found is not None:
+            raise ConfigError(f"{cfg.trainer.output_dir} holds checkpoint {found.path}, and trainer.mode=one_step_off "
+                              "does not resume yet: use another trainer.output_dir, trainer.resume=never, or "
+                              "trainer.mode=sync to continue it", key="trainer.resume")
 
 
 def _setup_data(cfg: RLJobConfig):
