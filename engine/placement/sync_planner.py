@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Iterable
 
 from hyflow.hybrid.param_specs import ParamSpec, ReshardPlanError, megatron_local_name
 
@@ -284,13 +284,6 @@ def model_specs(desc, padded_vocab: int, dtype_bytes: int, value_head: bool = Fa
     return specs
 
 
-def sync_formula_bytes(model_bytes: int, dst: ModelLayout) -> int:
-    """Bytes a sync moves when every destination replica receives the model once (disjoint pools)."""
-    return model_bytes * dst.dp
-
-
-def ranks_involved(plan: SyncPlan) -> Sequence[int]:
-    return sorted({b.src_rank for b in plan.buckets} | {b.dst_rank for b in plan.buckets})
 
 
 def bucket_rounds(plan: SyncPlan, rank: int) -> list[tuple[list[Bucket], list[Bucket]]]:
@@ -302,9 +295,6 @@ def bucket_rounds(plan: SyncPlan, rank: int) -> list[tuple[list[Bucket], list[Bu
         out[b.index][1].append(b)
     return out
 
-
-def describe_bytes(plan: Optional[SyncPlan]) -> str:
-    return plan.summary() if plan is not None else "no weight sync"
 
 
 def plan_actor_sync(placement, desc, dtype_bytes: int, *, fused_norms: bool = False,
