@@ -135,8 +135,9 @@ def test_plan_shows_pools_weight_sync_and_both_modes(capsys):
     assert set(pools) == {"train", "gen"} and pools["gen"]["ranks"] == [512, 1024]
     assert all(p["bytes"] > 0 for p in pools.values())  # memory per pool
     sync = report["weight_sync"]
-    # each of the 128 generation replicas (TP_g=4) receives the model once; a rank only its slice
-    assert sync["total_bytes"] == 128 * sync["model_bytes"]
+    # each of the 128 generation replicas (TP_g=4) receives the model once (its replicated norms once
+    # per TP_g rank: a few MiB); a rank only its slice
+    assert 128 * sync["model_bytes"] <= sync["total_bytes"] <= 128 * sync["model_bytes"] * 1.001
     assert sync["bytes_recv_max"] * 4 >= sync["model_bytes"] > sync["bytes_recv_max"]
     modes = report["throughput"]
     assert modes["sync"]["steps_per_s"] > 0 and modes["one_step_off"]["steps_per_s"] > 0
