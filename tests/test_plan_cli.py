@@ -126,3 +126,19 @@ def test_plan_with_critic_and_cpu_staging():
     assert want > 0 and all(p.get("reshard staging") == want for p in result.phases)
     gpu = build_plan(path, [], PlanOptions(world_size=2, megatron_ranks=()))
     assert all(p.get("reshard staging") == 0 for p in gpu.phases)
+
+
+def test_plan_shows_pools_weight_sync_and_both_modes(capsys):
+    code, out, err, report = _plan(capsys, os.path.join(CONFIGS, "qwen2_72b_1024gpu.yaml"), "trainer.mode=one_step_off")
+    assert code == 0, err
+    pools = {p["name"]: p for p in report["placement"]["pools"]}
+    assert set(pools) == {"train", "gen"} and pools["gen"]["ranks"] == [512, 1024]
+    assert all(p["bytes"] > 0 for p in pools.values())  # memory per pool
+    sync = report["weight_sync"]
+    # each of the 128 generation replicas (TP_g=4) receives the model once (its replicated norms once
+    # per TP_g rank: a few MiB); a rank only its slice
+    assert 128 * sync["model_bytes"] <= sync["total_bytes"] <= 128 * sync["model_bytes"] * 1.001
+    assert sync["bytes_recv_max"] * 4 >= sync["model_bytes"] > sync["bytes_recv_max"]
+    modes = report["throughput"]
+    assert modes["sync"]["steps_per_s"] > 0 and modes["one_step_off"]["steps_per_s"] > 0
+    assert "Weight sync training pool -> generation pool" in out and "one_step_off (train 512 GPUs" in out

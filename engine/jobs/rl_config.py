@@ -18,6 +18,7 @@ from hyflow.jobs.algorithm_config import (GROUP_ESTIMATORS, AlgorithmConfig, KLK
 from hyflow.models.description import ModelDescription, tiny_llama
 from hyflow.parallel.layout import Layout
 from hyflow.rollout.config import GenerationConfig
+from hyflow.placement.config import PlacementConfig
 from hyflow.training.optim_config import OptimConfig
 
 
@@ -171,8 +172,9 @@ class CriticConfig:
     """Value model (needed by GAE; GRPO / RLOO / REINFORCE++ run without it)."""
 
     enable: bool = field(default=False, metadata={"help": "train a value model (needed by adv_estimator=gae)"})
-    layout: Layout = field(default_factory=Layout, metadata={
-        "help": "must equal the actor's layout for now; the trunk starts from the actor's weights"})
+    layout: Optional[Layout] = field(default=None, metadata={
+        "help": "null = the actor's layout; another layout needs the critic on a pool of its own (placement); "
+                "the trunk starts from the actor's initial weights"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     micro_batch_size: int = field(default=4, metadata={"help": "sequences per critic forward/backward"})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
@@ -198,7 +200,9 @@ class ReferenceConfig:
 
     enable: bool = field(default=True, metadata={
         "help": "keep a frozen copy of the initial actor for KL terms and the reported KL"})
-    layout: Optional[Layout] = field(default=None, metadata={"help": "null = the actor's training layout"})
+    layout: Optional[Layout] = field(default=None, metadata={
+        "help": "null = the actor's training layout; another layout needs placement pools (colocated roles share "
+                "the actor's layout)"})
     micro_batch_size: Optional[int] = field(default=None, metadata={
         "help": "sequences per forward when scoring old / reference log-probs; null = actor.micro_batch_size"})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
@@ -285,6 +289,11 @@ class TrainerConfig:
     keep_last: int = field(default=2, metadata={"help": "complete checkpoints kept"})
     resume: str = field(default="auto", metadata={"help": "auto | never | path of a checkpoint"})
     max_bad_steps: int = field(default=3, metadata={"help": "consecutive NaN/inf steps before stopping"})
+    mode: Literal["sync", "one_step_off"] = field(default="sync", metadata={
+        "help": "sync: generate, then train on it; one_step_off: the generation pool samples step t+1 with the "
+                "weights of step t while the training pool updates on step t (token-level truncated importance "
+                "sampling, actor.rollout_correction (token_tis when left off), corrects the one-step "
+                "staleness); needs a generation pool of its own (placement; without pools the ranks split in half)"})
     loggers: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = field(
         default_factory=lambda: ["console", "tensorboard"], metadata={
             "help": "where metrics go besides metrics.jsonl: console (progress line), tensorboard "
@@ -330,6 +339,7 @@ class RLJobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     #: What validation adopted or noticed (e.g. the architecture read from actor.checkpoint).
     notes: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -339,9 +349,19 @@ class RLJobConfig:
         the response budget ``rollout.max_new_tokens``."""
         return self.actor.loss_scale_factor or self.rollout.max_new_tokens
 
+    def resolved_placement(self, world_size: Optional[int] = None):
+        """Where every role runs (:func:`hyflow.placement.config.resolve_placement`)."""
+        from hyflow.placement.config import resolve_placement
+
+        return resolve_placement(self, world_size or self.trainer.nproc)
+
     def actor_layout(self, world_size: Optional[int] = None) -> Layout:
-        """The actor's training layout with dp filled in for ``world_size`` ranks."""
-        return self.actor.layout.with_dp_for(world_size or self.trainer.nproc)
+        """The actor's training layout with dp filled in: over ``world_size`` ranks when colocated,
+        over the actor's pool with placement pools."""
+        placement = self.resolved_placement(world_size)
+        if placement.colocated:
+            return self.actor.layout.with_dp_for(world_size or self.trainer.nproc)
+        return placement.roles["actor"].layout
 
     def validate(self) -> None:
         if self.actor.checkpoint:  # the run's architecture is the checkpoint's model.json (when here)
@@ -351,26 +371,42 @@ class RLJobConfig:
             if note and note not in self.notes:
                 self.notes.append(note)
         world = self.trainer.nproc
+        placement = self.resolved_placement(world)
         train = self.actor_layout(world)
         train.check_model(self.model)
         gen = self.rollout.layout
-        if train.tp % gen.tp or train.pp % gen.pp:
-            raise ConfigError(
-                f"rollout.layout tp={gen.tp} pp={gen.pp} must divide the actor's training layout "
-                f"tp={train.tp} pp={train.pp} (the generation layout is built from the training shards)")
-        if self.critic.enable and (self.critic.layout.tp, self.critic.layout.pp) not in (
-                (1, 1), (train.tp, train.pp)):
-            raise ConfigError(
-                f"critic.layout tp={self.critic.layout.tp} pp={self.critic.layout.pp}: the critic "
-                f"currently trains in the actor's layout (tp={train.tp} pp={train.pp}); leave "
-                "critic.layout unset or equal to actor.layout")
+        if placement.colocated:
+            if train.tp % gen.tp or train.pp % gen.pp:
+                raise ConfigError(
+                    f"rollout.layout tp={gen.tp} pp={gen.pp} must divide the actor's training layout "
+                    f"tp={train.tp} pp={train.pp} (the generation layout is built from the training shards)")
+            for role in ("critic", "reference"):
+                own = getattr(self, role).layout
+                if getattr(self, role).enable and own is not None and \
+                        (own.tp, own.pp, own.cp, own.vpp) != (train.tp, train.pp, train.cp, train.vpp):
+                    raise ConfigError(
+                        f"{role}.layout tp={own.tp} pp={own.pp}: colocated roles share the actor's training "
+                        f"layout (tp={train.tp} pp={train.pp}); leave {role}.layout null, or run the {role} on "
+                        f"a pool of its own (placement.pools, placement.{role})")
+        if self.trainer.mode == "one_step_off":
+            if self.actor.old_logprobs == "rollout":
+                raise ConfigError(
+                    "trainer.mode=one_step_off samples with weights one update behind: PPO's old log-probs must be "
+                    "recomputed by the trainer (actor.old_logprobs=recompute); the sampler's are the behaviour "
+                    "policy of the importance correction")
+            if self.actor.rollout_correction.mode == "off":  # the stale sampler always needs a correction
+                self.actor.rollout_correction.mode = "token_tis"
+                note = ("trainer.mode=one_step_off: actor.rollout_correction.mode off -> token_tis "
+                        f"(cap {self.actor.rollout_correction.cap}) corrects the one-step-stale sampler")
+                if note not in self.notes:
+                    self.notes.append(note)
         if self.algorithm.adv_estimator == "gae" and not self.critic.enable:
             raise ConfigError("algorithm.adv_estimator=gae needs a value model: set critic.enable=true")
         if self.algorithm.adv_estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
             raise ConfigError(
                 f"{self.algorithm.adv_estimator} compares responses within a prompt's group: "
                 f"rollout.n must be >= 2, got {self.rollout.n}")
-        if self.data.train_batch_size % train.dp:
+        if placement.colocated and self.data.train_batch_size % train.dp:
             raise ConfigError(
                 f"data.train_batch_size={self.data.train_batch_size} prompts must split evenly over the actor's "
                 f"{train.dp} data-parallel ranks (each rank generates, scores and trains its own prompts)")
@@ -380,16 +416,18 @@ class RLJobConfig:
                               f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
         seqs = self.data.train_batch_size * self.rollout.n
         critic_mini = self.critic.mini_batch_size or self.actor.mini_batch_size
-        for key, mini in (("actor.mini_batch_size", self.actor.mini_batch_size),
-                          ("critic.mini_batch_size", critic_mini if self.critic.enable else None)):
+        critic_dp = train.dp if placement.colocated or not self.critic.enable else placement.roles["critic"].layout.dp
+        for key, mini, dp in (("actor.mini_batch_size", self.actor.mini_batch_size, train.dp),
+                              ("critic.mini_batch_size", critic_mini if self.critic.enable else None, critic_dp)):
             if mini is None:
                 continue
             if seqs % mini:
                 raise ConfigError(
                     f"data.train_batch_size * rollout.n = {seqs} responses per step is not a multiple of "
                     f"{key}={mini}")
-            if mini % train.dp:
-                raise ConfigError(f"{key}={mini} must be a multiple of the actor's data-parallel size {train.dp}")
+            if mini % dp:
+                who = "actor" if key.startswith("actor") else "critic"
+                raise ConfigError(f"{key}={mini} must be a multiple of the {who}'s data-parallel size {dp}")
         longest = self.rollout.max_prompt_length + self.rollout.max_new_tokens
         for key, budget in (("actor.max_tokens_per_micro_batch", self.actor.max_tokens_per_micro_batch),
                             ("critic.max_tokens_per_micro_batch", self.critic.max_tokens_per_micro_batch),

@@ -36,6 +36,9 @@ def preflight(cfg: Any) -> None:
 
 
 def _preflight(cfg: Any) -> None:
+    from hyflow.jobs.one_step_off import check_supported
+
+    check_supported(cfg)  # placement pools and trainer.mode=one_step_off: what runs today
     _check_context_parallel(cfg)
     _check_task(cfg.data)
     vocab = _check_tokenizer(cfg)

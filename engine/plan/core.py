@@ -88,6 +88,10 @@ class PlanResult:
     timings: dict[str, float] = field(default_factory=dict)
     distributed_optimizer: bool = False
     compute: dict[str, Any] = field(default_factory=dict)  #: :func:`hyflow.plan.stages.compute_plan`
+    pools: list[dict] = field(default_factory=list)  # placement pools: name, ranks, roles, worst phase
+    placement: str = ""
+    weight_sync: Any = None  # hyflow.placement.sync_planner.SyncPlan (placement pools)
+    throughput: Optional[dict] = None  # hyflow.plan.throughput.project
 
     @property
     def peak(self) -> Optional[mem.MemoryEstimate]:
@@ -186,6 +190,15 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     layout = cfg.actor_layout(world)
     dtype, attention = cfg.actor.dtype, _attention(cfg.actor.spec, opts.device)
     seq = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
+    placement = cfg.resolved_placement(world)
+    result.placement = placement.describe()
+    if not placement.colocated:
+        from hyflow.plan.pools import plan_pools
+
+        plan_pools(cfg, world, opts, result, placement, model, attention)
+        result.warnings.extend(notes)
+        _project(cfg, model, world, opts, result, placement)
+        return
     actor = _role("actor", layout, model, dtype, True)
     result.roles.append(actor)
     pbytes = mem.DTYPE_BYTES[dtype]
@@ -203,7 +216,7 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     critic = None
     if cfg.critic.enable:
         cmodel = _load_model(getattr(cfg.critic, "checkpoint", None), model, "critic.checkpoint", notes)
-        clayout = cfg.critic.layout.with_dp_for(world)
+        clayout = (cfg.critic.layout or cfg.actor.layout).with_dp_for(world)
         critic = _role("critic", clayout, cmodel, dtype, True, value_head=True)
         result.roles.append(critic)
     if cfg.reward.model_checkpoint:  # kind=model, or a rule / function plus a reward model
@@ -314,6 +327,45 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         "kv_cache_bytes": est.get("KV cache"), "slots": slots, "capacity": capacity,
         "rollout_rows_per_rank": rows, "rollout_data_bytes": data[1],
     }
+    _project(cfg, model, world, opts, result, placement)
+
+
+def _project(cfg: Any, model: ModelDescription, world: int, opts: PlanOptions, result: PlanResult,
+             placement: Any) -> None:
+    """Steps/s of ``sync`` (colocated on every rank) and ``one_step_off`` (the config's pools, or the
+    ranks split in half) from the cost model (:mod:`hyflow.plan.throughput`); GPU plans only."""
+    import dataclasses
+
+    from hyflow.placement.config import resolve_placement
+    from hyflow.placement.sync_planner import ModelLayout, model_specs, plan_weight_sync
+    from hyflow.plan.throughput import project
+
+    if opts.device != "gpu":
+        return
+    pbytes = mem.DTYPE_BYTES[cfg.actor.dtype]
+    reshard = result.reshard
+    if reshard is None:  # a pooled config: the colocated equivalent on every rank
+        try:
+            colocated = cfg.actor.layout.with_dp_for(world)
+            specs = model_param_specs(model, mem.padded_vocab(model, colocated.tp), pbytes)
+            reshard = plan_reshard(specs, colocated, (cfg.rollout.layout.tp, cfg.rollout.layout.pp),
+                                   world_size=world, num_layers=model.num_layers)
+        except (ConfigError, ReshardPlanError):
+            reshard = None
+    off: Any = placement if not placement.colocated else None
+    sync_plan = result.weight_sync
+    if off is None:
+        try:
+            off = resolve_placement(dataclasses.replace(
+                cfg, trainer=dataclasses.replace(cfg.trainer, mode="one_step_off")), world)
+        except ConfigError as e:
+            off = f"the ranks split in half do not fit: {e}"
+    if sync_plan is None and not isinstance(off, str):
+        actor, gen = off.roles["actor"], off.roles["rollout"]
+        sync_plan = plan_weight_sync(model_specs(model, mem.padded_vocab(model, actor.layout.tp), pbytes),
+                                     ModelLayout.of(actor.pool.start, actor.layout),
+                                     ModelLayout.of(gen.pool.start, gen.layout), model.num_layers)
+    result.throughput = project(cfg, model, world, max(reshard.bytes_recv) if reshard else None, sync_plan, off)
 
 
 def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) -> PlanResult:
@@ -370,6 +422,8 @@ def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) ->
     ranks = opts.megatron_ranks if opts.megatron_ranks is not None else sorted({0, world - 1})
     if ranks == "all":
         ranks = range(world)
+    if result.pools:  # pooled placement: the groups are the pools' layouts (checked by resolve_placement)
+        ranks = ()
     if ranks:
         t1 = time.perf_counter()
         import megatron.core.parallel_state  # noqa: F401  (timed apart from group creation)

@@ -40,6 +40,13 @@ def to_json(result: PlanResult) -> dict[str, Any]:
             "peak_extra_bytes": plan.peak_extra_bytes, "gen_bytes_max": max(plan.gen_bytes),
             "scratch_bytes_max": max(plan.scratch_bytes),
         }
+    sync = result.weight_sync
+    out["placement"] = {"description": result.placement, "pools": result.pools}
+    out["weight_sync"] = None if sync is None else {
+        "total_bytes": sync.total_bytes, "bytes_recv_max": sync.max_recv, "bytes_sent_max": sync.max_sent,
+        "buckets": len(sync.buckets), "rounds": sync.rounds, "bucket_bytes": sync.bucket_bytes,
+        "model_bytes": sync.model_bytes}
+    out["throughput"] = result.throughput
     peak = result.peak
     out["memory"] = {
         "gpu_bytes": result.gpu_memory_bytes, "reserve_bytes": result.reserve_bytes,
@@ -88,8 +95,24 @@ def format_table(result: PlanResult) -> str:
                       f"DP_g={g['dp']} (micro-DP {g['micro_dp_size']})",
                   f"  {'kind':9s} {'count':>6s} {'size':>5s}  first group"]
         for kind in ("tp", "pp", "dp", "micro_dp", "tp_merge", "pp_merge"):
+            if kind not in g["groups"]:  # a generation pool of its own has no micro-DP / merge groups
+                continue
             grp = g["groups"][kind]
             lines.append(f"  {kind:9s} {grp['count']:6d} {str(grp['size']):>5s}  {_short(grp['first'])}")
+    if result.pools:
+        lines += ["", f"Placement: {result.placement}",
+                  f"  {'pool':10s} {'ranks':>11s}  {'roles':28s} {'worst phase (per GPU)':>24s}"]
+        for p in result.pools:
+            ranks = f"{p['ranks'][0]}-{p['ranks'][1] - 1}"
+            lines.append(f"  {p['name']:10s} {ranks:>11s}  {', '.join(p['roles']):28s} "
+                         f"{format_bytes(p['bytes']):>12s}  ({p['phase']})")
+    sync = result.weight_sync
+    if sync is not None:
+        lines += ["", "Weight sync training pool -> generation pool, per update",
+                  f"  {format_bytes(sync.total_bytes)} in {len(sync.buckets)} buckets of <= "
+                  f"{format_bytes(sync.bucket_bytes)} ({sync.rounds} rounds); each generation rank receives "
+                  f"{format_bytes(sync.max_recv)} (its slice, once), a training rank sends at most "
+                  f"{format_bytes(sync.max_sent)}; model {format_bytes(sync.model_bytes)}"]
     plan = result.reshard
     if plan is not None:
         lines += ["", "Reshard per train->generation transition (per rank)",
@@ -122,6 +145,10 @@ def format_table(result: PlanResult) -> str:
         from hyflow.plan.stages import format_compute
 
         lines += format_compute(result.compute)
+    if result.throughput:
+        from hyflow.plan.throughput import format_projection
+
+        lines += format_projection(result.throughput)
     for w in result.warnings:
         lines.append(f"warning: {w}")
     for e in result.errors:

@@ -28,7 +28,7 @@ from hyflow.algorithms.policy_losses import get_policy_loss
 from hyflow.training.logprobs import (shifted_entropy, shifted_token_logprobs, vocab_parallel_entropy,
                                       vocab_parallel_logprobs)
 from hyflow.training.output_head import Hidden, label_logprobs_entropy, response_logprobs_entropy
-from hyflow.training.step import Batch, forward_backward
+from hyflow.training.step import Batch, explicit_pgs, forward_backward
 
 from hyflow.models.context_parallel import to_token_aligned
 from hyflow.rl.batch import scatter_rows
@@ -185,7 +185,7 @@ def forward_score(chunks: Sequence[torch.nn.Module], micro: Sequence[Batch], sco
     keep.hidden_states = getattr(score, "hidden_states", False)
 
     with torch.no_grad():
-        forward_backward(chunks, micro, loss_fn=keep, with_labels=False, forward_only=True)
+        forward_backward(chunks, micro, loss_fn=keep, with_labels=False, forward_only=True, pgs=explicit_pgs(groups))
     if captured:
         result = scatter_rows(captured, micro, shape)
     else:  # not the last stage: the broadcast fills it

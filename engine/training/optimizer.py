@@ -17,11 +17,13 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.training.optim_config import OptimConfig
+from hyflow.training.step import explicit_pgs
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], groups: ParallelGroups,
              distributed_optimizer: bool) -> list[DistributedDataParallel]:
-    """Wrap each model chunk in Megatron DDP over the layout's data-parallel group."""
+    """Wrap each model chunk in Megatron DDP over the layout's data-parallel group (Megatron's
+    global groups, or the explicit groups of a placement pool: :func:`explicit_pgs`)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -35,14 +37,14 @@ def wrap_ddp(chunks: list[torch.nn.Module], groups: ParallelGroups,
         wrapped.append(DistributedDataParallel(
             config=chunk.config, ddp_config=ddp_config, module=chunk,
             # Only the first chunk's buckets may be skipped on the first step.
-            disable_bucketing=i > 0,
+            disable_bucketing=i > 0, pg_collection=explicit_pgs(groups),
         ))
     return wrapped
 
 
 def build_optimizer(chunks: list[DistributedDataParallel], cfg: OptimConfig,
-                    total_steps: int, params_dtype: torch.dtype = torch.float32):
-    """Megatron optimizer + LR scheduler for DDP-wrapped chunks."""
+                    total_steps: int, params_dtype: torch.dtype = torch.float32, groups=None):
+    """Megatron optimizer + LR scheduler for DDP-wrapped chunks (``groups``: see :func:`explicit_pgs`)."""
     bf16 = params_dtype == torch.bfloat16
     fp16 = params_dtype == torch.float16
     opt_config = OptimizerConfig(
@@ -59,7 +61,9 @@ def build_optimizer(chunks: list[DistributedDataParallel], cfg: OptimConfig,
         params_dtype=params_dtype,
         use_distributed_optimizer=cfg.distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, chunks)
+    pgs = explicit_pgs(groups) if groups is not None else None
+    optimizer = get_megatron_optimizer(opt_config, chunks, pg_collection=pgs,
+                                       use_gloo_process_groups=pgs is None)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if cfg.warmup_steps else cfg.lr,

@@ -37,6 +37,12 @@ Batch = dict
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+def explicit_pgs(groups):
+    """A placement pool's groups (``groups.pool`` set), which Megatron's globals do not describe;
+    None for the groups Megatron's global state holds."""
+    return groups.pgs if getattr(groups, "pool", None) is not None else None
+
+
 def data_group(groups):
     """The group DDP averages gradients over: data-parallel x context-parallel ranks (each CP rank
     holds a share of every sequence, so its tokens count like another DP rank's)."""
@@ -175,7 +181,7 @@ def train_step(chunks, optimizer, scheduler, micro_batches: Sequence[Batch], *, 
     optimizer.zero_grad()
     # DDP averages over DP x CP ranks and the schedule multiplies by the CP size: net, DP
     stats = forward_backward(chunks, micro_batches, loss_fn=loss_fn, with_labels=with_labels,
-                             dp_size=groups.pgs.dp.size())
+                             dp_size=groups.pgs.dp.size(), pgs=explicit_pgs(groups))
     update_ok, grad_norm, _ = optimizer.step()
     if update_ok and scheduler is not None:
         scheduler.step(increment=1)

@@ -1,0 +1,128 @@
+"""Process groups of a pooled placement: each pool's layout, offset to the pool's first rank.
+
+Every pool runs one layout (the roles that share a pool share its tp/pp, checked by
+:func:`pool_layouts`), so one set of rank partitions covers the world: per group kind, the
+groups of every pool's layout, shifted to its ranks. :func:`build_pool_groups` creates them
+(collectively, every rank in the same order) and returns this rank's
+:class:`~hyflow.parallel.groups.ParallelGroups` for its own pool; nothing is read from or
+written to Megatron's global ``parallel_state``.
+
+:func:`build_sync_group` creates the group the weight sync runs over (the actor's pool and the
+generation pool), registered as ``reshard`` traffic with :mod:`hyflow.monitor.comm`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from hyflow.config import ConfigError
+from hyflow.parallel.layout import Layout
+from hyflow.placement.config import ROLES, Placement, Pool
+
+_KINDS = ("tp", "pp", "dp", "cp", "mp", "tp_cp", "dp_cp", "embd", "pos_embd")
+
+
+def pool_layouts(placement: Placement) -> dict[str, Layout]:
+    """Pool name -> the layout every role on it runs (a pool holding roles of two shapes is an error)."""
+    out: dict[str, Layout] = {}
+    owner: dict[str, str] = {}
+    for role in ROLES:
+        rp = placement.roles.get(role)
+        if rp is None:
+            continue
+        have = out.get(rp.pool.name)
+        if have is None:
+            out[rp.pool.name], owner[rp.pool.name] = rp.layout, role
+        elif (have.tp, have.pp, have.cp) != (rp.layout.tp, rp.layout.pp, rp.layout.cp):
+            raise ConfigError(
+                f"pool {rp.pool.name!r} holds the {owner[rp.pool.name]} (tp={have.tp} pp={have.pp}) and the {role} "
+                f"(tp={rp.layout.tp} pp={rp.layout.pp}): the roles of one pool share one layout; give the "
+                f"{role} a pool of its own or its layout null", key=f"placement.{role}")
+    return out
+
+
+def pool_enumerations(placement: Placement) -> dict[str, list[list[int]]]:
+    """Group kind -> rank lists over the whole world (each pool's layout shifted to its ranks)."""
+    layouts = pool_layouts(placement)
+    enums: dict[str, list[list[int]]] = {kind: [] for kind in _KINDS}
+    for pool in placement.pools:
+        layout = layouts[pool.name]
+        for kind in _KINDS:
+            enums[kind] += [[pool.start + r for r in ranks] for ranks in layout.groups(kind)]
+    return enums
+
+
+def build_pool_groups(placement: Placement, backend: Optional[str] = None):
+    """This rank's :class:`~hyflow.parallel.groups.ParallelGroups` on its pool (collective: every rank
+    calls it). ``coords`` are the rank's coordinates inside its pool's layout; ``.pool`` is added."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from hyflow.monitor import comm
+    from hyflow.parallel.distributed import rank_device
+    from hyflow.parallel.groups import ParallelGroups
+
+    if dist.get_world_size() != placement.world:
+        raise ConfigError(f"the placement covers {placement.world} ranks but {dist.get_world_size()} were launched")
+    rank = dist.get_rank()
+    pgs = ProcessGroupCollection()
+    for kind, ranks in pool_enumerations(placement).items():
+        group, _ = dist.new_subgroups_by_enumeration(ranks, backend=backend)
+        setattr(pgs, kind, group)
+    pgs.intra_dp_cp = pgs.dp_cp
+    # Dense models: Megatron's DDP and optimizer still ask for the expert groups (ep = 1: one rank each;
+    # the others equal the dense ones).
+    pgs.ep, _ = dist.new_subgroups_by_enumeration([[r] for r in range(placement.world)], backend=backend)
+    pgs.expt_tp, pgs.tp_ep = pgs.tp, pgs.tp
+    pgs.expt_dp, pgs.intra_expt_dp, pgs.tp_ep_pp, pgs.intra_dist_opt = pgs.dp, pgs.dp, pgs.mp, pgs.dp
+    comm.register_collection(pgs)
+    _install_megatron_globals(pgs, pool_enumerations(placement), dist.get_rank())
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        # Megatron's attention takes scratch from this process-wide buffer even when every group is
+        # passed explicitly (initialize_model_parallel makes it; pools do not call that).
+        parallel_state._set_global_memory_buffer()
+    pool = placement.pool_of(rank)
+    layout = pool_layouts(placement)[pool.name]
+    groups = ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=layout.coords(rank - pool.start),
+                            device=rank_device())
+    groups.pool = pool  # type: ignore[attr-defined]
+    return groups
+
+
+def _install_megatron_globals(pgs, enums: dict[str, list[list[int]]], rank: int) -> None:
+    """Make this rank's pool groups Megatron's global state (every rank lives in one pool, so each
+    rank's globals are well defined). hyflow passes groups explicitly; this is for the Megatron
+    code that still reads the globals (its vocab-parallel cross entropy, used by the SFT warm-up)."""
+    from megatron.core import parallel_state as ps
+
+    def mine(kind: str) -> list[int]:
+        return next(g for g in enums[kind] if rank in g)
+
+    for group_attr, ranks_attr, kind in (
+            ("_TENSOR_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "tp"),
+            ("_PIPELINE_MODEL_PARALLEL_GROUP", "_PIPELINE_GLOBAL_RANKS", "pp"),
+            ("_DATA_PARALLEL_GROUP", "_DATA_PARALLEL_GLOBAL_RANKS", "dp"),
+            ("_DATA_PARALLEL_GROUP_WITH_CP", "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP", "dp_cp"),
+            ("_CONTEXT_PARALLEL_GROUP", "_CONTEXT_PARALLEL_GLOBAL_RANKS", "cp"),
+            ("_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GLOBAL_RANKS", "mp"),
+            ("_TENSOR_AND_CONTEXT_PARALLEL_GROUP", None, "tp_cp")):
+        setattr(ps, group_attr, getattr(pgs, kind))
+        if ranks_attr:
+            setattr(ps, ranks_attr, mine(kind))
+    embd = [g for g in enums["embd"] if rank in g]
+    pos = [g for g in enums["pos_embd"] if rank in g]
+    ps._EMBEDDING_GROUP, ps._EMBEDDING_GLOBAL_RANKS = (pgs.embd, embd[0]) if embd else (None, None)
+    ps._POSITION_EMBEDDING_GROUP, ps._POSITION_EMBEDDING_GLOBAL_RANKS = (pgs.pos_embd, pos[0]) if pos else (None, None)
+
+
+def build_sync_group(src: Pool, dst: Pool, backend: Optional[str] = None):
+    """The group of the weight sync from ``src`` to ``dst`` (collective: every rank calls it)."""
+    from hyflow.monitor import comm
+
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    group = dist.new_group(ranks=ranks, backend=backend)
+    if dist.get_rank() in ranks:
+        comm.register_group(group, "reshard")
+    return group

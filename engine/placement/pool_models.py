@@ -1,0 +1,206 @@
+"""The models of a pooled RL run (``trainer.mode: one_step_off``).
+
+* On the **training pool**: :func:`build_training_models` builds the actor (DDP + optimizer over
+  the pool's explicit groups), the reference, the critic and the reward model like the colocated
+  job (:func:`hyflow.rl.models.build_rl_models`), but instead of the hybrid engine and its
+  dispatcher it holds a :class:`WeightSender` (the actor's shards out to the generation pool) and a
+  :class:`RemoteRollouts` (this rank's rows in from it). Both keep the colocated objects' call
+  shapes, so :func:`hyflow.jobs.rl.rl_step` runs unchanged: its phase 1 receives rows instead of
+  generating them.
+* On the **generation pool**: :class:`GenerationSide`, the actor in the generation layout (its
+  slice only, filled by the weight sync) and the generation engine.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from hyflow.placement.rows import ReceivedRows, recv_rows, row_routes
+from hyflow.placement.weight_sync import SyncStats, WeightSync
+from hyflow.rl.dispatch import shard_range
+from hyflow.rollout.dp import GatheredRollout
+from hyflow.rollout.request import RolloutStats
+
+
+@dataclass
+class _Stats:
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+
+class WeightSender:
+    """Stands where the colocated job's hybrid engine stands: training never leaves its layout
+    (``to_generation`` gives no model), and :meth:`sync` sends the actor's shards."""
+
+    def __init__(self, sync: WeightSync) -> None:
+        self.sync = sync
+        self.stats = _Stats()  # the colocated metrics' reshard/* read it (nothing received here)
+        self.last: SyncStats = SyncStats()
+
+    def to_generation(self):
+        return None
+
+    def to_training(self) -> None:
+        pass
+
+    def send(self) -> SyncStats:
+        self.last = self.sync.run()
+        self.stats.seconds = self.last.seconds
+        return self.last
+
+
+@dataclass
+class RemoteRollouts:
+    """Stands where the colocated dispatcher stands: ``generate`` receives this rank's rows of the
+    step from the generation pool (generated one update earlier) instead of generating them."""
+
+    groups: object
+    rollout_config: object
+    placement: object
+    group: object = None
+    last: ReceivedRows | None = field(default=None)
+
+    def shard(self, count: int) -> tuple[int, int]:
+        return shard_range(count, self.groups.layout.dp, self.groups.dp_rank)
+
+    def generate(self, gen_model, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
+                 greedy: bool = False, **_) -> GatheredRollout:
+        if greedy:
+            raise RuntimeError("trainer.mode=one_step_off does not generate greedy baselines (remax)")
+        total = len(prompts) * self.groups.layout.dp
+        routes = row_routes(total, self.placement.roles["rollout"], self.placement.roles["actor"])
+        got = recv_rows(routes, dist.get_rank(), self.groups.device, self.group)
+        request = got.samples.column("request")
+        if len(got.samples) != len(prompts) * n or (len(request) and (
+                int(request.min()) != request_offset or int(request.max()) != request_offset + len(prompts) - 1)):
+            raise RuntimeError(f"rank {dist.get_rank()}: received {len(got.samples)} rows for prompts "
+                               f"{request.min().item() if len(request) else '-'}..; expected {len(prompts) * n} rows of "
+                               f"prompts {request_offset}..{request_offset + len(prompts) - 1}")
+        self.last = got
+        return GatheredRollout(samples=got.samples, stats=RolloutStats(samples=len(got.samples)))
+
+
+@contextmanager
+def _default_group_is(pool):
+    """Megatron's optimizer set-up agrees on its parameter groups with ``all_gather_object`` over the
+    default group (once per optimizer, not on the step's path); on a pool that agreement is the
+    pool's: the call is routed to ``pool`` (a group) and the other ranks' entries left empty."""
+    original = dist.all_gather_object
+
+    def gather(out, obj, group=None):
+        if group is not None or pool is None:
+            return original(out, obj, group=group)
+        part = [None] * pool.size()
+        original(part, obj, group=pool)
+        out[:] = part + [[] for _ in range(len(out) - len(part))]
+
+    dist.all_gather_object = gather
+    try:
+        yield
+    finally:
+        dist.all_gather_object = original
+
+
+def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_group=None, pool_group=None):
+    """The training pool's :class:`~hyflow.rl.models.RLModels` (see the module docstring)."""
+    from hyflow.checkpoint.checkpointer import TrainedModel
+    from hyflow.models.builder import build_gpt_model
+    from hyflow.models.description import ModelDescription
+    from hyflow.placement.sync_planner import plan_actor_sync
+    from hyflow.rl.models import (RLModels, _copy_matching, _critic_updates, _init_value_head, _initial_state,
+                                  _recompute)
+    from hyflow.rollout.config import GenerationConfig
+    from hyflow.models.builder import resolve_spec
+    from hyflow.training.optimizer import build_optimizer, wrap_ddp
+
+    desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
+    frozen = {"perform_initialization": False}
+    actor = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
+                            config_overrides=dict(frozen, **_recompute(cfg.actor.recompute)))
+    _initial_state(cfg, desc, actor, groups, cfg.actor.checkpoint)
+    chunks = wrap_ddp([actor], groups, cfg.actor.optim.distributed_optimizer)
+    total_updates = cfg.trainer.total_steps * cfg.actor.ppo_epochs * max(
+        1, cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.mini_batch_size) + cfg.actor.sft_warmup_steps
+    with _default_group_is(pool_group):
+        optimizer, scheduler = build_optimizer(chunks, cfg.actor.optim, total_updates, actor.config.params_dtype,
+                                               groups=groups)
+    plan = plan_actor_sync(placement, desc, actor.config.params_dtype.itemsize,
+                           fused_norms=resolve_spec(cfg.actor.spec) == "te")
+    sender = WeightSender(WeightSync(plan, actor, sync_group))
+    rollouts = RemoteRollouts(groups, GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
+                              placement, row_group)
+    models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), hybrid=sender,
+                      dispatcher=rollouts, sample_vocab=min(desc.vocab_size, tokenizer.vocab_size))
+    if cfg.reference.enable:
+        reference = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, config_overrides=frozen)
+        reference.requires_grad_(False)
+        reference.eval()
+        models.reference = reference
+        models.reset_reference()
+    if cfg.critic.enable:
+        critic = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, value_head=True,
+                                 config_overrides=dict(frozen, **_recompute(cfg.actor.recompute)))
+        untouched = _copy_matching(actor, critic, skip=("output_layer.weight",))
+        assert set(untouched) <= {"output_layer.weight"}, untouched
+        _init_value_head(critic, desc.init_method_std, cfg.trainer.seed + 17)
+        critic_chunks = wrap_ddp([critic], groups, cfg.critic.optim.distributed_optimizer)
+        with _default_group_is(pool_group):
+            critic_optimizer, critic_scheduler = build_optimizer(
+                critic_chunks, cfg.critic.optim, _critic_updates(cfg), critic.config.params_dtype, groups=groups)
+        models.critic = TrainedModel(critic_chunks, critic_optimizer, critic_scheduler)
+    if cfg.reward.model_checkpoint:
+        from hyflow.rl.reward_model import build_reward_model
+
+        models.reward_model = build_reward_model(cfg, groups, models.sample_vocab, tokenizer.pad_token_id or 0)
+    return models
+
+
+class GenerationSide:
+    """The generation pool's half: the actor in the generation layout (filled by the weight sync)
+    and the generation engine of this rank's replica."""
+
+    def __init__(self, cfg, tokenizer, placement, groups, sync_group) -> None:
+        from hyflow.models.builder import build_gpt_model, resolve_spec
+        from hyflow.models.description import ModelDescription
+        from hyflow.parallel.layout import pad_vocab_size
+        from hyflow.placement.sync_planner import plan_actor_sync
+        from hyflow.rollout.config import GenerationConfig
+        from hyflow.rollout.engine import GenerationEngine
+
+        desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
+        self.placement, self.groups, self.desc = placement, groups, desc
+        actor = placement.roles["actor"]
+        self.model = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
+                                     config_overrides={"perform_initialization": False},
+                                     padded_vocab_size=pad_vocab_size(desc.vocab_size, actor.layout.tp))
+        self.model.requires_grad_(False)
+        self.model.eval()
+        plan = plan_actor_sync(placement, desc, self.model.config.params_dtype.itemsize,
+                               fused_norms=resolve_spec(cfg.actor.spec) == "te")
+        self.sync = WeightSync(plan, self.model, sync_group)
+        self.rollout_config = GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
+        eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
+        self.engine = GenerationEngine(self.model, self.rollout_config, vocab_size=min(desc.vocab_size,
+                                                                                       tokenizer.vocab_size),
+                                       eos_token_ids=eos, tp_group=groups.pgs.tp, pp_group=groups.pgs.pp,
+                                       max_position_embeddings=desc.max_position_embeddings)
+
+    @property
+    def replica(self) -> int:
+        return self.groups.dp_rank
+
+    def generate(self, records, step: int, n: int):
+        """This replica's samples of ``records`` (the step's prompts) with the seeds the colocated
+        job uses for ``step`` (keyed by the global prompt index), sorted."""
+        from hyflow.rollout.dp import generate_data_parallel
+
+        first, stop = shard_range(len(records), self.groups.layout.dp, self.replica)
+        seed = self.rollout_config.sampling.seed + 1_000_003 * step
+        sampling = self.rollout_config.sampling.replace(n=n, seed=seed)
+        return generate_data_parallel(self.engine, [list(r.prompt_ids) for r in records[first:stop]], None,
+                                      sampling, request_offset=first, device=self.groups.device)

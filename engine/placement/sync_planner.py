@@ -1,0 +1,311 @@
+"""Weight-sync planner: a model's shards in one layout on one pool -> another layout on another pool.
+
+Pure arithmetic (no torch, no process groups), in the hybrid engine's plan -> execute style: the
+executor (:mod:`hyflow.placement.weight_sync`) runs the :class:`SyncPlan`; tests run the plan on
+numpy arrays.
+
+Layouts (:class:`ModelLayout`) use Megatron's rank order inside their pool (tp fastest, then dp,
+then pp) offset by the pool's first rank. Per parameter (:class:`~hyflow.hybrid.param_specs.ParamSpec`,
+global shape, how TP shards it, which stage holds it) every destination rank needs the slice of its
+(tp, pp) coordinates; the planner cuts that slice into the runs held by the source layout's
+shards and names one source rank for each run:
+
+* **which source replica**: destination data-parallel replica ``j`` reads from source replica
+  ``j mod DP_src`` (the load spreads over the source replicas);
+* **which source shard**: along the shard dimension a TP shard ``k`` of ``K`` holds the contiguous
+  run ``[k*D/K, (k+1)*D/K)``; a GLU ``linear_fc1`` shard holds two runs (its gate rows and its up
+  rows, Megatron's ``[gate_k; up_k]``), so a destination shard of another TP is assembled from the
+  gate runs and the up runs of the source shards that overlap it. Row-parallel weights run along
+  dim 1, column / vocabulary ones along dim 0, grouped QKV whole query groups along dim 0;
+* **which source stage**: the stage holding the layer (a tied embedding is read from the first
+  stage, also for the destination's last-stage copy); replicated parameters (norms) whole, from the
+  source rank at tp ``t_dst mod TP_src``.
+
+Every element of every destination shard comes from exactly one piece, so the model crosses the
+wire once per destination replica and each destination rank receives exactly its slice
+(``bytes_recv[r] == shard_bytes[r]``; no rank receives or assembles a full copy). Pieces between
+the same two ranks are packed into buckets of at most ``bucket_bytes`` (a larger piece travels
+alone); bucket ``i`` of every rank pair runs in round ``i``, which bounds the staging memory of a
+rank to one bucket per peer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from hyflow.hybrid.param_specs import ParamSpec, ReshardPlanError, megatron_local_name
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+class SyncPlanError(ReshardPlanError):
+    """A source / destination layout pair the weight sync cannot map."""
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """A model's layout on a pool of ranks ``[start, start + tp*pp*dp)``."""
+
+    start: int
+    tp: int
+    pp: int = 1
+    dp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def ranks(self) -> range:
+        return range(self.start, self.start + self.size)
+
+    def rank(self, tp: int, pp: int, dp: int) -> int:
+        return self.start + tp + self.tp * (dp + self.dp * pp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp, pp, dp) of a global rank."""
+        local = rank - self.start
+        if not 0 <= local < self.size:
+            raise SyncPlanError(f"rank {rank} is outside the layout's ranks {self.start}-{self.start + self.size - 1}")
+        tp, rest = local % self.tp, local // self.tp
+        return tp, rest // self.dp, rest % self.dp
+
+    @classmethod
+    def of(cls, start: int, layout) -> "ModelLayout":
+        """From a pool's first rank and a :class:`~hyflow.parallel.layout.Layout`."""
+        return cls(start, layout.tp, layout.pp, layout.dp)
+
+
+@dataclass(frozen=True)
+class SyncPiece:
+    """A run along ``dim`` of one parameter from ``src_rank``'s shard into ``dst_rank``'s shard."""
+
+    name: str  # global name (spec name, global layer index)
+    src_rank: int
+    dst_rank: int
+    src_name: str  # state-dict name on the source rank's stage
+    dst_name: str  # ... on the destination rank's stage
+    dim: int
+    src_offset: int
+    dst_offset: int
+    length: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Pieces from one rank to another, sent as one flat message."""
+
+    src_rank: int
+    dst_rank: int
+    index: int  # its position among the pair's buckets = the round it runs in
+    pieces: tuple[SyncPiece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    @property
+    def is_local(self) -> bool:
+        return self.src_rank == self.dst_rank
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """Who sends what to whom, and the bytes."""
+
+    src: ModelLayout
+    dst: ModelLayout
+    buckets: tuple[Bucket, ...]
+    model_bytes: int
+    shard_bytes: dict = field(default_factory=dict)  # destination rank -> bytes of its slice
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    _by_rank: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        index: dict = defaultdict(lambda: ([], [], []))  # rank -> (sends, receives, local)
+        for b in self.buckets:
+            if b.is_local:
+                index[b.src_rank][2].append(b)
+            else:
+                index[b.src_rank][0].append(b)
+                index[b.dst_rank][1].append(b)
+        self._by_rank.update(index)
+
+    @property
+    def rounds(self) -> int:
+        return 1 + max((b.index for b in self.buckets), default=-1)
+
+    def sends(self, rank: int) -> list[Bucket]:
+        return self._by_rank.get(rank, ([], [], []))[0]
+
+    def recvs(self, rank: int) -> list[Bucket]:
+        return self._by_rank.get(rank, ([], [], []))[1]
+
+    def local(self, rank: int) -> list[Bucket]:
+        return self._by_rank.get(rank, ([], [], []))[2]
+
+    def bytes_recv(self, rank: int) -> int:
+        """Bytes ``rank`` receives from other ranks (local copies excluded)."""
+        return sum(b.nbytes for b in self.recvs(rank))
+
+    def bytes_sent(self, rank: int) -> int:
+        return sum(b.nbytes for b in self.sends(rank))
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes over the wire, all ranks together."""
+        return sum(b.nbytes for b in self.buckets if not b.is_local)
+
+    @property
+    def max_recv(self) -> int:
+        return max((self.bytes_recv(r) for r in self.dst.ranks), default=0)
+
+    @property
+    def max_sent(self) -> int:
+        return max((self.bytes_sent(r) for r in self.src.ranks), default=0)
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        return (f"weight sync tp={self.src.tp} pp={self.src.pp} dp={self.src.dp} (ranks {self.src.start}-"
+                f"{self.src.start + self.src.size - 1}) -> tp={self.dst.tp} pp={self.dst.pp} dp={self.dst.dp} "
+                f"(ranks {self.dst.start}-{self.dst.start + self.dst.size - 1}): {self.total_bytes / mib:.1f} MiB in "
+                f"{len(self.buckets)} buckets over {self.rounds} rounds; per destination rank {self.max_recv / mib:.1f} "
+                f"MiB (its slice), per source rank at most {self.max_sent / mib:.1f} MiB; model "
+                f"{self.model_bytes / mib:.1f} MiB")
+
+
+# ---- planning ----------------------------------------------------------------------------
+
+
+def _segments(spec: ParamSpec, parts: int, index: int) -> list[tuple[int, int, int]]:
+    """(global start, local start, length) runs along the shard dim held by shard ``index`` of ``parts``."""
+    dim = spec.shard_dim
+    size = spec.global_shape[dim]
+    if spec.fixup == "gate_up":  # [gate_k; up_k]: two runs of the logical [gate; up]
+        half = size // 2
+        per = half // parts
+        return [(index * per, 0, per), (half + index * per, per, per)]
+    per = size // parts
+    return [(index * per, 0, per)]
+
+
+def _check(spec: ParamSpec, layout: ModelLayout, who: str, num_layers: int) -> None:
+    if num_layers % layout.pp:
+        raise SyncPlanError(f"{who} pp={layout.pp} does not divide num_layers={num_layers}")
+    dim = spec.shard_dim
+    if dim is None:
+        return
+    size = spec.global_shape[dim]
+    units = spec.shard_units if spec.shard_units is not None else (size // 2 if spec.fixup == "gate_up" else size)
+    if units % layout.tp or size % (2 * layout.tp if spec.fixup == "gate_up" else layout.tp):
+        raise SyncPlanError(f"{spec.name}: {spec.unit_name or 'dim'} = {units} is not divisible by the {who} "
+                            f"tp={layout.tp}")
+
+
+def _row_bytes(spec: ParamSpec, dim: int) -> int:
+    return spec.nbytes // spec.global_shape[dim]
+
+
+def plan_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLayout, num_layers: int,
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncPlan:
+    """Plan the copy of a model from ``src`` (every replica holds it) into every replica of ``dst``.
+
+    ``specs``: the model's parameters (:func:`hyflow.hybrid.param_specs.gpt_param_specs`, global
+    layer indices, the same padded vocabulary on both sides). Raises :class:`SyncPlanError` for a
+    layout that does not divide the model.
+    """
+    specs = tuple(specs)
+    if bucket_bytes < 1:
+        raise SyncPlanError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    for spec in specs:
+        _check(spec, src, "source", num_layers)
+        _check(spec, dst, "destination", num_layers)
+    pieces: dict[tuple[int, int], list[SyncPiece]] = defaultdict(list)
+    shard_bytes: dict[int, int] = defaultdict(int)
+    for j in range(dst.dp):
+        sdp = j % src.dp
+        for spec in specs:
+            src_stage = spec.stages(src.pp, num_layers)[0]
+            src_name = megatron_local_name(spec, src.pp, num_layers, src_stage)
+            for q in spec.stages(dst.pp, num_layers):
+                dst_name = megatron_local_name(spec, dst.pp, num_layers, q)
+                for t in range(dst.tp):
+                    drank = dst.rank(t, q, j)
+                    if spec.shard_dim is None:  # replicated: whole, from the source tp t mod TP_src
+                        srank = src.rank(t % src.tp, src_stage, sdp)
+                        n = spec.global_shape[0] if spec.global_shape else 1
+                        pieces[(srank, drank)].append(SyncPiece(spec.name, srank, drank, src_name, dst_name, 0,
+                                                                0, 0, n, spec.nbytes))
+                        shard_bytes[drank] += spec.nbytes
+                        continue
+                    dim = spec.shard_dim
+                    row = _row_bytes(spec, dim)
+                    for g0, l0, n in _segments(spec, dst.tp, t):
+                        for k in range(src.tp):
+                            for h0, m0, m in _segments(spec, src.tp, k):
+                                lo, hi = max(g0, h0), min(g0 + n, h0 + m)
+                                if lo >= hi:
+                                    continue
+                                srank = src.rank(k, src_stage, sdp)
+                                pieces[(srank, drank)].append(SyncPiece(
+                                    spec.name, srank, drank, src_name, dst_name, dim, m0 + lo - h0, l0 + lo - g0,
+                                    hi - lo, (hi - lo) * row))
+                                shard_bytes[drank] += (hi - lo) * row
+    buckets = []
+    for (s, d), plist in sorted(pieces.items()):
+        current: list[SyncPiece] = []
+        size = index = 0
+        for piece in plist:
+            if current and size + piece.nbytes > bucket_bytes:
+                buckets.append(Bucket(s, d, index, tuple(current)))
+                current, size, index = [], 0, index + 1
+            current.append(piece)
+            size += piece.nbytes
+        if current:
+            buckets.append(Bucket(s, d, index, tuple(current)))
+    buckets.sort(key=lambda b: (b.index, b.src_rank, b.dst_rank))
+    return SyncPlan(src=src, dst=dst, buckets=tuple(buckets), model_bytes=sum(sp.nbytes for sp in specs),
+                    shard_bytes=dict(shard_bytes), bucket_bytes=bucket_bytes)
+
+
+def model_specs(desc, padded_vocab: int, dtype_bytes: int, value_head: bool = False) -> list[ParamSpec]:
+    """The parameters of ``desc``'s GPTModel (what the weight sync moves)."""
+    from hyflow.hybrid.param_specs import gpt_param_specs
+
+    specs = gpt_param_specs(desc.num_layers, desc.hidden_size, desc.num_attention_heads, desc.num_query_groups,
+                            desc.head_dim, desc.ffn_hidden_size, padded_vocab,
+                            tied_embeddings=desc.tied_embeddings, qkv_bias=desc.qkv_bias, dtype_bytes=dtype_bytes,
+                            qk_layernorm=getattr(desc, "qk_layernorm", False))
+    if value_head:
+        raise SyncPlanError("the weight sync moves language models (no value head)")
+    return specs
+
+
+
+
+def bucket_rounds(plan: SyncPlan, rank: int) -> list[tuple[list[Bucket], list[Bucket]]]:
+    """Per round, the buckets ``rank`` sends and receives (remote ones)."""
+    out: list[tuple[list[Bucket], list[Bucket]]] = [([], []) for _ in range(plan.rounds)]
+    for b in plan.sends(rank):
+        out[b.index][0].append(b)
+    for b in plan.recvs(rank):
+        out[b.index][1].append(b)
+    return out
+
+
+
+def plan_actor_sync(placement, desc, dtype_bytes: int, *, fused_norms: bool = False,
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncPlan:
+    """The plan of a pooled run (:class:`~hyflow.placement.config.Placement`): the actor's
+    training pool -> the generation pool, vocabulary padded for the actor's tp on both sides."""
+    from hyflow.hybrid.param_specs import model_param_specs
+    from hyflow.parallel.layout import pad_vocab_size
+
+    actor, gen = placement.roles["actor"], placement.roles["rollout"]
+    specs = model_param_specs(desc, pad_vocab_size(desc.vocab_size, actor.layout.tp), dtype_bytes,
+                              fused_norms=fused_norms)
+    return plan_weight_sync(specs, ModelLayout.of(actor.pool.start, actor.layout),
+                            ModelLayout.of(gen.pool.start, gen.layout), desc.num_layers, bucket_bytes=bucket_bytes)

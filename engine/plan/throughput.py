@@ -1,0 +1,143 @@
+"""A first-order cost model of an RL step on GPUs: steps/s of ``sync`` (colocated hybrid engine)
+and ``one_step_off`` (a training pool and a generation pool that overlap), for ``hyflow plan``.
+
+Per step, with ``S = data.train_batch_size x rollout.n`` responses, every response assumed at
+``rollout.max_new_tokens`` (an upper bound: real responses stop earlier):
+
+* **generation** on ``R`` replicas of ``TP_g x PP_g`` GPUs: each replica decodes its ``S / R``
+  sequences in waves of ``rollout.max_concurrent``; a decode step is memory bound and reads the
+  replica's weights once (``model bytes / TP_g`` per GPU over the stages, which run one after the
+  other) plus the wave's KV cache, at ``HBM bandwidth x decode_efficiency``; prefill is compute
+  bound at ``prefill_mfu``;
+* **training** (old / reference log-probs, critic values, updates, as
+  :func:`hyflow.tools.bench.perf.step_flops` counts them; full recompute adds a forward per
+  update) on the training GPUs at ``train_mfu``;
+* **moving the weights**: colocated, the reshard's largest per-GPU receive over NVLink; pools, the
+  weight sync's largest per-GPU receive or send over the inter-node network.
+
+``sync``: generation on all GPUs + reshard + training on all GPUs. ``one_step_off``: the slower of
+generation (generation pool) and training (training pool), + the weight sync. The constants are
+stated in the output; the model is for comparing layouts and modes, not a promise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-GPU figures of the cost model (defaults: H100 SXM, NDR InfiniBand)."""
+
+    peak_flops: float = 989.4e12  # dense bf16
+    hbm_bytes_per_s: float = 3.35e12
+    nvlink_bytes_per_s: float = 450 * GB
+    network_bytes_per_s: float = 50 * GB  # 400 Gb/s per GPU
+    train_mfu: float = 0.40
+    prefill_mfu: float = 0.50
+    decode_efficiency: float = 0.60
+
+
+def generation_seconds(cfg: Any, model: Any, tp: int, pp: int, replicas: int, hw: Hardware) -> float:
+    """Seconds for ``replicas`` generation replicas of ``tp x pp`` GPUs to produce one step's responses."""
+    from hyflow.plan import memory as mem
+    from hyflow.tools.bench.perf import forward_flops
+
+    pbytes = mem.DTYPE_BYTES[cfg.actor.dtype]
+    seqs = -(-cfg.data.train_batch_size * cfg.rollout.n // replicas)
+    wave = min(cfg.rollout.max_concurrent, seqs)
+    waves = -(-seqs // wave)
+    weights = _model_bytes(model, tp, pbytes)  # one replica's weights, read once per decode step
+    new = cfg.rollout.max_new_tokens
+    kv_mean = mem.kv_cache_bytes(model, tp, 1, wave, cfg.rollout.max_prompt_length + new // 2, cfg.actor.dtype)
+    decode = waves * new * (weights / tp + kv_mean) / (hw.hbm_bytes_per_s * hw.decode_efficiency)
+    prompts = seqs / cfg.rollout.n  # a prompt is prefilled once for its n samples
+    prefill = forward_flops(model, prompts * cfg.rollout.max_prompt_length, cfg.rollout.max_prompt_length) / (
+        tp * pp * hw.peak_flops * hw.prefill_mfu)
+    return decode + prefill
+
+
+def training_seconds(cfg: Any, model: Any, gpus: int, hw: Hardware) -> float:
+    """Seconds of one step's forward/backward work (everything but generation) on ``gpus`` GPUs."""
+    from hyflow.tools.bench.perf import step_flops
+
+    rows = cfg.data.train_batch_size * cfg.rollout.n
+    tokens = rows * (cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens)
+    f = step_flops(_with_model(cfg, model), tokens, rows)
+    update = f["update"] * (4 / 3 if cfg.actor.recompute == "full" else 1.0)
+    return (f["ref"] + f["critic"] + update) / (gpus * hw.peak_flops * hw.train_mfu)
+
+
+def project(cfg: Any, model: Any, world: int, reshard_recv: Optional[int], sync_plan: Any,
+            off_placement: Any, hw: Hardware = Hardware()) -> dict:
+    """Seconds and steps/s of both modes; ``off_placement`` the one_step_off placement (or a
+    string: why there is none), ``sync_plan`` its weight-sync plan."""
+    out: dict[str, Any] = {"assumptions": asdict(hw), "responses_at_max_new_tokens": True}
+    gen = cfg.rollout.layout
+    t_gen = generation_seconds(cfg, model, gen.tp, gen.pp, world // (gen.tp * gen.pp), hw)
+    t_train = training_seconds(cfg, model, world, hw)
+    t_reshard = (reshard_recv or 0) / hw.nvlink_bytes_per_s
+    total = t_gen + t_reshard + t_train
+    out["sync"] = {"ranks": world, "generation_s": t_gen, "reshard_s": t_reshard, "training_s": t_train,
+                   "step_s": total, "steps_per_s": 1 / total}
+    if isinstance(off_placement, str) or off_placement is None:
+        out["one_step_off"] = {"unavailable": off_placement or "no placement"}
+        return out
+    roles = off_placement.roles
+    g = roles["rollout"].layout
+    train_gpus = sum(p.size for p in off_placement.pools if p != roles["rollout"].pool)
+    o_gen = generation_seconds(cfg, model, g.tp, g.pp, g.dp, hw)
+    o_train = training_seconds(cfg, model, train_gpus, hw)
+    o_sync = max(sync_plan.max_recv, sync_plan.max_sent) / hw.network_bytes_per_s
+    step = max(o_gen, o_train) + o_sync
+    out["one_step_off"] = {"train_ranks": train_gpus, "gen_ranks": roles["rollout"].pool.size,
+                           "generation_s": o_gen, "training_s": o_train, "weight_sync_s": o_sync,
+                           "step_s": step, "steps_per_s": 1 / step}
+    out["speedup"] = total / step
+    return out
+
+
+def _model_bytes(model: Any, tp: int, pbytes: int) -> float:
+    from hyflow.plan import memory as mem
+
+    layout_params = sum(mem.stage_params(model, _layout(tp)))
+    return layout_params * tp * pbytes
+
+
+def _layout(tp: int):
+    from hyflow.parallel.layout import Layout
+
+    return Layout(tp=tp)
+
+
+def _with_model(cfg: Any, model: Any) -> Any:
+    """``cfg`` with ``model`` as its model section (the checkpoint's description when planned from one)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, model=model) if cfg.model is not model else cfg
+
+
+def format_projection(proj: dict) -> list[str]:
+    """Lines of the report."""
+    s = proj["sync"]
+    lines = ["", "Throughput projection (cost model, hyflow.plan.throughput; responses at max_new_tokens)",
+             f"  sync (colocated, {s['ranks']} GPUs): generation {s['generation_s']:.1f} s + reshard "
+             f"{s['reshard_s']:.2f} s + training {s['training_s']:.1f} s = {s['step_s']:.1f} s/step, "
+             f"{s['steps_per_s'] * 3600:.1f} steps/h ({s['steps_per_s']:.5f} steps/s)"]
+    o = proj["one_step_off"]
+    if "unavailable" in o:
+        lines.append(f"  one_step_off: not projected ({o['unavailable']})")
+    else:
+        lines.append(f"  one_step_off (train {o['train_ranks']} GPUs | generation {o['gen_ranks']} GPUs): "
+                     f"max(generation {o['generation_s']:.1f} s, training {o['training_s']:.1f} s) + weight sync "
+                     f"{o['weight_sync_s']:.2f} s = {o['step_s']:.1f} s/step, {o['steps_per_s'] * 3600:.1f} steps/h "
+                     f"({o['steps_per_s']:.5f} steps/s); {proj['speedup']:.2f}x sync")
+    hw = proj["assumptions"]
+    lines.append(f"  assumed per GPU: {hw['peak_flops'] / 1e12:.0f} TFLOP/s peak, training MFU {hw['train_mfu']:.0%}, "
+                 f"prefill MFU {hw['prefill_mfu']:.0%}, HBM {hw['hbm_bytes_per_s'] / 1e12:.2f} TB/s at "
+                 f"{hw['decode_efficiency']:.0%} in decode, NVLink {hw['nvlink_bytes_per_s'] / GB:.0f} GB/s, "
+                 f"network {hw['network_bytes_per_s'] / GB:.0f} GB/s")
+    return lines
