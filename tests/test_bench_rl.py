@@ -12,7 +12,7 @@ import pytest
 from hyflow.jobs.registry import load_job_config
 from hyflow.config import dump_yaml
 from hyflow.monitor.metrics import read_metrics
-from hyflow.tools.bench import perf
+from hyflow.plan import flops as perf
 from hyflow.tools.bench.rl import analyse
 from hyflow.tools.bench.scaling import efficiencies
 

@@ -18,7 +18,7 @@ from hyflow.config.core import yaml_load
 #: job name -> (config schema, run function), as ``"module:attribute"``.
 JOBS = {
     "lm": ("hyflow.jobs.lm_config:LMJobConfig", "hyflow.jobs.lm:run"),
-    "rl": ("hyflow.jobs.rl_config:RLJobConfig", "hyflow.jobs.rl:run"),
+    "rl": ("hyflow.jobs.rl_config:RLJobConfig", "hyflow.jobs.registry:run_rl"),
     "dpo": ("hyflow.jobs.preference_config:DPOJobConfig", "hyflow.jobs.dpo:run"),
     "kto": ("hyflow.jobs.preference_config:KTOJobConfig", "hyflow.jobs.dpo:run"),
 }
@@ -60,3 +60,10 @@ def load_job_config(yaml_path: Optional[str], overrides: Sequence[str]) -> Any:
 def job_runner(job: str) -> Callable[[Any], Any]:
     """The function that runs ``job`` on this rank (imports the job's heavy modules)."""
     return resolve(JOBS[job][1])
+
+
+def run_rl(cfg: Any) -> Any:
+    """The RL job in its ``trainer.mode``: ``sync`` (:mod:`hyflow.jobs.rl`) or ``one_step_off``
+    (:mod:`hyflow.jobs.one_step_off`, whose loop reuses the sync job's step)."""
+    module = "hyflow.jobs.one_step_off" if cfg.trainer.mode == "one_step_off" else "hyflow.jobs.rl"
+    return importlib.import_module(module).run(cfg)

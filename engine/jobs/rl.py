@@ -73,10 +73,6 @@ def run(cfg: RLJobConfig) -> list[dict]:
     from hyflow.monitor.progress import Progress
     from hyflow.monitor.timers import PhaseTimers
 
-    if cfg.trainer.mode == "one_step_off":  # two pools, generation overlapping the update: its own loop
-        from hyflow.jobs.one_step_off import run as run_one_step_off
-
-        return run_one_step_off(cfg)
     rank = dist.get_rank()
     state, job = setup(cfg)
     models, supervisor = state.models, state.supervisor

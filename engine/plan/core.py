@@ -22,6 +22,7 @@ from hyflow.parallel.layout import Layout
 from hyflow.plan import memory_estimate as mem
 from hyflow.plan.group_check import (RankCheck, check_partition, generation_enumerations,
                                 layout_enumerations, summarize, verify_rank)
+from hyflow.plan.role_plan import RolePlan
 from hyflow.rollout.config import GenerationConfig
 
 GIB = 1 << 30
@@ -52,20 +53,6 @@ class PlanOptions:
     reserve_gib: Optional[float] = None
     fragmentation: Optional[float] = None
     megatron_ranks: Optional[Union[Sequence[int], str]] = None
-
-
-@dataclass
-class RolePlan:
-    """One model role (actor, reference, critic, reward) in its training layout."""
-
-    name: str
-    layout: Layout
-    model: ModelDescription
-    dtype: str
-    trainable: bool
-    stage_params: list[int]
-    groups: dict[str, dict]
-    note: str = ""
 
 
 @dataclass

@@ -12,13 +12,13 @@ from typing import Any
 
 from hyflow.parallel.layout import Layout
 from hyflow.placement.sync_planner import ModelLayout, model_specs, plan_weight_sync
-from hyflow.plan import memory as mem
+from hyflow.plan import memory_estimate as mem
 from hyflow.plan.group_check import layout_enumerations, summarize
 
 
 def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, model, attention: str) -> None:
     """Fill ``result`` (a :class:`~hyflow.plan.core.PlanResult`) for a pooled placement."""
-    from hyflow.plan.core import RolePlan
+    from hyflow.plan.role_plan import RolePlan
 
     dtype = cfg.actor.dtype
     pbytes = mem.DTYPE_BYTES[dtype]

@@ -1,7 +1,7 @@
 """Compute cost of a training step by pipeline stage, the balanced layer split, and the CPU layout.
 
 One FLOP model serves all three (the one ``hyflow bench rl`` reports MFU with,
-:mod:`hyflow.tools.bench.perf`): a decoder layer costs ``2 P_layer + 4 q c`` FLOPs per token
+:mod:`hyflow.plan.flops`): a decoder layer costs ``2 P_layer + 4 q c`` FLOPs per token
 forward (``P_layer`` its matrix-multiply weights, ``q`` the query width, ``c`` half the mean
 sequence), the output layer ``2 h V`` per *scored* token, the embedding lookup nothing. A
 training pass costs 3x its forward; the fused output head (``actor.fused_output_layer``) scores
@@ -29,7 +29,7 @@ GLOO_BYTES_PER_S = 0.85e9
 
 def layer_flops(desc: Any, mean_seq: float) -> float:
     """Forward FLOPs of one decoder layer per token."""
-    from hyflow.tools.bench.perf import matmul_params
+    from hyflow.plan.flops import matmul_params
 
     per_layer = (matmul_params(desc, output_layer=False) - desc.hidden_size) / desc.num_layers
     return 2 * per_layer + 4 * desc.num_attention_heads * desc.head_dim * (mean_seq / 2)
@@ -177,7 +177,7 @@ def compute_plan(cfg: Any, desc: Any, layout: Any, device: str, cores: Optional[
                          "balanced_factor": bubble_step_factor(balanced, head, m), "micro_batches": m}
     if device == "cpu":
         cores = cores or len(os.sched_getaffinity(0))
-        from hyflow.tools.bench.perf import measure_cpu_peak
+        from hyflow.plan.flops import measure_cpu_peak
 
         one = measure_cpu_peak(1)  # FLOP/s per CPU-second of one thread
         # per-thread FLOP/s of 2 threads over 1 thread's, both per CPU-second: what threading costs

@@ -10,7 +10,7 @@ Per step, with ``S = data.train_batch_size x rollout.n`` responses, every respon
   other) plus the wave's KV cache, at ``HBM bandwidth x decode_efficiency``; prefill is compute
   bound at ``prefill_mfu``;
 * **training** (old / reference log-probs, critic values, updates, as
-  :func:`hyflow.tools.bench.perf.step_flops` counts them; full recompute adds a forward per
+  :func:`hyflow.plan.flops.step_flops` counts them; full recompute adds a forward per
   update) on the training GPUs at ``train_mfu``;
 * **moving the weights**: colocated, the reshard's largest per-GPU receive over NVLink; pools, the
   weight sync's largest per-GPU receive or send over the inter-node network.
@@ -43,8 +43,8 @@ class Hardware:
 
 def generation_seconds(cfg: Any, model: Any, tp: int, pp: int, replicas: int, hw: Hardware) -> float:
     """Seconds for ``replicas`` generation replicas of ``tp x pp`` GPUs to produce one step's responses."""
-    from hyflow.plan import memory as mem
-    from hyflow.tools.bench.perf import forward_flops
+    from hyflow.plan import memory_estimate as mem
+    from hyflow.plan.flops import forward_flops
 
     pbytes = mem.DTYPE_BYTES[cfg.actor.dtype]
     seqs = -(-cfg.data.train_batch_size * cfg.rollout.n // replicas)
@@ -62,7 +62,7 @@ def generation_seconds(cfg: Any, model: Any, tp: int, pp: int, replicas: int, hw
 
 def training_seconds(cfg: Any, model: Any, gpus: int, hw: Hardware) -> float:
     """Seconds of one step's forward/backward work (everything but generation) on ``gpus`` GPUs."""
-    from hyflow.tools.bench.perf import step_flops
+    from hyflow.plan.flops import step_flops
 
     rows = cfg.data.train_batch_size * cfg.rollout.n
     tokens = rows * (cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens)
@@ -101,7 +101,7 @@ def project(cfg: Any, model: Any, world: int, reshard_recv: Optional[int], sync_
 
 
 def _model_bytes(model: Any, tp: int, pbytes: int) -> float:
-    from hyflow.plan import memory as mem
+    from hyflow.plan import memory_estimate as mem
 
     layout_params = sum(mem.stage_params(model, _layout(tp)))
     return layout_params * tp * pbytes

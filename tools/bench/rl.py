@@ -9,7 +9,7 @@ Runs ``--warmup + --steps`` steps of the real job (``hyflow launch local``, the 
   reshard's;
 * throughput: prompt + response tokens per second of step time, and per rank (verl's
   ``perf/throughput``: tokens / (step seconds x ranks)); generation tokens per second;
-* MFU: model FLOPs (:mod:`hyflow.tools.bench.perf`) / (step seconds x ranks x peak per rank),
+* MFU: model FLOPs (:mod:`hyflow.plan.flops`) / (step seconds x ranks x peak per rank),
   for the whole step and for the updates alone; peak = datasheet on GPU, measured on CPU;
 * communication (:mod:`hyflow.monitor.comm`): seconds, share and bytes per step by group kind,
   and the monitor's own overhead (calls x measured cost of one wrapped call);
@@ -132,7 +132,7 @@ def analyse(run_dir: str, warmup: int, peak_per_rank: Optional[float] = None, pe
     """The figures of ``run_dir``'s steps after the first ``warmup``."""
     from hyflow.jobs.registry import load_job_config
     from hyflow.monitor.metrics import read_metrics
-    from hyflow.tools.bench.perf import step_flops
+    from hyflow.plan.flops import step_flops
 
     rows = [r for r in read_metrics(run_dir) if r.get("step", 0) > warmup]
     if not rows:
@@ -251,7 +251,7 @@ def measure(config: str, overrides: Sequence[str], nproc: Optional[int], steps: 
     """Run the job and analyse it (what ``bench rl`` and ``bench scaling`` share)."""
     from hyflow.jobs.registry import load_job_config
     from hyflow.monitor import comm
-    from hyflow.tools.bench.perf import device_peak
+    from hyflow.plan.flops import device_peak
 
     cfg = load_job_config(config, list(overrides) + ([f"trainer.nproc={nproc}"] if nproc else []))
     nproc = nproc or cfg.trainer.nproc

@@ -1,4 +1,5 @@
-"""Model FLOPs of an RL step and the device's peak, for the MFU that ``hyflow bench rl`` reports.
+"""Model FLOPs of an RL step and the device's peak: the cost model of ``hyflow plan`` (stages,
+throughput) and the MFU that ``hyflow bench rl`` reports.
 
 FLOPs count the useful work of the step's real (unpadded) tokens, as MFU does everywhere:
 a forward pass over ``t`` tokens whose attention sees ``c`` earlier positions on average costs
