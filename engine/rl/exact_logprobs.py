@@ -83,8 +83,11 @@ def rescore_in_generation_layout(hybrid, micro_dp_group, batch: RolloutBatch, ba
 
 def exact_in_generation_layout(hybrid) -> bool:
     """Whether a generation-layout re-score reproduces the training forward bit for bit: the
-    generation TP equals the training TP (pipeline and micro-DP changes do not matter)."""
-    return hybrid.gen_shape.tp == hybrid.train_groups.layout.tp
+    generation TP equals the training TP (pipeline and micro-DP changes do not matter) and the
+    training forward does not use sequence parallelism (its reduce-scatter / all-gather pairs
+    replace the generation model's all-reduces: another summation order beyond two ranks)."""
+    layout = hybrid.train_groups.layout
+    return hybrid.gen_shape.tp == layout.tp and (layout.tp == 1 or not layout.sequence_parallel)
 
 
 @torch.no_grad()
