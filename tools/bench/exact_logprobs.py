@@ -73,12 +73,15 @@ def _measure(config: str, overrides: Sequence[str], repeats: int):
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     from hyflow.cli import load_job_config
     from hyflow.testing import run_on_ranks
     from hyflow.tools.bench.rl import machine
 
     cfg = load_job_config(args.config, list(args.overrides))
     total = args.warmup + args.repeats
+    os.environ.setdefault("HYFLOW_TEST_STARTUP_TIMEOUT", str(args.timeout))  # importing Megatron on a busy box
     per_rank = run_on_ranks(_measure, cfg.trainer.nproc, args.config, list(args.overrides), total,
                             timeout=args.timeout)
     # DP ranks generate different shards: tokens add up, a repeat lasts as long as its slowest rank
