@@ -8,10 +8,12 @@ batch of prompts (a fresh sampling seed each time):
 2. re-score the samples in the generation layout with the training scoring's micro-batches
    (:func:`hyflow.rl.exact_logprobs.rescore_in_generation_layout`, exact mode's extra work when
    the generation TP equals the training TP): time ``e``;
-3. reshard back; the training-layout forward scores the same samples (the reference).
+3. reshard back; the training-layout forward scores the same samples (the reference, and the
+   old-log-prob forward that ``actor.old_logprobs=rollout`` saves in exact mode): time ``t``.
 
 Reported, medians over the repeats: generation tokens/s without exact mode (``tokens / g``) and
-with it (``tokens / (g + e)``), their ratio (both measured in the same run, interleaved), and the
+with it (``tokens / (g + e)``), their ratio (both measured in the same run, interleaved), ``e``
+against ``t``, and the
 largest |log-prob difference| to the training forward of the sampler's log-probs and of the
 re-scored ones (0.0 = bit-identical). A table, then one JSON line.
 """
@@ -64,9 +66,11 @@ def _measure(config: str, overrides: Sequence[str], repeats: int):
                                              temp, reference_module=models.actor.chunks[0])
         t2 = time.perf_counter()
         models.hybrid.to_training()
+        t3 = time.perf_counter()
         train = rescore_in_training_layout(models.actor.chunks, models.groups, batch, scoring, vocab, temp)
+        t4 = time.perf_counter()
         mask = batch.response_mask > 0
-        rows.append({"tokens": int(batch.response_lengths.sum()), "gen_s": t1 - t0, "rescore_s": t2 - t1,
+        rows.append({"tokens": int(batch.response_lengths.sum()), "gen_s": t1 - t0, "rescore_s": t2 - t1, "train_s": t4 - t3,
                      "sampler_diff": float((train - batch.rollout_logprobs)[mask].abs().max()),
                      "exact_diff": float((train - exact)[mask].abs().max())})
     return rows
@@ -91,16 +95,17 @@ def run(args: argparse.Namespace) -> int:
         dp = cfg.actor_layout(cfg.trainer.nproc).dp
         tokens = sum(x["tokens"] for x in reps) * dp / len(reps)  # every rank of a DP group holds its shard
         g, e = max(x["gen_s"] for x in reps), max(x["rescore_s"] for x in reps)
-        measured.append({"off": tokens / g, "exact": tokens / (g + e), "ratio": g / (g + e),
+        measured.append({"off": tokens / g, "exact": tokens / (g + e), "ratio": g / (g + e), "rescore_s": e,
+                         "train_s": max(x["train_s"] for x in reps),
                          "sampler_diff": max(x["sampler_diff"] for x in reps),
                          "exact_diff": max(x["exact_diff"] for x in reps)})
-    med = {k: statistics.median(m[k] for m in measured) for k in ("off", "exact", "ratio")}
+    med = {k: statistics.median(m[k] for m in measured) for k in ("off", "exact", "ratio", "rescore_s", "train_s")}
     result = {
         "benchmark": "exact-logprobs", "config": args.config, "overrides": list(args.overrides),
         "train_layout": f"tp={cfg.actor.layout.tp} pp={cfg.actor.layout.pp}",
         "gen_layout": f"tp={cfg.rollout.layout.tp} pp={cfg.rollout.layout.pp}", "dtype": cfg.actor.dtype,
         "repeats": args.repeats, "gen_tokens_per_s_off": med["off"], "gen_tokens_per_s_exact": med["exact"],
-        "exact_over_off": med["ratio"], "sampler_logprob_diff_max": max(m["sampler_diff"] for m in measured),
+        "exact_over_off": med["ratio"], "rescore_s": med["rescore_s"], "training_forward_s": med["train_s"], "sampler_logprob_diff_max": max(m["sampler_diff"] for m in measured),
         "rescored_logprob_diff_max": max(m["exact_diff"] for m in measured),
         "date": datetime.date.today().isoformat(), "machine": machine(),
     }
@@ -108,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.repeats} repeats, medians")
     print(f"  generation tokens/s, exact off   {med['off']:10.1f}")
     print(f"  generation tokens/s, exact on    {med['exact']:10.1f}   ({med['ratio']:.3f}x)")
+    print(f"  re-score s / training-layout forward s   {med['rescore_s']:.2f} / {med['train_s']:.2f}")
     print(f"  |logp - training| max, sampler   {result['sampler_logprob_diff_max']:.3g}")
     print(f"  |logp - training| max, re-scored {result['rescored_logprob_diff_max']:.3g}")
     print(json.dumps(result))
