@@ -80,10 +80,15 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from hyflow.cli import load_job_config
+    from hyflow.config import ConfigError
     from hyflow.testing import run_on_ranks
     from hyflow.tools.bench.rl import machine
 
-    cfg = load_job_config(args.config, list(args.overrides))
+    try:
+        cfg = load_job_config(args.config, list(args.overrides))
+    except ConfigError as e:
+        print(f"hyflow bench exact-logprobs: {e}", file=sys.stderr)
+        return 2
     total = args.warmup + args.repeats
     os.environ.setdefault("HYFLOW_TEST_STARTUP_TIMEOUT", str(args.timeout))  # importing Megatron on a busy box
     per_rank = run_on_ranks(_measure, cfg.trainer.nproc, args.config, list(args.overrides), total,
