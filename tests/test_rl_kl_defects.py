@@ -5,9 +5,11 @@ of the tiny quickstart model on one rank (both fail on 705a661):
   ``n`` responses each, :math:`\\beta \\leftarrow \\beta(1 + e\\,P n / H)` (it was updated with
   ``P``, so it moved ``n`` times slower than the horizon says);
 * ``seq-mean-token-sum-norm`` divides by a constant (``rollout.max_new_tokens`` or
-  ``actor.loss_scale_factor``), not by the padded width of the step: the actor's loss, built by
-  the RL job's own call site (policy loss and entropy term), does not change when the step's
-  batch is padded wider.
+  ``actor.loss_scale_factor``), not by the padded width of the step: every response token's
+  loss weight, as the RL job's update computes it for its mini-batch, is exactly
+  ``1 / (max_new_tokens x sequences)`` (it was ``1 / (padded prompt + response width x
+  sequences)``), and the actor's loss (policy and entropy terms) does not change when a
+  micro-batch is padded wider.
 """
 
 import os
@@ -26,6 +28,7 @@ OVERRIDES = [
     "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1",
     "algorithm.kl_ctrl.target_kl=1.0", "algorithm.kl_ctrl.horizon=100",
     "actor.loss_agg_mode=seq-mean-token-sum-norm",
+    "actor.fused_output_layer=false",  # the check widens the logits with padding columns
 ]
 PAD = 5  # extra padding columns of the widened batch
 
@@ -40,6 +43,7 @@ def _one_step():
     cfg, state, job = rl_setup(OVERRIDES)
     before = state.kl_ctrl.value
     losses = []  # (loss term, the same term on the micro-batch padded PAD columns wider)
+    weights = []  # the loss weights of response tokens
     original = rl.PolicyLoss
 
     def widened(logits, batch):
@@ -60,6 +64,7 @@ def _one_step():
     class Capturing(original):  # the loss exactly as the RL job builds it
         def __call__(self, logits, batch):
             total, out = super().__call__(logits, batch)
+            weights.append(batch["loss_weight"][batch["response_mask"] > 0].detach().clone())
             with torch.no_grad():
                 _, wide = super().__call__(*widened(logits, batch))
             losses.extend((float(out[k]), float(wide[k])) for k in ("actor/pg_loss", "actor/entropy"))
@@ -70,11 +75,12 @@ def _one_step():
         metrics, data = rl_step(cfg, state, job)
     finally:
         rl.PolicyLoss = original
-    return before, metrics["actor/reward_kl_penalty"], state.kl_ctrl.value, data["tokens"].shape[0], losses
+    return (before, metrics["actor/reward_kl_penalty"], state.kl_ctrl.value, data["tokens"].shape[0], losses,
+            torch.cat(weights), data["tokens"].shape[1])
 
 
 def test_adaptive_kl_horizon_counts_responses_and_norm_mode_ignores_padding():
-    before, kl, after, responses, losses = run_on_ranks(_one_step, 1, timeout=900)[0]
+    before, kl, after, responses, losses, weights, width = run_on_ranks(_one_step, 1, timeout=900)[0]
     assert responses == 8 * 4
     error = min(max(kl / 1.0 - 1.0, -0.2), 0.2)
     assert error != 0
@@ -83,3 +89,7 @@ def test_adaptive_kl_horizon_counts_responses_and_norm_mode_ignores_padding():
     assert losses and any(v != 0.0 for v, _ in losses)  # the entropy term at least (rewards may all be 0)
     for value, wide in losses:
         assert wide == pytest.approx(value, rel=1e-6), "the loss normaliser depends on the padded width"
+    # one mini-batch of 32 non-empty responses, rollout.max_new_tokens=4; the step's width is more
+    assert width > 4 and weights.numel() > 0
+    assert weights.double().sub(1 / (4 * responses)).abs().max() < 1e-9, \
+        f"weights {weights.unique().tolist()}; a width-{width} normaliser would give {1 / (width * responses)}"

@@ -81,6 +81,22 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling (verl's ``algorithm.filter_groups``): groups whose rewards are all equal
+    carry no group-relative signal; they are dropped and more prompts are generated until every
+    data-parallel rank holds its share of ``data.train_batch_size`` groups with signal."""
+
+    enable: bool = field(default=False, metadata={"help": "drop groups with equal rewards and refill the batch"})
+    max_rounds: int = field(default=4, metadata={
+        "help": "generation rounds per step at most (verl's max_num_gen_batches); when reached the batch is "
+                "completed with groups without signal, a warning is printed and "
+                "dynamic_sampling/gave_up is 1"})
+
+    def validate(self) -> None:
+        check_positive(self, "max_rounds")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation and reward shaping."""
 
@@ -97,6 +113,7 @@ class AlgorithmConfig:
     kl_penalty: KLKind = field(default="k1", metadata={"help": "KL estimator of the in-reward penalty"})
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
     def validate(self) -> None:
         check_finite(self, "gamma", "lam")

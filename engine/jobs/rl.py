@@ -33,8 +33,12 @@ from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.rl.batch import MicroBatching, RolloutBatch, batching_for, build_rollout_batch, pad_multiple
 from hyflow.rl.losses import PolicyLoss, ValueLoss, forward_score, logprob_scorer, value_scorer
 from hyflow.rl.metrics import BatchStats, all_gather_strings, score_metrics
+from hyflow.rl.dynamic_sampling import Round, collect_groups
+from hyflow.rl.exact_logprobs import (exact_in_generation_layout, rescore_in_generation_layout,
+                                      rescore_in_training_layout)
 from hyflow.rl.models import RLModels, build_rl_models, check_actor_checkpoint
 from hyflow.rl.state import RLState
+from hyflow.rl.staleness import StaleWeights
 from hyflow.rl.update import update_model
 from hyflow.rollout.dp import SampleTensors
 from hyflow.training.step import position_ids, token_mean_weights, train_step
@@ -155,36 +159,24 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     dp_group, device = groups.pgs.dp, groups.device
     first, stop = models.dispatcher.shard(len(records))
     mine = records[first:stop]
-    remax = cfg.algorithm.adv_estimator == "remax"
     stats = BatchStats(device)
-    # 1. generate this shard's samples with the actor in its generation layout
-    with timers.phase("reshard"):
-        gen_model = models.hybrid.to_generation()
-    with timers.phase("gen"):
-        seed = models.dispatcher.rollout_config.sampling.seed + 1_000_003 * step  # a fresh stream per step
-        rollout = models.dispatcher.generate(gen_model, [r.prompt_ids for r in mine], n, seed=seed,
-                                             request_offset=first)
-        # ReMax: one greedy response per prompt, a baseline only (scored, never trained on)
-        greedy = models.dispatcher.generate(gen_model, [r.prompt_ids for r in mine], 1, seed=seed,
-                                            request_offset=first, greedy=True) if remax else None
-    with timers.phase("reshard"):
-        models.hybrid.to_training()
-    batch = _rollout_batch(rollout.samples, job.pad_id)
+    # 1-2. generate this shard's samples in the generation layout, then score them
+    seed = models.dispatcher.rollout_config.sampling.seed + 1_000_003 * step  # a fresh stream per step
+    rnd = generate_round(cfg, state, job, mine, first, seed, timers)
+    dynamic = cfg.algorithm.dynamic_sampling
+    refill = {}
+    if dynamic.enable:  # 2b. DAPO: drop groups with equal rewards, refill from the loader's next prompts
+        def next_round(r: int, needed: bool):
+            shard = state.loader.next_batch()[first:stop]  # every rank draws: the loader stays in step
+            return generate_round(cfg, state, job, shard, first, seed + 7_919 * r, timers) if needed else None
+
+        rnd, refill = collect_groups(rnd, next_round, share=len(mine), first=first, max_rounds=dynamic.max_rounds,
+                                     dp_group=dp_group, device=device)
+    scored, scores, greedy_scores = rnd.scored, rnd.scores, rnd.greedy_scores
+    batch = _rollout_batch(rnd.samples, job.pad_id)
     lengths = batch.row_lengths()
-    # 2. score responses
-    with timers.phase("reward"):
-        scored = score_samples(job, mine, first, rollout.samples)
-        scores = torch.tensor(scored.scores, dtype=torch.float32, device=device)
-        overlong = cfg.algorithm.overlong_buffer
-        if overlong.enable:  # DAPO's soft overlong punishment, a reward term
-            scores = scores + overlong_penalty(batch.response_lengths, cfg.rollout.max_new_tokens, overlong.length,
-                                               overlong.penalty_factor)
-        greedy_scores = None
-        if greedy is not None:
-            baseline = torch.tensor(score_samples(job, mine, first, greedy.samples).scores, dtype=torch.float32,
-                                    device=device)
-            greedy_scores = baseline[batch.group_ids - first]
-            stats.distribution("critic/greedy_score", baseline)
+    if greedy_scores is not None:
+        stats.distribution("critic/greedy_score", greedy_scores[::n])
     # 3. old / reference log-probs and values, forward-only over this rank's rows
     columns = {"tokens": batch.tokens, "response_mask": batch.response_mask}
     scoring = batching_for(cfg, "reference", groups, job.pad_id).cut(columns, lengths)
@@ -240,11 +232,75 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     # 6. the KL controller and the step's metrics over the whole batch
     if cfg.algorithm.use_kl_in_reward:  # the controller's horizon counts responses
         state.kl_ctrl.update(adv.kl, len(records) * n)
-    out = _metrics(cfg, stats, job, batch, scored, scores, adv, values, rollout, actor, critic, models, timers)
-    out.update({"actor/reward_kl_penalty": adv.kl, "actor/reward_kl_penalty_coeff": state.kl_ctrl.value})
+    out = _metrics(cfg, stats, job, batch, scored, scores, adv, values, rnd.samples, actor, critic, models, timers)
+    out.update({"actor/reward_kl_penalty": adv.kl, "actor/reward_kl_penalty_coeff": state.kl_ctrl.value}, **refill)
     data = dict(train, ref_logp=ref_logp, scores=scores, values=values, returns=adv.returns,
                 greedy_scores=greedy_scores, rows=torch.arange(first * n, stop * n, device=device))
     return out, data
+
+
+def generate_round(cfg: RLJobConfig, state: RLState, job: "StepJob", shard, first: int, seed: int,
+                   timers) -> Round:
+    """Steps 1-2 of a step for this rank's ``shard`` of prompts (global indices from ``first``):
+    reshard to the generation layout, generate (``rollout.n`` samples; ReMax adds its greedy
+    baseline), re-score them there in exact mode, reshard back and compute the rewards."""
+    models = state.models
+    device = models.groups.device
+    stale = _stale_weights(cfg, state)
+    with timers.phase("reshard"):
+        gen_model = models.hybrid.to_generation()
+    with timers.phase("gen"):
+        if stale is not None:  # rollout.force_staleness: sample with older weights (tests, benchmarks)
+            stale.swap_in(models.hybrid)
+        prompts = [r.prompt_ids for r in shard]
+        rollout = models.dispatcher.generate(gen_model, prompts, cfg.rollout.n, seed=seed, request_offset=first)
+        # ReMax: one greedy response per prompt, a baseline only (scored, never trained on)
+        greedy = models.dispatcher.generate(gen_model, prompts, 1, seed=seed, request_offset=first, greedy=True) \
+            if cfg.algorithm.adv_estimator == "remax" else None
+        samples = rollout.samples
+        exact = cfg.rollout.exact_logprobs  # report the training forward's log-probs (hyflow.rl.exact_logprobs)
+        scoring = batching_for(cfg, "reference", models.groups, job.pad_id)
+        if exact and exact_in_generation_layout(models.hybrid):
+            samples = _with_logprobs(samples, job.pad_id, lambda batch: rescore_in_generation_layout(
+                models.hybrid, models.dispatcher.micro_dp_group, batch, scoring, models.sample_vocab,
+                cfg.rollout.temperature, reference_module=models.actor.chunks[0], fused=cfg.actor.fused_output_layer))
+            exact = False
+        if stale is not None:
+            stale.swap_out(models.hybrid)
+    with timers.phase("reshard"):
+        models.hybrid.to_training()
+    if exact:  # a smaller generation TP sums in another order: re-score in the training layout
+        with timers.phase("gen"):
+            samples = _with_logprobs(samples, job.pad_id, lambda batch: rescore_in_training_layout(
+                models.actor.chunks, models.groups, batch, scoring, models.sample_vocab, cfg.rollout.temperature,
+                fused=cfg.actor.fused_output_layer))
+    with timers.phase("reward"):
+        scored = score_samples(job, shard, first, samples)
+        scores = torch.tensor(scored.scores, dtype=torch.float32, device=device)
+        overlong = cfg.algorithm.overlong_buffer
+        if overlong.enable:  # DAPO's soft overlong punishment, a reward term
+            scores = scores + overlong_penalty(samples.column("response_len"), cfg.rollout.max_new_tokens,
+                                               overlong.length, overlong.penalty_factor)
+        greedy_scores = None
+        if greedy is not None:
+            baseline = torch.tensor(score_samples(job, shard, first, greedy.samples).scores, dtype=torch.float32,
+                                    device=device)
+            greedy_scores = baseline.repeat_interleave(cfg.rollout.n)  # rows are (prompt, sample) ordered
+    return Round(samples, scored, scores, cfg.rollout.n, greedy_scores)
+
+
+def _with_logprobs(samples: SampleTensors, pad_id: int, rescore) -> SampleTensors:
+    """``samples`` with the response log-probs ``rescore(batch)`` gives ([B, S], as the batch)."""
+    batch = _rollout_batch(samples, pad_id)
+    return SampleTensors(samples.meta, samples.tokens, rescore(batch)[batch.response_mask > 0])
+
+
+def _stale_weights(cfg: RLJobConfig, state: RLState):
+    if not cfg.rollout.force_staleness:
+        return None
+    if state.stale_weights is None:
+        state.stale_weights = StaleWeights(cfg.rollout.force_staleness)
+    return state.stale_weights
 
 
 def _rollout_batch(samples: SampleTensors, pad_id: int) -> RolloutBatch:
@@ -274,8 +330,8 @@ def _dp_sum(dp_group):
     return reduce
 
 
-def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, scores, adv, values, rollout,
-             actor, critic, models: RLModels, timers) -> dict:
+def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, scores, adv, values,
+             samples: SampleTensors, actor, critic, models: RLModels, timers) -> dict:
     """The step's metrics (verl's names), identical on every rank: three all-reduces over DP."""
     groups = models.groups
     dp_group = groups.pgs.dp
@@ -292,7 +348,7 @@ def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, 
     stats.distribution("response_length", batch.response_lengths.double())
     stats.mean("response_length/clip_ratio", batch.truncated.double().sum(), float(batch.size))
     stats.distribution("prompt_length", batch.prompt_lengths.double())
-    stats.mean("prompt_length/clip_ratio", (rollout.samples.column("truncated") > 0).double().sum(), float(batch.size))
+    stats.mean("prompt_length/clip_ratio", (samples.column("truncated") > 0).double().sum(), float(batch.size))
     stats.add("perf/total_num_tokens", batch.lengths.double().sum())
     stats.add("rollout/generated_tokens", batch.response_lengths.double().sum())
     stats.add("rollout/gen_seconds_sum", timers.step_times.get("gen", 0.0))

@@ -57,9 +57,19 @@ class RolloutConfig:
         "help": "free the actor's gradient buffers while generating (memory for the KV cache)"})
     offload_optimizer: bool = field(default=False, metadata={
         "help": "move the actor's optimizer state to host memory while generating (GPU)"})
+    exact_logprobs: bool = field(default=False, metadata={
+        "help": "after sampling, re-score the responses in the generation layout with the training forward's "
+                "micro-batches and reduction order, and report those log-probs: bit-identical to the training "
+                "layout's when the generation TP equals the training TP (so actor.old_logprobs=rollout is exact); "
+                "costs one forward over the batch, spread over the micro-DP replicas (docs/algorithms.md)"})
+    force_staleness: int = field(default=0, metadata={
+        "help": "tests and benchmarks only: generate with the actor's weights of this many steps ago (a forced "
+                "off-policy lag; the update still starts from the current weights)"})
 
     def validate(self) -> None:
         check_finite(self, "temperature", "top_p")
+        if self.force_staleness < 0:
+            raise ConfigError(f"must be >= 0, got {self.force_staleness}", key="force_staleness")
         # sampling, lengths, chunking, concurrency: the generation engine's own checks
         GenerationConfig.from_job(self)
 
@@ -410,6 +420,14 @@ class RLJobConfig:
             raise ConfigError(
                 f"data.train_batch_size={self.data.train_batch_size} prompts must split evenly over the actor's "
                 f"{train.dp} data-parallel ranks (each rank generates, scores and trains its own prompts)")
+        if self.algorithm.dynamic_sampling.enable and self.algorithm.adv_estimator not in GROUP_ESTIMATORS:
+            raise ConfigError(f"algorithm.dynamic_sampling keeps groups whose rewards differ: it needs a group "
+                              f"estimator ({', '.join(sorted(GROUP_ESTIMATORS))}), not "
+                              f"adv_estimator={self.algorithm.adv_estimator}")
+        if self.rollout.force_staleness and self.rollout.exact_logprobs and gen.tp < train.tp:
+            raise ConfigError("rollout.force_staleness with exact_logprobs needs rollout.layout.tp equal to the actor's "
+                              f"tp={train.tp}: a smaller generation TP re-scores in the training layout, with the "
+                              "current weights instead of the stale ones that sampled")
         buffer = self.algorithm.overlong_buffer
         if buffer.enable and buffer.length > self.rollout.max_new_tokens:
             raise ConfigError(f"algorithm.overlong_buffer.length={buffer.length} exceeds the response budget "

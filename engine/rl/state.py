@@ -25,6 +25,8 @@ class RLState:
         supervisor: preemption flags and NaN/inf guard (:class:`hyflow.training.supervisor.StepSupervisor`).
         step: RL steps completed; the next step is ``step + 1`` and every random stream of a step
             (generation seeds, mini-batch assignment) is keyed by that number.
+        stale_weights: the older generation weights of ``rollout.force_staleness`` (tests and
+            benchmarks; :class:`hyflow.rl.staleness.StaleWeights`), not checkpointed.
     """
 
     models: RLModels
@@ -32,6 +34,7 @@ class RLState:
     kl_ctrl: Any
     supervisor: Any
     step: int = 0
+    stale_weights: Any = None
 
     def state_dict(self) -> dict[str, Any]:
         """The JSON-able part (models are saved separately, as dist checkpoints)."""

@@ -27,6 +27,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "strong or weak scaling efficiency of an RL job over several world sizes"),
     "manifest": ("hyflow.tools.bench.manifest",
                  "cost of checkpoint checksums: writing and verifying manifest.json"),
+    "exact-logprobs": ("hyflow.tools.bench.exact_logprobs",
+                       "exact mode: generation tokens/s with and without the re-score, log-prob gap reached"),
     "longctx": ("hyflow.tools.bench.longctx",
                 "long context: chunked prefill memory, recompute plan vs measured, CP=2 vs CP=1"),
 }
