@@ -41,7 +41,7 @@ from hyflow.rl.state import RLState
 from hyflow.rl.staleness import StaleWeights
 from hyflow.rl.update import update_model
 from hyflow.rollout.dp import SampleTensors
-from hyflow.training.step import position_ids, token_mean_weights, train_step
+from hyflow.training.step import token_mean_weights, train_step
 from hyflow.training.supervisor import StepOutcome, StepSupervisor
 
 
@@ -182,18 +182,19 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     scoring = batching_for(cfg, "reference", groups, job.pad_id).cut(columns, lengths)
     shape = tuple(batch.tokens.shape)
     vocab, tp_group, temp = models.sample_vocab, groups.pgs.tp, cfg.rollout.temperature
+    scorer = logprob_scorer(vocab, tp_group, temp, cfg.actor.fused_output_layer)
     with timers.phase("old_log_prob"):
         if cfg.actor.old_logprobs == "rollout":  # the weights that sampled are the ones about to be updated
             old_logp = batch.rollout_logprobs
         else:
-            old_logp = forward_score(models.actor.chunks, scoring, logprob_scorer(vocab, tp_group, temp, cfg.actor.fused_output_layer), groups, shape)
+            old_logp = forward_score(models.actor.chunks, scoring, scorer, groups, shape)
             # the sampler's log-probs vs the training layout's, same weights (docs/algorithms.md)
             stats.row_totals("mismatch", mismatch_row_stats(old_logp, batch.rollout_logprobs, batch.response_mask),
                              mismatch_metrics)
     ref_logp = None
     if models.reference is not None:
         with timers.phase("ref"):
-            ref_logp = forward_score([models.reference], scoring, logprob_scorer(vocab, tp_group, temp, cfg.actor.fused_output_layer), groups, shape)
+            ref_logp = forward_score([models.reference], scoring, scorer, groups, shape)
     values = None
     if models.critic is not None:
         with timers.phase("values"):
@@ -217,7 +218,8 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     common = dict(seed=cfg.trainer.seed, step=step, row_offset=first * n, agg_mode=cfg.actor.loss_agg_mode,
                   norm_length=float(cfg.loss_norm_length))
     with timers.phase("update_actor"):
-        actor = update_model(models.actor, groups, train, lengths, PolicyLoss(cfg.actor, vocab, tp_group, temp, cfg.actor.fused_output_layer),
+        policy_loss = PolicyLoss(cfg.actor, vocab, tp_group, temp, cfg.actor.fused_output_layer)
+        actor = update_model(models.actor, groups, train, lengths, policy_loss,
                              batching=batching_for(cfg, "actor", groups, job.pad_id),
                              mini_batch_size=cfg.actor.mini_batch_size,
                              epochs=cfg.actor.ppo_epochs, **common)
@@ -336,7 +338,6 @@ def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, 
     groups = models.groups
     dp_group = groups.pgs.dp
     mask = batch.response_mask
-    valid = mask.sum(-1) > 0
     extras = {k: scored.extras.get(k, []) for k in all_gather_strings(scored.extras, dp_group, groups.device)}
     score_metrics(stats, scores, scored.data_sources, job.sources, extras)
     stats.distribution("critic/rewards", (adv.token_rewards * mask).sum(-1))
