@@ -112,8 +112,7 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
     from hyflow.models.builder import build_gpt_model
     from hyflow.models.description import ModelDescription
     from hyflow.placement.sync_planner import plan_actor_sync
-    from hyflow.rl.models import (RLModels, _copy_matching, _critic_updates, _init_value_head, _initial_state,
-                                  _recompute)
+    from hyflow.rl.models import RLModels, _initial_state, _recompute, build_other_roles
     from hyflow.rollout.config import GenerationConfig
     from hyflow.models.builder import resolve_spec
     from hyflow.training.optimizer import build_optimizer, wrap_ddp
@@ -136,27 +135,7 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
                               placement, row_group)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), hybrid=sender,
                       dispatcher=rollouts, sample_vocab=min(desc.vocab_size, tokenizer.vocab_size))
-    if cfg.reference.enable:
-        reference = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, config_overrides=frozen)
-        reference.requires_grad_(False)
-        reference.eval()
-        models.reference = reference
-        models.reset_reference()
-    if cfg.critic.enable:
-        critic = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, value_head=True,
-                                 config_overrides=dict(frozen, **_recompute(cfg.actor.recompute)))
-        untouched = _copy_matching(actor, critic, skip=("output_layer.weight",))
-        assert set(untouched) <= {"output_layer.weight"}, untouched
-        _init_value_head(critic, desc.init_method_std, cfg.trainer.seed + 17)
-        critic_chunks = wrap_ddp([critic], groups, cfg.critic.optim.distributed_optimizer)
-        with _default_group_is(pool_group):
-            critic_optimizer, critic_scheduler = build_optimizer(
-                critic_chunks, cfg.critic.optim, _critic_updates(cfg), critic.config.params_dtype, groups=groups)
-        models.critic = TrainedModel(critic_chunks, critic_optimizer, critic_scheduler)
-    if cfg.reward.model_checkpoint:
-        from hyflow.rl.reward_model import build_reward_model
-
-        models.reward_model = build_reward_model(cfg, groups, models.sample_vocab, tokenizer.pad_token_id or 0)
+    build_other_roles(cfg, models, actor, frozen, tokenizer, optimizer_scope=_default_group_is(pool_group))
     return models
 
 

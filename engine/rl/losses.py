@@ -197,8 +197,8 @@ def forward_score(chunks: Sequence[torch.nn.Module], micro: Sequence[Batch], sco
 
 
 class logprob_scorer:
-    """Scorer of log p(token) under the actor; with ``fused`` (default) only at the batch's
-    ``response_mask`` positions (0 elsewhere), from the last hidden states."""
+    """Scorer of log p(token) under the actor; with ``fused`` (default) from the last hidden states,
+    only at the batch's ``response_mask`` positions when it has one (0 elsewhere)."""
 
     predicts_next = True  # under CP a position holds the log-prob of its label (the next token)
 
@@ -206,9 +206,10 @@ class logprob_scorer:
         self.vocab, self.tp_group, self.temperature, self.hidden_states = vocab_size, tp_group, temperature, fused
 
     def __call__(self, output, batch: Batch) -> torch.Tensor:
-        if isinstance(output, Hidden):
-            return hidden_scores(output, batch, batch["response_mask"] > 0, self.vocab, self.tp_group,
-                                 self.temperature)[0]
+        if isinstance(output, Hidden):  # every position when the batch names no responses
+            mask = batch.get("response_mask")
+            scored = mask > 0 if mask is not None else torch.ones_like(batch["tokens"], dtype=torch.bool)
+            return hidden_scores(output, batch, scored, self.vocab, self.tp_group, self.temperature)[0]
         return token_logprobs(output, batch, self.vocab, self.tp_group, self.temperature)
 
 

@@ -6,6 +6,7 @@ the critic and the reward model. Every model is built for the rank's device
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -129,6 +130,16 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
                                    desc, sample_vocab, eos)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), hybrid=hybrid,
                       dispatcher=dispatcher, sample_vocab=sample_vocab)
+    build_other_roles(cfg, models, actor, frozen, tokenizer)
+    return models
+
+
+def build_other_roles(cfg, models: RLModels, actor, frozen: dict, tokenizer, optimizer_scope=None) -> None:
+    """The reference, the critic and the reward model in the actor's training layout (``models.groups``),
+    attached to ``models``. ``actor``: the unwrapped actor (the critic copies its initial trunk);
+    ``frozen``: the builder's overrides for models initialised by copying; ``optimizer_scope``: a
+    context the critic's optimizer is built in (a placement pool's default group)."""
+    groups, desc = models.groups, models.desc
     if cfg.reference.enable:  # also measures the reported KL when no KL term is optimised
         reference = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, config_overrides=frozen)
         reference.requires_grad_(False)
@@ -143,14 +154,14 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
         assert set(untouched) <= {"output_layer.weight"}, untouched
         _init_value_head(critic, desc.init_method_std, cfg.trainer.seed + 17)
         critic_chunks = wrap_ddp([critic], groups, cfg.critic.optim.distributed_optimizer)
-        critic_optimizer, critic_scheduler = build_optimizer(
-            critic_chunks, cfg.critic.optim, _critic_updates(cfg), critic.config.params_dtype)
+        with optimizer_scope if optimizer_scope is not None else contextlib.nullcontext():
+            critic_optimizer, critic_scheduler = build_optimizer(
+                critic_chunks, cfg.critic.optim, _critic_updates(cfg), critic.config.params_dtype, groups=groups)
         models.critic = TrainedModel(critic_chunks, critic_optimizer, critic_scheduler)
     if cfg.reward.model_checkpoint:  # frozen, eval, in the actor's training layout (like the reference)
         from hyflow.rl.reward_model import build_reward_model
 
-        models.reward_model = build_reward_model(cfg, groups, sample_vocab, tokenizer.pad_token_id or 0)
-    return models
+        models.reward_model = build_reward_model(cfg, groups, models.sample_vocab, tokenizer.pad_token_id or 0)
 
 
 def _critic_updates(cfg) -> int:
