@@ -35,34 +35,7 @@ from hyflow.algorithms import (
     vanilla_policy_loss,
 )
 
-F64 = torch.float64
-MASK_ROWS = [
-    [1, 1, 1, 1, 1, 1, 1],
-    [1, 1, 1, 1, 0, 0, 0],
-    [0, 0, 0, 0, 0, 0, 0],
-    [1, 0, 0, 0, 0, 0, 0],
-    [0, 0, 1, 1, 1, 1, 1],
-    [1, 1, 0, 1, 1, 0, 0],
-]
-B, T = len(MASK_ROWS), len(MASK_ROWS[0])
-NORM = 16
-
-
-def mask_t(dtype=torch.bool) -> torch.Tensor:
-    return torch.tensor(MASK_ROWS).to(dtype)
-
-
-def rand(*shape, seed=0, scale=1.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=F64) * scale
-
-
-def valid(b):
-    return [t for t in range(T) if MASK_ROWS[b][t]]
-
-
-def nan_pad(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask_t(), x, torch.full_like(x, float("nan")))
+from algorithms_reference import B, F64, NORM, T, mask_t, rand, valid, with_garbage
 
 
 def seq_adv(seed=5) -> torch.Tensor:
@@ -78,7 +51,7 @@ def test_gspo_value_is_the_clipped_sequence_ratio():
     old = rand(B, T, seed=1, scale=0.5)
     logp = old + rand(B, T, seed=2, scale=0.3)
     adv = seq_adv()
-    loss, stats = gspo_policy_loss(nan_pad(logp), old, adv, mask_t(), clip_ratio_low=0.05, clip_ratio_high=0.08)
+    loss, stats = gspo_policy_loss(with_garbage(logp), old, adv, mask_t(), clip_ratio_low=0.05, clip_ratio_high=0.08)
     clipped = 0
     for b in range(B):
         ts = valid(b)
@@ -106,7 +79,7 @@ def test_gspo_gradient_equals_the_papers_sequence_objective():
     lo, hi = 0.04, 0.06
 
     logp = (old + delta).requires_grad_(True)
-    loss_mat, _ = gspo_policy_loss(nan_pad(logp), old, adv, mask_t(), clip_ratio_low=lo, clip_ratio_high=hi)
+    loss_mat, _ = gspo_policy_loss(with_garbage(logp), old, adv, mask_t(), clip_ratio_low=lo, clip_ratio_high=hi)
     aggregate_loss(loss_mat, mask_t(), "seq-mean-token-mean").backward()
 
     ref_logp = (old + delta).requires_grad_(True)
@@ -135,7 +108,7 @@ def test_cispo_value_and_gradient_keep_clipped_tokens():
     adv = rand(B, T, seed=9)
     lo, hi = 0.2, 0.3
     logp = logp0.clone().requires_grad_(True)
-    loss_mat, stats = cispo_policy_loss(nan_pad(logp), old, adv, mask_t(), clip_ratio_low=lo, clip_ratio_high=hi)
+    loss_mat, stats = cispo_policy_loss(with_garbage(logp), old, adv, mask_t(), clip_ratio_low=lo, clip_ratio_high=hi)
     aggregate_loss(loss_mat, mask_t(), "token-mean").backward()
     n = sum(len(valid(b)) for b in range(B))
     n_clipped = 0
@@ -174,8 +147,8 @@ def test_registry_common_signature_and_is_weights():
     w = torch.rand(B, T, generator=torch.Generator().manual_seed(13), dtype=F64) + 0.5
     for name, fn in POLICY_LOSSES.items():
         kw = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None)
-        plain, stats = fn(nan_pad(logp), old, adv, mask_t(), **kw)
-        weighted, _ = fn(nan_pad(logp), old, adv, mask_t(), is_weights=nan_pad(w), **kw)
+        plain, stats = fn(with_garbage(logp), old, adv, mask_t(), **kw)
+        weighted, _ = fn(with_garbage(logp), old, adv, mask_t(), is_weights=with_garbage(w), **kw)
         assert torch.isfinite(weighted).all() and torch.isfinite(plain).all(), name
         torch.testing.assert_close(weighted, torch.where(mask_t(), plain * w, torch.zeros_like(w)))
         assert set(stats) == {"clip_frac", "clip_frac_lower", "approx_kl", "ratio"}, name
@@ -239,7 +212,7 @@ def test_rollout_correction_matches_definitions_and_splits_over_ranks(mode):
     rollout = rand(B, T, seed=15, scale=0.5) - 1.0
     old = rollout + rand(B, T, seed=16, scale=0.5)
     cap, low, high = 1.5, 0.6, 1.8
-    out = rollout_correction(nan_pad(old), nan_pad(rollout), mask_t(torch.float32), mode, cap, low, high)
+    out = rollout_correction(with_garbage(old), with_garbage(rollout), mask_t(torch.float32), mode, cap, low, high)
     w_ref, kept_ref = ref_correction(old, rollout, mode, cap, low, high)
     torch.testing.assert_close(out.weights, w_ref, rtol=1e-12, atol=1e-15)
     assert torch.equal(out.mask != 0, kept_ref) and out.mask.dtype == torch.float32
@@ -280,7 +253,7 @@ def test_rollout_correction_rejects_bad_arguments():
 def test_mismatch_metrics_match_a_loop_and_split_over_ranks():
     rollout = rand(B, T, seed=17, scale=0.5) - 1.0
     train = rollout + rand(B, T, seed=18, scale=2e-3)
-    rows = mismatch_row_stats(nan_pad(train).float(), nan_pad(rollout).float(), mask_t())
+    rows = mismatch_row_stats(with_garbage(train).float(), with_garbage(rollout).float(), mask_t())
     metrics = mismatch_metrics(unpack_row_stats(rows, *pack_row_stats(rows)))
     d = [train[b, t].item() - rollout[b, t].item() for b in range(B) for t in valid(b)]
     # the inputs are float32 (as log-probs are): compare with the float32-rounded differences
