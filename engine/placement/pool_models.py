@@ -109,25 +109,14 @@ def _default_group_is(pool):
 def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_group=None, pool_group=None):
     """The training pool's :class:`~hyflow.rl.models.RLModels` (see the module docstring)."""
     from hyflow.checkpoint.checkpointer import TrainedModel
-    from hyflow.models.builder import build_gpt_model
+    from hyflow.models.builder import resolve_spec
     from hyflow.models.description import ModelDescription
     from hyflow.placement.sync_planner import plan_actor_sync
-    from hyflow.rl.models import RLModels, _initial_state, _recompute, build_other_roles
+    from hyflow.rl.models import RLModels, build_actor, build_other_roles
     from hyflow.rollout.config import GenerationConfig
-    from hyflow.models.builder import resolve_spec
-    from hyflow.training.optimizer import build_optimizer, wrap_ddp
 
     desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
-    frozen = {"perform_initialization": False}
-    actor = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
-                            config_overrides=dict(frozen, **_recompute(cfg.actor.recompute)))
-    _initial_state(cfg, desc, actor, groups, cfg.actor.checkpoint)
-    chunks = wrap_ddp([actor], groups, cfg.actor.optim.distributed_optimizer)
-    total_updates = cfg.trainer.total_steps * cfg.actor.ppo_epochs * max(
-        1, cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.mini_batch_size) + cfg.actor.sft_warmup_steps
-    with _default_group_is(pool_group):
-        optimizer, scheduler = build_optimizer(chunks, cfg.actor.optim, total_updates, actor.config.params_dtype,
-                                               groups=groups)
+    actor, chunks, optimizer, scheduler = build_actor(cfg, desc, groups, optimizer_scope=_default_group_is(pool_group))
     plan = plan_actor_sync(placement, desc, actor.config.params_dtype.itemsize,
                            fused_norms=resolve_spec(cfg.actor.spec) == "te")
     sender = WeightSender(WeightSync(plan, actor, sync_group))
@@ -135,7 +124,7 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
                               placement, row_group)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), hybrid=sender,
                       dispatcher=rollouts, sample_vocab=min(desc.vocab_size, tokenizer.vocab_size))
-    build_other_roles(cfg, models, actor, frozen, tokenizer, optimizer_scope=_default_group_is(pool_group))
+    build_other_roles(cfg, models, actor, tokenizer, optimizer_scope=_default_group_is(pool_group))
     return models
 
 

@@ -111,15 +111,7 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
     if desc.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"the model's vocabulary ({desc.vocab_size}) is smaller than the tokenizer's "
                          f"({tokenizer.vocab_size}); use a model/tokenizer pair that match")
-    # Weights come from a checkpoint or the layout-independent random draw: no Megatron init.
-    frozen = {"perform_initialization": False}
-    actor = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
-                            config_overrides=dict(frozen, **_recompute(cfg.actor.recompute)))
-    _initial_state(cfg, desc, actor, groups, cfg.actor.checkpoint)
-    chunks = wrap_ddp([actor], groups, cfg.actor.optim.distributed_optimizer)
-    total_updates = cfg.trainer.total_steps * cfg.actor.ppo_epochs * max(
-        1, cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.mini_batch_size) + cfg.actor.sft_warmup_steps
-    optimizer, scheduler = build_optimizer(chunks, cfg.actor.optim, total_updates, actor.config.params_dtype)
+    actor, chunks, optimizer, scheduler = build_actor(cfg, desc, groups)
     hybrid = HybridEngine(chunks[0], desc, groups, (cfg.rollout.layout.tp, cfg.rollout.layout.pp),
                           dtype=cfg.actor.dtype, spec=cfg.actor.spec, optimizer=optimizer,
                           offload_grad_buffers=cfg.rollout.offload_grad_buffers,
@@ -130,15 +122,35 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
                                    desc, sample_vocab, eos)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), hybrid=hybrid,
                       dispatcher=dispatcher, sample_vocab=sample_vocab)
-    build_other_roles(cfg, models, actor, frozen, tokenizer)
+    build_other_roles(cfg, models, actor, tokenizer)
     return models
 
 
-def build_other_roles(cfg, models: RLModels, actor, frozen: dict, tokenizer, optimizer_scope=None) -> None:
+#: Weights come from a checkpoint or the layout-independent random draw: no Megatron init.
+FROZEN_INIT = {"perform_initialization": False}
+
+
+def build_actor(cfg, desc: ModelDescription, groups: ParallelGroups, optimizer_scope=None):
+    """The actor in its training layout with its initial weights, DDP-wrapped: (module, chunks,
+    optimizer, scheduler). ``optimizer_scope``: see :func:`build_other_roles`."""
+    actor = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
+                            config_overrides=dict(FROZEN_INIT, **_recompute(cfg.actor.recompute)))
+    _initial_state(cfg, desc, actor, groups, cfg.actor.checkpoint)
+    chunks = wrap_ddp([actor], groups, cfg.actor.optim.distributed_optimizer)
+    total_updates = cfg.trainer.total_steps * cfg.actor.ppo_epochs * max(
+        1, cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.mini_batch_size) + cfg.actor.sft_warmup_steps
+    with optimizer_scope if optimizer_scope is not None else contextlib.nullcontext():
+        optimizer, scheduler = build_optimizer(chunks, cfg.actor.optim, total_updates, actor.config.params_dtype,
+                                               groups=groups)
+    return actor, chunks, optimizer, scheduler
+
+
+def build_other_roles(cfg, models: RLModels, actor, tokenizer, optimizer_scope=None) -> None:
     """The reference, the critic and the reward model in the actor's training layout (``models.groups``),
     attached to ``models``. ``actor``: the unwrapped actor (the critic copies its initial trunk);
-    ``frozen``: the builder's overrides for models initialised by copying; ``optimizer_scope``: a
-    context the critic's optimizer is built in (a placement pool's default group)."""
+    ``optimizer_scope``: a context the critic's optimizer is built in (a placement pool's default
+    group)."""
+    frozen = FROZEN_INIT
     groups, desc = models.groups, models.desc
     if cfg.reference.enable:  # also measures the reported KL when no KL term is optimised
         reference = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, config_overrides=frozen)
