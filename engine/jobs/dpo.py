@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,12 @@ from hyflow.algorithms import dpo_loss, kto_loss
 from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 from hyflow.config import dump_yaml, format_config
 from hyflow.data.preference import sequence_tensors
-from hyflow.jobs.preference_config import DPOJobConfig, KTOJobConfig
+from hyflow.jobs.preference_config import DPOJobConfig, KTOJobConfig, PreferenceJobConfig
 from hyflow.jobs.preference_losses import dpo_loss_fn, from_last_stage, kto_loss_fn, loss_scale, score_sequences
 from hyflow.jobs.preference_models import CACHE_FILE, Policy, ReferenceLogps, build_policy, micro_batches
 from hyflow.training.step import train_step
 from hyflow.training.supervisor import StepOutcome, StepSupervisor
 
-PreferenceJobConfig = Union[DPOJobConfig, KTOJobConfig]
 #: Right padding never reaches a real token's prediction (causal attention, completion mask),
 #: so any id works as the pad.
 PAD_ID = 0
