@@ -216,6 +216,10 @@ def test_arithmetic_test_split_is_held_out():
     pref = {r["prompt"][0]["content"] for r in make_preference_rows("pref_arithmetic", 400, "dpo", seed=3,
                                                                       split="train")}
     assert test and not test & train and not test & pref
+    # the rows say which split they come from (verl's extra_info.split)
+    assert {r["extra_info"]["split"] for r in make_task_rows("arithmetic", 10, seed=2, split="test")} == {"test"}
+    assert {r["extra_info"]["split"] for r in make_preference_rows("pref_arithmetic", 10, "dpo", split="train")} == \
+        {"train"}
     # split=all (the default) leaves the existing task's rows unchanged
     assert make_task_rows("arithmetic", 20, seed=1) == make_task_rows("arithmetic", 20, seed=1, split="all")
 

@@ -55,13 +55,14 @@ class TaskInfo:
     kind: str = "rl"                    # "rl": prompts; "preference": rows for job dpo / kto
 
 
-def _row(task: str, index: int, question: str, answer: str, ability: str) -> dict:
+def _row(task: str, index: int, question: str, answer: str, ability: str, split: str = "all") -> dict:
     return {
         "data_source": f"hyflow/{task}",
         "prompt": [{"role": "user", "content": question}],
         "ability": ability,
         "reward_model": {"style": "rule", "ground_truth": answer},
-        "extra_info": {"split": "train", "index": index, "question": question, "answer": answer},
+        "extra_info": {"split": "test" if split == "test" else "train", "index": index, "question": question,
+                       "answer": answer},
     }
 
 
@@ -142,7 +143,7 @@ def _make_arithmetic(size: int, seed: int = 0, ops: str = "+-", max_operand: int
                      max_factor: int = 12, split: str = "all") -> list[dict]:
     """Rows ``"What is a op b? Answer with just the number."`` -> the result (non-negative)."""
     problems = _arithmetic_problems(size, seed, ops, max_operand, max_factor, split)
-    return [_row("arithmetic", i, q, str(ans), "math") for i, (q, ans, _) in enumerate(problems)]
+    return [_row("arithmetic", i, q, str(ans), "math", split) for i, (q, ans, _) in enumerate(problems)]
 
 
 # ----------------------------------------------------------------------------- preference tasks
@@ -160,13 +161,13 @@ def _plausible_wrong(answer: int, operands: tuple[int, str, int], rng: random.Ra
     return rng.choice(options)
 
 
-def _preference_rows(task: str, problems: list, seed: int, fmt: str) -> list[dict]:
+def _preference_rows(task: str, problems: list, seed: int, fmt: str, split: str = "all") -> list[dict]:
     if fmt not in ("dpo", "kto"):
         raise ValueError(f"format must be 'dpo' or 'kto', got {fmt!r}")
     rng = random.Random(f"{task}:wrong:{seed}")
     rows = []
     for i, (question, answer, operands) in enumerate(problems):
-        base = _row(task, i, question, str(answer), "math")
+        base = _row(task, i, question, str(answer), "math", split)
         right = [{"role": "assistant", "content": str(answer)}]
         wrong = [{"role": "assistant", "content": str(_plausible_wrong(answer, operands, rng))}]
         if fmt == "dpo":
@@ -188,7 +189,7 @@ def _make_pref_arithmetic(size: int, seed: int = 0, format: str = "dpo", ops: st
     """``arithmetic`` problems (the same ones for the same seed and options) with the right result as
     ``chosen`` and a plausible wrong one as ``rejected`` (``format=kto``: two rows per problem)."""
     problems = _arithmetic_problems(size, seed, ops, max_operand, max_factor, split)
-    return _preference_rows("pref_arithmetic", problems, seed, format)
+    return _preference_rows("pref_arithmetic", problems, seed, format, split)
 
 
 TASKS: dict[str, TaskInfo] = {
