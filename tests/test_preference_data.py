@@ -210,12 +210,30 @@ def test_preference_tasks_right_answer_chosen_plausible_wrong_rejected(name):
         make_preference_rows("arithmetic", 5, "dpo")
 
 
+def test_pref_arithmetic_equation_answers_differ_only_in_the_result():
+    numbers = make_preference_rows("pref_arithmetic", 40, "dpo", seed=5)
+    equations = make_preference_rows("pref_arithmetic", 40, "dpo", seed=5, answer="equation")
+    for n, e in zip(numbers, equations):
+        question = e["prompt"][0]["content"]
+        lhs = re.match(r"What is (\d+ [-+*] \d+)\?", question).group(1)
+        # the same problem and the same wrong result, written "a op b = x"
+        assert n["prompt"] == e["prompt"]
+        for key in ("chosen", "rejected"):
+            assert e[key][0]["content"] == f"{lhs} = {n[key][0]['content']}"
+    with pytest.raises(ValueError, match="answer must be one of number, equation"):
+        make_preference_rows("pref_arithmetic", 4, "dpo", answer="words")
+
+
 def test_arithmetic_test_split_is_held_out():
     train = {r["prompt"][0]["content"] for r in make_task_rows("arithmetic", 400, seed=1, split="train")}
     test = {r["prompt"][0]["content"] for r in make_task_rows("arithmetic", 100, seed=2, split="test")}
     pref = {r["prompt"][0]["content"] for r in make_preference_rows("pref_arithmetic", 400, "dpo", seed=3,
                                                                       split="train")}
     assert test and not test & train and not test & pref
+    # the rows say which split they come from (verl's extra_info.split)
+    assert {r["extra_info"]["split"] for r in make_task_rows("arithmetic", 10, seed=2, split="test")} == {"test"}
+    assert {r["extra_info"]["split"] for r in make_preference_rows("pref_arithmetic", 10, "dpo", split="train")} == \
+        {"train"}
     # split=all (the default) leaves the existing task's rows unchanged
     assert make_task_rows("arithmetic", 20, seed=1) == make_task_rows("arithmetic", 20, seed=1, split="all")
 

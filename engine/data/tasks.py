@@ -55,13 +55,14 @@ class TaskInfo:
     kind: str = "rl"                    # "rl": prompts; "preference": rows for job dpo / kto
 
 
-def _row(task: str, index: int, question: str, answer: str, ability: str) -> dict:
+def _row(task: str, index: int, question: str, answer: str, ability: str, split: str = "all") -> dict:
     return {
         "data_source": f"hyflow/{task}",
         "prompt": [{"role": "user", "content": question}],
         "ability": ability,
         "reward_model": {"style": "rule", "ground_truth": answer},
-        "extra_info": {"split": "train", "index": index, "question": question, "answer": answer},
+        "extra_info": {"split": "test" if split == "test" else "train", "index": index, "question": question,
+                       "answer": answer},
     }
 
 
@@ -142,7 +143,7 @@ def _make_arithmetic(size: int, seed: int = 0, ops: str = "+-", max_operand: int
                      max_factor: int = 12, split: str = "all") -> list[dict]:
     """Rows ``"What is a op b? Answer with just the number."`` -> the result (non-negative)."""
     problems = _arithmetic_problems(size, seed, ops, max_operand, max_factor, split)
-    return [_row("arithmetic", i, q, str(ans), "math") for i, (q, ans, _) in enumerate(problems)]
+    return [_row("arithmetic", i, q, str(ans), "math", split) for i, (q, ans, _) in enumerate(problems)]
 
 
 # ----------------------------------------------------------------------------- preference tasks
@@ -160,15 +161,23 @@ def _plausible_wrong(answer: int, operands: tuple[int, str, int], rng: random.Ra
     return rng.choice(options)
 
 
-def _preference_rows(task: str, problems: list, seed: int, fmt: str) -> list[dict]:
+ANSWER_STYLES = ("number", "equation")
+
+
+def _preference_rows(task: str, problems: list, seed: int, fmt: str, split: str = "all",
+                     answer: str = "number") -> list[dict]:
     if fmt not in ("dpo", "kto"):
         raise ValueError(f"format must be 'dpo' or 'kto', got {fmt!r}")
+    if answer not in ANSWER_STYLES:
+        raise ValueError(f"answer must be one of {', '.join(ANSWER_STYLES)}, got {answer!r}")
     rng = random.Random(f"{task}:wrong:{seed}")
     rows = []
-    for i, (question, answer, operands) in enumerate(problems):
-        base = _row(task, i, question, str(answer), "math")
-        right = [{"role": "assistant", "content": str(answer)}]
-        wrong = [{"role": "assistant", "content": str(_plausible_wrong(answer, operands, rng))}]
+    for i, (question, result, operands) in enumerate(problems):
+        base = _row(task, i, question, str(result), "math", split)
+        # equation: "14 + 20 = 34", the chosen and rejected texts differ only in the result
+        say = (lambda x: f"{operands[0]} {operands[1]} {operands[2]} = {x}") if answer == "equation" else str
+        right = [{"role": "assistant", "content": say(result)}]
+        wrong = [{"role": "assistant", "content": say(_plausible_wrong(result, operands, rng))}]
         if fmt == "dpo":
             rows.append(dict(base, chosen=right, rejected=wrong))
         else:  # one desirable and one undesirable example per problem
@@ -184,11 +193,13 @@ def _make_pref_digit_add(size: int, seed: int = 0, format: str = "dpo") -> list[
 
 
 def _make_pref_arithmetic(size: int, seed: int = 0, format: str = "dpo", ops: str = "+-",  # noqa: A002
-                          max_operand: int = 50, max_factor: int = 12, split: str = "all") -> list[dict]:
+                          max_operand: int = 50, max_factor: int = 12, split: str = "all",
+                          answer: str = "number") -> list[dict]:
     """``arithmetic`` problems (the same ones for the same seed and options) with the right result as
-    ``chosen`` and a plausible wrong one as ``rejected`` (``format=kto``: two rows per problem)."""
+    ``chosen`` and a plausible wrong one as ``rejected`` (``format=kto``: two rows per problem);
+    ``answer=equation`` writes both as ``"14 + 20 = 34"`` (how instruct models tend to answer)."""
     problems = _arithmetic_problems(size, seed, ops, max_operand, max_factor, split)
-    return _preference_rows("pref_arithmetic", problems, seed, format)
+    return _preference_rows("pref_arithmetic", problems, seed, format, split, answer)
 
 
 TASKS: dict[str, TaskInfo] = {

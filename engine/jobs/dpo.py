@@ -22,10 +22,10 @@ are the RL job's (:class:`~hyflow.checkpoint.checkpointer.Checkpointer`,
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
-from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,13 @@ from hyflow.algorithms import dpo_loss, kto_loss
 from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 from hyflow.config import dump_yaml, format_config
 from hyflow.data.preference import sequence_tensors
-from hyflow.jobs.preference_config import DPOJobConfig, KTOJobConfig
+from hyflow.jobs.preference_config import DPOJobConfig, KTOJobConfig, PreferenceJobConfig
 from hyflow.jobs.preference_losses import dpo_loss_fn, from_last_stage, kto_loss_fn, loss_scale, score_sequences
 from hyflow.jobs.preference_models import CACHE_FILE, Policy, ReferenceLogps, build_policy, micro_batches
+from hyflow.jobs.step_end import StepEnd
 from hyflow.training.step import train_step
-from hyflow.training.supervisor import StepOutcome, StepSupervisor
+from hyflow.training.supervisor import StepSupervisor
 
-PreferenceJobConfig = Union[DPOJobConfig, KTOJobConfig]
 #: Right padding never reaches a real token's prediction (causal attention, completion mask),
 #: so any id works as the pad.
 PAD_ID = 0
@@ -90,7 +90,8 @@ def run(cfg: PreferenceJobConfig) -> list[dict]:
     progress = Progress.from_config(cfg.trainer, initial=start, enabled=rank == 0, shown=shown)
     timers = PhaseTimers(phases=("ref", "update") if cfg.job == "dpo" else ("ref", "kl", "update"))
     step_fn = dpo_step if cfg.job == "dpo" else kto_step
-    history = []
+    ends = StepEnd(cfg.trainer, ckpt, supervisor, writer, progress)  # metrics, checkpoints, stop / divergence
+    save = functools.partial(_save, cfg, ckpt, policy, loader, supervisor, reference)  # save(step)
     try:
         for step in range(start + 1, cfg.trainer.total_steps + 1):
             records = loader.next_batch()
@@ -100,18 +101,7 @@ def run(cfg: PreferenceJobConfig) -> list[dict]:
             metrics.update({k.replace("timing_s/", "time/"): v for k, v in timers.step_summary().items()})
             metrics["tokens_per_s"] = batch_tokens(records, cfg.job) / max(metrics["time/step"], 1e-9)
             metrics["epoch"] = loader.sampler.epoch + loader.sampler.index / len(dataset)
-            metrics["step"] = step
-            history.append(metrics)
-            if writer is not None:
-                writer.log(step, metrics)
-            progress.update(step, metrics)
-            saved = _maybe_save(cfg, ckpt, policy, loader, supervisor, reference, step, outcome)
-            if outcome.diverged:
-                ckpt.wait()
-                raise supervisor.divergence_error(saved)
-            if outcome.preempted:
-                ckpt.log(f"[hyflow] stopped after step {step} on a stop signal; resume with the same command "
-                         "(trainer.resume=auto)")
+            if ends.finish(step, metrics, outcome, save):
                 break
         ckpt.wait()
     finally:
@@ -121,7 +111,7 @@ def run(cfg: PreferenceJobConfig) -> list[dict]:
     if writer is not None:
         writer.close()
         _finish(cfg, writer.path)
-    return history
+    return ends.history
 
 
 # --------------------------------------------------------------------------- steps
@@ -261,14 +251,9 @@ def _trained_models(policy: Policy) -> dict[str, TrainedModel]:
     return {"actor": TrainedModel(policy.chunks, policy.optimizer, policy.scheduler)}
 
 
-def _maybe_save(cfg: PreferenceJobConfig, ckpt: Checkpointer, policy: Policy, loader, supervisor: StepSupervisor,
-                reference: ReferenceLogps, step: int, outcome: StepOutcome) -> Optional[str]:
-    """Checkpoint every ``trainer.save_every`` steps, at the last step and before stopping;
-    returns the checkpoint's directory when one was written."""
-    ckpt.poll()  # finalize background saves that finished (collective)
-    every = cfg.trainer.save_every
-    if not (outcome.stop or step == cfg.trainer.total_steps or (every and step % every == 0)):
-        return None
+def _save(cfg: PreferenceJobConfig, ckpt: Checkpointer, policy: Policy, loader, supervisor: StepSupervisor,
+          reference: ReferenceLogps, step: int) -> str:
+    """Checkpoint step ``step``; returns the checkpoint's directory."""
     # The reference is rebuilt from the config (actor.checkpoint / the seeded init); a precomputed
     # table is cached beside the checkpoints, found again by its fingerprint.
     job = {"data": loader.state_dict(), "supervisor": supervisor.state_dict(),

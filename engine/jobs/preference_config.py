@@ -125,7 +125,7 @@ class PreferenceTrainerConfig(TrainerConfig):
     output_dir: str = field(default="runs/dpo", metadata={"help": "metrics, config, TensorBoard, checkpoints"})
 
 
-def _validate_job(cfg) -> None:
+def _validate_job(cfg: "PreferenceJobConfig") -> None:
     world = cfg.trainer.nproc
     layout = cfg.actor_layout(world)
     layout.check_model(cfg.model)
@@ -144,14 +144,15 @@ def _validate_job(cfg) -> None:
 
 
 @dataclass
-class DPOJobConfig:
-    """``job: dpo`` - Direct Preference Optimisation (and IPO, hinge, cDPO) on preference pairs."""
+class PreferenceJobConfig:
+    """The sections and checks ``job: dpo`` and ``job: kto`` share; each sets ``job`` and
+    ``algorithm`` (and its trainer's default output directory)."""
 
-    job: Literal["dpo"] = field(default="dpo", metadata={"help": "the job this config runs (dpo or kto)"})
+    job: str = field(default="dpo", metadata={"help": "the job this config runs (dpo or kto)"})
     model: ModelDescription = field(default_factory=tiny_llama, metadata={
         "help": "architecture (ignored when actor.checkpoint is set: read from its model.json)"})
     actor: PolicyConfig = field(default_factory=PolicyConfig)
-    algorithm: DPOAlgorithmConfig = field(default_factory=DPOAlgorithmConfig)
+    algorithm: Any = None
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     trainer: PreferenceTrainerConfig = field(default_factory=PreferenceTrainerConfig)
 
@@ -164,20 +165,17 @@ class DPOJobConfig:
 
 
 @dataclass
-class KTOJobConfig:
+class DPOJobConfig(PreferenceJobConfig):
+    """``job: dpo`` - Direct Preference Optimisation (and IPO, hinge, cDPO) on preference pairs."""
+
+    job: Literal["dpo"] = field(default="dpo", metadata={"help": "the job this config runs (dpo or kto)"})
+    algorithm: DPOAlgorithmConfig = field(default_factory=DPOAlgorithmConfig)
+
+
+@dataclass
+class KTOJobConfig(PreferenceJobConfig):
     """``job: kto`` - Kahneman-Tversky Optimisation on unpaired desirable / undesirable examples."""
 
     job: Literal["kto"] = field(default="kto", metadata={"help": "the job this config runs (dpo or kto)"})
-    model: ModelDescription = field(default_factory=tiny_llama, metadata={
-        "help": "architecture (ignored when actor.checkpoint is set: read from its model.json)"})
-    actor: PolicyConfig = field(default_factory=PolicyConfig)
     algorithm: KTOAlgorithmConfig = field(default_factory=KTOAlgorithmConfig)
-    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     trainer: PreferenceTrainerConfig = field(default_factory=lambda: PreferenceTrainerConfig(output_dir="runs/kto"))
-
-    def actor_layout(self, world_size: Optional[int] = None) -> Layout:
-        """The actor's training layout with dp filled in for ``world_size`` ranks."""
-        return self.actor.layout.with_dp_for(world_size or self.trainer.nproc)
-
-    def validate(self) -> None:
-        _validate_job(self)

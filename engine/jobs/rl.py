@@ -30,6 +30,7 @@ from hyflow.algorithms.rollout_correction import rollout_correction, rollout_cor
 from hyflow.checkpoint.checkpointer import Checkpointer
 from hyflow.config import dump_yaml, format_config
 from hyflow.jobs.rl_config import RLJobConfig
+from hyflow.jobs.step_end import StepEnd
 from hyflow.rl.batch import MicroBatching, RolloutBatch, batching_for, build_rollout_batch, pad_multiple
 from hyflow.rl.losses import PolicyLoss, ValueLoss, forward_score, logprob_scorer, value_scorer
 from hyflow.rl.metrics import BatchStats, all_gather_strings, score_metrics
@@ -42,7 +43,7 @@ from hyflow.rl.staleness import StaleWeights
 from hyflow.rl.update import update_model
 from hyflow.rollout.dp import SampleTensors
 from hyflow.training.step import token_mean_weights, train_step
-from hyflow.training.supervisor import StepOutcome, StepSupervisor
+from hyflow.training.supervisor import StepSupervisor
 
 
 def setup(cfg: RLJobConfig) -> tuple[RLState, "StepJob"]:
@@ -98,7 +99,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
     progress = Progress.from_config(cfg.trainer, initial=start, enabled=rank == 0)
     sync = torch.cuda.synchronize if models.groups.device.type == "cuda" else None
     timers = PhaseTimers(sync=sync)  # phases charged with the device work they launched
-    history = []
+    ends = StepEnd(cfg.trainer, ckpt, supervisor, writer, progress)  # metrics, checkpoints, stop / divergence
     comm.install()  # per-step communication statistics (hyflow.monitor.comm)
     try:
         for step in range(start + 1, cfg.trainer.total_steps + 1):
@@ -114,18 +115,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
             # verl's definition: prompt + response tokens per second per rank
             metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (
                 metrics["timing_s/step"] * dist.get_world_size())
-            metrics["step"] = step
-            history.append(metrics)
-            if writer is not None:
-                writer.log(step, metrics)
-            progress.update(step, metrics)
-            saved = _maybe_save(cfg, ckpt, state, outcome)
-            if outcome.diverged:
-                ckpt.wait()
-                raise supervisor.divergence_error(saved)
-            if outcome.preempted:
-                ckpt.log(f"[hyflow] stopped after step {step} on a stop signal; resume with the same command "
-                         "(trainer.resume=auto)")
+            if ends.finish(step, metrics, outcome, lambda _: _save(cfg, ckpt, state)):
                 break
         ckpt.wait()
     finally:
@@ -136,7 +126,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
     if writer is not None:
         writer.close()
         _finish(cfg, writer.path)
-    return history
+    return ends.history
 
 
 class StepJob:
@@ -430,14 +420,9 @@ def _frozen_models(cfg: RLJobConfig, models: RLModels) -> Optional[dict]:
     return None
 
 
-def _maybe_save(cfg: RLJobConfig, ckpt: Checkpointer, state: RLState, outcome: StepOutcome) -> Optional[str]:
-    """Checkpoint every ``trainer.save_every`` steps, at the last step and before stopping;
-    returns the checkpoint's directory when one was written."""
-    ckpt.poll()  # finalize background saves that finished (collective)
-    every, step = cfg.trainer.save_every, state.step
-    if not (outcome.stop or step == cfg.trainer.total_steps or (every and step % every == 0)):
-        return None
-    return ckpt.save(step, state.models.trained(), state.state_dict(), frozen=_frozen_models(cfg, state.models),
+def _save(cfg: RLJobConfig, ckpt: Checkpointer, state: RLState) -> str:
+    """Checkpoint the state's step; returns the checkpoint's directory."""
+    return ckpt.save(state.step, state.models.trained(), state.state_dict(), frozen=_frozen_models(cfg, state.models),
                      config_text=format_config(cfg))
 
 
