@@ -270,6 +270,13 @@ def test_configs_validate_before_any_rank_starts(tmp_path):
         _config(tmp_path, BASE, overrides=["algorithm.loss_type=ipo", "algorithm.label_smoothing=0.1"])
     with pytest.raises(ConfigError, match="reference_free=true has no reference to precompute"):
         _config(tmp_path, BASE, overrides=["algorithm.reference_free=true", "algorithm.precompute_ref_logprobs=true"])
+    with pytest.raises(ConfigError, match="rpo_alpha.*finite number >= 0"):
+        _config(tmp_path, BASE, overrides=["algorithm.rpo_alpha=-0.5"])
+    with pytest.raises(ConfigError, match="rpo_alpha.*finite number >= 0"):
+        _config(tmp_path, BASE, overrides=["algorithm.rpo_alpha=.inf"])
+    assert _config(tmp_path, BASE, overrides=["algorithm.rpo_alpha=1.0"]).algorithm.rpo_alpha == 1.0
+    with pytest.raises(ConfigError, match="rpo_alpha"):  # RPO's NLL term is a DPO option; KTO has no such key
+        _config(tmp_path, BASE.replace("job: dpo", "job: kto"), KTOJobConfig, ["algorithm.rpo_alpha=1.0"])
     with pytest.raises(ConfigError, match="loss_type"):
         _config(tmp_path, BASE.replace("dpo", "kto"), KTOJobConfig, ["algorithm.loss_type=ipo"])
     kto = _config(tmp_path, BASE.replace("job: dpo", "job: kto"), KTOJobConfig,

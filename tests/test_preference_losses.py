@@ -6,7 +6,7 @@ references written here from the papers' formulas (issue #17):
   parameters' gradients equal the formula applied in float64 to the model's logits.
 
 DPO (Rafailov et al. 2023, eq. 7): l = -log sigmoid(beta * h), h = (log pi(y_w) - log ref(y_w)) -
-(log pi(y_l) - log ref(y_l)); cDPO: -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h); IPO (Azar
+(log pi(y_l) - log ref(y_l)); RPO (Pang et al. 2024): DPO's l - alpha * log pi(y_w) / |y_w|; cDPO: -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h); IPO (Azar
 et al. 2023, eq. 17): (h - 1 / (2 beta))^2; SLiC hinge: max(0, 1 - beta h). KTO (Ethayarajh et
 al. 2024, eq. 8): l = lambda_y - v, v = lambda_D sigmoid(beta (r - z0)) for desirable and
 lambda_U sigmoid(beta (z0 - r)) for undesirable y, r = log pi(y) - log ref(y), z0 = max(0, mean
@@ -62,6 +62,37 @@ def test_dpo_loss_and_gradients_on_random_logprobs(kind, eps, ref_free):
     torch.testing.assert_close(pr.grad, -torch.tensor(want_grad, dtype=F64), rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(chosen, beta * (pc.detach() - rc))
     torch.testing.assert_close(rejected, beta * (pr.detach() - rr))
+
+
+def test_rpo_adds_alpha_times_the_chosen_token_mean_nll_with_its_gradient():
+    """RPO (Pang et al. 2024, eq. 2): l = DPO loss - alpha * log pi(y_w) / |y_w| per pair; d/d log pi(y_w)
+    gains -alpha / |y_w|, the rejected gradient is DPO's; the job's sum * 1/global pairs is the mean."""
+    from hyflow.jobs.preference_losses import chosen_nll, loss_scale
+
+    gen = torch.Generator().manual_seed(11)
+    n, beta, alpha = 10, 0.1, 1.5
+    pc, pr = (-20 * torch.rand(n, generator=gen, dtype=F64)).requires_grad_(), \
+        (-20 * torch.rand(n, generator=gen, dtype=F64)).requires_grad_()
+    rc, rr = -20 * torch.rand(n, generator=gen, dtype=F64), -20 * torch.rand(n, generator=gen, dtype=F64)
+    tokens = torch.randint(1, 9, (n,), generator=gen)
+    dpo, _, _ = dpo_loss(pc, pr, rc, rr, beta=beta, kind="sigmoid", reduction="none")
+    # the job's reduction: two "ranks" of 5 pairs, each summing its pairs' losses * 1/global pairs
+    halves = [slice(0, 5), slice(5, 10)]
+    total = sum(((dpo[h] + alpha * chosen_nll(pc[h], tokens[h])).sum() * loss_scale(n)) for h in halves)
+    total.backward()
+    want_loss, want_c, want_r = 0.0, [], []
+    for i in range(n):
+        h = (pc[i].item() - rc[i].item()) - (pr[i].item() - rr[i].item())
+        value, grad = dpo_reference(h, beta, "sigmoid", 0.0)
+        nll = -pc[i].item() / int(tokens[i])
+        want_loss += (value + alpha * nll) / n
+        want_c.append((grad - alpha / int(tokens[i])) / n)
+        want_r.append(-grad / n)
+    assert total.item() == pytest.approx(want_loss, rel=1e-12)
+    torch.testing.assert_close(pc.grad, torch.tensor(want_c, dtype=F64), rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(pr.grad, torch.tensor(want_r, dtype=F64), rtol=1e-10, atol=1e-14)
+    # an empty chosen response contributes no NLL (and no division by zero)
+    assert chosen_nll(torch.zeros(1, dtype=F64), torch.zeros(1, dtype=torch.long)).item() == 0.0
 
 
 def test_kto_loss_and_gradients_on_random_logprobs():
@@ -185,11 +216,14 @@ def _real_step(job: str, cases: list) -> list:
         pol = _seq_logps64(chunk(t["tokens"], t["position_ids"], None), t["tokens"], t["completion_mask"], vocab)
         if job == "dpo":
             pol2, ref2 = pol.view(-1, 2), ref.view(-1, 2)
-            losses = _dpo64(pol2, ref2, cfg.algorithm)
+            # RPO's term: the chosen response's token-mean NLL, its length counted from the records
+            chosen_len = torch.tensor([len(r.chosen_ids) for r in records], dtype=F64)
+            nll = -pol2[:, 0] / chosen_len
+            losses = _dpo64(pol2, ref2, cfg.algorithm) + cfg.algorithm.rpo_alpha * nll
             chosen, rejected = cfg.algorithm.beta * (pol2[:, 0] - ref2[:, 0]), cfg.algorithm.beta * (pol2[:, 1] - ref2[:, 1])
             want = {"loss": losses.mean(), "rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
                     "rewards/margins": (chosen - rejected).mean(), "rewards/accuracies": (chosen > rejected).double().mean(),
-                    "logps/chosen": pol2[:, 0].mean(), "logps/rejected": pol2[:, 1].mean()}
+                    "logps/chosen": pol2[:, 0].mean(), "logps/rejected": pol2[:, 1].mean(), "nll_loss": nll.mean()}
         else:
             with torch.no_grad():
                 pol_kl = _seq_logps64(chunk(kl["tokens"], kl["position_ids"], None), kl["tokens"], kl["completion_mask"], vocab)
@@ -227,7 +261,8 @@ def test_dpo_step_on_a_tiny_model_equals_the_float64_formula():
              ["algorithm.loss_type=sigmoid", "algorithm.label_smoothing=0.2"],
              ["algorithm.loss_type=ipo", "algorithm.beta=0.5"],
              ["algorithm.loss_type=hinge", "algorithm.beta=2.0"],
-             ["algorithm.loss_type=sigmoid", "algorithm.reference_free=true", "algorithm.beta=0.1"]]
+             ["algorithm.loss_type=sigmoid", "algorithm.reference_free=true", "algorithm.beta=0.1"],
+             ["algorithm.loss_type=sigmoid", "algorithm.beta=0.1", "algorithm.rpo_alpha=2.0"]]
     results = run_on_ranks(_real_step, 1, "dpo", cases, timeout=600)[0]
     _check(results)
     assert len({round(r[0]["loss"], 6) for r in results}) == len(cases)

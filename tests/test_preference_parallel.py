@@ -2,7 +2,8 @@
 rank (issue #17): 3 steps each, compared to 1e-5 relative. The splits differ (1 rank: 4
 micro-batches of 2 pairs; DP=2: 2 per rank; PP=2: the 1F1B schedule), so this also checks that
 the loss is the mean over the global batch whatever the split. DPO runs with the per-batch
-reference, KTO with precomputed (data-parallel sharded) reference log-probs and its KL point."""
+reference and RPO's NLL term (``rpo_alpha``), KTO with precomputed (data-parallel sharded)
+reference log-probs and its KL point."""
 
 import math
 
@@ -22,7 +23,7 @@ trainer: {total_steps: 3, nproc: 1, loggers: [console], save_every: 0}
 """
 LAYOUTS = {"tp2": ["actor.layout.tp=2"], "pp2": ["actor.layout.pp=2"], "dp2": []}
 COMPARED = {"dpo": ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                    "logps/chosen", "logps/rejected", "grad_norm"),
+                    "logps/chosen", "logps/rejected", "nll_loss", "grad_norm"),
             "kto": ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
                     "logps/rejected", "grad_norm")}
 
@@ -46,7 +47,7 @@ def config(tmp_path_factory):
 
 def _job_args(job: str, out: str) -> list:
     args = [f"job={job}", f"trainer.output_dir={out}"]
-    return args + (["algorithm.precompute_ref_logprobs=true"] if job == "kto" else [])
+    return args + (["algorithm.precompute_ref_logprobs=true"] if job == "kto" else ["algorithm.rpo_alpha=0.5"])
 
 
 @pytest.fixture(scope="module")

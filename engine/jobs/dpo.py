@@ -35,7 +35,8 @@ from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 from hyflow.config import dump_yaml, format_config
 from hyflow.data.preference import sequence_tensors
 from hyflow.jobs.preference_config import DPOJobConfig, KTOJobConfig, PreferenceJobConfig
-from hyflow.jobs.preference_losses import dpo_loss_fn, from_last_stage, kto_loss_fn, loss_scale, score_sequences
+from hyflow.jobs.preference_losses import (chosen_nll, completion_tokens, dpo_loss_fn, from_last_stage, kto_loss_fn,
+                                          loss_scale, score_sequences)
 from hyflow.jobs.preference_models import CACHE_FILE, Policy, ReferenceLogps, build_policy, micro_batches
 from hyflow.jobs.step_end import StepEnd
 from hyflow.training.step import train_step
@@ -45,7 +46,7 @@ from hyflow.training.supervisor import StepSupervisor
 #: so any id works as the pad.
 PAD_ID = 0
 DPO_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-            "logps/chosen", "logps/rejected")
+            "logps/chosen", "logps/rejected", "nll_loss")
 KTO_KEYS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
             "logps/rejected", "count/chosen", "count/rejected")
 PLOT_FILE = "rewards.png"
@@ -144,7 +145,8 @@ def dpo_step(cfg: DPOJobConfig, policy: Policy, reference: ReferenceLogps, pairs
                            with_labels=False, loss_fn=loss_fn, groups=g)
     # 4. metrics over the global batch, from the log-probs the update saw
     logps = from_last_stage(captured, len(rows), g).view(-1, 2)
-    out = dpo_metrics(logps, batch["ref_logps"].view(-1, 2), cfg.algorithm, g, len(pairs))
+    chosen_tokens = completion_tokens(batch).view(-1, 2)[:, 0]
+    out = dpo_metrics(logps, batch["ref_logps"].view(-1, 2), chosen_tokens, cfg.algorithm, g, len(pairs))
     out.update(_update_stats(stats))
     return out
 
@@ -194,13 +196,17 @@ def _dp_sum(values: list, groups) -> list[float]:
     return vec.tolist()
 
 
-def dpo_metrics(policy: torch.Tensor, ref: torch.Tensor, algo, groups, global_pairs: int) -> dict:
+def dpo_metrics(policy: torch.Tensor, ref: torch.Tensor, chosen_tokens: torch.Tensor, algo, groups,
+                global_pairs: int) -> dict:
     """TRL's DPO metrics, means over the global batch: ``policy`` / ``ref`` are this rank's [n, 2]
-    (chosen, rejected) sequence log-probs."""
+    (chosen, rejected) sequence log-probs, ``chosen_tokens`` [n] the chosen responses' lengths.
+    ``nll_loss`` (logged whatever rpo_alpha is) is the chosen responses' mean token NLL; ``loss``
+    includes rpo_alpha times it."""
     losses, chosen, rejected = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta=algo.beta,
                                         label_smoothing=algo.label_smoothing, kind=algo.loss_type, reduction="none")
-    sums = _dp_sum([losses, chosen, rejected, (chosen > rejected).float(), chosen - rejected, policy[:, 0],
-                    policy[:, 1]], groups)
+    nll = chosen_nll(policy[:, 0], chosen_tokens)
+    sums = _dp_sum([losses + algo.rpo_alpha * nll, chosen, rejected, (chosen > rejected).float(), chosen - rejected,
+                    policy[:, 0], policy[:, 1], nll], groups)
     return {key: value / global_pairs for key, value in zip(DPO_KEYS, sums)}
 
 

@@ -10,6 +10,7 @@ random initialisation of ``model`` with ``trainer.seed``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -53,10 +54,17 @@ class DPOAlgorithmConfig:
     precompute_ref_logprobs: bool = field(default=False, metadata={
         "help": "score the whole dataset with the reference once before training (cached in the run's "
                 "checkpoints/ so resuming does not recompute) and free the reference model"})
+    rpo_alpha: float = field(default=0.0, metadata={
+        "help": "RPO (Pang et al. 2024): add rpo_alpha * the chosen response's token-mean negative "
+                "log-likelihood to each pair's loss, so training keeps raising the chosen answer instead of "
+                "only pushing the rejected one down; 0: plain DPO (TRL's rpo_alpha; TRL averages the NLL over "
+                "the batch's chosen tokens, here over each pair's, then over pairs)"})
 
     def validate(self) -> None:
         if self.beta <= 0:
             raise ConfigError(f"must be > 0, got {self.beta}", key="beta")
+        if not (math.isfinite(self.rpo_alpha) and self.rpo_alpha >= 0):
+            raise ConfigError(f"must be a finite number >= 0 (0: plain DPO), got {self.rpo_alpha}", key="rpo_alpha")
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"must be in [0, 0.5), got {self.label_smoothing}", key="label_smoothing")
         if self.label_smoothing and self.loss_type != "sigmoid":

@@ -37,8 +37,22 @@ def loss_scale(global_count: int) -> float:
     return 1.0 / global_count
 
 
+def chosen_nll(chosen_logps: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
+    """[pairs] RPO's NLL term: each chosen response's token-mean negative log-likelihood, from its
+    summed log-prob and its token count (an empty response counts as one token: NLL 0)."""
+    return -chosen_logps / chosen_tokens.to(chosen_logps.dtype).clamp(min=1)
+
+
+def completion_tokens(batch: Batch) -> torch.Tensor:
+    """[rows] completion tokens of each row (the tokens :func:`sequence_logprobs` sums over)."""
+    return batch["completion_mask"].sum(dim=-1)
+
+
 def dpo_loss_fn(algo, vocab_size: int, tp_group, scale: float):
-    """(loss closure, list the closure appends each micro-batch's [2b] policy log-probs to)."""
+    """(loss closure, list the closure appends each micro-batch's [2b] policy log-probs to).
+
+    With ``algo.rpo_alpha`` > 0 a pair's loss is RPO's: the DPO loss + rpo_alpha * :func:`chosen_nll`
+    (a per-pair term, so the sum * ``scale`` stays its exact share of the global-batch mean)."""
     captured: list[torch.Tensor] = []
 
     def loss(logits: torch.Tensor, batch: Batch):
@@ -46,6 +60,8 @@ def dpo_loss_fn(algo, vocab_size: int, tp_group, scale: float):
         policy, ref = seq.view(-1, 2), batch["ref_logps"].view(-1, 2)
         losses, _, _ = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta=algo.beta,
                                 label_smoothing=algo.label_smoothing, kind=algo.loss_type, reduction="none")
+        if algo.rpo_alpha:
+            losses = losses + algo.rpo_alpha * chosen_nll(policy[:, 0], completion_tokens(batch).view(-1, 2)[:, 0])
         captured.append(seq.detach().float())
         return losses.sum() * scale, {}
 
