@@ -56,12 +56,11 @@ def test_rows_go_to_the_ranks_that_own_them(overrides):
 def _run(overrides, out):
     import torch.distributed as dist
 
-    import hyflow.jobs.rl as rl
-    from hyflow.jobs.registry import load_job_config
+    from hyflow.jobs.registry import job_runner, load_job_config
     from hyflow.testing.rl import QUICKSTART
 
     cfg = load_job_config(QUICKSTART, [*SMALL, f"trainer.output_dir={out}", *overrides])
-    history = rl.run(cfg)
+    history = job_runner("rl")(cfg)  # the RL job in its trainer.mode, as `hyflow train` runs it
     return history if dist.get_rank() == 0 else None
 
 
