@@ -8,6 +8,9 @@ convention of :func:`hyflow.training.logprobs.shifted_token_logprobs`.
 Micro-batches are planned on row lengths alone (pure functions, unit-tested without tensors):
 
 * :func:`plan_fixed`: ``micro_batch_size`` rows each, in order;
+* :func:`plan_sorted`: ``micro_batch_size`` rows each, rows of similar length together (what
+  :class:`MicroBatching` uses for a fixed size: each micro-batch pads only to its own longest row,
+  so sorting first wastes the least; the rows are put back in order by :func:`scatter_rows`);
 * :func:`plan_token_budget`: rows grouped by length so that ``rows x longest row`` stays within a
   token budget (verl's dynamic batch size); each micro-batch is padded only to its own longest row;
 * :func:`plan_packed`: several sequences concatenated into one row of at most the budget, each with
@@ -104,6 +107,15 @@ def plan_fixed(n_rows: int, size: int) -> Plan:
     if size < 1:
         raise ValueError(f"micro-batch size must be >= 1, got {size}")
     return [list(range(s, min(s + size, n_rows))) for s in range(0, n_rows, size)]
+
+
+def plan_sorted(lengths: Sequence[int], size: int) -> Plan:
+    """``size`` rows per micro-batch, longest rows first (ties in row order): the same number of
+    micro-batches as :func:`plan_fixed`, never more padding."""
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[s:s + size] for s in range(0, len(order), size)]
 
 
 def plan_token_budget(lengths: Sequence[int], budget: int) -> Plan:
@@ -297,7 +309,8 @@ class MicroBatching:
 
     def plan(self, lengths: Sequence[int]) -> Plan:
         if self.max_tokens is None:  # packed too: micro_batch_size sequences per packed row
-            return plan_fixed(len(lengths), self.micro_batch_size)
+            return plan_fixed(len(lengths), self.micro_batch_size) if self.packed else \
+                plan_sorted(lengths, self.micro_batch_size)
         if self.packed:
             return plan_packed(lengths, self.max_tokens)
         return plan_token_budget(lengths, self.max_tokens)
