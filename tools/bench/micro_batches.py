@@ -6,7 +6,9 @@ One rank, one model, one batch of rows whose prompt and response lengths are dra
 
 * ``step-max`` (before): fixed micro-batches, every row padded to the step's longest row (hyflow
   before token budgets: one ``[b, s]`` shape for the whole step);
-* ``fixed``: fixed micro-batches, each padded to its own longest row;
+* ``in-order``: fixed micro-batches of rows in batch order, each padded to its own longest row;
+* ``fixed``: fixed micro-batches of rows of similar length (what ``actor.micro_batch_size`` does),
+  each padded to its own longest row;
 * ``token-budget``: rows grouped by length under ``--max-tokens`` (``actor.max_tokens_per_micro_batch``);
 * ``packed``: sequences concatenated up to ``--max-tokens`` per row (``actor.pack_sequences``).
 
@@ -86,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     loss_fn = PolicyLoss(cfg, args.vocab, groups.pgs.tp)
     methods = {
         "step-max": (plan_fixed(args.rows, args.micro_batch_size), False, [S] * args.rows),
+        "in-order": (plan_fixed(args.rows, args.micro_batch_size), False, lengths),
         "fixed": (MicroBatching(args.micro_batch_size).plan(lengths), False, lengths),
         "token-budget": (MicroBatching(args.micro_batch_size, args.max_tokens).plan(lengths), False, lengths),
         "packed": (MicroBatching(args.micro_batch_size, args.max_tokens, True).plan(lengths), True, lengths),
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                         "update_s": seconds}
         table.append((name, len(micro), processed, ratio, seconds))
     base = result["step-max"]
-    for name in ("fixed", "token-budget", "packed"):
+    for name in ("in-order", "fixed", "token-budget", "packed"):
         padding = result[name]["padding_ratio"]  # no padding left: the drop is unbounded (null)
         result[name]["padding_drop"] = base["padding_ratio"] / padding if padding else None
         result[name]["speedup"] = base["update_s"] / result[name]["update_s"]
