@@ -43,32 +43,15 @@ def _steps(overrides):
     """Per-step metrics, old / reference log-probs and the updates of the actor's full weights."""
     import torch.distributed as dist
 
-    import hyflow.jobs.rl as rl
-    from hyflow.algorithms.kl import make_kl_controller
-    from hyflow.jobs.registry import load_job_config
-    from hyflow.data.dataset import build_dataset
-    from hyflow.data.loader import PromptLoader
-    from hyflow.data.tasks import load_data_tokenizer
     from hyflow.models.weights import gather_full_state_dict
-    from hyflow.monitor.timers import PhaseTimers
-    from hyflow.rewards.manager import RewardManager
-    from hyflow.rl.models import build_rl_models
-    from hyflow.rl.state import RLState
-    from hyflow.training.supervisor import StepSupervisor
+    from hyflow.testing.rl import rl_setup, rl_step
 
-    cfg = load_job_config(os.path.join(REPO, "configs", "quickstart.yaml"),
-                          BASE + [f"trainer.nproc={dist.get_world_size()}"] + overrides)
-    tok = load_data_tokenizer(cfg.data)
-    dataset = build_dataset(cfg.data, cfg.rollout, tok)
-    loader = PromptLoader(dataset, cfg.data.train_batch_size, seed=3)
-    models = build_rl_models(cfg, tok)
-    state = RLState(models, loader, make_kl_controller(cfg.algorithm), StepSupervisor(3))
-    job = rl.StepJob(tok, RewardManager.from_config(cfg.reward), sorted({r.data_source for r in dataset}))
+    cfg, state, job = rl_setup(BASE + [f"trainer.nproc={dist.get_world_size()}", "data.seed=3"] + overrides)
+    models = state.models
     initial = gather_full_state_dict(models.actor.chunks[0], models.desc, models.groups)
     metrics, logps = [], []
     for _ in range(STEPS):
-        m, data = rl.rl_step(cfg, state, loader.next_batch(), job, PhaseTimers())
-        state.step += 1
+        m, data = rl_step(cfg, state, job)
         metrics.append(m)
         logps.append({k: data[k].clone() for k in ("old_logp", "ref_logp", "response_mask", "tokens")})
     final = gather_full_state_dict(models.actor.chunks[0], models.desc, models.groups)
