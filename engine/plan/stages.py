@@ -151,6 +151,33 @@ def cpu_layouts(desc: Any, cores: int, tokens: float, rows: int, response_tokens
 
 
 
+def job_head_layers(cfg: Any, desc: Any) -> float:
+    """The output layer in decoder layers' worth of training work for ``cfg``'s actor, sequences
+    assumed half the config's bounds (prompt ``max_prompt_length / 2``, response ``max_new_tokens / 2``)."""
+    rollout = getattr(cfg, "rollout", None)
+    prompt = (getattr(rollout, "max_prompt_length", None) or getattr(cfg.data, "max_length", 512)) / 2
+    response = (getattr(rollout, "max_new_tokens", 0) or 0) / 2
+    fused = bool(getattr(cfg.actor, "fused_output_layer", False))
+    mean_seq = prompt + response
+    r_frac = response / mean_seq if response else 1.0
+    return head_in_layers(desc, mean_seq, r_frac if fused else 1.0, fused)
+
+
+def resolve_stage_layers(layout: Any, desc: Any, head_layers: float) -> Any:
+    """``layout`` with ``stage_layers`` filled in when it is null: :func:`balanced_stage_layers`
+    for a model whose last stage carries an output layer of ``head_layers`` layers' worth. Pure
+    arithmetic on the config, so every rank (and ``hyflow plan``) picks the same split. Unchanged
+    without a pipeline, with an explicit split, or with virtual stages (Megatron-Core's uneven
+    split and the interleaved schedule are not combined here)."""
+    import dataclasses
+
+    if layout.stage_layers is not None or layout.pp == 1 or layout.vpp:
+        return layout
+    if desc.num_layers < layout.pp:
+        return layout  # check_model names the problem
+    return dataclasses.replace(layout, stage_layers=balanced_stage_layers(desc.num_layers, layout.pp, head_layers))
+
+
 def compute_plan(cfg: Any, desc: Any, layout: Any, device: str, cores: Optional[int] = None) -> dict[str, Any]:
     """What ``hyflow plan`` prints about compute: the actor's stage split (even vs balanced) and,
     on CPU, the ranked layouts for this machine's cores. Sequence lengths are assumed to be half
@@ -163,18 +190,21 @@ def compute_plan(cfg: Any, desc: Any, layout: Any, device: str, cores: Optional[
     rows = cfg.data.train_batch_size * (getattr(rollout, "n", 1) or 1)
     fused = bool(getattr(cfg.actor, "fused_output_layer", False))
     mean_seq = prompt + response
-    r_frac = response / mean_seq if response else 1.0
-    head = head_in_layers(desc, mean_seq, r_frac if fused else 1.0, fused)
+    head = job_head_layers(cfg, desc)
     out: dict[str, Any] = {"assumed_prompt_tokens": prompt, "assumed_response_tokens": response, "rows": rows,
                            "fused_output_layer": fused, "head_in_layers": head}
     if layout.pp > 1 and not layout.vpp:
-        even = [desc.num_layers // layout.pp] * layout.pp
+        even = [desc.num_layers // layout.pp] * layout.pp if desc.num_layers % layout.pp == 0 else None
         balanced = balanced_stage_layers(desc.num_layers, layout.pp, head)
+        built = list(layout.layers_per_stage(desc.num_layers))
         m = max(1, -(-rows // max(1, layout.dp if hasattr(layout, "dp") else 1) // cfg.actor.micro_batch_size))
-        out["stages"] = {"even": even, "balanced": balanced,
-                         "even_cost": stage_costs(even, head), "balanced_cost": stage_costs(balanced, head),
-                         "even_factor": bubble_step_factor(even, head, m),
+        out["stages"] = {"even": even, "balanced": balanced, "built": built,
+                         "automatic": cfg.actor.layout.stage_layers is None,
+                         "built_cost": stage_costs(built, head), "balanced_cost": stage_costs(balanced, head),
+                         "built_factor": bubble_step_factor(built, head, m),
                          "balanced_factor": bubble_step_factor(balanced, head, m), "micro_batches": m}
+        if even:
+            out["stages"].update(even_cost=stage_costs(even, head), even_factor=bubble_step_factor(even, head, m))
     if device == "cpu":
         cores = cores or len(os.sched_getaffinity(0))
         from hyflow.plan.flops import measure_cpu_peak
@@ -198,12 +228,19 @@ def format_compute(d: dict[str, Any]) -> list[str]:
                  f"{', response tokens only' if d['fused_output_layer'] else ''})"]
     st = d.get("stages")
     if st:
-        lines.append(f"  pipeline stages: even {'/'.join(map(str, st['even']))} (slowest stage "
-                     f"{max(st['even_cost']):.1f} layers' worth, step x{st['even_factor']:.2f} of ideal); "
-                     f"balanced {'/'.join(map(str, st['balanced']))} ({max(st['balanced_cost']):.1f}, "
-                     f"x{st['balanced_factor']:.2f}) with {st['micro_batches']} micro-batches")
-        lines.append("    (Megatron-Core: num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage;"
-                     " hyflow still builds the even split)")
+        split = lambda xs: "/".join(map(str, xs))  # noqa: E731
+        how = "automatic (actor.layout.stage_layers=null)" if st["automatic"] else "actor.layout.stage_layers"
+        lines.append(f"  pipeline stages: builds {split(st['built'])} layers, {how}: slowest stage "
+                     f"{max(st['built_cost']):.1f} layers' worth, step x{st['built_factor']:.2f} of ideal with "
+                     f"{st['micro_batches']} micro-batches")
+        others = []
+        if st.get("even") and st["even"] != st["built"]:
+            others.append(f"even {split(st['even'])} ({max(st['even_cost']):.1f}, x{st['even_factor']:.2f})")
+        if st["balanced"] != st["built"]:
+            others.append(f"balanced {split(st['balanced'])} ({max(st['balanced_cost']):.1f}, "
+                          f"x{st['balanced_factor']:.2f})")
+        if others:
+            lines.append("    vs " + "; ".join(others))
     cpu = d.get("cpu")
     if cpu:
         lines.append(f"  CPU layouts on {cpu['cores']} core(s): matmul {cpu['per_thread_gflops']:.1f} GFLOP/s per "
