@@ -44,7 +44,7 @@ def test_megatron_form_and_virtual_stages_are_checked():
 
 
 def test_the_actor_split_is_automatic_and_an_explicit_one_is_kept():
-    from hyflow.plan.stages import balanced_stage_layers, job_head_layers
+    from hyflow.models.stage_split import balanced_stage_layers, job_head_layers
 
     big_vocab = PP2 + ["model.vocab_size=4096"]  # an output layer worth several of its 64-wide layers
     cfg = _load(big_vocab)

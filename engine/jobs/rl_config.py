@@ -367,9 +367,9 @@ class RLJobConfig:
 
     def trained_actor_layout(self) -> Layout:
         """``actor.layout`` with its pipeline stage split chosen when ``stage_layers`` is null: the
-        split balanced by ``hyflow plan``'s cost model (:func:`hyflow.plan.stages.resolve_stage_layers`),
+        split balanced by ``hyflow plan``'s cost model (:func:`hyflow.models.stage_split.resolve_stage_layers`),
         from the config alone, so every rank and ``hyflow plan`` build the same one."""
-        from hyflow.plan.stages import job_head_layers, resolve_stage_layers
+        from hyflow.models.stage_split import job_head_layers, resolve_stage_layers
 
         layout = self.actor.layout
         if layout.stage_layers is not None or layout.pp == 1 or layout.vpp:

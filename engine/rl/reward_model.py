@@ -113,7 +113,7 @@ def build_reward_model(cfg, groups, sample_vocab: int, pad_id: int = 0) -> Rewar
         # its own (a scalar head: balanced is even where it divides), on the same ranks and groups.
         import dataclasses
 
-        from hyflow.plan.stages import resolve_stage_layers
+        from hyflow.models.stage_split import resolve_stage_layers
 
         own = resolve_stage_layers(dataclasses.replace(groups.layout, stage_layers=None), desc, 0.0)
         groups = dataclasses.replace(groups, layout=own)
