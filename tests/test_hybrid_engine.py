@@ -65,7 +65,7 @@ def _optimizer_state(optimizer):
     return flat
 
 
-def _scenario(tp, pp, tp_g, pp_g, tied):
+def _scenario(tp, pp, tp_g, pp_g, tied, stage_layers=None, num_layers=4):
     import torch.distributed as dist
 
     from hyflow.hybrid.executor import HybridEngine
@@ -79,8 +79,9 @@ def _scenario(tp, pp, tp_g, pp_g, tied):
     from hyflow.training.step import train_step
 
     world = dist.get_world_size()
-    groups = init_training_groups(Layout(tp=tp, pp=pp, dp=world // (tp * pp)), seed=3)
-    desc = tiny_llama(vocab_size=200, tied_embeddings=tied, num_attention_heads=8, num_query_groups=4)
+    groups = init_training_groups(Layout(tp=tp, pp=pp, dp=world // (tp * pp), stage_layers=stage_layers), seed=3)
+    desc = tiny_llama(vocab_size=200, tied_embeddings=tied, num_attention_heads=8, num_query_groups=4,
+                      num_layers=num_layers)
     model = build_gpt_model(desc, groups)
     load_full_state_dict(model, random_full_state_dict(desc, seed=1), desc, groups)
     chunks = wrap_ddp([model], groups, distributed_optimizer=False)
@@ -107,6 +108,7 @@ def _scenario(tp, pp, tp_g, pp_g, tied):
             results["bytes"] = (engine.stats.bytes_received, engine.plan.bytes_recv[dist.get_rank()])
             results["released"] = engine.stats.released_training_bytes
             results["gen_bytes"] = (engine.stats.generation_bytes, engine.plan.gen_bytes[dist.get_rank()])
+            results["gen_layers"] = len(gen_model.decoder.layers)
         engine.to_training()
     same_params = all(torch.equal(params0[n], p) for n, p in model.named_parameters())
     opt1 = _optimizer_state(optimizer)
@@ -148,3 +150,27 @@ def test_reshard_round_trip(tp, pp, tp_g, pp_g, world, tied):
         assert r["released"] > 0  # the training copy was freed during generation
         assert r["identical"] == (True, True), rank
         assert r["trains_after"], rank
+
+
+UNEVEN = [
+    # (tp, pp, tp_g, pp_g, world, tied, stage_layers, num_layers)
+    (1, 2, 1, 1, 2, True, (1, 3), 4),
+    (1, 4, 1, 2, 4, False, (2, 1, 1, 2), 6),
+]
+
+
+@pytest.mark.parametrize("tp,pp,tp_g,pp_g,world,tied,split,layers", UNEVEN,
+                         ids=[f"pp{c[1]}-{'-'.join(map(str, c[6]))}-to-pp{c[3]}" for c in UNEVEN])
+def test_reshard_round_trip_of_uneven_stages(tp, pp, tp_g, pp_g, world, tied, split, layers):
+    """Uneven training stages (Layout.stage_layers): generation stages merge them, the logits and
+    greedy tokens equal training's, and the training state comes back bit-identical."""
+    results = run_on_ranks(_scenario, world, tp, pp, tp_g, pp_g, tied, split, layers, timeout=900)
+    p = pp // pp_g
+    for rank, r in enumerate(results):
+        want, got = r["logits"]
+        assert ((got - want).norm() / want.norm()).item() <= 1e-5, rank
+        assert torch.equal(*r["greedy"]), rank
+        assert r["bytes"][0] == r["bytes"][1] and r["gen_bytes"][0] == r["gen_bytes"][1], rank
+        gen_stage = (rank // (world // pp)) // p
+        assert r["gen_layers"] == sum(split[gen_stage * p:(gen_stage + 1) * p]), rank
+        assert r["identical"] == (True, True) and r["trains_after"], rank

@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from hyflow.hybrid import gpt_param_specs, megatron_local_name, plan_reshard, rank_table
+from hyflow.hybrid.reshard_plan import ParallelShape
 from hyflow.hybrid.reshard_table import VIA_COPY, VIA_PP_MERGE, VIA_TP_MERGE
 from hyflow.kernels import place_shard, take_shard
 
 
-def _stages(spec, pp, L):
+def _stages(spec, pp, L, split=None):
     if spec.layer is not None:
-        return {spec.layer // (L // pp)}
+        split = split or [L // pp] * pp
+        return {next(q for q in range(pp) if spec.layer < sum(split[:q + 1]))}
     return {"first": {0}, "last": {pp - 1}, "first_and_last": {0, pp - 1}}[spec.pp_stage]
 
 
@@ -34,18 +36,40 @@ LAYOUTS = [(tp, pp, dp, tpg, ppg) for tp in (1, 2, 4) for pp in (1, 2, 4) for dp
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("lay", LAYOUTS, ids=["tp{}pp{}dp{}-g{}x{}".format(*lay) for lay in LAYOUTS])
 def test_executing_the_tables_builds_the_generation_shards(lay, tied):
-    TP, PP, DP, TPg, PPg = lay
-    W, L = TP * PP * DP, 4
+    _simulate(*lay, tied)
+
+
+UNEVEN = [(1, 2, 1, 1, 1, (1, 5)), (2, 2, 1, 1, 1, (4, 2)), (1, 2, 2, 1, 2, (1, 5)), (1, 4, 1, 1, 2, (2, 1, 1, 2)),
+          (2, 4, 1, 2, 1, (3, 1, 1, 1)), (1, 4, 2, 1, 4, (1, 2, 2, 1))]
+
+
+@pytest.mark.parametrize("lay", UNEVEN, ids=["tp{}pp{}dp{}-g{}x{}-".format(*lay[:5]) + "-".join(map(str, lay[5]))
+                                             for lay in UNEVEN])
+def test_tables_of_an_uneven_stage_split(lay):
+    """Uneven training stages (Layout.stage_layers): each generation stage holds the layers of the
+    training stages it merges, numbered from its own first layer."""
+    *dims, split = lay
+    plan = _simulate(*dims, True, L=6, split=split)
+    assert plan.train_split == split
+    p = dims[1] // dims[4]
+    assert plan.gen_split == tuple(sum(split[j * p:(j + 1) * p]) for j in range(dims[4]))
+
+
+def _simulate(TP, PP, DP, TPg, PPg, tied, L=4, split=None):
+    """Execute every rank's table as the executor does; check the generation shards and the way back."""
+    W = TP * PP * DP
     specs = gpt_param_specs(L, 6, 8, 4, 2, 12, 40, tied_embeddings=tied, qkv_bias=True, dtype_bytes=4)
-    plan = plan_reshard(specs, (TP, PP, DP), (TPg, PPg), W)
+    train_layout = (TP, PP, DP) if split is None else ParallelShape(TP, PP, DP, split)
+    plan = plan_reshard(specs, train_layout, (TPg, PPg), W, num_layers=L)
+    tsplit, gsplit = (None, None) if split is None else (plan.train_split, plan.gen_split)
     gen = torch.Generator().manual_seed(W * 31 + TPg * 5 + PPg)
     glob = {sp.name: torch.randn(sp.global_shape, generator=gen) for sp in specs}
     # Each rank's training model, keyed by its stage-local names (what the executor looks up).
     train = []
     for r in range(W):
         tp, pp, _ = plan.train_coord(r)
-        train.append({megatron_local_name(sp, PP, L, pp): _shard(sp, glob[sp.name], tp, TP)
-                      for sp in specs if pp in _stages(sp, PP, L)})
+        train.append({megatron_local_name(sp, PP, L, pp, tsplit): _shard(sp, glob[sp.name], tp, TP)
+                      for sp in specs if pp in _stages(sp, PP, L, tsplit)})
     tables = [rank_table(plan, r) for r in range(W)]
     bufs = [torch.full((t.numel,), float("nan")) for t in tables]
     views = [{rt.gen_name: b[rt.offset:rt.offset + rt.numel].view(rt.shape) for rt in t.routes}
@@ -74,8 +98,8 @@ def test_executing_the_tables_builds_the_generation_shards(lay, tied):
     for r, t in enumerate(tables):
         tp, pp, _ = plan.train_coord(r)
         tg, pg, _ = plan.gen_coord(r)
-        expect = {megatron_local_name(sp, PPg, L, pg): _shard(sp, glob[sp.name], tg, TPg)
-                  for sp in specs if pg in _stages(sp, PPg, L)}
+        expect = {megatron_local_name(sp, PPg, L, pg, gsplit): _shard(sp, glob[sp.name], tg, TPg)
+                  for sp in specs if pg in _stages(sp, PPg, L, gsplit)}
         assert set(views[r]) == set(expect)
         for name, value in expect.items():
             assert torch.equal(views[r][name], value), (r, name)
@@ -88,6 +112,7 @@ def test_executing_the_tables_builds_the_generation_shards(lay, tied):
             else:
                 back.copy_(views[r][rt.gen_name])
             assert torch.equal(back, train[r][rt.train_name]), (r, rt.gen_name)
+    return plan
 
 
 def test_table_names_sources_by_stage_local_name():

@@ -35,8 +35,9 @@ def _holdings(specs, full, layout):
     """rank -> {local name: shard} for every rank of ``layout``."""
     out = {r: {} for r in layout.ranks}
     for sp in specs:
-        for stage in sp.stages(layout.pp, L):
-            name = megatron_local_name(sp, layout.pp, L, stage)
+        split = layout.stage_layers
+        for stage in sp.stages(layout.pp, L, split):
+            name = megatron_local_name(sp, layout.pp, L, stage, split)
             for dp in range(layout.dp):
                 for t in range(layout.tp):
                     out[layout.rank(t, stage, dp)][name] = _shard(sp, full[sp.name], layout.tp, t)
@@ -92,6 +93,31 @@ def test_every_destination_shard_exact_once(src_shape, dst_shape, tied):
     assert plan.total_bytes == sum(received.values())
     assert plan.rounds > 1  # the small bucket splits the pairs' traffic
     assert all(plan.bytes_recv(r) == 0 for r in src.ranks)
+
+
+@pytest.mark.parametrize("src_shape,dst_shape", [((1, 2, 1, (1, 3)), (1, 1, 2)), ((2, 2, 1, (3, 1)), (1, 2, 1)),
+                                                 ((1, 2, 1, (1, 3)), (1, 2, 1, (3, 1)))],
+                         ids=["uneven-to-pp1", "uneven-to-even", "uneven-to-uneven"])
+def test_uneven_stage_splits_sync_exactly(src_shape, dst_shape):
+    """Layout.stage_layers on either side: each layer travels from the stage holding it to the
+    stage that holds it there, under that stage's local layer number."""
+    specs = _specs(tied=True)
+    full = _full(specs)
+    src = ModelLayout(0, *src_shape)
+    dst = ModelLayout(src.size, *dst_shape)
+    plan = plan_weight_sync(specs, src, dst, L)
+    expect = _holdings(specs, full, dst)
+    got, hits, _ = _run(plan, _holdings(specs, full, src), dst, expect)
+    for r in dst.ranks:
+        for name in expect[r]:
+            np.testing.assert_array_equal(got[r][name], expect[r][name], err_msg=f"rank {r} {name}")
+            assert (hits[r][name] == 1).all()
+    # layer 1 lives on stage 1 (local 0) of a 1/3 split, on stage 0 (local 1) of a 3/1 split
+    first = {p.src_name for b in plan.buckets for p in b.pieces if p.name == "decoder.layers.1.mlp.linear_fc2.weight"}
+    assert first == {"decoder.layers.0.mlp.linear_fc2.weight" if src.stage_layers == (1, 3) else
+                     "decoder.layers.1.mlp.linear_fc2.weight"}
+    with pytest.raises(SyncPlanError, match="does not fill"):
+        plan_weight_sync(specs, ModelLayout(0, 1, 2, 1, (1, 2)), dst, L)
 
 
 def test_sources_spread_over_replicas_and_stay_in_the_source_pool():

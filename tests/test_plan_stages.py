@@ -66,7 +66,11 @@ def test_plan_on_cpu_explains_the_layout_it_picks():
     assert not result.errors, result.errors
     cpu = result.compute["cpu"]
     assert cpu["cores"] >= 1 and cpu["per_thread_gflops"] > 0 and 0 < cpu["thread_efficiency"] <= 1
-    assert result.compute["stages"]["balanced"][-1] <= result.compute["stages"]["even"][-1]
+    stages = result.compute["stages"]
+    assert stages["balanced"][-1] <= stages["even"][-1]
+    # actor.layout.stage_layers=null: the plan builds (and reports) the balanced split
+    assert stages["automatic"] and stages["built"] == stages["balanced"]
+    assert result.roles[0].layout.stage_layers == tuple(stages["balanced"])
     text = format_table(result)
     assert "CPU layouts on" in text and "<- pick" in text and "pick: actor.layout" in text
-    assert "pipeline stages: even" in text
+    assert f"pipeline stages: builds {'/'.join(map(str, stages['balanced']))} layers, automatic" in text

@@ -41,7 +41,7 @@ from hyflow.hybrid.generation_groups import build_generation_groups
 from hyflow.hybrid.generation_buffer import GenerationBuffer, advise_huge_pages
 from hyflow.hybrid.offload import OptimizerStateOffload
 from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
-from hyflow.hybrid.reshard_plan import (PP_STAGING_SLOT, TP_STAGING_SLOT, GenerationShape, ReshardPlan,
+from hyflow.hybrid.reshard_plan import (PP_STAGING_SLOT, TP_STAGING_SLOT, GenerationShape, ParallelShape, ReshardPlan,
                                         plan_reshard)
 from hyflow.hybrid.reshard_plan import staging_slot_bytes as fit_slot
 from hyflow.hybrid.reshard_table import VIA_COPY, VIA_TP_MERGE, RankTable, rank_table
@@ -105,7 +105,10 @@ class HybridEngine:
         # CP ranks hold the same weight shards and, in Megatron's rank order (tp-cp-dp-pp), sit where
         # the ranks of tp x (cp * dp) x pp would: for the weights CP is more data parallelism (the
         # generation layout has no CP; hyflow plan reshards the same way).
-        self.plan: ReshardPlan = plan_reshard(specs, (layout.tp, layout.pp, layout.dp * layout.cp), self.gen_shape)
+        self.plan: ReshardPlan = plan_reshard(
+            specs, ParallelShape(layout.tp, layout.pp, layout.dp * layout.cp,
+                                 layout.stage_layers if layout.pp > 1 else None),
+            self.gen_shape, num_layers=desc.num_layers)
         rank = dist.get_rank()
         self.table: RankTable = table if table is not None else rank_table(self.plan, rank)
         groups = build_generation_groups(self.plan, rank)

@@ -66,7 +66,8 @@ def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = N
     comm.register_group(tp_merge, "reshard")
     comm.register_group(pp_merge, "reshard")
     tg, pg, dg = plan.gen_coord(rank)
-    layout = build_groups(Layout(tp=plan.gen.tp, pp=plan.gen.pp, dp=plan.gen_dp_size),
+    split = plan.gen_split if plan.train.stage_layers is not None else None  # merged training stages
+    layout = build_groups(Layout(tp=plan.gen.tp, pp=plan.gen.pp, dp=plan.gen_dp_size, stage_layers=split),
                           {k: sorted(sorted(g) for g in enums[k]) for k in MEGATRON_KINDS},
                           coords={"tp": tg, "cp": 0, "dp": dg, "pp": pg})
     return GenerationGroups(layout, tp_merge, list(plan.tp_merge_ranks(rank)),

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 __all__ = ["ReshardPlanError", "ParamSpec", "gpt_param_specs", "model_param_specs",
-           "megatron_local_name", "TP_KINDS", "FIXUPS", "PP_STAGES"]
+           "megatron_local_name", "stage_split", "stage_of_layer", "TP_KINDS", "FIXUPS", "PP_STAGES"]
 
 TP_KINDS = ("column", "row", "vocab", "replicated")
 FIXUPS = (None, "gate_up", "row_concat", "qkv_grouped")
@@ -18,6 +18,28 @@ PP_STAGES = ("first", "last", "first_and_last")
 
 class ReshardPlanError(ValueError):
     """A training/generation layout pair the hybrid engine cannot reshard between."""
+
+
+def stage_split(pp: int, num_layers: int, split: Optional[Sequence[int]] = None) -> tuple[int, ...]:
+    """Layers per pipeline stage: ``split`` (checked), else the even split."""
+    if split is None:
+        if num_layers % pp:
+            raise ReshardPlanError(f"pp={pp} does not divide num_layers={num_layers} and no stage split was given")
+        return (num_layers // pp,) * pp
+    split = tuple(int(n) for n in split)
+    if len(split) != pp or sum(split) != num_layers or min(split) < 1:
+        raise ReshardPlanError(f"stage split {list(split)} does not fill pp={pp} stages with {num_layers} layers")
+    return split
+
+
+def stage_of_layer(layer: int, pp: int, num_layers: int, split: Optional[Sequence[int]] = None) -> int:
+    """The pipeline stage holding global decoder layer ``layer``."""
+    end = 0
+    for stage, n in enumerate(stage_split(pp, num_layers, split)):
+        end += n
+        if layer < end:
+            return stage
+    raise ReshardPlanError(f"layer {layer} outside 0..{num_layers - 1}")
 
 
 @dataclass(frozen=True)
@@ -73,10 +95,11 @@ class ParamSpec:
     def nbytes(self) -> int:
         return self.numel * self.dtype_bytes
 
-    def stages(self, pp: int, num_layers: int) -> tuple[int, ...]:
-        """Pipeline stages (out of ``pp``) that hold this parameter."""
+    def stages(self, pp: int, num_layers: int, split: Optional[Sequence[int]] = None) -> tuple[int, ...]:
+        """Pipeline stages (out of ``pp``) that hold this parameter; ``split``: layers per stage
+        (default even)."""
         if self.layer is not None:
-            return (self.layer // (num_layers // pp),)
+            return (stage_of_layer(self.layer, pp, num_layers, split),)
         return {"first": (0,), "last": (pp - 1,)}.get(self.pp_stage, tuple(sorted({0, pp - 1})))
 
 
@@ -142,11 +165,13 @@ def model_param_specs(desc: Any, padded_vocab: int, dtype_bytes: int, *,
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-def megatron_local_name(spec: ParamSpec, pp: int, num_layers: int, stage: int) -> str:
-    """State-dict name of ``spec`` on training stage ``stage``: local layer numbering, and a tied
-    embedding shows up as ``output_layer.weight`` on the last stage when PP > 1."""
+def megatron_local_name(spec: ParamSpec, pp: int, num_layers: int, stage: int,
+                        split: Optional[Sequence[int]] = None) -> str:
+    """State-dict name of ``spec`` on training stage ``stage`` (``split``: layers per stage, default
+    even): local layer numbering, and a tied embedding shows up as ``output_layer.weight`` on the
+    last stage when PP > 1."""
     if spec.layer is not None:
-        local = spec.layer - stage * (num_layers // pp)
+        local = spec.layer - sum(stage_split(pp, num_layers, split)[:stage])
         return _LAYER_RE.sub(f"decoder.layers.{local}.", spec.name, count=1)
     if spec.pp_stage == "first_and_last" and stage == pp - 1 and pp > 1:
         return "output_layer.weight"

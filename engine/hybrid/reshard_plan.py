@@ -82,7 +82,7 @@ from fractions import Fraction
 from typing import Any, Iterable, Optional, Sequence
 
 from hyflow.hybrid.param_specs import (  # the model side of the plan, re-exported here
-    ParamSpec, ReshardPlanError, gpt_param_specs, megatron_local_name,
+    ParamSpec, ReshardPlanError, gpt_param_specs, megatron_local_name, stage_split,
 )
 
 __all__ = [
@@ -130,11 +130,13 @@ def staging_bytes_per_rank(shard_bytes: int, s: int, slot_bytes: int = TP_STAGIN
 
 @dataclass(frozen=True)
 class ParallelShape:
-    """Training layout: tensor-, pipeline- and data-parallel sizes."""
+    """Training layout: tensor-, pipeline- and data-parallel sizes, and the decoder layers per
+    pipeline stage when they are uneven (``Layout.stage_layers``; None: even)."""
 
     tp: int
     pp: int = 1
     dp: int = 1
+    stage_layers: Optional[tuple[int, ...]] = None
 
     @property
     def world_size(self) -> int:
@@ -224,6 +226,17 @@ class ReshardPlan:
         return self.train.pp // self.gen.pp
 
     @property
+    def train_split(self) -> tuple[int, ...]:
+        """Decoder layers per training stage."""
+        return stage_split(self.train.pp, self.num_layers, self.train.stage_layers)
+
+    @property
+    def gen_split(self) -> tuple[int, ...]:
+        """Decoder layers per generation stage: each merges ``pp_ratio`` consecutive training stages."""
+        p, t = self.pp_ratio, self.train_split
+        return tuple(sum(t[j * p:(j + 1) * p]) for j in range(self.gen.pp))
+
+    @property
     def micro_dp_size(self) -> int:
         return self.tp_ratio * self.pp_ratio
 
@@ -292,9 +305,11 @@ class ReshardPlan:
 # ---- planning ----------------------------------------------------------------------------
 
 def _as_shape(x: Any, with_dp: bool):
+    split = None
     if isinstance(x, (tuple, list)):
         vals = [int(v) for v in x]
     else:
+        split = getattr(x, "stage_layers", None)
         vals = [int(x.tp), int(getattr(x, "pp", 1)), int(getattr(x, "dp", 1))]
         for extra in ("cp", "ep"):
             if getattr(x, extra, 1) != 1:
@@ -305,7 +320,10 @@ def _as_shape(x: Any, with_dp: bool):
                                    "layers on a stage; the planner needs consecutive stages")
     if any(v < 1 for v in vals):
         raise ReshardPlanError(f"parallel sizes must be >= 1, got {tuple(vals)}")
-    return ParallelShape(*vals) if with_dp else GenerationShape(*vals[:2])
+    if split is not None and len(set(split)) == 1:
+        split = None  # the even split
+    return ParallelShape(*vals, stage_layers=tuple(split) if split else None) if with_dp \
+        else GenerationShape(*vals[:2])
 
 
 def _validate(params: Sequence[ParamSpec], train: ParallelShape, gen: GenerationShape,
@@ -331,7 +349,9 @@ def _validate(params: Sequence[ParamSpec], train: ParallelShape, gen: Generation
     if PP % PPg:
         raise ReshardPlanError(f"generation PP_g={PPg} does not divide training PP={PP}; "
                                f"pick PP_g from {_divisors(PP)}")
-    if num_layers:
+    if num_layers and train.stage_layers is not None:
+        stage_split(PP, num_layers, train.stage_layers)  # generation stages merge training stages
+    elif num_layers:
         for what, n in (("generation PP_g", PPg), ("training PP", PP)):
             if num_layers % n:
                 raise ReshardPlanError(
@@ -382,7 +402,7 @@ def _plan_param(spec: ParamSpec, train: ParallelShape, gen: GenerationShape,
             pieces = tuple(SlicePiece(j, 0, j * r, r, r * row_bytes) for j in range(s))
     tbytes = math.prod(tshape) * spec.dtype_bytes
     gbytes = tbytes * (train.tp // gen.tp if dim is not None else 1)
-    tstages = spec.stages(train.pp, num_layers)
+    tstages = spec.stages(train.pp, num_layers, train.stage_layers)
     gstages = tuple(sorted({q // (train.pp // gen.pp) for q in tstages}))
     return ParamReshard(spec, dim if dim is not None else 0, tshape, gshape, tstages, gstages,
                         pieces, tbytes, gbytes)

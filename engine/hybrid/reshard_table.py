@@ -103,14 +103,14 @@ def rank_table(plan: ReshardPlan, rank: int) -> RankTable:
         if pg not in pr.gen_stages:
             continue
         spec = pr.spec
-        gen_name = megatron_local_name(spec, plan.gen.pp, L, pg)
+        gen_name = megatron_local_name(spec, plan.gen.pp, L, pg, plan.gen_split)
         sources = [source_stage(pr.train_stages, q, p) for q in block]
         src = sources[me]
         fixup = _fixup(spec.fixup, spec.tp_kind)
         via = (VIA_PP_MERGE if src != pp else
                VIA_TP_MERGE if fixup != "none" and s > 1 else VIA_COPY)
         routes.append(Route(gen_name, offset, pr.gen_shard_shape, src,
-                            megatron_local_name(spec, plan.train.pp, L, src), via, fixup))
+                            megatron_local_name(spec, plan.train.pp, L, src, plan.train_split), via, fixup))
         offset += math.prod(pr.gen_shard_shape)
         takers = tuple(j for j, q in enumerate(sources) if q == pp and j != me)
         if takers:

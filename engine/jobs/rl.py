@@ -109,6 +109,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
             outcome = supervisor.end_step(metrics, step)  # collective: agrees on stop signals and NaN/inf
             state.step = step
             metrics.update(timers.cpu_summary())
+            metrics.update(cpu_max_over_ranks(metrics, models.groups.device))
             metrics.update(timers.step_summary())
             metrics.update(comm.step_summary(), **memory_summary(models.groups.device))
             metrics["perf/time_per_step"] = metrics["timing_s/step"]
@@ -443,6 +444,18 @@ def _resume(cfg: RLJobConfig, ckpt: Checkpointer, state: RLState) -> int:
         ckpt.log(f"[hyflow] the checkpoint is at step {state.step}: trainer.total_steps={cfg.trainer.total_steps} "
                  "is reached already, nothing to train")
     return state.step
+
+
+def cpu_max_over_ranks(metrics: dict, device: torch.device) -> dict[str, float]:
+    """``cpu_s_max/<phase>``: the largest ``cpu_s/<phase>`` of any rank (one all-reduce of a few
+    scalars). Rank 0's CPU seconds miss the busiest pipeline stage; the slowest stage's work is
+    what sets a pipelined phase's pace (the stage balance of ``actor.layout.stage_layers``)."""
+    from hyflow.monitor.metrics import PHASE_KEYS
+
+    values = torch.tensor([float(metrics.get(f"cpu_s/{p}", 0.0)) for p in PHASE_KEYS], dtype=torch.float64,
+                          device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {f"cpu_s_max/{p}": float(v) for p, v in zip(PHASE_KEYS, values.tolist())}
 
 
 def _finish(cfg: RLJobConfig, metrics_path: str) -> None:

@@ -365,12 +365,23 @@ class RLJobConfig:
 
         return resolve_placement(self, world_size or self.trainer.nproc)
 
+    def trained_actor_layout(self) -> Layout:
+        """``actor.layout`` with its pipeline stage split chosen when ``stage_layers`` is null: the
+        split balanced by ``hyflow plan``'s cost model (:func:`hyflow.models.stage_split.resolve_stage_layers`),
+        from the config alone, so every rank and ``hyflow plan`` build the same one."""
+        from hyflow.models.stage_split import job_head_layers, resolve_stage_layers
+
+        layout = self.actor.layout
+        if layout.stage_layers is not None or layout.pp == 1 or layout.vpp:
+            return layout
+        return resolve_stage_layers(layout, self.model, job_head_layers(self, self.model))
+
     def actor_layout(self, world_size: Optional[int] = None) -> Layout:
         """The actor's training layout with dp filled in: over ``world_size`` ranks when colocated,
-        over the actor's pool with placement pools."""
+        over the actor's pool with placement pools; its stage split chosen (:meth:`trained_actor_layout`)."""
         placement = self.resolved_placement(world_size)
         if placement.colocated:
-            return self.actor.layout.with_dp_for(world_size or self.trainer.nproc)
+            return self.trained_actor_layout().with_dp_for(world_size or self.trainer.nproc)
         return placement.roles["actor"].layout
 
     def validate(self) -> None:
@@ -384,6 +395,11 @@ class RLJobConfig:
         placement = self.resolved_placement(world)
         train = self.actor_layout(world)
         train.check_model(self.model)
+        if self.actor.layout.stage_layers is None and train.stage_layers is not None:
+            note = (f"actor.layout.stage_layers: automatic {'/'.join(map(str, train.stage_layers))} layers per "
+                    "pipeline stage (the last stage also runs the output layer; `hyflow plan` shows the costs)")
+            if note not in self.notes:
+                self.notes.append(note)
         gen = self.rollout.layout
         if placement.colocated:
             if train.tp % gen.tp or train.pp % gen.pp:
@@ -393,7 +409,8 @@ class RLJobConfig:
             for role in ("critic", "reference"):
                 own = getattr(self, role).layout
                 if getattr(self, role).enable and own is not None and \
-                        (own.tp, own.pp, own.cp, own.vpp) != (train.tp, train.pp, train.cp, train.vpp):
+                        ((own.tp, own.pp, own.cp, own.vpp) != (train.tp, train.pp, train.cp, train.vpp)
+                         or own.stage_layers not in (None, train.stage_layers)):
                     raise ConfigError(
                         f"{role}.layout tp={own.tp} pp={own.pp}: colocated roles share the actor's training "
                         f"layout (tp={train.tp} pp={train.pp}); leave {role}.layout null, or run the {role} on "

@@ -123,6 +123,8 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
         deallocate_pipeline_outputs=False,
         # YaRN / LongRoPE attention factor: HF scales cos and sin (so q and k) by it.
         softmax_scale=rope_softmax_scale(desc),
+        # An uneven pipeline split (layout.stage_layers): Megatron builds and numbers the layers.
+        **layout.megatron_stage_kwargs(desc.num_layers),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

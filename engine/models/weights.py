@@ -31,10 +31,12 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def layer_offset(desc: ModelDescription, groups: ParallelGroups, vp_stage: Optional[int] = None) -> int:
-    """Global index of this rank's (chunk's) first layer."""
+    """Global index of this rank's (chunk's) first layer (Megatron-Core's numbering, also for an
+    uneven ``layout.stage_layers`` split: test_stage_layers checks it against the built layers)."""
     layout = groups.layout
-    vpp = layout.vpp or 1
-    per_chunk = desc.num_layers // (layout.pp * vpp)
+    if not layout.vpp:
+        return layout.first_layer(groups.pp_rank, desc.num_layers)
+    per_chunk = desc.num_layers // (layout.pp * layout.vpp)
     chunk = (vp_stage or 0) * layout.pp + groups.pp_rank
     return chunk * per_chunk
 

@@ -17,8 +17,8 @@ generation layouts) are just two values.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional, Protocol
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence
 
 from hyflow.config import ConfigError
 
@@ -61,6 +61,10 @@ class Layout:
         ep: expert-parallel size; only meaningful for mixture-of-experts models.
         sequence_parallel: shard activations along the sequence inside TP regions.
         vpp: virtual pipeline stages per rank (interleaved 1F1B); None disables.
+        stage_layers: decoder layers per pipeline stage, first to last (Megatron-Core's form: any
+            first and last count, the middle stages equal). None: the job chooses (the actor: the
+            split balanced by ``hyflow plan``'s cost model; code that reads a layout with None
+            builds the even split).
     """
 
     tp: int = 1
@@ -70,6 +74,10 @@ class Layout:
     ep: int = 1
     sequence_parallel: bool = False
     vpp: Optional[int] = None
+    stage_layers: Optional[list[int]] = field(default=None, metadata={
+        "help": "decoder layers per pipeline stage, e.g. [13, 17]; null = balanced automatically for the actor "
+                "(the last stage also carries the output layer; `hyflow plan` shows the split), even elsewhere. "
+                "Megatron-Core's form: any first and last stage counts, the middle stages equal"})
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "ep"):
@@ -94,6 +102,9 @@ class Layout:
                     f"layout.vpp={self.vpp} (interleaved pipeline) needs pp > 1; "
                     "set vpp=null or raise pp"
                 )
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # frozen, hashable
+            check_stage_layers(self.stage_layers, self.pp, vpp=self.vpp)
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -152,12 +163,16 @@ class Layout:
             raise LayoutError(
                 f"tp={self.tp} does not divide ffn_hidden_size={m.ffn_hidden_size}"
             )
-        stages = self.pp * (self.vpp or 1)
-        if m.num_layers % stages:
+        if self.stage_layers is not None:
+            check_stage_layers(self.stage_layers, self.pp, m.num_layers, self.vpp)
+        elif m.num_layers % (self.pp * (self.vpp or 1)):
+            stages = self.pp * (self.vpp or 1)
             what = f"pp={self.pp}" + (f" x vpp={self.vpp}" if self.vpp else "")
             raise LayoutError(
                 f"{what} = {stages} pipeline stages do not divide num_layers={m.num_layers}; "
                 f"choose pp (x vpp) dividing {m.num_layers}"
+                + ("" if self.vpp else " or set layout.stage_layers (e.g. "
+                   f"{list(even_stage_layers(m.num_layers, self.pp, strict=False))})")
             )
         if self.cp > 1 and seq_length is not None and seq_length % (2 * self.cp):
             raise LayoutError(
@@ -169,6 +184,25 @@ class Layout:
                 f"sequence_parallel with tp={self.tp} needs the sequence length ({seq_length}) "
                 f"divisible by {self.tp}"
             )
+
+    # --------------------------------------------------------- pipeline stages
+    def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers of each pipeline stage: ``stage_layers``, else the even split."""
+        if self.stage_layers is not None:
+            check_stage_layers(self.stage_layers, self.pp, num_layers, self.vpp)
+            return self.stage_layers
+        return even_stage_layers(num_layers, self.pp)
+
+    def first_layer(self, stage: int, num_layers: int) -> int:
+        """Global index of pipeline stage ``stage``'s first decoder layer (no virtual stages)."""
+        return sum(self.layers_per_stage(num_layers)[:stage])
+
+    def megatron_stage_kwargs(self, num_layers: int) -> dict[str, int]:
+        """``TransformerConfig`` arguments of an uneven split (none for the even one)."""
+        split = self.layers_per_stage(num_layers)
+        if self.pp == 1 or len(set(split)) == 1:
+            return {}
+        return {"num_layers_in_first_pipeline_stage": split[0], "num_layers_in_last_pipeline_stage": split[-1]}
 
     # ---------------------------------------------------------- rank algebra
     def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
@@ -226,8 +260,53 @@ class Layout:
             extra.append("sp")
         if self.vpp:
             extra.append(f"vpp={self.vpp}")
+        if self.stage_layers is not None and self.pp > 1:
+            extra.append("stages " + "/".join(map(str, self.stage_layers)))
         tail = ", ".join([f"{self.world_size} ranks"] + extra)
         return f"tp={self.tp} pp={self.pp} dp={self.dp} ({tail})"
+
+
+def even_stage_layers(num_layers: int, pp: int, strict: bool = True) -> tuple[int, ...]:
+    """``num_layers`` split evenly over ``pp`` stages (``strict=False``: the nearest split in
+    Megatron-Core's form, the remainder on the first stage, for error messages)."""
+    if num_layers % pp == 0:
+        return (num_layers // pp,) * pp
+    if strict:
+        raise LayoutError(f"pp={pp} pipeline stages do not divide num_layers={num_layers}; set "
+                          "layout.stage_layers or choose a pp dividing the layers")
+    per = num_layers // pp
+    return (num_layers - per * (pp - 1),) + (per,) * (pp - 1)
+
+
+def check_stage_layers(split: Sequence[int], pp: int, num_layers: Optional[int] = None,
+                       vpp: Optional[int] = None) -> None:
+    """Raise unless ``split`` is a stage split Megatron-Core builds: ``pp`` positive counts
+    (summing to ``num_layers`` when given), the middle stages equal, no virtual stages."""
+    split = list(split)
+    shown = f"layout.stage_layers={split}"
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in split):
+        raise LayoutError(f"{shown}: every pipeline stage needs a positive whole number of layers")
+    if len(split) != pp:
+        raise LayoutError(f"{shown} lists {len(split)} stage(s) but pp={pp}; give one count per pipeline stage "
+                          "or leave it null (automatic)")
+    if num_layers is not None and sum(split) != num_layers:
+        raise LayoutError(f"{shown} sums to {sum(split)} layers but the model has num_layers={num_layers}; "
+                          "the counts must add up to the model's layers (or leave it null: automatic)")
+    if len(set(split[1:-1])) > 1:
+        raise LayoutError(f"{shown}: Megatron-Core splits layers as first stage, equal middle stages, last "
+                          f"stage; the middle stages {split[1:-1]} differ")
+    if vpp and vpp > 1 and len(set(split)) > 1:
+        raise LayoutError(f"{shown} with vpp={vpp}: an uneven split is not supported with the interleaved "
+                          "pipeline; set stage_layers=null or vpp=null")
+
+
+def merge_stage_layers(split: Sequence[int], pp: int) -> tuple[int, ...]:
+    """The split of ``pp`` stages each merging consecutive stages of ``split`` (the hybrid
+    engine's generation stages); a split of Megatron-Core's form stays in that form."""
+    if len(split) % pp:
+        raise LayoutError(f"pp={pp} does not divide the {len(split)} stages of {list(split)}")
+    r = len(split) // pp
+    return tuple(sum(split[i * r:(i + 1) * r]) for i in range(pp))
 
 
 def _product(sizes: list[int]):

@@ -153,8 +153,8 @@ class Placement:
 
 
 def role_layouts(cfg: Any) -> dict[str, Layout]:
-    """Each role's layout without ``dp`` (the tp/pp the config gives it)."""
-    actor = cfg.actor.layout
+    """Each role's layout without ``dp`` (the tp/pp the config gives it; the actor's stage split chosen)."""
+    actor = cfg.trained_actor_layout() if hasattr(cfg, "trained_actor_layout") else cfg.actor.layout
     out = {"actor": actor, "rollout": Layout(tp=cfg.rollout.layout.tp, pp=cfg.rollout.layout.pp)}
     if cfg.critic.enable:
         out["critic"] = cfg.critic.layout or actor

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
 from hyflow.hybrid.param_specs import ParamSpec, ReshardPlanError, megatron_local_name
 
@@ -52,6 +52,7 @@ class ModelLayout:
     tp: int
     pp: int = 1
     dp: int = 1
+    stage_layers: Optional[tuple[int, ...]] = None  #: decoder layers per stage; None: even
 
     @property
     def size(self) -> int:
@@ -75,7 +76,8 @@ class ModelLayout:
     @classmethod
     def of(cls, start: int, layout) -> "ModelLayout":
         """From a pool's first rank and a :class:`~hyflow.parallel.layout.Layout`."""
-        return cls(start, layout.tp, layout.pp, layout.dp)
+        split = getattr(layout, "stage_layers", None)
+        return cls(start, layout.tp, layout.pp, layout.dp, tuple(split) if split and layout.pp > 1 else None)
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,11 @@ def _segments(spec: ParamSpec, parts: int, index: int) -> list[tuple[int, int, i
 
 
 def _check(spec: ParamSpec, layout: ModelLayout, who: str, num_layers: int) -> None:
-    if num_layers % layout.pp:
+    if layout.stage_layers is not None:
+        if len(layout.stage_layers) != layout.pp or sum(layout.stage_layers) != num_layers:
+            raise SyncPlanError(f"{who} stage split {list(layout.stage_layers)} does not fill pp={layout.pp} "
+                                f"stages with num_layers={num_layers}")
+    elif num_layers % layout.pp:
         raise SyncPlanError(f"{who} pp={layout.pp} does not divide num_layers={num_layers}")
     dim = spec.shard_dim
     if dim is None:
@@ -228,10 +234,10 @@ def plan_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLay
     for j in range(dst.dp):
         sdp = j % src.dp
         for spec in specs:
-            src_stage = spec.stages(src.pp, num_layers)[0]
-            src_name = megatron_local_name(spec, src.pp, num_layers, src_stage)
-            for q in spec.stages(dst.pp, num_layers):
-                dst_name = megatron_local_name(spec, dst.pp, num_layers, q)
+            src_stage = spec.stages(src.pp, num_layers, src.stage_layers)[0]
+            src_name = megatron_local_name(spec, src.pp, num_layers, src_stage, src.stage_layers)
+            for q in spec.stages(dst.pp, num_layers, dst.stage_layers):
+                dst_name = megatron_local_name(spec, dst.pp, num_layers, q, dst.stage_layers)
                 for t in range(dst.tp):
                     drank = dst.rank(t, q, j)
                     if spec.shard_dim is None:  # replicated: whole, from the source tp t mod TP_src

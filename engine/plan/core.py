@@ -196,14 +196,14 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     # Frozen and auxiliary roles, resident in every phase (worst stage each: an upper bound).
     frozen: list[tuple[str, int, str]] = []
     if cfg.reference.enable:
-        ref_layout = (cfg.reference.layout or cfg.actor.layout).with_dp_for(world)
+        ref_layout = cfg.reference.layout.with_dp_for(world) if cfg.reference.layout else layout
         ref = _role("reference", ref_layout, model, dtype, False)
         result.roles.append(ref)
         frozen.append(("reference weights", worst_static(ref, pbytes), f"frozen, {dtype}"))
     critic = None
     if cfg.critic.enable:
         cmodel = _load_model(getattr(cfg.critic, "checkpoint", None), model, "critic.checkpoint", notes)
-        clayout = (cfg.critic.layout or cfg.actor.layout).with_dp_for(world)
+        clayout = cfg.critic.layout.with_dp_for(world) if cfg.critic.layout else layout
         critic = _role("critic", clayout, cmodel, dtype, True, value_head=True)
         result.roles.append(critic)
     if cfg.reward.model_checkpoint:  # kind=model, or a rule / function plus a reward model
@@ -272,7 +272,8 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         problem = check_partition(kind, enums[kind], world)
         if problem:
             result.errors.append("generation " + problem)
-    gen_layout = Layout(tp=gen.tp, pp=gen.pp, dp=plan.gen_dp_size)
+    gen_layout = Layout(tp=gen.tp, pp=gen.pp, dp=plan.gen_dp_size,
+                        stage_layers=plan.gen_split if plan.train.stage_layers is not None else None)
     capacity = seq
     # the engine sizes its cache for min(max_concurrent, the samples of its replica)
     per_replica = -(-cfg.data.train_batch_size * cfg.rollout.n // plan.gen_dp_size)
@@ -290,9 +291,10 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     est.add("actor grads+optimizer", actor_state, "resident during generation (minus rollout.offload_*)")
     for name, nbytes, note in frozen + critic_static:
         est.add(name, nbytes, note)
-    est.add("KV cache", mem.kv_cache_bytes(model, gen.tp, gen.pp, slots, capacity, dtype),
+    gen_layers = max(plan.gen_split)  # the generation stage with the most layers
+    est.add("KV cache", mem.kv_cache_bytes(model, gen.tp, gen.pp, slots, capacity, dtype, layers=gen_layers),
             f"{slots} sequences x {capacity} tokens, {model.num_query_groups // gen.tp} "
-            f"KV group(s) x {model.num_layers // gen.pp} layer(s)")
+            f"KV group(s) x {gen_layers} layer(s)")
     est.add("forward transient", mem.generation_transient(
         model, gen.tp, prefill_tokens=prefill, rows=slots, dtype=dtype, context=capacity,
         chunked=chunk < cfg.rollout.max_prompt_length),
@@ -333,7 +335,7 @@ def _project(cfg: Any, model: ModelDescription, world: int, opts: PlanOptions, r
     reshard = result.reshard
     if reshard is None:  # a pooled config: the colocated equivalent on every rank
         try:
-            colocated = cfg.actor.layout.with_dp_for(world)
+            colocated = cfg.trained_actor_layout().with_dp_for(world)
             specs = model_param_specs(model, mem.padded_vocab(model, colocated.tp), pbytes)
             reshard = plan_reshard(specs, colocated, (cfg.rollout.layout.tp, cfg.rollout.layout.pp),
                                    world_size=world, num_layers=model.num_layers)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from hyflow.models.stage_split import matmul_params  # noqa: F401 - re-exported: part of the FLOP model
+
 #: Dense datasheet peaks in TFLOP/s per GPU: (name fragment, {dtype: peak}); first match wins.
 GPU_PEAKS_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2}),
@@ -35,15 +37,6 @@ GPU_PEAKS_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("A10", {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2}),
     ("V100", {"fp16": 125.0, "fp32": 15.7}),
 )
-
-
-def matmul_params(desc: Any, output_layer: bool = True) -> int:
-    """Weights that take part in a matrix multiply, per token (all layers)."""
-    h, f, d = desc.hidden_size, desc.ffn_hidden_size, desc.head_dim
-    q, kv = desc.num_attention_heads * d, 2 * desc.num_query_groups * d
-    mlp = 3 * h * f if desc.family in ("llama", "qwen2", "mistral") else 2 * h * f  # gated (SwiGLU)
-    per_layer = h * (q + kv) + q * h + mlp
-    return desc.num_layers * per_layer + (h * desc.vocab_size if output_layer else h)
 
 
 def forward_flops(desc: Any, tokens: float, mean_seq: float, output_layer: bool = True) -> float:

@@ -2,8 +2,8 @@
 
 What is counted, per rank, for the worst pipeline stage:
 
-* **weights**: this rank's shard in the parameter dtype. Layers split evenly over ``pp``
-  stages; the first stage adds the (vocabulary-padded) embedding, the last the final norm
+* **weights**: this rank's shard in the parameter dtype. Layers split over ``pp`` stages as
+  the layout's ``stage_layers`` says (else evenly); the first stage adds the (vocabulary-padded) embedding, the last the final norm
   and the output layer (a tied embedding is a second copy there when ``pp > 1``; a value
   head replaces the output layer for critics). TP shards everything but the norms.
 * **grads**: Megatron DDP's contiguous gradient buffer, fp32 (``grad_reduce_in_fp32``).
@@ -80,13 +80,15 @@ def layer_params(desc: ModelDescription, tp: int) -> int:
 
 
 def stage_params(desc: ModelDescription, layout: Layout, value_head: bool = False) -> list[int]:
-    """Parameters held by one rank of each pipeline stage (index = stage)."""
+    """Parameters held by one rank of each pipeline stage (index = stage; the layers of
+    ``layout.stage_layers``, else the even split)."""
     tp, pp = layout.tp, layout.pp
     h = desc.hidden_size
     emb = padded_vocab(desc, tp) * h // tp
+    split = layout.layers_per_stage(desc.num_layers)
     out = []
     for q in range(pp):
-        n = desc.num_layers // pp * layer_params(desc, tp)
+        n = split[q] * layer_params(desc, tp)
         if q == 0:
             n += emb
         if q == pp - 1:
@@ -255,7 +257,7 @@ def training_estimates(desc: ModelDescription, layout: Layout, *, dtype: str, se
     tokens = seq // layout.cp * micro_batch_size
     per_token_h = tokens * desc.hidden_size / ts * pbytes
     vpp = layout.vpp or 1
-    per_chunk_layers = desc.num_layers // (layout.pp * vpp)
+    split = layout.layers_per_stage(desc.num_layers)
     h, f, t = desc.hidden_size, desc.ffn_hidden_size, layout.tp
     biggest_weight = max(vp * h // t, 2 * f * h // t, h * f // t)
     out = []
@@ -268,6 +270,7 @@ def training_estimates(desc: ModelDescription, layout: Layout, *, dtype: str, se
         est.add("optimizer", n * obytes / shard,
                 f"Adam {obytes} B/param" + (f" / {shard} (distributed)" if shard > 1 else ""))
         chunks = microbatches_in_flight(layout, q, n_micro)
+        per_chunk_layers = split[q] // vpp
         act = chunks * per_chunk_layers * layer_bytes + chunks * per_token_h  # + stage input
         note = f"{chunks} micro-batch chunk(s) x {per_chunk_layers} layer(s), recompute={recompute}"
         if recompute == "full":  # one layer recomputed with everything during backward
@@ -332,9 +335,10 @@ def generation_transient(desc: ModelDescription, gen_tp: int, *, prefill_tokens:
 
 
 def kv_cache_bytes(desc: ModelDescription, gen_tp: int, gen_pp: int, slots: int, capacity: int,
-                   dtype: str) -> int:
-    """Keys and values of ``slots`` x ``capacity`` tokens on one generation rank."""
-    layers = desc.num_layers // gen_pp
+                   dtype: str, layers: Optional[int] = None) -> int:
+    """Keys and values of ``slots`` x ``capacity`` tokens on one generation rank holding ``layers``
+    decoder layers (default: an even stage's)."""
+    layers = desc.num_layers // gen_pp if layers is None else layers
     groups = desc.num_query_groups // gen_tp
     return 2 * layers * slots * groups * capacity * desc.head_dim * DTYPE_BYTES[dtype]
 

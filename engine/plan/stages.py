@@ -7,7 +7,8 @@ sequence), the output layer ``2 h V`` per *scored* token, the embedding lookup n
 training pass costs 3x its forward; the fused output head (``actor.fused_output_layer``) scores
 response tokens only and recomputes its logits in the backward (4x instead of 3x).
 
-* :func:`balanced_stage_layers` puts fewer layers on the last stage so that its layers plus the
+* :func:`balanced_stage_layers` (in :mod:`hyflow.models.stage_split`, which builds the RL actor's
+  split when ``actor.layout.stage_layers`` is null) puts fewer layers on the last stage so that its layers plus the
   output layer cost what the other stages cost (Megatron-Core's
   ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``; the middle
   stages split the rest evenly). For SmolLM2-135M the output layer (49152 x 576) costs as much
@@ -21,56 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from hyflow.models.stage_split import (  # noqa: F401 - the cost model's pieces, re-exported
+    balanced_stage_layers, head_flops, head_in_layers, job_head_layers, layer_flops, resolve_stage_layers,
+    stage_costs,
+)
+
 #: gloo all-reduce between 2 processes on the 2-core dev box (loopback; 2026-11-24, load ~50,
 #: medians of 5): 0.47 ms for 1 KiB, 0.85 GB/s algorithm bandwidth for 32 MiB.
 GLOO_LATENCY_S = 4.7e-4
 GLOO_BYTES_PER_S = 0.85e9
-
-
-def layer_flops(desc: Any, mean_seq: float) -> float:
-    """Forward FLOPs of one decoder layer per token."""
-    from hyflow.plan.flops import matmul_params
-
-    per_layer = (matmul_params(desc, output_layer=False) - desc.hidden_size) / desc.num_layers
-    return 2 * per_layer + 4 * desc.num_attention_heads * desc.head_dim * (mean_seq / 2)
-
-
-def head_flops(desc: Any) -> float:
-    """Forward FLOPs of the output layer per scored token."""
-    return 2.0 * desc.hidden_size * desc.vocab_size
-
-
-def head_in_layers(desc: Any, mean_seq: float, response_fraction: float = 1.0, fused: bool = True) -> float:
-    """The last stage's output layer in decoder layers' worth of training work (per token)."""
-    head = head_flops(desc) * (response_fraction * 4 / 3 if fused else 1.0)
-    return head / layer_flops(desc, mean_seq)
-
-
-def stage_costs(layers: Sequence[int], head_layers: float) -> list[float]:
-    """Per-stage cost in layers' worth: its layers, plus the output layer on the last stage."""
-    return [n + (head_layers if i == len(layers) - 1 else 0.0) for i, n in enumerate(layers)]
-
-
-def balanced_stage_layers(num_layers: int, pp: int, head_layers: float) -> list[int]:
-    """Layers per stage minimising the slowest stage, in the form Megatron-Core accepts: any
-    first and last stage counts, the middle stages equal. Ties keep the split most even."""
-    if pp <= 1:
-        return [num_layers]
-    best: Optional[tuple[float, int, list[int]]] = None
-    for first in range(1, num_layers):
-        for last in range(1, num_layers - first + 1):
-            rest = num_layers - first - last
-            if pp == 2 and rest:
-                continue
-            if pp > 2 and (rest <= 0 or rest % (pp - 2)):
-                continue
-            layers = [first] + [rest // (pp - 2)] * (pp - 2) + [last] if pp > 2 else [first, last]
-            key = (max(stage_costs(layers, head_layers)), max(layers) - min(layers))
-            if best is None or key < best[:2]:
-                best = (key[0], key[1], layers)
-    if best is None:
-        raise ValueError(f"{num_layers} layers cannot fill {pp} pipeline stages")
-    return best[2]
 
 
 def bubble_step_factor(layers: Sequence[int], head_layers: float, micro_batches: int) -> float:
@@ -163,18 +123,21 @@ def compute_plan(cfg: Any, desc: Any, layout: Any, device: str, cores: Optional[
     rows = cfg.data.train_batch_size * (getattr(rollout, "n", 1) or 1)
     fused = bool(getattr(cfg.actor, "fused_output_layer", False))
     mean_seq = prompt + response
-    r_frac = response / mean_seq if response else 1.0
-    head = head_in_layers(desc, mean_seq, r_frac if fused else 1.0, fused)
+    head = job_head_layers(cfg, desc)
     out: dict[str, Any] = {"assumed_prompt_tokens": prompt, "assumed_response_tokens": response, "rows": rows,
                            "fused_output_layer": fused, "head_in_layers": head}
     if layout.pp > 1 and not layout.vpp:
-        even = [desc.num_layers // layout.pp] * layout.pp
+        even = [desc.num_layers // layout.pp] * layout.pp if desc.num_layers % layout.pp == 0 else None
         balanced = balanced_stage_layers(desc.num_layers, layout.pp, head)
+        built = list(layout.layers_per_stage(desc.num_layers))
         m = max(1, -(-rows // max(1, layout.dp if hasattr(layout, "dp") else 1) // cfg.actor.micro_batch_size))
-        out["stages"] = {"even": even, "balanced": balanced,
-                         "even_cost": stage_costs(even, head), "balanced_cost": stage_costs(balanced, head),
-                         "even_factor": bubble_step_factor(even, head, m),
+        out["stages"] = {"even": even, "balanced": balanced, "built": built,
+                         "automatic": cfg.actor.layout.stage_layers is None,
+                         "built_cost": stage_costs(built, head), "balanced_cost": stage_costs(balanced, head),
+                         "built_factor": bubble_step_factor(built, head, m),
                          "balanced_factor": bubble_step_factor(balanced, head, m), "micro_batches": m}
+        if even:
+            out["stages"].update(even_cost=stage_costs(even, head), even_factor=bubble_step_factor(even, head, m))
     if device == "cpu":
         cores = cores or len(os.sched_getaffinity(0))
         from hyflow.plan.flops import measure_cpu_peak
@@ -198,12 +161,19 @@ def format_compute(d: dict[str, Any]) -> list[str]:
                  f"{', response tokens only' if d['fused_output_layer'] else ''})"]
     st = d.get("stages")
     if st:
-        lines.append(f"  pipeline stages: even {'/'.join(map(str, st['even']))} (slowest stage "
-                     f"{max(st['even_cost']):.1f} layers' worth, step x{st['even_factor']:.2f} of ideal); "
-                     f"balanced {'/'.join(map(str, st['balanced']))} ({max(st['balanced_cost']):.1f}, "
-                     f"x{st['balanced_factor']:.2f}) with {st['micro_batches']} micro-batches")
-        lines.append("    (Megatron-Core: num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage;"
-                     " hyflow still builds the even split)")
+        split = lambda xs: "/".join(map(str, xs))  # noqa: E731
+        how = "automatic (actor.layout.stage_layers=null)" if st["automatic"] else "actor.layout.stage_layers"
+        lines.append(f"  pipeline stages: builds {split(st['built'])} layers, {how}: slowest stage "
+                     f"{max(st['built_cost']):.1f} layers' worth, step x{st['built_factor']:.2f} of ideal with "
+                     f"{st['micro_batches']} micro-batches")
+        others = []
+        if st.get("even") and st["even"] != st["built"]:
+            others.append(f"even {split(st['even'])} ({max(st['even_cost']):.1f}, x{st['even_factor']:.2f})")
+        if st["balanced"] != st["built"]:
+            others.append(f"balanced {split(st['balanced'])} ({max(st['balanced_cost']):.1f}, "
+                          f"x{st['balanced_factor']:.2f})")
+        if others:
+            lines.append("    vs " + "; ".join(others))
     cpu = d.get("cpu")
     if cpu:
         lines.append(f"  CPU layouts on {cpu['cores']} core(s): matmul {cpu['per_thread_gflops']:.1f} GFLOP/s per "

@@ -107,6 +107,16 @@ def build_reward_model(cfg, groups, sample_vocab: int, pad_id: int = 0) -> Rewar
     if desc.max_position_embeddings < total:
         raise ConfigError(f"{KEY}={path!r}: the reward model's context ({desc.max_position_embeddings}) is "
                           f"shorter than rollout.max_prompt_length + max_new_tokens = {total}", key=KEY)
+    split = groups.layout.stage_layers
+    if split is not None and sum(split) != desc.num_layers:
+        # The actor's stage split counts the actor's layers; a reward model of another depth gets
+        # its own (a scalar head: balanced is even where it divides), on the same ranks and groups.
+        import dataclasses
+
+        from hyflow.models.stage_split import resolve_stage_layers
+
+        own = resolve_stage_layers(dataclasses.replace(groups.layout, stage_layers=None), desc, 0.0)
+        groups = dataclasses.replace(groups, layout=own)
     try:
         groups.layout.check_model(desc)
     except ValueError as e:

@@ -44,6 +44,7 @@ PHASES: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 STEP_KEYS = (("time/step",), ("timing_s/step",))
 UPDATE_CPU_KEYS = (("cpu_s/update_actor", "cpu_s/update_critic"),)
+UPDATE_CPU_MAX_KEYS = (("cpu_s_max/update_actor", "cpu_s_max/update_critic"),)
 TOKEN_KEYS = (("perf/total_num_tokens",),)
 GEN_RATE_KEYS = (("tokens_per_s",), ("rollout/tokens_per_s",))
 RESPONSE_KEYS = (("response_length/mean",),)
@@ -179,6 +180,10 @@ def analyse(run_dir: str, warmup: int, peak_per_rank: Optional[float] = None, pe
         if update_cpu:
             result["update_cpu_s"] = update_cpu / n
             result["mfu_update_cpu"] = update_flops / (update_cpu * ranks * peak_per_rank)
+    # the busiest rank's update CPU seconds: the slowest pipeline stage's work
+    update_cpu_max = _sum(rows, UPDATE_CPU_MAX_KEYS)
+    if update_cpu_max:
+        result["update_cpu_s_max"] = update_cpu_max / n
     if any("comm/seconds" in r for r in rows):
         kinds = sorted({k.split("/")[1] for r in rows for k in r
                         if k.startswith("comm/") and k.endswith("/bytes") and k.count("/") == 2}
@@ -228,7 +233,8 @@ def format_table(r: dict[str, Any]) -> str:
                      f"({r['model_flops_per_step'] / 1e9:.2f} GFLOP per step; peak {r['peak_source']})")
         if r.get("mfu_update_cpu") is not None:
             lines.append(f"update MFU in CPU time: {100 * r['mfu_update_cpu']:.1f}% "
-                         f"({r['update_cpu_s']:.2f} CPU s per rank per step in the update)")
+                         f"({r['update_cpu_s']:.2f} CPU s per rank per step in the update"
+                         + (f", busiest rank {r['update_cpu_s_max']:.2f}" if r.get("update_cpu_s_max") else "") + ")")
     comm = r.get("comm")
     if comm:
         kinds = ", ".join(f"{k} {v['seconds']:.3f} s / {_fmt_bytes(v['bytes'])}" for k, v in comm["by_kind"].items())

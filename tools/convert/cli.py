@@ -1,6 +1,7 @@
 """``hyflow convert``: HF <-> Megatron checkpoint conversion from the command line.
 
-    hyflow convert hf2mcore --hf PATH --out DIR [--tp N] [--pp N] [--dtype auto|fp32|bf16]
+    hyflow convert hf2mcore --hf PATH --out DIR [--tp N] [--pp N] [--stage-layers N,N]
+                            [--dtype auto|fp32|bf16]
                             [--force] [--report] [--report-json FILE]
     hyflow convert mcore2hf --ckpt DIR --out DIR [--dtype auto|fp32|bf16] [--force]
                             [--max-shard-size GB] [--report] [--report-json FILE]
@@ -24,6 +25,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _stage_layers(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of layer counts, e.g. 13,17; got {text}") from None
+
+
 def _add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true",
                         help="replace the contents of a non-empty output directory")
@@ -43,6 +51,8 @@ def register(subparsers) -> None:
     hf2.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
     hf2.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size to write (default 1)")
     hf2.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size to write (default 1)")
+    hf2.add_argument("--stage-layers", type=_stage_layers, default=None, metavar="N,N,...",
+                     help="decoder layers per pipeline stage, e.g. 13,17 (default: even)")
     hf2.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                      help="parameter dtype (default auto: bf16 for bf16 weights, else fp32)")
     _add_report_args(hf2)
@@ -72,7 +82,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             from hyflow.tools.convert.hf2mcore import hf2mcore
 
             report = hf2mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                              force=args.force, log=log)
+                              force=args.force, log=log, stage_layers=args.stage_layers)
         else:
             from hyflow.tools.convert.mcore2hf import mcore2hf
 

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from hyflow.tools.convert.memory import MemoryReport, PeakMemory, ProcessMemory, Stopwatch
 from hyflow.tools.convert.preflight import Hf2McorePlan, plan_hf2mcore
@@ -36,6 +36,7 @@ class RankJob:
         dtype: ``fp32`` or ``bf16``.
         out_dir: checkpoint directory.
         extra: recorded in ``hyflow_checkpoint.json``.
+        stage_layers: decoder layers per pipeline stage (None: even).
     """
 
     source_path: str
@@ -45,6 +46,7 @@ class RankJob:
     dtype: str
     out_dir: str
     extra: dict[str, Any] = field(default_factory=dict)
+    stage_layers: Optional[tuple[int, ...]] = None
 
 
 def convert_rank(job: RankJob) -> ProcessMemory:
@@ -62,7 +64,7 @@ def convert_rank(job: RankJob) -> ProcessMemory:
 
     with PeakMemory() as memory:
         desc = ModelDescription.from_dict(job.desc)
-        groups = init_training_groups(Layout(tp=job.tp, pp=job.pp))
+        groups = init_training_groups(Layout(tp=job.tp, pp=job.pp, stage_layers=job.stage_layers))
         model = build_model_for_loading(desc, groups, dtype=job.dtype, spec="local")
         source = open_model_source(job.source_path).weights
         names = name_map(desc)
@@ -97,25 +99,27 @@ def _prepare_output(plan: Hf2McorePlan) -> Optional[str]:
 def _rank_job(plan: Hf2McorePlan) -> RankJob:
     return RankJob(
         source_path=os.path.abspath(plan.source.path), desc=plan.desc.to_dict(), tp=plan.tp,
-        pp=plan.pp, dtype=plan.dtype, out_dir=os.path.abspath(plan.out_dir),
+        pp=plan.pp, dtype=plan.dtype, out_dir=os.path.abspath(plan.out_dir), stage_layers=plan.stage_layers,
         extra={"converted_from": os.path.abspath(plan.source.path), "source_format": plan.source.format,
                "source_weights": plan.source.weights.kind})
 
 
 def prepare_conversion(hf_path: str, out_dir: str, *, tp: int = 1, pp: int = 1,
-                       dtype: str = "auto", force: bool = False) -> tuple[Hf2McorePlan, RankJob]:
+                       dtype: str = "auto", force: bool = False,
+                       stage_layers: Optional[Sequence[int]] = None) -> tuple[Hf2McorePlan, RankJob]:
     """Validate the inputs, then create ``out_dir`` with the tokenizer and source configs.
 
     Returns the plan and the job every rank runs (:func:`convert_rank`).
     """
-    plan = plan_hf2mcore(hf_path, out_dir, tp=tp, pp=pp, dtype=dtype, force=force)
+    plan = plan_hf2mcore(hf_path, out_dir, tp=tp, pp=pp, dtype=dtype, force=force, stage_layers=stage_layers)
     plan.desc.tokenizer = _prepare_output(plan)
     return plan, _rank_job(plan)
 
 
 def hf2mcore(hf_path: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
-             force: bool = False, log=print) -> MemoryReport:
-    """Convert ``hf_path`` into a checkpoint at ``out_dir`` laid out for ``tp`` x ``pp``.
+             force: bool = False, log=print, stage_layers: Optional[Sequence[int]] = None) -> MemoryReport:
+    """Convert ``hf_path`` into a checkpoint at ``out_dir`` laid out for ``tp`` x ``pp`` (the
+    decoder layers per stage ``stage_layers``, default even; the checkpoint loads in any layout).
 
     Raises :class:`~hyflow.tools.convert.errors.ConversionError` (before writing
     anything) for bad inputs. Returns the memory / time report.
@@ -123,7 +127,8 @@ def hf2mcore(hf_path: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str
     from hyflow.tools.convert.launch import run_ranks
 
     with Stopwatch() as clock, PeakMemory() as parent:
-        plan, job = prepare_conversion(hf_path, out_dir, tp=tp, pp=pp, dtype=dtype, force=force)
+        plan, job = prepare_conversion(hf_path, out_dir, tp=tp, pp=pp, dtype=dtype, force=force,
+                                       stage_layers=stage_layers)
         for warning in plan.warnings:
             log(f"hyflow convert: warning: {warning}")
         log(f"hyflow convert: {plan.desc.family} model, {plan.desc.num_parameters():,} parameters, "

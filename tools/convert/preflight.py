@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from hyflow.tools.convert.errors import ConversionError
 from hyflow.tools.convert.model_source import ModelSource, open_model_source
@@ -91,6 +91,7 @@ class Hf2McorePlan:
         desc: its description (tokenizer and eos ids filled in by the converter).
         tp: tensor-parallel size to write.
         pp: pipeline-parallel size to write.
+        stage_layers: decoder layers per pipeline stage (None: even).
         dtype: ``fp32`` or ``bf16``.
         out_dir: output directory.
         force: replace a non-empty output directory.
@@ -105,6 +106,7 @@ class Hf2McorePlan:
     out_dir: str
     force: bool = False
     warnings: list[str] = field(default_factory=list)
+    stage_layers: Optional[tuple[int, ...]] = None
 
     @property
     def model_bytes(self) -> int:
@@ -113,7 +115,7 @@ class Hf2McorePlan:
 
 
 def plan_hf2mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str = "auto",
-                  force: bool = False) -> Hf2McorePlan:
+                  force: bool = False, stage_layers: Optional[Sequence[int]] = None) -> Hf2McorePlan:
     """Open and validate everything an HF -> Megatron conversion needs."""
     from hyflow.config import ConfigError
     from hyflow.models.hf_mapping import description_from_hf_config, hf_config_warnings
@@ -123,14 +125,15 @@ def plan_hf2mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: s
     source = open_model_source(hf_path)
     try:
         desc = description_from_hf_config(source.config)
-        layout = Layout(tp=tp, pp=pp)
+        layout = Layout(tp=tp, pp=pp, stage_layers=stage_layers)
         layout.check_model(desc)
     except ConfigError as e:
         raise ConversionError(f"{hf_path}: {e}") from None
     desc.eos_token_ids = source.eos_token_ids()
     check_tensors(source, desc)
     return Hf2McorePlan(source=source, desc=desc, tp=tp, pp=pp, dtype=resolve_dtype(dtype, source),
-                        out_dir=out_dir, force=force, warnings=hf_config_warnings(source.config))
+                        out_dir=out_dir, force=force, warnings=hf_config_warnings(source.config),
+                        stage_layers=layout.stage_layers)
 
 
 @dataclass
