@@ -2,12 +2,13 @@
 0-1, generation TP_g=1 x 2 on ranks 2-3), the quickstart model with an SFT warm-up (so the frozen
 post-warm-up reference is saved too).
 
-A straight run A trains 4 steps, checkpoints after steps 2 and 4. At the save after step 2 the
+A straight run A trains 3 steps, checkpoints after steps 2 and 3. At the save after step 2 the
 generation pool holds batch 3, sampled with the weights of update 1 and not yet sent. Against A:
 
-* the step-2 checkpoint holds that batch (per generation rank, tensors only), and a run resumed
-  from it trains step 3 on it: staleness 1 and every metric of steps 3 and 4 equal A's (a batch
-  regenerated on resume would be sampled with w_2: staleness 0, other rollouts);
+* SIGTERM to one training and one generation rank during step 2: every rank stops after step 2
+  with a checkpoint that holds that batch (per generation rank, tensors only); resumed, step 3 is
+  trained on it: staleness 1 and every metric equal to A's (a batch regenerated on resume would
+  be sampled with w_2: staleness 0, other rollouts);
 * a real ``hyflow train`` SIGKILLed (kill -9, every process) after the save of step 2, then resumed
   with the same command, reproduces A's metrics of every step and A's final actor weights.
 
@@ -15,7 +16,6 @@ Timing, CPU time, traffic and memory metrics are not compared (as in ``test_resu
 """
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,21 +30,43 @@ pytestmark = pytest.mark.multirank
 
 OVERRIDES = ["trainer.mode=one_step_off", "trainer.nproc=4", "data.train_batch_size=8", "rollout.n=4",
              "actor.mini_batch_size=16", "actor.micro_batch_size=16", "actor.sft_warmup_steps=2",
-             "trainer.total_steps=4", "trainer.save_every=2", "trainer.loggers=[]"]
+             "trainer.total_steps=3", "trainer.save_every=2", "trainer.loggers=[]"]
 NOT_COMPARED = ("timing_s/", "cpu_s/", "comm/", "perf/", "rollout/tokens_per_s", "reshard/seconds")
 
 
-def _run(overrides, out):
+def _run(overrides, out, sigterm_step=0):
+    """Rank function: the RL job as `hyflow train` runs it; with ``sigterm_step``, training rank 1
+    SIGTERMs itself in that step's update and generation rank 3 while it samples the next batch."""
     import torch
     import torch.distributed as dist
 
+    import hyflow.jobs.rl as rl
     from hyflow.jobs.registry import job_runner, load_job_config
+    from hyflow.placement.pool_models import GenerationSide
     from hyflow.testing.rl import QUICKSTART
 
     torch.set_num_threads(1)  # as `hyflow train` runs its ranks
     cfg = load_job_config(QUICKSTART, [*overrides, f"trainer.output_dir={out}"])
-    history = job_runner("rl")(cfg)
-    return [h["step"] for h in history] if dist.get_rank() == 0 else None
+    rank, calls = dist.get_rank(), [0]
+    orig_step, orig_generate = rl.rl_step, GenerationSide.generate
+
+    def step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == sigterm_step and rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return orig_step(*args, **kwargs)
+
+    def generate(self, records, step_number, n):
+        if step_number == sigterm_step + 1 and rank == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return orig_generate(self, records, step_number, n)
+
+    rl.rl_step, GenerationSide.generate = step, generate
+    try:
+        history = job_runner("rl")(cfg)
+    finally:
+        rl.rl_step, GenerationSide.generate = orig_step, orig_generate
+    return [h["step"] for h in history] if rank == 0 else None
 
 
 def _rows(run_dir: str) -> dict:
@@ -67,33 +89,32 @@ def _weights(model_dir: str, tmp: str) -> dict:
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("straight"))
-    assert run_on_ranks(_run, 4, OVERRIDES, out)[0] == [1, 2, 3, 4]
+    assert run_on_ranks(_run, 4, OVERRIDES, out)[0] == [1, 2, 3]
     rows = _rows(out)
-    assert sorted(rows) == [1, 2, 3, 4]
-    assert [rows[s]["staleness"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
+    assert sorted(rows) == [1, 2, 3]
+    assert [rows[s]["staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     return out
 
 
-def test_resume_trains_the_saved_in_flight_batch(run_a, tmp_path):
+def test_sigterm_saves_the_in_flight_batch_and_resume_trains_on_it(run_a, tmp_path):
     import torch
 
     from hyflow.placement.inflight import inflight_file
 
-    saved = os.path.join(run_a, "checkpoints", step_dir_name(2))
+    out = str(tmp_path / "run")
+    assert run_on_ranks(_run, 4, OVERRIDES, out, 2)[0] == [1, 2]  # stopped after step 2 on every rank
+    saved = os.path.join(out, "checkpoints", step_dir_name(2))
     assert checkpoint_status(saved)[0]
     for rank in (2, 3):  # each generation replica's batch 3, sampled with w_1, as plain tensors
         data = torch.load(inflight_file(saved, rank), weights_only=True)
         assert data["step"] == 3 and data["weight_version"] == 1 and data["has_batch"]
         assert data["meta"].shape[0] == 4 * 4  # its 4 prompts x rollout.n samples
     assert not os.path.exists(inflight_file(saved, 0))  # the training ranks hold no batch
-    out = tmp_path / "resumed"
-    for name in (step_dir_name(2), "reference"):
-        shutil.copytree(os.path.join(run_a, "checkpoints", name), out / "checkpoints" / name)
-    assert run_on_ranks(_run, 4, OVERRIDES, str(out))[0] == [3, 4]
-    a, b = _rows(run_a), _rows(str(out))
-    assert sorted(b) == [3, 4]
+    assert run_on_ranks(_run, 4, OVERRIDES, out)[0] == [3]
+    a, b = _rows(run_a), _rows(out)
+    assert sorted(b) == [1, 2, 3]
     assert b[3]["staleness"] == 1.0  # trained on the batch sampled before the save, with w_1
-    for step in (3, 4):
+    for step in (1, 2, 3):
         assert b[step] == a[step], f"step {step} differs from the straight run"
 
 
@@ -138,15 +159,15 @@ def test_kill_9_after_a_save_then_resume_equals_the_straight_run(run_a, tmp_path
                     pass
             proc.wait()
     killed_at = sorted(_rows(out))
-    assert killed_at[:2] == [1, 2] and killed_at[-1] < 4, killed_at
+    assert killed_at[:2] == [1, 2] and killed_at[-1] < 3, killed_at
     resumed = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              timeout=float(os.environ.get("HYFLOW_TEST_TIMEOUT", 600)))
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     a, b = _rows(run_a), _rows(out)
-    assert sorted(b) == [1, 2, 3, 4]
-    for step in (1, 2, 3, 4):
+    assert sorted(b) == [1, 2, 3]
+    for step in (1, 2, 3):
         assert b[step] == a[step], f"step {step} differs from the straight run"
-    final = os.path.join("checkpoints", step_dir_name(4), "actor")
+    final = os.path.join("checkpoints", step_dir_name(3), "actor")
     wa, wb = _weights(os.path.join(run_a, final), str(tmp_path)), _weights(os.path.join(out, final), str(tmp_path))
     assert wa.keys() == wb.keys() and wa
     for key in wa:
