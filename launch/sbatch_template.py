@@ -26,7 +26,9 @@ TEMPLATE = r"""#!/bin/bash
 # resumes from that checkpoint (trainer.resume=auto). SIGTERM (preemption, scancel) makes the
 # ranks save and exit 0 as well; Slurm itself requeues preempted jobs where it is configured to
 # (PreemptMode=REQUEUE). Each rank's output goes to $LOG_DIR/ranks-<restart>/.
-
+#
+# Rank pools (node i runs ranks i*@@GPUS@@ .. i*@@GPUS@@+@@GPUS@@-1 under torchrun's node_rank):
+@@POOLS@@
 set -euo pipefail
 
 RUN_DIR=@@RUN_DIR@@

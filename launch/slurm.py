@@ -193,9 +193,54 @@ def grace_for(target: Target, opts: SlurmOptions) -> tuple[int, str]:
     return 120, "default for jobs without checkpoints"
 
 
+@dataclass(frozen=True)
+class PoolNodes:
+    """A rank pool of a pooled placement on its nodes: torchrun's node ``i`` runs ranks
+    ``i*g .. i*g+g-1`` (``g`` = ``--gpus-per-node``)."""
+
+    name: str
+    first_rank: int
+    last_rank: int
+    first_node: int
+    last_node: int
+    roles: tuple[str, ...]
+
+    def describe(self) -> str:
+        nodes = (f"node {self.first_node}" if self.first_node == self.last_node
+                 else f"nodes {self.first_node}-{self.last_node}")
+        return (f"pool {self.name} ({', '.join(self.roles)}): ranks {self.first_rank}-{self.last_rank} on {nodes} "
+                f"(node_rank {self.first_node}..{self.last_node})")
+
+
+def pool_nodes(target: Target, opts: SlurmOptions) -> list[PoolNodes]:
+    """The node range of each pool of ``target``'s placement (``placement.pools``, or the half /
+    half split of ``trainer.mode: one_step_off``); empty for a colocated job. A pool that does not
+    start and end on a node boundary is a :class:`LaunchError` naming it: a node's GPUs would be
+    shared by two pools, which the pools' layouts and the generation / training overlap assume
+    they are not."""
+    cfg = target.cfg
+    if cfg is None or not hasattr(cfg, "resolved_placement"):
+        return []
+    placement = cfg.resolved_placement(opts.world_size)
+    if placement.colocated:
+        return []
+    g = opts.gpus_per_node
+    out = []
+    for pool in placement.pools:
+        roles = tuple(role for role, rp in placement.roles.items() if rp.pool.name == pool.name)
+        if pool.start % g or pool.stop % g:
+            raise LaunchError(
+                f"placement pool {pool.name!r} (ranks {pool.start}-{pool.stop - 1}: {', '.join(roles)}) does not start "
+                f"and end on a node boundary with --gpus-per-node {g} (node i runs ranks i*{g}..i*{g}+{g - 1}): give "
+                f"every pool a multiple of {g} ranks starting at a multiple of {g} (placement.pools)")
+        out.append(PoolNodes(pool.name, pool.start, pool.stop - 1, pool.start // g, pool.stop // g - 1, roles))
+    return out
+
+
 def render_sbatch(target: Target, opts: SlurmOptions, script_path: Optional[str] = None) -> str:
     """The sbatch script for ``target`` under ``opts`` (pure: writes nothing)."""
     opts.validate()
+    pools = pool_nodes(target, opts)
     grace, grace_how = grace_for(target, opts)
     workdir = os.path.abspath(opts.workdir or os.getcwd())
     run_dir = run_dir_for(target, workdir)
@@ -251,6 +296,8 @@ def render_sbatch(target: Target, opts: SlurmOptions, script_path: Optional[str]
         "ENV_FORCED": "\n".join(forced) or "# (none)",
         "SRUN_ARGS": " \\\n    ".join(srun),
         "TORCHRUN": " ".join(shlex.quote(p) for p in torchrun_argv(opts)),
+        "POOLS": "".join(f"# {p.describe()}\n".replace("@@", "@") for p in pools)
+        or "# every role on every rank (placement: colocated)\n",
     }
     text = TEMPLATE
     for key, value in values.items():

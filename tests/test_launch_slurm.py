@@ -145,6 +145,32 @@ def test_rendered_script_is_valid_bash_with_the_right_lines(tmp_path, nodes, con
     assert "'trainer.output_dir=" in text  # the override with spaces is quoted
 
 
+def test_pools_are_placed_on_node_ranges(tmp_path):
+    """one_step_off's automatic half / half split and explicit placement.pools: each pool's node
+    range is listed in the script; a pool that splits a node is refused, naming the pool."""
+    text, _ = _render(tmp_path, 4, 2, ["trainer.mode=one_step_off"])
+    path = tmp_path / "pools.sbatch"
+    path.write_text(text)
+    _bash_ok(path)
+    lines = text.splitlines()
+    assert "# Rank pools (node i runs ranks i*2 .. i*2+2-1 under torchrun's node_rank):" in lines
+    train = next(line for line in lines if line.startswith("# pool train"))
+    gen = next(line for line in lines if line.startswith("# pool gen"))
+    assert train.endswith("ranks 0-3 on nodes 0-1 (node_rank 0..1)"), train
+    assert gen.endswith("ranks 4-7 on nodes 2-3 (node_rank 2..3)"), gen
+    assert "actor" in train and "rollout" in gen
+    pools = ["trainer.mode=one_step_off", "placement.pools={learn: [0, 2], sample: [2, 4]}",
+             "placement.actor=learn", "placement.rollout=sample", "actor.layout.tp=1"]
+    target = resolve_target(QUICKSTART, [f"trainer.output_dir={tmp_path / 'r'}", *pools], 4)
+    fits = render_sbatch(target, SlurmOptions(nodes=4, gpus_per_node=1, workdir=str(tmp_path)))
+    assert "# pool sample (rollout): ranks 2-3 on nodes 2-3 (node_rank 2..3)" in fits.splitlines()
+    with pytest.raises(LaunchError, match=r"placement pool 'learn' \(ranks 0-1: actor.*node boundary "
+                                          r"with --gpus-per-node 4"):
+        render_sbatch(target, SlurmOptions(nodes=1, gpus_per_node=4, workdir=str(tmp_path)))
+    colocated, _ = _render(tmp_path, 1, 2)
+    assert "# every role on every rank (placement: colocated)" in colocated.splitlines()
+
+
 def test_sbatch_quote_and_option_errors(tmp_path):
     assert sbatch_quote("batch") == "batch"
     assert sbatch_quote('a "b" c\\d') == '"a \\"b\\" c\\\\d"'

@@ -77,8 +77,8 @@ def test_batch_must_split_over_each_roles_dp():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["trainer.mode=one_step_off", "trainer.save_every=5"], "does not write checkpoints yet"),
-    (["trainer.mode=one_step_off", "trainer.resume=/some/ckpt"], "does not resume from checkpoints yet"),
+    (["trainer.mode=one_step_off", "placement.pools={gen: [0, 2], train: [2, 4]}", "placement.actor=train",
+      "placement.rollout=gen"], "checkpoints need the actor's pool to start at rank 0"),
     (["placement.pools={train: [0, 2], gen: [2, 4]}", "placement.actor=train", "placement.rollout=gen"],
      "placement.pools run with trainer.mode=one_step_off"),
     (["trainer.mode=one_step_off", "algorithm.adv_estimator=remax"], "ReMax's greedy baselines"),

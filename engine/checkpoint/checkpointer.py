@@ -71,6 +71,13 @@ class TrainedModel:
     scheduler: Any = None
 
     @property
+    def absent(self) -> bool:
+        """No part of the model lives on this rank (a rank of another pool, ``trainer.mode:
+        one_step_off``): it joins the checkpoint's collectives (Megatron's dist_checkpointing runs
+        them over the world) with nothing to write or read. Rank 0 must hold the models."""
+        return not self.chunks
+
+    @property
     def module(self) -> torch.nn.Module:
         """The model inside the DDP wrapper (one chunk: virtual pipeline stages are not supported)."""
         if len(self.chunks) != 1:
@@ -79,8 +86,8 @@ class TrainedModel:
         return getattr(self.chunks[0], "module", self.chunks[0])
 
 
-def _layout_dict(groups: ParallelGroups) -> dict[str, Any]:
-    return dict(asdict(groups.layout), world_size=dist.get_world_size())
+def _layout_dict(layout: Any) -> dict[str, Any]:
+    return dict(asdict(layout), world_size=dist.get_world_size())
 
 
 def _describe_layout(layout: dict[str, Any]) -> str:
@@ -102,16 +109,22 @@ class Checkpointer:
         async_save: write in the background (default: on GPU only; CPU tensors would be
             written while training changes them).
         log: where rank 0's progress lines go.
+        layout: the layout written into (and compared with) the trainer state (default: the
+            groups' own); the ranks of a pool that holds no model pass the training pool's.
+        reshard: whether a checkpoint may be loaded into another layout. Pooled runs keep
+            per-rank state beside the models (the in-flight batch), so they resume only into
+            the layout they were saved from.
     """
 
     def __init__(self, output_dir: str, groups: ParallelGroups, desc: ModelDescription, keep_last: int = 2, *,
                  async_save: Optional[bool] = None, log: Callable[[str], None] = print,
-                 tokenizer: Optional[str] = None) -> None:
+                 tokenizer: Optional[str] = None, layout: Any = None, reshard: bool = True) -> None:
         from hyflow.compat import cpu
 
         self.output_dir = output_dir
         self.root = checkpoints_root(output_dir)
         self.groups, self.desc, self.keep_last, self.tokenizer = groups, desc, keep_last, tokenizer
+        self.layout, self.reshard = (layout if layout is not None else groups.layout), reshard
         self.async_save = (torch.cuda.is_available() and not cpu.is_active()) if async_save is None else async_save
         stop_signal_proof_writer_queue()
         self._log = log
@@ -127,11 +140,14 @@ class Checkpointer:
     # ----------------------------------------------------------------- save
 
     def save(self, step: int, models: dict[str, TrainedModel], job_state: dict[str, Any], *,
-             frozen: Optional[dict[str, torch.nn.Module]] = None, config_text: Optional[str] = None) -> str:
+             frozen: Optional[dict[str, torch.nn.Module]] = None, config_text: Optional[str] = None,
+             own_files: Optional[Callable[[str], None]] = None) -> str:
         """Checkpoint ``step``: ``models`` (weights, optimizer, scheduler), this rank's RNG
         states, ``job_state`` (JSON: data position, controllers, counters) and ``config_text``.
 
         ``frozen`` models are written once per run to ``<checkpoints>/<name>`` and referenced.
+        ``own_files(path)`` writes this rank's own files into the step directory (named
+        ``.../rank_<rank>.pt``, so this rank hashes them into the manifest) before the tensors.
         Random streams are left exactly as they were. Returns the step directory; it counts as
         a checkpoint once :meth:`wait` (or, on CPU, this call) has written its marker. A write
         that fails (disk full, ...) raises :class:`CheckpointError` naming the directory and
@@ -141,7 +157,7 @@ class Checkpointer:
         rng = capture_rng()
         path = os.path.join(self.root, step_dir_name(step))
         try:
-            return self._save(step, path, rng, models, job_state, frozen, config_text)
+            return self._save(step, path, rng, models, job_state, frozen, config_text, own_files)
         except BaseException as e:  # torch DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -159,7 +175,8 @@ class Checkpointer:
         return f"checkpoint step {step} was not saved: {describe_os_error(e, self._doing or f'writing {path}')}; {after}"
 
     def _save(self, step: int, path: str, rng: dict, models: dict[str, TrainedModel], job_state: dict[str, Any],
-              frozen: Optional[dict[str, torch.nn.Module]], config_text: Optional[str]) -> str:
+              frozen: Optional[dict[str, torch.nn.Module]], config_text: Optional[str],
+              own_files: Optional[Callable[[str], None]] = None) -> str:
         rank = dist.get_rank()
         self._doing = f"creating {path}"
         if rank == 0:
@@ -170,25 +187,34 @@ class Checkpointer:
         start = time.perf_counter()
         self._doing = f"writing the random states to {path}/rng"
         save_rng(os.path.join(path, "rng", f"rank_{rank:05d}.pt"), rng)
+        if own_files is not None:
+            self._doing = f"writing rank {rank}'s own files to {path}"
+            own_files(path)
         frozen_paths = {name: self._save_frozen(name, model) for name, model in (frozen or {}).items()}
         requests, infos = [], {}
         state: dict[str, Any] = {
-            "format": STATE_FORMAT, "version": STATE_VERSION, "step": step, "layout": _layout_dict(self.groups),
+            "format": STATE_FORMAT, "version": STATE_VERSION, "step": step, "layout": _layout_dict(self.layout),
             "models": {}, "frozen": frozen_paths, "job": job_state, "time": time.time()}
+        if rank == 0 and any(m.absent for m in models.values()):
+            raise CheckpointError("rank 0 must hold every saved model (the pool holding the actor starts at rank 0)")
         for name, model in models.items():
-            module = model.module
             self._doing = f"writing the {name} weights to {path}/{name}"
-            requests.append(self._dist_save(module.sharded_state_dict(), os.path.join(path, name)))
-            infos[name] = self._model_info(module, step, name)
+            if model.absent:
+                requests.append(self._dist_save({}, os.path.join(path, name)))
+            else:
+                requests.append(self._dist_save(model.module.sharded_state_dict(), os.path.join(path, name)))
+                infos[name] = self._model_info(model.module, step, name)
             entry: dict[str, Any] = {"optimizer": False, "optimizer_format": optimizer_format()}
+            sharded = {}
             if model.optimizer is not None:
                 sharded = model.optimizer.sharded_state_dict(
-                    module.sharded_state_dict(), metadata=optimizer_metadata(entry["optimizer_format"]))
-                # An optimizer that never stepped has no state; a fresh one equals it on load.
-                entry["optimizer"] = has_tensors(sharded)
-                if entry["optimizer"]:
-                    self._doing = f"writing the {name} optimizer state to {path}/{name}_optimizer"
-                    requests.append(self._dist_save(sharded, os.path.join(path, f"{name}_optimizer")))
+                    model.module.sharded_state_dict(), metadata=optimizer_metadata(entry["optimizer_format"]))
+            # An optimizer that never stepped has no state; a fresh one equals it on load. Every
+            # rank (also those without the model) must agree whether a save follows.
+            entry["optimizer"] = self._any_rank(has_tensors(sharded))
+            if entry["optimizer"]:
+                self._doing = f"writing the {name} optimizer state to {path}/{name}_optimizer"
+                requests.append(self._dist_save(sharded, os.path.join(path, f"{name}_optimizer")))
             if model.scheduler is not None:
                 entry["scheduler"] = model.scheduler.state_dict()
             state["models"][name] = entry
@@ -219,6 +245,12 @@ class Checkpointer:
         else:
             finalize()
         return path
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True when ``flag`` is true on some rank (collective)."""
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.groups.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def _dist_save(self, sharded: dict, directory: str) -> Any:
         from megatron.core import dist_checkpointing
@@ -389,8 +421,13 @@ class Checkpointer:
         what :meth:`save` was given). Call it last before training resumes."""
         self.verify(path)
         state = self._read_state(path)
-        saved, current = state["layout"], _layout_dict(self.groups)
+        saved, current = state["layout"], _layout_dict(self.layout)
         same_layout = saved == current
+        if not same_layout and not self.reshard:
+            raise CheckpointError(f"checkpoint {path} was written with {_describe_layout(saved)} and holds per-rank "
+                                  "state beside the models (trainer.mode=one_step_off: the in-flight batch), so it "
+                                  f"resumes only into that layout, not {_describe_layout(current)}: launch with the "
+                                  "saved layout and placement")
         if same_layout:
             self.log(f"[hyflow] resuming from {path} (step {state['step']})")
         else:
@@ -403,6 +440,9 @@ class Checkpointer:
                                   f"{', '.join(sorted(models))}; the checkpoint {', '.join(sorted(state['models']))})")
         for name, model in models.items():
             entry = state["models"][name]
+            if model.absent:  # join the collectives of the loads below with nothing to read
+                self._join_load(os.path.join(path, name), entry)
+                continue
             self._load_model(model.module, os.path.join(path, name), exact=same_layout)
             if model.optimizer is not None and entry.get("optimizer"):  # else: saved before its first step
                 fmt = entry.get("optimizer_format", optimizer_format())
@@ -427,6 +467,16 @@ class Checkpointer:
                 self.log(f"[hyflow] warning: {path} has no rng/ folder: random streams are re-seeded, so the "
                          "resumed run will not repeat an uninterrupted one exactly")
         return state
+
+    def _join_load(self, directory: str, entry: dict[str, Any]) -> None:
+        """A rank without the model: the same dist_checkpointing loads as its holders, empty."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        with quiet_dist_checkpointing():
+            dist_checkpointing.load({}, directory, strict=StrictHandling.RAISE_UNEXPECTED)
+            if entry.get("optimizer"):
+                dist_checkpointing.load({}, f"{directory}_optimizer")
 
     def _load_model(self, module: torch.nn.Module, directory: str, exact: bool) -> None:
         """Load weights (already verified); ``exact`` keeps the padded vocabulary rows as saved

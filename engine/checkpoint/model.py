@@ -259,7 +259,7 @@ def check_compatible(model_desc: ModelDescription, ckpt_desc: ModelDescription, 
 # --------------------------------------------------------------------------- save / load
 
 
-def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: ParallelGroups,
+def save_model_checkpoint(model: Optional[torch.nn.Module], ckpt_dir: str, groups: ParallelGroups,
                           desc: ModelDescription, *, extra: Optional[dict[str, Any]] = None,
                           overwrite: bool = False,
                           write_extra: Optional[Callable[[], None]] = None) -> CheckpointInfo:
@@ -270,13 +270,17 @@ def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
     the manifest; an existing checkpoint there is an error unless ``overwrite``, which
     deletes its files first (a layout with fewer ranks leaves no stale ``.distcp`` behind).
     ``write_extra`` runs on rank 0 after ``model.json`` is written and before the manifest
-    (to add or rewrite files the manifest must cover).
+    (to add or rewrite files the manifest must cover). ``model=None``: this rank holds no part
+    of it (a rank of another pool, ``trainer.mode: one_step_off``) and joins the collectives
+    with nothing to write; rank 0 must hold it.
     """
     from megatron.core import dist_checkpointing
     from megatron.core import __version__ as mcore_version
 
+    if model is None and dist.get_rank() == 0:
+        raise CheckpointError("rank 0 must hold the model it saves")
     info = CheckpointInfo(
-        dtype=model_dtype_name(model), tp=groups.layout.tp, pp=groups.layout.pp,
+        dtype=model_dtype_name(model) if model is not None else "", tp=groups.layout.tp, pp=groups.layout.pp,
         num_layers=desc.num_layers, vocab_size=desc.vocab_size,
         padded_vocab_size=pad_vocab_size(desc.vocab_size, groups.layout.tp),
         megatron_core=mcore_version, extra=dict(extra or {}))
@@ -298,7 +302,7 @@ def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
     if errors[0]:
         raise CheckpointError(errors[0])
     with quiet_dist_checkpointing():
-        dist_checkpointing.save(unwrap_model(model).sharded_state_dict(), ckpt_dir)
+        dist_checkpointing.save({} if model is None else unwrap_model(model).sharded_state_dict(), ckpt_dir)
     dist.barrier()
     if dist.get_rank() == 0:
         desc.save(ckpt_dir)
@@ -312,14 +316,15 @@ def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
     return info
 
 
-def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: ParallelGroups,
+def load_model_checkpoint(model: Optional[torch.nn.Module], ckpt_dir: str, groups: ParallelGroups,
                           desc: Optional[ModelDescription] = None, *, verify: bool = True) -> CheckpointInfo:
     """Load ``ckpt_dir`` into this rank's ``model`` (any layout); collective.
 
     ``desc`` (the model's description) is checked against the checkpoint's
     ``model.json`` first, so an architecture mismatch is reported by field name.
     ``verify``: check the files first (:func:`verify_model_checkpoint`); pass False only when
-    the caller has just verified them.
+    the caller has just verified them. ``model=None``: this rank holds no part of it and joins
+    the collectives with nothing to read.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -331,13 +336,15 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str, groups: Paralle
         check_compatible(desc, ckpt_desc, ckpt_dir)
     if verify:
         verify_model_checkpoint(ckpt_dir, groups)
-    module = unwrap_model(model)
+    module = unwrap_model(model) if model is not None else None
     try:
         with quiet_dist_checkpointing():
-            state = dist_checkpointing.load(module.sharded_state_dict(), ckpt_dir,
+            state = dist_checkpointing.load(module.sharded_state_dict() if module is not None else {}, ckpt_dir,
                                             strict=StrictHandling.RAISE_UNEXPECTED)
     except CheckpointingException as e:
         raise CheckpointError(f"cannot load {ckpt_dir} into this model: {e}") from None
+    if module is None:
+        return info
     module.load_state_dict(state, strict=True)
     zero_vocab_padding(module, ckpt_desc.vocab_size, groups)
     return info

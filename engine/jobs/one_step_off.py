@@ -16,9 +16,10 @@ set: the sampler's log-probs are the behaviour policy). Seeds are the colocated 
 step and global prompt index), so step 1 equals a ``sync`` run's step 1.
 
 After each update the training pool's first rank tells every generation rank whether to go on
-(one int64 per rank), then the weight sync moves the actor's shards
-(:mod:`hyflow.placement.weight_sync`). Checkpoints are not written or resumed in this mode yet
-(:func:`check_supported` says so before any rank starts).
+and whether a checkpoint is written now (:func:`hyflow.placement.inflight.control`), then the
+weight sync moves the actor's shards (:mod:`hyflow.placement.weight_sync`). Checkpoints hold both
+pools' state, the batch in flight included, so a resumed run equals an uninterrupted one
+(:mod:`hyflow.placement.inflight`).
 """
 
 from __future__ import annotations
@@ -50,20 +51,10 @@ def check_supported(cfg: RLJobConfig) -> None:
     if cfg.algorithm.adv_estimator == "remax":
         raise ConfigError("trainer.mode=one_step_off does not generate ReMax's greedy baselines; use "
                           "trainer.mode=sync", key="trainer.mode")
-    if cfg.trainer.save_every:
-        raise ConfigError("trainer.mode=one_step_off does not write checkpoints yet (the in-flight batch would be "
-                          "lost): set trainer.save_every=0", key="trainer.save_every")
-    if cfg.trainer.resume not in ("auto", "never"):
-        raise ConfigError("trainer.mode=one_step_off does not resume from checkpoints yet: set trainer.resume=never "
-                          "or trainer.mode=sync", key="trainer.resume")
-    if cfg.trainer.resume == "auto":
-        from hyflow.checkpoint.discovery import checkpoints_root, latest_checkpoint
-
-        found = latest_checkpoint(checkpoints_root(cfg.trainer.output_dir), lambda _: None)
-        if found is not None:
-            raise ConfigError(f"{cfg.trainer.output_dir} holds checkpoint {found.path}, and trainer.mode=one_step_off "
-                              "does not resume yet: use another trainer.output_dir, trainer.resume=never, or "
-                              "trainer.mode=sync to continue it", key="trainer.resume")
+    if actor.start != 0:  # Megatron's dist_checkpointing writes the models' common part from rank 0
+        raise ConfigError(f"trainer.mode=one_step_off checkpoints need the actor's pool to start at rank 0 (it is "
+                          f"{actor.describe()}): list the training pool first in placement.pools",
+                          key="placement.pools")
 
 
 def _setup_data(cfg: RLJobConfig):
@@ -75,21 +66,6 @@ def _setup_data(cfg: RLJobConfig):
     dataset = build_dataset(cfg.data, cfg.rollout, tokenizer)
     loader = PromptLoader(dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     return tokenizer, dataset, loader
-
-
-def _control(go: bool, placement, rank: int, device: torch.device) -> bool:
-    """The training pool's first rank tells every generation rank whether another sync follows."""
-    train, gen = placement.roles["actor"].pool, placement.roles["rollout"].pool
-    flag = torch.tensor([int(go)], dtype=torch.long, device=device)
-    if rank == train.start:
-        ops = [dist.P2POp(dist.isend, flag, r) for r in gen.ranks]
-    elif rank in gen:
-        ops = [dist.P2POp(dist.irecv, flag, train.start)]
-    else:
-        return go
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
-    return bool(flag.item())
 
 
 def run(cfg: RLJobConfig) -> list[dict]:
@@ -110,44 +86,70 @@ def run(cfg: RLJobConfig) -> list[dict]:
 
 
 def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
+    from hyflow.placement.inflight import Control, GenerationCheckpoints, InFlight, control
     from hyflow.placement.pool_models import GenerationSide
     from hyflow.placement.rows import row_routes, send_rows
+    from hyflow.training.supervisor import StepSupervisor
 
     tokenizer, _, loader = _setup_data(cfg)
     side = GenerationSide(cfg, tokenizer, placement, groups, sync_group)
     rank, n = dist.get_rank(), cfg.rollout.n
     routes = row_routes(cfg.data.train_batch_size, placement.roles["rollout"], placement.roles["actor"])
-    for _ in range(cfg.actor.sft_warmup_steps):  # the training pool's warm-up draws these batches
-        loader.next_batch()
-    if not _control(True, placement, rank, groups.device):
-        return
-    side.sync.run()  # w_0
-    version, step = 0, 1  # the weights held (updates applied), the next batch to send
-
-    def generate(step: int):
-        start = time.perf_counter()
-        out = side.generate(loader.next_batch(), step, n)
-        return out.samples, time.perf_counter() - start, version
-
-    samples, seconds, made_with = generate(step)
-    while True:
-        send_rows(samples, routes, rank, made_with, seconds)
-        if step < cfg.trainer.total_steps:
-            samples, seconds, made_with = generate(step + 1)  # overlaps the update on batch `step`
-        if not _control(False, placement, rank, groups.device):
+    # A stop signal must not end a generation rank: the training pool (signalled as well) agrees on
+    # the stop, and this pool joins its last save before leaving.
+    held = StepSupervisor(1, device=groups.device).install()
+    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc)
+    try:
+        resumed = ckpts.resume(cfg.trainer.resume)  # collective with the training pool's resume
+        if resumed is None:
+            for _ in range(cfg.actor.sft_warmup_steps):  # the training pool's warm-up draws these batches
+                loader.next_batch()
+        else:
+            loader.load_state_dict(resumed.loader)
+        if not control(Control(go=False), placement, rank, groups.device).go:
             return
-        side.sync.run()
-        version, step = step, step + 1
+        side.sync.run()  # w_0, or w_t after a resume from step t
+        version = 0 if resumed is None else resumed.step - 1  # the weights held (updates applied)
+
+        def generate(step: int):
+            start = time.perf_counter()
+            out = side.generate(loader.next_batch(), step, n)
+            return out.samples, time.perf_counter() - start, version
+
+        if resumed is None:
+            step, batch = 1, generate(1)
+        else:  # the batch that was in flight when the checkpoint was written, sampled before it
+            step, batch = resumed.step, (resumed.samples, resumed.gen_seconds, resumed.version)
+        while True:
+            send_rows(batch[0], routes, rank, batch[2], batch[1])
+            following = generate(step + 1) if step < cfg.trainer.total_steps else None  # overlaps the update
+            msg = control(Control(go=False), placement, rank, groups.device)
+            if msg.go:
+                side.sync.run()
+            if msg.save:
+                samples, seconds, made_with = following or (None, 0.0, version)
+                ckpts.save(msg, InFlight(step=step + 1, samples=samples, version=made_with, gen_seconds=seconds,
+                                         loader=loader.state_dict()))
+            if not msg.go:
+                return
+            version, step, batch = step, step + 1, following
+    finally:
+        ckpts.close(abort=True)
+        held.uninstall()
 
 
 def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group) -> list[dict]:
     from hyflow.algorithms.kl import make_kl_controller
-    from hyflow.jobs.rl import StepJob, _finish, rl_step, sft_warmup
+    from hyflow.checkpoint.checkpointer import Checkpointer
+    from hyflow.data.tasks import tokenizer_spec_for
+    from hyflow.jobs.rl import StepJob, _finish, _frozen_models, _resume, _save, rl_step, sft_warmup
+    from hyflow.jobs.step_end import StepEnd
     from hyflow.monitor import comm
     from hyflow.monitor.memory import memory_summary
     from hyflow.monitor.metrics import MetricsWriter
     from hyflow.monitor.progress import Progress
     from hyflow.monitor.timers import PhaseTimers
+    from hyflow.placement.inflight import Control, control
     from hyflow.placement.pool_models import build_training_models
     from hyflow.rewards.manager import RewardManager
     from hyflow.rl.state import RLState
@@ -165,6 +167,12 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     state = RLState(models=models, loader=loader, kl_ctrl=kl_ctrl, supervisor=supervisor)
     job = StepJob(tokenizer, reward, sorted({r.data_source for r in dataset}), len(dataset))
     supervisor.install()
+    # Synchronous saves: a background save's completion is agreed over the world at step ends,
+    # which would tie the generation pool's loop to the training pool's.
+    ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
+                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False)
+    saved_models = (*models.trained(), *(_frozen_models(cfg, models) or {}))
+    start = _resume(cfg, ckpt, state)  # collective with the generation pool's resume; 0: a fresh run
     lead = rank == placement.roles["actor"].pool.start
     if lead:
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
@@ -172,17 +180,19 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
         print(format_config(cfg), flush=True)
         print(f"[hyflow] one_step_off: {placement.describe()}; {job.dataset_size} prompts; "
               f"{models.hybrid.sync.plan.summary()}", flush=True)
-    writer = MetricsWriter.from_config(cfg.trainer) if lead else None
-    if cfg.actor.sft_warmup_steps:
+    writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if lead else None
+    if cfg.actor.sft_warmup_steps and not start:
         sft_warmup(cfg, state, tokenizer)
-    progress = Progress.from_config(cfg.trainer, initial=0, enabled=lead)
+    progress = Progress.from_config(cfg.trainer, initial=start, enabled=lead)
     timers = PhaseTimers(sync=torch.cuda.synchronize if groups.device.type == "cuda" else None)
-    history = []
-    _control(True, placement, rank, groups.device)
-    models.hybrid.send()  # w_0
+    ends = StepEnd(cfg.trainer, ckpt, supervisor, writer, progress)
+    go = start < cfg.trainer.total_steps
+    control(Control(go=go), placement, rank, groups.device)
+    if go:
+        models.hybrid.send()  # w_0, or w_start after a resume
     comm.install()
     try:
-        for step in range(1, cfg.trainer.total_steps + 1):
+        for step in range(start + 1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
             records = loader.next_batch()
             supervisor.begin_step()
@@ -192,7 +202,9 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
             rows = models.dispatcher.last
             go = not outcome.stop and step < cfg.trainer.total_steps
             t1 = time.perf_counter()
-            _control(go, placement, rank, groups.device)
+            due = ends.save_due(step, outcome)  # the generation pool joins the save with its in-flight batch
+            control(Control(go=go, save=due, step=step, models=saved_models if due else ()), placement, rank,
+                    groups.device)
             sent = models.hybrid.send() if go else None
             step_seconds = time.perf_counter() - t0
             metrics.update(timers.step_summary())
@@ -211,21 +223,14 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
             metrics["perf/time_per_step"] = step_seconds
             metrics["perf/overlap_ratio"] = step_seconds / max(rows.gen_seconds, t1 - t0 - wait, 1e-9)
             metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_seconds * dist.get_world_size())
-            metrics["step"] = step
-            history.append(metrics)
-            if writer is not None:
-                writer.log(step, metrics)
-            progress.update(step, metrics)
-            if outcome.diverged:
-                raise supervisor.divergence_error(None)
-            if outcome.stop:
+            if ends.finish(step, metrics, outcome, lambda _: _save(cfg, ckpt, state)) or not go:
                 break
     finally:
         comm.uninstall()
         supervisor.uninstall()
+        ckpt.close(abort=True)
     progress.close()
     if writer is not None:
         writer.close()
-        print("[hyflow] trainer.mode=one_step_off writes no checkpoint yet", flush=True)
         _finish(cfg, writer.path)
-    return history
+    return ends.history
