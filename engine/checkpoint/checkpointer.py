@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import torch
@@ -51,6 +51,7 @@ from hyflow.checkpoint.optimizer_state import (allocate_distributed_optimizer_st
                                                has_tensors, optimizer_format, optimizer_metadata,
                                                restore_adam_steps)
 from hyflow.checkpoint.rng import capture_rng, load_rng, restore_rng, save_rng
+from hyflow.checkpoint.trained_model import TrainedModel
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
@@ -60,30 +61,6 @@ STATE_VERSION = 1
 
 __all__ = ["Checkpointer", "TrainedModel", "STATE_FORMAT", "STATE_VERSION", "resume_path", "LATEST_FILE",
            "MARKER_FILE", "STATE_FILE", "CONFIG_FILE"]
-
-
-@dataclass
-class TrainedModel:
-    """A model saved in every checkpoint, with its optimizer and LR scheduler (None: frozen)."""
-
-    chunks: list
-    optimizer: Any = None
-    scheduler: Any = None
-
-    @property
-    def absent(self) -> bool:
-        """No part of the model lives on this rank (a rank of another pool, ``trainer.mode:
-        one_step_off``): it joins the checkpoint's collectives (Megatron's dist_checkpointing runs
-        them over the world) with nothing to write or read. Rank 0 must hold the models."""
-        return not self.chunks
-
-    @property
-    def module(self) -> torch.nn.Module:
-        """The model inside the DDP wrapper (one chunk: virtual pipeline stages are not supported)."""
-        if len(self.chunks) != 1:
-            raise CheckpointError(f"checkpointing supports one model chunk per rank, got {len(self.chunks)} "
-                                  "(virtual pipeline stages)")
-        return getattr(self.chunks[0], "module", self.chunks[0])
 
 
 def _layout_dict(layout: Any) -> dict[str, Any]:
