@@ -19,6 +19,11 @@ After each update the training pool's first rank tells every generation rank whe
 (one int64 per rank), then the weight sync moves the actor's shards
 (:mod:`hyflow.placement.weight_sync`). Checkpoints are not written or resumed in this mode yet
 (:func:`check_supported` says so before any rank starts).
+
+``trainer.mode: sync`` with ``placement.pools`` runs these loops without the overlap: the
+generation pool samples batch ``t+1`` after receiving ``w_t`` (staleness 0 every step, no
+rollout correction unless set), so its metrics equal the colocated run's. A critic on a pool of
+its own answers the training pool step by step (:mod:`hyflow.placement.remote_critic`).
 """
 
 from __future__ import annotations
@@ -38,18 +43,12 @@ def check_supported(cfg: RLJobConfig) -> None:
     placement = cfg.resolved_placement()
     if placement.colocated:
         return
-    if cfg.trainer.mode != "one_step_off":
-        raise ConfigError("placement.pools run with trainer.mode=one_step_off; in trainer.mode=sync every role is "
-                          "colocated (leave placement.pools empty). `hyflow plan` sizes pooled sync layouts",
-                          key="placement.pools")
-    actor = placement.roles["actor"].pool
-    for role in ("critic", "reference", "reward"):
-        if role in placement.roles and placement.roles[role].pool != actor:
-            raise ConfigError(f"trainer.mode=one_step_off runs the {role} on the actor's pool for now; set "
-                              f"placement.{role}={actor.name} (or null)", key=f"placement.{role}")
+    from hyflow.placement.remote_critic import check_remote_roles
+
+    check_remote_roles(cfg, placement)  # roles on a pool apart from the actor's: the critic only
     if cfg.algorithm.adv_estimator == "remax":
-        raise ConfigError("trainer.mode=one_step_off does not generate ReMax's greedy baselines; use "
-                          "trainer.mode=sync", key="trainer.mode")
+        raise ConfigError("the generation pool does not generate ReMax's greedy baselines: run ReMax colocated "
+                          "(trainer.mode=sync, placement.pools empty)", key="algorithm.adv_estimator")
     if cfg.trainer.save_every:
         raise ConfigError("trainer.mode=one_step_off does not write checkpoints yet (the in-flight batch would be "
                           "lost): set trainer.save_every=0", key="trainer.save_every")
@@ -79,11 +78,12 @@ def _setup_data(cfg: RLJobConfig):
 
 def _control(go: bool, placement, rank: int, device: torch.device) -> bool:
     """The training pool's first rank tells every generation rank whether another sync follows."""
-    train, gen = placement.roles["actor"].pool, placement.roles["rollout"].pool
+    train = placement.roles["actor"].pool
+    others = [r for r in range(placement.world) if r not in train]  # generation (and critic) pools
     flag = torch.tensor([int(go)], dtype=torch.long, device=device)
     if rank == train.start:
-        ops = [dist.P2POp(dist.isend, flag, r) for r in gen.ranks]
-    elif rank in gen:
+        ops = [dist.P2POp(dist.isend, flag, r) for r in others]
+    elif rank not in train:
         ops = [dist.P2POp(dist.irecv, flag, train.start)]
     else:
         return go
@@ -103,10 +103,25 @@ def run(cfg: RLJobConfig) -> list[dict]:
     actor, gen = placement.roles["actor"], placement.roles["rollout"]
     sync_group = build_sync_group(actor.pool, gen.pool)
     train_group = dist.new_group(ranks=list(actor.pool.ranks))  # the supervisor's flags, set-up agreements
+    critic_group = _critic_pool_group(placement)
+    if critic_group is not None and rank in placement.roles["critic"].pool:
+        from hyflow.placement.remote_critic import serve_critic
+
+        serve_critic(cfg, placement, groups, critic_group, lambda: _control(False, placement, rank, groups.device))
+        return []
     if rank in gen.pool:
         _generation_loop(cfg, placement, groups, sync_group)
         return []
     return _training_loop(cfg, placement, groups, sync_group, train_group)
+
+
+def _critic_pool_group(placement):
+    """The critic pool's group when the critic has a pool of its own (collective: every rank calls it)."""
+    from hyflow.placement.remote_critic import has_remote_critic
+
+    if not has_remote_critic(placement):
+        return None
+    return dist.new_group(ranks=list(placement.roles["critic"].pool.ranks))
 
 
 def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
@@ -129,15 +144,18 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
         out = side.generate(loader.next_batch(), step, n)
         return out.samples, time.perf_counter() - start, version
 
+    overlap = cfg.trainer.mode == "one_step_off"  # sync: batch t+1 waits for w_t
     samples, seconds, made_with = generate(step)
     while True:
         send_rows(samples, routes, rank, made_with, seconds)
-        if step < cfg.trainer.total_steps:
+        if overlap and step < cfg.trainer.total_steps:
             samples, seconds, made_with = generate(step + 1)  # overlaps the update on batch `step`
         if not _control(False, placement, rank, groups.device):
             return
         side.sync.run()
         version, step = step, step + 1
+        if not overlap:
+            samples, seconds, made_with = generate(step)
 
 
 def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group) -> list[dict]:
@@ -170,7 +188,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
         print(format_config(cfg), flush=True)
-        print(f"[hyflow] one_step_off: {placement.describe()}; {job.dataset_size} prompts; "
+        print(f"[hyflow] trainer.mode={cfg.trainer.mode} on pools: {placement.describe()}; {job.dataset_size} prompts; "
               f"{models.hybrid.sync.plan.summary()}", flush=True)
     writer = MetricsWriter.from_config(cfg.trainer) if lead else None
     if cfg.actor.sft_warmup_steps:
