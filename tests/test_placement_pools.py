@@ -19,6 +19,10 @@ SMALL = ["data.train_batch_size=8", "rollout.n=4", "actor.mini_batch_size=16", "
          "algorithm.adv_estimator=gae", "critic.enable=true"]
 POOLS = ["trainer.nproc=4", "placement.pools={train: [0, 2], gen: [2, 3], critic: [3, 4]}", "placement.actor=train",
          "placement.rollout=gen", "placement.critic=critic", "critic.layout={tp: 1, pp: 1}"]
+#: the critic over 2 DP ranks, the actor on 1: the training rank's rows split between two critic
+#: ranks and their values come back from both (colocated reference: 1 rank)
+WIDER_CRITIC = ["trainer.nproc=4", "actor.layout.tp=1", "placement.pools={train: [0, 1], gen: [1, 2], critic: [2, 4]}",
+                "placement.actor=train", "placement.rollout=gen", "placement.critic=critic"]
 #: metrics of the machine and the transport, not of the learning (and the pooled run's own keys)
 NOT_COMPARED = ("timing_s/", "comm/", "memory/", "cpu_s/", "reshard/", "weight_sync/", "data_plane/",
                 "perf/time_per_step", "perf/throughput", "perf/max_rss_gb", "perf/max_memory_", "perf/overlap_ratio", "rollout/tokens_per_s")
@@ -53,6 +57,11 @@ def test_pooled_sync_resolves_with_the_critic_apart():
     # the training DP lead sends the rows to the critic rank; the critic answers both TP ranks
     assert [(r.src, r.dst, r.first, r.stop) for r in _routes(cfg, p)] == [(0, 3, 0, 8)]
     assert [(r.src, r.dst, r.first, r.stop) for r in _replies(cfg, p)] == [(3, 0, 0, 8), (3, 1, 0, 8)]
+    # one training rank, two critic DP ranks: each gets the half of the rows it owns, and answers
+    cfg = load_job_config(QUICKSTART, [*SMALL, *WIDER_CRITIC])
+    p = cfg.resolved_placement()
+    assert [(r.src, r.dst, r.first, r.stop) for r in _routes(cfg, p)] == [(0, 2, 0, 4), (0, 3, 4, 8)]
+    assert [(r.src, r.dst, r.first, r.stop) for r in _replies(cfg, p)] == [(2, 0, 0, 4), (3, 0, 4, 8)]
 
 
 @pytest.mark.parametrize("extra, key", [
@@ -73,9 +82,13 @@ def test_pooled_runs_refuse_what_they_cannot_do(extra, key):
 
 
 @pytest.mark.multirank
-def test_critic_on_its_own_pool_equals_colocated_sync(tmp_path):
-    colocated = run_on_ranks(_run, 2, ["trainer.nproc=2"], str(tmp_path / "colocated"))[0]
-    pooled = run_on_ranks(_run, 4, POOLS, str(tmp_path / "pooled"))[0]
+@pytest.mark.parametrize("ranks, colocated_overrides, pooled_overrides", [
+    (2, ["trainer.nproc=2"], POOLS),
+    (1, ["trainer.nproc=1", "actor.layout.tp=1"], WIDER_CRITIC),
+], ids=["critic-tp1", "critic-dp2"])
+def test_critic_on_its_own_pool_equals_colocated_sync(tmp_path, ranks, colocated_overrides, pooled_overrides):
+    colocated = run_on_ranks(_run, ranks, colocated_overrides, str(tmp_path / "colocated"))[0]
+    pooled = run_on_ranks(_run, 4, pooled_overrides, str(tmp_path / "pooled"))[0]
     assert len(pooled) == len(colocated) == 3
     compared, wrong = 0, []
     for step, (a, b) in enumerate(zip(colocated, pooled), start=1):
