@@ -24,7 +24,6 @@ DAPO's dropped and refilled groups), and what the critic scores must be what the
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -75,14 +74,12 @@ class RemoteCritic:
         self.first = shard_range(self.cfg.data.train_batch_size, self.groups.layout.dp, self.groups.dp_rank)[0]
         self.sends = [r for r in _routes(self.cfg, self.placement) if r.src == self.rank]
         self.recvs = [r for r in _replies(self.cfg, self.placement) if r.dst == self.rank]
-        self.seconds = 0.0  # waiting for the critic pool this step (values + update)
 
     def _rows(self, r: RowRoute) -> slice:
         return slice((r.first - self.first) * self.n, (r.stop - self.first) * self.n)
 
     def values(self, columns: dict, lengths, shape: tuple[int, int]) -> torch.Tensor:
         """This rank's rows' values: rows out to the critic owners, their values back."""
-        start = time.perf_counter()
         device = self.groups.device
         rows = torch.tensor(lengths, dtype=torch.long, device=device)
         heads = [torch.tensor([r.stop - r.first, shape[1]], dtype=torch.long, device=device) for r in self.sends]
@@ -99,7 +96,6 @@ class RemoteCritic:
         _exchange([dist.P2POp(dist.irecv, buf, r.src) for r, buf in inbox])
         for r, buf in inbox:
             out[self._rows(r)] = buf
-        self.seconds = time.perf_counter() - start
         return out
 
     def update(self, columns: dict, lengths, *, step: int, **_) -> UpdateStats:
@@ -107,7 +103,6 @@ class RemoteCritic:
         statistics back (the critic's token counts on this DP group's rank 0 only, so the DP sums of
         the padding ratio count them once). The critic pool knows the rest of the update's
         arguments from the config and its own rows."""
-        start = time.perf_counter()
         device = self.groups.device
         step_t = torch.tensor([step], dtype=torch.long, device=device)
         ops = []
@@ -119,7 +114,6 @@ class RemoteCritic:
         _exchange([dist.P2POp(dist.irecv, buf, r.src) for buf, r in zip(inbox, self.recvs)])
         vec = inbox[0].tolist()
         mine = self.groups.dp_rank == 0
-        self.seconds += time.perf_counter() - start
         return UpdateStats(sums=dict(zip(STATS, vec)), updates=1, processed_tokens=int(vec[-2]) if mine else 0,
                            real_tokens=int(vec[-1]) if mine else 0)
 
