@@ -244,6 +244,6 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     progress.close()
     if writer is not None:
         writer.close()
-        print("[hyflow] trainer.mode=one_step_off writes no checkpoint yet", flush=True)
+        print(f"[hyflow] trainer.mode={cfg.trainer.mode} on placement pools writes no checkpoint yet", flush=True)
         _finish(cfg, writer.path)
     return history
