@@ -66,6 +66,7 @@ def test_pooled_sync_resolves_with_the_critic_apart():
 
 @pytest.mark.parametrize("extra, key", [
     (["trainer.save_every=5"], "trainer.save_every"),
+    (["trainer.resume=/some/checkpoint"], "trainer.resume"),
     (["algorithm.adv_estimator=remax", "critic.enable=false", "placement.critic=null",
       "placement.pools={train: [0, 2], gen: [2, 4]}"], "algorithm.adv_estimator"),
 ])

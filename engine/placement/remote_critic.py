@@ -208,3 +208,7 @@ def check_remote_roles(cfg, placement) -> None:
         raise ConfigError(f"the critic on pool {placement.roles['critic'].pool.name!r} is not checkpointed yet: set "
                           "trainer.save_every=0, or placement.critic=null (the critic on the actor's pool)",
                           key="trainer.save_every")
+    if has_remote_critic(placement) and cfg.trainer.resume not in ("auto", "never"):
+        raise ConfigError(f"the critic on pool {placement.roles['critic'].pool.name!r} does not resume from "
+                          "checkpoints yet: set trainer.resume=never, or placement.critic=null",
+                          key="trainer.resume")
