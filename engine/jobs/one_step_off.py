@@ -77,7 +77,7 @@ def _setup_data(cfg: RLJobConfig):
 
 
 def _control(go: bool, placement, rank: int, device: torch.device) -> bool:
-    """The training pool's first rank tells every generation rank whether another sync follows."""
+    """The training pool's first rank tells every other rank (generation, critic pool) whether another step follows."""
     train = placement.roles["actor"].pool
     others = [r for r in range(placement.world) if r not in train]  # generation (and critic) pools
     flag = torch.tensor([int(go)], dtype=torch.long, device=device)
