@@ -78,9 +78,12 @@ def test_batch_must_split_over_each_roles_dp():
 
 @pytest.mark.parametrize("overrides,message", [
     (["trainer.mode=one_step_off", "placement.pools={gen: [0, 2], train: [2, 4]}", "placement.actor=train",
-      "placement.rollout=gen"], "checkpoints need the actor's pool to start at rank 0"),
-    (["placement.pools={train: [0, 2], gen: [2, 4]}", "placement.actor=train", "placement.rollout=gen"],
-     "placement.pools run with trainer.mode=one_step_off"),
+      "placement.rollout=gen"], "need the actor's pool to start at rank 0"),
+    (["placement.pools={train: [0, 2], gen: [2, 3], ref: [3, 4]}", "placement.actor=train", "placement.rollout=gen",
+      "placement.reference=ref", "reference.layout={tp: 1}"], "run the reference on the actor's pool for now"),
+    (["placement.pools={train: [0, 2], gen: [2, 3], critic: [3, 4]}", "placement.actor=train", "placement.rollout=gen",
+      "placement.critic=critic", "critic.enable=true", "algorithm.adv_estimator=gae", "critic.layout={tp: 1}",
+      "trainer.save_every=5"], "is not checkpointed yet"),
     (["trainer.mode=one_step_off", "algorithm.adv_estimator=remax"], "ReMax's greedy baselines"),
 ])
 def test_what_one_step_off_does_not_run_yet_is_named_before_launch(overrides, message):
@@ -88,6 +91,15 @@ def test_what_one_step_off_does_not_run_yet_is_named_before_launch(overrides, me
 
     with pytest.raises(ConfigError, match=message):
         preflight(_load("trainer.nproc=4", *overrides))
+
+
+def test_pools_in_sync_mode_pass_the_preflight():
+    from hyflow.jobs.rl_preflight import preflight
+
+    cfg = _load("trainer.nproc=4", *GAE, "placement.pools={train: [0, 2], gen: [2, 3], critic: [3, 4]}",
+                "placement.actor=train", "placement.rollout=gen", "placement.critic=critic", "critic.layout={tp: 1}")
+    preflight(cfg)  # sync on pools, the critic on a pool of its own: runs (tests/test_placement_pools.py)
+    assert cfg.trainer.mode == "sync" and cfg.actor.rollout_correction.mode == "off"
 
 
 def test_one_step_off_adopts_token_tis():

@@ -20,6 +20,12 @@ and whether a checkpoint is written now (:func:`hyflow.placement.inflight.contro
 weight sync moves the actor's shards (:mod:`hyflow.placement.weight_sync`). Checkpoints hold both
 pools' state, the batch in flight included, so a resumed run equals an uninterrupted one
 (:mod:`hyflow.placement.inflight`).
+
+``trainer.mode: sync`` with ``placement.pools`` runs these loops without the overlap: the
+generation pool samples batch ``t+1`` after receiving ``w_t`` (staleness 0 every step, no
+rollout correction unless set), so its metrics equal the colocated run's. A critic on a pool of
+its own answers the training pool step by step (:mod:`hyflow.placement.remote_critic`); such a run
+writes no checkpoint yet.
 """
 
 from __future__ import annotations
@@ -39,20 +45,15 @@ def check_supported(cfg: RLJobConfig) -> None:
     placement = cfg.resolved_placement()
     if placement.colocated:
         return
-    if cfg.trainer.mode != "one_step_off":
-        raise ConfigError("placement.pools run with trainer.mode=one_step_off; in trainer.mode=sync every role is "
-                          "colocated (leave placement.pools empty). `hyflow plan` sizes pooled sync layouts",
-                          key="placement.pools")
-    actor = placement.roles["actor"].pool
-    for role in ("critic", "reference", "reward"):
-        if role in placement.roles and placement.roles[role].pool != actor:
-            raise ConfigError(f"trainer.mode=one_step_off runs the {role} on the actor's pool for now; set "
-                              f"placement.{role}={actor.name} (or null)", key=f"placement.{role}")
+    from hyflow.placement.remote_critic import check_remote_roles
+
+    check_remote_roles(cfg, placement)  # roles on a pool apart from the actor's: the critic only
     if cfg.algorithm.adv_estimator == "remax":
-        raise ConfigError("trainer.mode=one_step_off does not generate ReMax's greedy baselines; use "
-                          "trainer.mode=sync", key="trainer.mode")
+        raise ConfigError("the generation pool does not generate ReMax's greedy baselines: run ReMax colocated "
+                          "(trainer.mode=sync, placement.pools empty)", key="algorithm.adv_estimator")
+    actor = placement.roles["actor"].pool
     if actor.start != 0:  # Megatron's dist_checkpointing writes the models' common part from rank 0
-        raise ConfigError(f"trainer.mode=one_step_off checkpoints need the actor's pool to start at rank 0 (it is "
+        raise ConfigError(f"checkpoints of placement pools need the actor's pool to start at rank 0 (it is "
                           f"{actor.describe()}): list the training pool first in placement.pools",
                           key="placement.pools")
 
@@ -79,10 +80,58 @@ def run(cfg: RLJobConfig) -> list[dict]:
     actor, gen = placement.roles["actor"], placement.roles["rollout"]
     sync_group = build_sync_group(actor.pool, gen.pool)
     train_group = dist.new_group(ranks=list(actor.pool.ranks))  # the supervisor's flags, set-up agreements
+    critic_group = _critic_pool_group(placement)
+    if critic_group is not None and rank in placement.roles["critic"].pool:
+        from hyflow.placement.inflight import Control, control
+        from hyflow.placement.remote_critic import serve_critic
+
+        serve_critic(cfg, placement, groups, critic_group,
+                     lambda: control(Control(go=False), placement, rank, groups.device).go)
+        return []
     if rank in gen.pool:
         _generation_loop(cfg, placement, groups, sync_group)
         return []
     return _training_loop(cfg, placement, groups, sync_group, train_group)
+
+
+def checkpointing(placement) -> bool:
+    """Whether this pooled run writes and resumes checkpoints: not with a critic on a pool of its own
+    (its pool does not join the checkpoint yet; :func:`~hyflow.placement.remote_critic.check_remote_roles`
+    refuses saving and resuming such a run before launch)."""
+    from hyflow.placement.remote_critic import has_remote_critic
+
+    return not has_remote_critic(placement)
+
+
+class _NoCheckpoints:
+    """Stands for the :class:`~hyflow.checkpoint.checkpointer.Checkpointer` of a run that writes none
+    (:func:`checkpointing`): a stop signal ends the run after its step without a save."""
+
+    def __init__(self, lead: bool) -> None:
+        self.lead = lead
+
+    def log(self, message: str) -> None:
+        if self.lead:
+            print(message.replace("resume with the same command (trainer.resume=auto)", "no checkpoint written "
+                                  "(the critic's pool is not checkpointed yet)"), flush=True)
+
+    def poll(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def close(self, abort: bool = False) -> None:
+        pass
+
+
+def _critic_pool_group(placement):
+    """The critic pool's group when the critic has a pool of its own (collective: every rank calls it)."""
+    from hyflow.placement.remote_critic import has_remote_critic
+
+    if not has_remote_critic(placement):
+        return None
+    return dist.new_group(ranks=list(placement.roles["critic"].pool.ranks))
 
 
 def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
@@ -98,9 +147,10 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
     # A stop signal must not end a generation rank: the training pool (signalled as well) agrees on
     # the stop, and this pool joins its last save before leaving.
     held = StepSupervisor(1, device=groups.device).install()
-    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc)
+    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc) if checkpointing(placement) else None
+    overlap = cfg.trainer.mode == "one_step_off"  # sync: batch t+1 waits for w_t
     try:
-        resumed = ckpts.resume(cfg.trainer.resume)  # collective with the training pool's resume
+        resumed = ckpts.resume(cfg.trainer.resume) if ckpts else None  # collective with the training pool's
         if resumed is None:
             for _ in range(cfg.actor.sft_warmup_steps):  # the training pool's warm-up draws these batches
                 loader.next_batch()
@@ -116,13 +166,16 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
             out = side.generate(loader.next_batch(), step, n)
             return out.samples, time.perf_counter() - start, version
 
-        if resumed is None:
-            step, batch = 1, generate(1)
+        if resumed is None or resumed.samples is None:
+            step = 1 if resumed is None else resumed.step
+            batch = generate(step)
         else:  # the batch that was in flight when the checkpoint was written, sampled before it
             step, batch = resumed.step, (resumed.samples, resumed.gen_seconds, resumed.version)
         while True:
             send_rows(batch[0], routes, rank, batch[2], batch[1])
-            following = generate(step + 1) if step < cfg.trainer.total_steps else None  # overlaps the update
+            following = None
+            if overlap and step < cfg.trainer.total_steps:
+                following = generate(step + 1)  # overlaps the update on batch `step`
             msg = control(Control(go=False), placement, rank, groups.device)
             if msg.go:
                 side.sync.run()
@@ -132,9 +185,11 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
                                          loader=loader.state_dict()))
             if not msg.go:
                 return
-            version, step, batch = step, step + 1, following
+            version, step = step, step + 1
+            batch = following if overlap else generate(step)  # sync: sampled with the weights just received
     finally:
-        ckpts.close(abort=True)
+        if ckpts:
+            ckpts.close(abort=True)
         held.uninstall()
 
 
@@ -169,16 +224,17 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     supervisor.install()
     # Synchronous saves: a background save's completion is agreed over the world at step ends,
     # which would tie the generation pool's loop to the training pool's.
-    ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
-                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False)
-    saved_models = (*models.trained(), *(_frozen_models(cfg, models) or {}))
-    start = _resume(cfg, ckpt, state)  # collective with the generation pool's resume; 0: a fresh run
     lead = rank == placement.roles["actor"].pool.start
+    saves = checkpointing(placement)
+    ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
+                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead)
+    saved_models = (*models.trained(), *(_frozen_models(cfg, models) or {}))
+    start = _resume(cfg, ckpt, state) if saves else 0  # collective with the generation pool's resume
     if lead:
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
         print(format_config(cfg), flush=True)
-        print(f"[hyflow] one_step_off: {placement.describe()}; {job.dataset_size} prompts; "
+        print(f"[hyflow] trainer.mode={cfg.trainer.mode} on pools: {placement.describe()}; {job.dataset_size} prompts; "
               f"{models.hybrid.sync.plan.summary()}", flush=True)
     writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if lead else None
     if cfg.actor.sft_warmup_steps and not start:
@@ -202,7 +258,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
             rows = models.dispatcher.last
             go = not outcome.stop and step < cfg.trainer.total_steps
             t1 = time.perf_counter()
-            due = ends.save_due(step, outcome)  # the generation pool joins the save with its in-flight batch
+            due = saves and ends.save_due(step, outcome)  # the generation pool joins the save (in-flight batch)
             control(Control(go=go, save=due, step=step, models=saved_models if due else ()), placement, rank,
                     groups.device)
             sent = models.hybrid.send() if go else None
@@ -223,7 +279,8 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
             metrics["perf/time_per_step"] = step_seconds
             metrics["perf/overlap_ratio"] = step_seconds / max(rows.gen_seconds, t1 - t0 - wait, 1e-9)
             metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_seconds * dist.get_world_size())
-            if ends.finish(step, metrics, outcome, lambda _: _save(cfg, ckpt, state)) or not go:
+            save = (lambda _: _save(cfg, ckpt, state)) if saves else (lambda _: None)
+            if ends.finish(step, metrics, outcome, save) or not go:
                 break
     finally:
         comm.uninstall()

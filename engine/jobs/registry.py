@@ -63,7 +63,9 @@ def job_runner(job: str) -> Callable[[Any], Any]:
 
 
 def run_rl(cfg: Any) -> Any:
-    """The RL job in its ``trainer.mode``: ``sync`` (:mod:`hyflow.jobs.rl`) or ``one_step_off``
-    (:mod:`hyflow.jobs.one_step_off`, whose loop reuses the sync job's step)."""
-    module = "hyflow.jobs.one_step_off" if cfg.trainer.mode == "one_step_off" else "hyflow.jobs.rl"
+    """The RL job: colocated ``sync`` (:mod:`hyflow.jobs.rl`), or on placement pools (``one_step_off``,
+    or ``sync`` with ``placement.pools``: :mod:`hyflow.jobs.one_step_off`, whose loops reuse the sync
+    job's step)."""
+    pooled = cfg.trainer.mode == "one_step_off" or bool(cfg.placement.pools)
+    module = "hyflow.jobs.one_step_off" if pooled else "hyflow.jobs.rl"
     return importlib.import_module(module).run(cfg)

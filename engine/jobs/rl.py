@@ -189,8 +189,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     values = None
     if models.critic is not None:
         with timers.phase("values"):
-            critic_scoring = batching_for(cfg, "critic", groups, job.pad_id).cut(columns, lengths)
-            values = forward_score(models.critic.chunks, critic_scoring, value_scorer(), groups, shape)
+            values = critic_values(cfg, models.critic, groups, columns, lengths, shape, job.pad_id)
     # 4. advantages (batch-wide statistics: sums over the DP group)
     with timers.phase("adv"):
         adv = compute_advantages(cfg.algorithm, scores, batch.group_ids, batch.response_mask, old_logp, ref_logp,
@@ -218,10 +217,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     if models.critic is not None:
         with timers.phase("update_critic"):
             critic_train = dict(columns, old_values=values, returns=adv.returns)
-            critic = update_model(models.critic, groups, critic_train, lengths, ValueLoss(cfg.critic),
-                                  batching=batching_for(cfg, "critic", groups, job.pad_id),
-                                  mini_batch_size=cfg.critic.mini_batch_size or cfg.actor.mini_batch_size,
-                                  epochs=cfg.critic.ppo_epochs or cfg.actor.ppo_epochs, **common)
+            critic = update_critic(cfg, models.critic, groups, critic_train, lengths, job.pad_id, **common)
     # 6. the KL controller and the step's metrics over the whole batch
     if cfg.algorithm.use_kl_in_reward:  # the controller's horizon counts responses
         state.kl_ctrl.update(adv.kl, len(records) * n)
@@ -230,6 +226,28 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     data = dict(train, ref_logp=ref_logp, scores=scores, values=values, returns=adv.returns,
                 greedy_scores=greedy_scores, rows=torch.arange(first * n, stop * n, device=device))
     return out, data
+
+
+def critic_values(cfg: RLJobConfig, critic, groups, columns: dict, lengths, shape: tuple[int, int],
+                  pad_id: int) -> torch.Tensor:
+    """Phase 3's values of these rows ([B, S], forward only). A critic on a pool of its own
+    (:class:`~hyflow.placement.remote_critic.RemoteCritic`) is asked for them; its pool runs this
+    same function on the rows it owns."""
+    if getattr(critic, "remote", False):
+        return critic.values(columns, lengths, shape)
+    scoring = batching_for(cfg, "critic", groups, pad_id).cut(columns, lengths)
+    return forward_score(critic.chunks, scoring, value_scorer(), groups, shape)
+
+
+def update_critic(cfg: RLJobConfig, critic, groups, columns: dict, lengths, pad_id: int, **common):
+    """Phase 5's critic update over these rows (``columns``: the batch's, ``old_values``, ``returns``);
+    a remote critic is sent the returns and answers with its update's statistics."""
+    if getattr(critic, "remote", False):
+        return critic.update(columns, lengths, **common)
+    return update_model(critic, groups, columns, lengths, ValueLoss(cfg.critic),
+                        batching=batching_for(cfg, "critic", groups, pad_id),
+                        mini_batch_size=cfg.critic.mini_batch_size or cfg.actor.mini_batch_size,
+                        epochs=cfg.critic.ppo_epochs or cfg.actor.ppo_epochs, **common)
 
 
 def generate_round(cfg: RLJobConfig, state: RLState, job: "StepJob", shard, first: int, seed: int,

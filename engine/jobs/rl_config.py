@@ -300,7 +300,8 @@ class TrainerConfig:
     resume: str = field(default="auto", metadata={"help": "auto | never | path of a checkpoint"})
     max_bad_steps: int = field(default=3, metadata={"help": "consecutive NaN/inf steps before stopping"})
     mode: Literal["sync", "one_step_off"] = field(default="sync", metadata={
-        "help": "sync: generate, then train on it; one_step_off: the generation pool samples step t+1 with the "
+        "help": "sync: generate, then train on it (with placement.pools: the generation pool samples step t+1 "
+                "after receiving the weights of step t); one_step_off: the generation pool samples step t+1 with the "
                 "weights of step t while the training pool updates on step t (token-level truncated importance "
                 "sampling, actor.rollout_correction (token_tis when left off), corrects the one-step "
                 "staleness); needs a generation pool of its own (placement; without pools the ranks split in half)"})

@@ -1,10 +1,11 @@
-"""The models of a pooled RL run (``trainer.mode: one_step_off``).
+"""The models of a pooled RL run (``placement.pools``, ``trainer.mode`` sync or one_step_off).
 
 * On the **training pool**: :func:`build_training_models` builds the actor (DDP + optimizer over
   the pool's explicit groups), the reference, the critic and the reward model like the colocated
   job (:func:`hyflow.rl.models.build_rl_models`), but instead of the hybrid engine and its
   dispatcher it holds a :class:`WeightSender` (the actor's shards out to the generation pool) and a
-  :class:`RemoteRollouts` (this rank's rows in from it). Both keep the colocated objects' call
+  :class:`RemoteRollouts` (this rank's rows in from it), and a critic on a pool of its own is a
+  :class:`~hyflow.placement.remote_critic.RemoteCritic`. All keep the colocated objects' call
   shapes, so :func:`hyflow.jobs.rl.rl_step` runs unchanged: its phase 1 receives rows instead of
   generating them.
 * On the **generation pool**: :class:`GenerationSide`, the actor in the generation layout (its
@@ -124,7 +125,13 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
                               placement, row_group)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), hybrid=sender,
                       dispatcher=rollouts, sample_vocab=min(desc.vocab_size, tokenizer.vocab_size))
-    build_other_roles(cfg, models, actor, tokenizer, optimizer_scope=_default_group_is(pool_group))
+    here = tuple(r for r in ("reference", "critic", "reward") if r not in placement.roles
+                 or placement.same_pool("actor", r))
+    build_other_roles(cfg, models, actor, tokenizer, optimizer_scope=_default_group_is(pool_group), roles=here)
+    if "critic" not in here:  # on a pool of its own (hyflow.placement.remote_critic serves it there)
+        from hyflow.placement.remote_critic import RemoteCritic
+
+        models.critic = RemoteCritic(cfg, placement, groups)
     return models
 
 

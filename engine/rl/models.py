@@ -33,12 +33,13 @@ class RLModels:
     dispatcher: RolloutDispatcher
     sample_vocab: int  # ids the tokenizer can decode; the generator never samples beyond
     reference: Optional[torch.nn.Module] = None
-    critic: Optional[TrainedModel] = None
+    critic: Any = None  # a TrainedModel; on a pool of its own, hyflow.placement.remote_critic.RemoteCritic
     reward_model: Any = None  # hyflow.rl.reward_model.RewardModel when reward.model_checkpoint is set
 
     def trained(self) -> dict[str, TrainedModel]:
         """The models every checkpoint holds, with their optimizers and LR schedulers."""
-        return {"actor": self.actor} | ({"critic": self.critic} if self.critic is not None else {})
+        local = self.critic is not None and not getattr(self.critic, "remote", False)  # not on a pool of its own
+        return {"actor": self.actor} | ({"critic": self.critic} if local else {})
 
     @torch.no_grad()
     def reset_reference(self) -> None:
@@ -145,35 +146,50 @@ def build_actor(cfg, desc: ModelDescription, groups: ParallelGroups, optimizer_s
     return actor, chunks, optimizer, scheduler
 
 
-def build_other_roles(cfg, models: RLModels, actor, tokenizer, optimizer_scope=None) -> None:
+def build_other_roles(cfg, models: RLModels, actor, tokenizer, optimizer_scope=None,
+                      roles: tuple[str, ...] = ("reference", "critic", "reward")) -> None:
     """The reference, the critic and the reward model in the actor's training layout (``models.groups``),
     attached to ``models``. ``actor``: the unwrapped actor (the critic copies its initial trunk);
     ``optimizer_scope``: a context the critic's optimizer is built in (a placement pool's default
-    group)."""
+    group); ``roles``: the ones built here (placement pools run the others elsewhere)."""
     frozen = FROZEN_INIT
     groups, desc = models.groups, models.desc
-    if cfg.reference.enable:  # also measures the reported KL when no KL term is optimised
+    if cfg.reference.enable and "reference" in roles:  # also measures the reported KL when no KL term is optimised
         reference = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, config_overrides=frozen)
         reference.requires_grad_(False)
         reference.eval()
         models.reference = reference
         models.reset_reference()
-    if cfg.critic.enable:
-        critic = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, value_head=True,
-                                 config_overrides=dict(frozen, **_recompute(cfg.actor.recompute)))
-        # The critic starts from the actor's initial trunk (a local copy: same layout) with a fresh head.
-        untouched = _copy_matching(actor, critic, skip=("output_layer.weight",))
-        assert set(untouched) <= {"output_layer.weight"}, untouched
-        _init_value_head(critic, desc.init_method_std, cfg.trainer.seed + 17)
-        critic_chunks = wrap_ddp([critic], groups, cfg.critic.optim.distributed_optimizer)
-        with optimizer_scope if optimizer_scope is not None else contextlib.nullcontext():
-            critic_optimizer, critic_scheduler = build_optimizer(
-                critic_chunks, cfg.critic.optim, _critic_updates(cfg), critic.config.params_dtype, groups=groups)
-        models.critic = TrainedModel(critic_chunks, critic_optimizer, critic_scheduler)
-    if cfg.reward.model_checkpoint:  # frozen, eval, in the actor's training layout (like the reference)
+    if cfg.critic.enable and "critic" in roles:
+        models.critic = build_critic(cfg, desc, groups, actor, optimizer_scope)
+    if cfg.reward.model_checkpoint and "reward" in roles:  # frozen, eval, in the actor's training layout
         from hyflow.rl.reward_model import build_reward_model
 
         models.reward_model = build_reward_model(cfg, groups, models.sample_vocab, tokenizer.pad_token_id or 0)
+
+
+def build_critic(cfg, desc: ModelDescription, groups: ParallelGroups, trunk: Optional[torch.nn.Module],
+                 optimizer_scope=None) -> TrainedModel:
+    """The critic in ``groups``' layout, DDP-wrapped with its optimizer. It starts from the actor's
+    initial trunk with a fresh seeded head: ``trunk`` is the actor in the same layout (a local copy),
+    or None on a pool without the actor, which loads the actor's initial weights into a temporary
+    actor-shaped model first (freed before the optimizer exists: the peak stays below the critic's
+    steady state with its optimizer)."""
+    frozen = FROZEN_INIT
+    if trunk is None:
+        trunk = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, config_overrides=frozen)
+        _initial_state(cfg, desc, trunk, groups, cfg.actor.checkpoint)
+    critic = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, value_head=True,
+                             config_overrides=dict(frozen, **_recompute(cfg.actor.recompute)))
+    untouched = _copy_matching(trunk, critic, skip=("output_layer.weight",))
+    assert set(untouched) <= {"output_layer.weight"}, untouched
+    del trunk
+    _init_value_head(critic, desc.init_method_std, cfg.trainer.seed + 17)
+    critic_chunks = wrap_ddp([critic], groups, cfg.critic.optim.distributed_optimizer)
+    with optimizer_scope if optimizer_scope is not None else contextlib.nullcontext():
+        critic_optimizer, critic_scheduler = build_optimizer(
+            critic_chunks, cfg.critic.optim, _critic_updates(cfg), critic.config.params_dtype, groups=groups)
+    return TrainedModel(critic_chunks, critic_optimizer, critic_scheduler)
 
 
 def _critic_updates(cfg) -> int:
