@@ -23,10 +23,11 @@ POOLS = ["trainer.nproc=4", "placement.pools={train: [0, 2], gen: [2, 3], critic
 #: ranks and their values come back from both (colocated reference: 1 rank)
 WIDER_CRITIC = ["trainer.nproc=4", "actor.layout.tp=1", "placement.pools={train: [0, 1], gen: [1, 2], critic: [2, 4]}",
                 "placement.actor=train", "placement.rollout=gen", "placement.critic=critic"]
-#: metrics of the machine and the transport, not of the learning (and the pooled run's own keys)
-NOT_COMPARED = ("timing_s/", "comm/", "memory/", "cpu_s/", "reshard/", "weight_sync/", "data_plane/",
+#: metrics of the machine and the transport, not of the learning (and the pooled run's own keys);
+#: padding depends on how each DP rank groups its own rows into micro-batches
+NOT_COMPARED = ("timing_s/", "comm/", "memory/", "cpu_s", "reshard/", "weight_sync/", "data_plane/",
                 "perf/time_per_step", "perf/throughput", "perf/max_rss_gb", "perf/max_memory_", "perf/overlap_ratio",
-                "rollout/tokens_per_s")
+                "perf/padding_ratio", "rollout/tokens_per_s")
 
 #: differences of the sampler's and the trainer's log-probs of one token: float32 rounding (~1e-7 of
 #: log-probs of magnitude ~1), measured by the colocated run's 2 generation replicas and the generation

@@ -51,7 +51,8 @@ reward: {kind: rule, rule: exact_match}
 data: {task: digit_add, task_size: 64, train_batch_size: 4}
 trainer: {total_steps: 6, nproc: 2, save_every: 3, keep_last: 2, log_every: 1, loggers: [console]}
 """
-NOT_COMPARED = ("timing_s/", "cpu_s/", "comm/", "rollout/tokens_per_s", "reshard/seconds", "perf/throughput", "perf/time_per_step", "perf/max_")  # wall and CPU time, traffic, memory
+NOT_COMPARED = ("timing_s/", "cpu_s", "comm/", "rollout/tokens_per_s", "reshard/seconds", "perf/throughput", "perf/time_per_step",
+                "perf/max_")  # wall and CPU time (cpu_s/ and cpu_s_max/), traffic, memory
 
 
 # --------------------------------------------------------------------------- helpers

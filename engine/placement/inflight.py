@@ -55,14 +55,16 @@ class Control:
 
 
 def control(msg: Control, placement, rank: int, device: torch.device) -> Control:
-    """The training pool's first rank sends ``msg`` to every generation rank (one int64 triple
-    each, point to point); returns what this rank knows (the message, on every pool)."""
-    train, gen = placement.roles["actor"].pool, placement.roles["rollout"].pool
+    """The training pool's first rank sends ``msg`` to every rank of the other pools (generation,
+    and a critic's pool of its own; one int64 triple each, point to point); returns what this rank
+    knows (the message, on every pool)."""
+    train = placement.roles["actor"].pool
+    others = [r for r in range(placement.world) if r not in train]
     mask = sum(1 << i for i, name in enumerate(MODEL_NAMES) if name in msg.models)
     t = torch.tensor([GO * msg.go + SAVE * msg.save, msg.step, mask], dtype=torch.long, device=device)
     if rank == train.start:
-        ops = [dist.P2POp(dist.isend, t, r) for r in gen.ranks]
-    elif rank in gen:
+        ops = [dist.P2POp(dist.isend, t, r) for r in others]
+    elif rank not in train:
         ops = [dist.P2POp(dist.irecv, t, train.start)]
     else:
         return msg
