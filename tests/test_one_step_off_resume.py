@@ -25,6 +25,7 @@ import pytest
 
 from hyflow.checkpoint.discovery import checkpoint_status, step_dir_name
 from hyflow.testing import run_on_ranks
+from hyflow.testing.resume import checkpoint_tensors, process_descendants
 
 pytestmark = pytest.mark.multirank
 
@@ -75,17 +76,6 @@ def _rows(run_dir: str) -> dict:
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in read_metrics(run_dir)}
 
 
-def _weights(model_dir: str, tmp: str) -> dict:
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = os.path.join(tmp, "weights.pt")
-    dcp_to_torch_save(model_dir, out)
-    state = torch.load(out, weights_only=False)
-    os.remove(out)
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("straight"))
@@ -120,24 +110,6 @@ def test_sigterm_saves_the_in_flight_batch_and_resume_trains_on_it(run_a, tmp_pa
         assert b[step] == a[step], f"step {step} differs from the straight run"
 
 
-def _descendants(pid: int) -> list:
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def test_kill_9_after_a_save_then_resume_equals_the_straight_run(run_a, tmp_path):
     from hyflow.testing.rl import QUICKSTART
 
@@ -154,7 +126,7 @@ def test_kill_9_after_a_save_then_resume_equals_the_straight_run(run_a, tmp_path
                 assert time.time() < deadline, "the run did not save step 2"
                 time.sleep(0.02)
         finally:
-            for pid in [proc.pid] + _descendants(proc.pid):  # kill -9, launcher and every rank
+            for pid in [proc.pid] + process_descendants(proc.pid):  # kill -9, launcher and every rank
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -170,7 +142,8 @@ def test_kill_9_after_a_save_then_resume_equals_the_straight_run(run_a, tmp_path
     for step in (1, 2, 3):
         assert b[step] == a[step], f"step {step} differs from the straight run"
     final = os.path.join("checkpoints", step_dir_name(3), "actor")
-    wa, wb = _weights(os.path.join(run_a, final), str(tmp_path)), _weights(os.path.join(out, final), str(tmp_path))
+    wa = checkpoint_tensors(os.path.join(run_a, final), str(tmp_path))
+    wb = checkpoint_tensors(os.path.join(out, final), str(tmp_path))
     assert wa.keys() == wb.keys() and wa
     for key in wa:
         assert (wa[key] == wb[key]).all(), key

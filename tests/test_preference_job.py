@@ -13,6 +13,7 @@ import pytest
 
 from hyflow.checkpoint.checkpointer import LATEST_FILE, step_dir_name
 from hyflow.testing import run_on_ranks
+from hyflow.testing.resume import checkpoint_tensors
 
 pytestmark = pytest.mark.multirank
 
@@ -92,17 +93,6 @@ def _rows(run_dir: str) -> dict:
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in read_metrics(run_dir)}
 
 
-def _weights(model_dir: str, tmp: str) -> dict:
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = os.path.join(tmp, "weights.pt")
-    dcp_to_torch_save(model_dir, out)
-    state = torch.load(out, weights_only=False)
-    os.remove(out)
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "pref.yaml"
@@ -136,7 +126,8 @@ def test_preempted_run_resumes_bit_for_bit(config, tmp_path, name):
     assert sorted(rows_b) == [1, 2, 3, 4] and rows_a == rows_b
     assert rows_a[4]["rewards/margins"] != rows_a[1]["rewards/margins"]
     final = os.path.join("checkpoints", step_dir_name(4), "actor")
-    wa, wb = _weights(os.path.join(straight, final), str(tmp_path)), _weights(os.path.join(out, final), str(tmp_path))
+    wa = checkpoint_tensors(os.path.join(straight, final), str(tmp_path))
+    wb = checkpoint_tensors(os.path.join(out, final), str(tmp_path))
     assert wa.keys() == wb.keys() and wa
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key

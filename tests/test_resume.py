@@ -29,6 +29,7 @@ import time
 import pytest
 
 from hyflow.testing import run_on_ranks
+from hyflow.testing.resume import checkpoint_tensors, process_descendants
 from hyflow.checkpoint.discovery import LATEST_FILE, checkpoint_status, step_dir_name
 
 pytestmark = pytest.mark.multirank
@@ -51,8 +52,9 @@ reward: {kind: rule, rule: exact_match}
 data: {task: digit_add, task_size: 64, train_batch_size: 4}
 trainer: {total_steps: 6, nproc: 2, save_every: 3, keep_last: 2, log_every: 1, loggers: [console]}
 """
-NOT_COMPARED = ("timing_s/", "cpu_s", "comm/", "rollout/tokens_per_s", "reshard/seconds", "perf/throughput", "perf/time_per_step",
-                "perf/max_")  # wall and CPU time (cpu_s/ and cpu_s_max/), traffic, memory
+#: wall and CPU time (cpu_s/ and cpu_s_max/), traffic, memory
+NOT_COMPARED = ("timing_s/", "cpu_s", "comm/", "rollout/tokens_per_s", "reshard/seconds", "perf/throughput",
+                "perf/time_per_step", "perf/max_")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -111,21 +113,10 @@ def _rows(run_dir: str) -> dict:
             for r in read_metrics(run_dir)}
 
 
-def _weights(model_dir: str, tmp: str) -> dict:
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = os.path.join(tmp, "weights.pt")
-    dcp_to_torch_save(model_dir, out)
-    state = torch.load(out, weights_only=False)
-    os.remove(out)
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
 def _assert_same_weights(dir_a: str, dir_b: str, tmp: str) -> None:
     import torch
 
-    a, b = _weights(dir_a, tmp), _weights(dir_b, tmp)
+    a, b = checkpoint_tensors(dir_a, tmp), checkpoint_tensors(dir_b, tmp)
     assert a.keys() == b.keys() and a
     for key in a:
         assert torch.equal(a[key], b[key]), f"{key} differs between {dir_a} and {dir_b}"
@@ -177,27 +168,9 @@ def test_sigterm_on_one_rank_stops_all_and_resume_is_exact(run_a, config, tmp_pa
     _assert_same_as_a(run_a, out, range(1, 7), str(tmp_path))
 
 
-def _descendants(pid: int) -> list:
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _rank_pid(launcher: int, rank: int) -> int:
     """The pid of rank ``rank`` among the launcher's descendants (from its environment)."""
-    for pid in _descendants(launcher):
+    for pid in process_descendants(launcher):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
@@ -217,7 +190,7 @@ def _wait_for(predicate, proc, log, what: str, timeout: float = 400) -> None:
 
 
 def _kill_all(proc) -> None:
-    victims = _descendants(proc.pid)  # torchrun starts its ranks in sessions of their own
+    victims = process_descendants(proc.pid)  # torchrun starts its ranks in sessions of their own
     for pid in [proc.pid] + victims:
         try:
             os.kill(pid, signal.SIGKILL)
