@@ -97,7 +97,8 @@ class ActorConfig(TrainedModelConfig):
     """The policy: trained in ``layout``, generating in ``rollout.layout``."""
 
     micro_batch_size: int = field(default=4, metadata={
-        "help": "sequences per forward/backward (when max_tokens_per_micro_batch is null)"})
+        "help": "sequences per forward/backward (when max_tokens_per_micro_batch is null); rows of similar "
+                "length go together, each micro-batch padded to its own longest row"})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
         "help": "token budget of a micro-batch instead of a fixed row count (verl's use_dynamic_bsz): rows "
                 "grouped by length, each micro-batch padded to its own longest row (packed: total tokens); "
