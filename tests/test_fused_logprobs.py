@@ -83,8 +83,6 @@ def test_fused_head_equals_the_full_logits_path(tp, temperature):
 
 def _model_parity(tp, pp, tied):
     """PolicyLoss and the log-prob scorer through the real model: fused vs full logits."""
-    from types import SimpleNamespace
-
     import torch.distributed as dist
 
     from hyflow.models.builder import build_gpt_model
@@ -93,7 +91,8 @@ def _model_parity(tp, pp, tied):
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
     from hyflow.rl.batch import MicroBatching, make_micro_batches
-    from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer, loss_weights
+    from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer
+    from hyflow.testing.rl import random_policy_batch
     from hyflow.training.optimizer import wrap_ddp
     from hyflow.training.step import forward_backward
 
@@ -102,20 +101,10 @@ def _model_parity(tp, pp, tied):
     model = build_gpt_model(desc, groups, config_overrides={"perform_initialization": False})
     load_full_state_dict(model, random_full_state_dict(desc, seed=1), desc, groups)
     chunks = wrap_ddp([model], groups, distributed_optimizer=False)
-    gen = torch.Generator().manual_seed(4)
     lengths = [9, 4, 13, 6, 6, 11]
     B, S = len(lengths), max(lengths)
-    tokens = torch.randint(0, 90, (B, S), generator=gen)
-    mask = torch.zeros(B, S)
-    for i, n in enumerate(lengths):
-        mask[i, 3:n] = 1.0
-        tokens[i, n:] = 0
-    cols = {"tokens": tokens, "response_mask": mask, "old_logp": -torch.rand(B, S, generator=gen) * 3,
-            "advantages": torch.randn(B, S, generator=gen)}
-    cols["loss_weight"] = loss_weights(mask, "token-mean", mask.sum(), (mask.sum(-1) > 0).sum())
-    cols["token_weight"] = cols["loss_weight"]
-    cfg = SimpleNamespace(policy_loss="vanilla", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None,
-                          entropy_coeff=0.01, use_kl_loss=False, loss_agg_mode="token-mean")
+    cols, cfg = random_policy_batch(lengths, 90)
+    mask = cols["response_mask"]
     micro = make_micro_batches(cols, lengths, MicroBatching(2).plan(lengths), packed=False)
     out = {}
     for fused in (False, True):

@@ -190,6 +190,7 @@ def test_transformer_engine_norm_names_load_and_gather_like_the_local_spec():
     from types import SimpleNamespace
 
     from hyflow.models.weights import canonical_name, load_full_state_dict
+    from hyflow.parallel.layout import Layout
 
     class Holder(torch.nn.Module):
         def __init__(self, **params):
@@ -207,7 +208,7 @@ def test_transformer_engine_norm_names_load_and_gather_like_the_local_spec():
     full = {"decoder.layers.0.input_layernorm.weight": torch.full((4,), 2.0),
             "decoder.layers.0.pre_mlp_layernorm.weight": torch.full((4,), 3.0)}
     desc = SimpleNamespace(num_layers=1)
-    groups = SimpleNamespace(layout=SimpleNamespace(vpp=None, pp=1, tp=1), pp_rank=0, tp_rank=0)
+    groups = SimpleNamespace(layout=Layout(tp=1, pp=1), pp_rank=0, tp_rank=0)
     load_full_state_dict(model, full, desc, groups)
     assert te_layer.self_attention.linear_qkv.layer_norm_weight.tolist() == [2.0] * 4
     assert te_layer.mlp.linear_fc1.layer_norm_weight.tolist() == [3.0] * 4

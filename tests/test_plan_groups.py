@@ -14,6 +14,7 @@ import time
 import pytest
 
 from hyflow.hybrid import gpt_param_specs, plan_reshard, rank_plan
+from hyflow.hybrid.reshard_plan import ParallelShape
 from hyflow.parallel.layout import Layout, pad_vocab_size
 from hyflow.plan.group_check import (check_partition, digest, generation_enumerations,
                                 layout_enumerations, verify_rank)
@@ -38,7 +39,9 @@ def test_plan_1024_matches_the_hybrid_planner():
     # The same reshard, computed directly with the hybrid engine's planner.
     specs = gpt_param_specs(80, 8192, 64, 8, 128, 29568, pad_vocab_size(152064, 8),
                             qkv_bias=True, dtype_bytes=2)
-    plan = plan_reshard(specs, (8, 4, 32), (4, 1))
+    split = report["roles"]["actor"]["layout"]["stage_layers"]  # chosen by the cost model (uneven)
+    assert sum(split) == 80 and len(split) == 4
+    plan = plan_reshard(specs, ParallelShape(8, 4, 32, tuple(split)), (4, 1))
     r = report["reshard"]
     assert r["train"] == [8, 4, 32] and r["gen"] == [4, 1]
     assert r["micro_dp_size"] == plan.micro_dp_size == 8 and r["gen_dp_size"] == plan.gen_dp_size == 256

@@ -137,8 +137,9 @@ def test_resolved_config_shows_the_checkpoints_architecture(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "model.json").write_text(json.dumps(SMOL))
+    layout = "layout: {tp: 1, pp: 2, stage_layers: [15, 15]}"  # an explicit split: no note about it
     (tmp_path / "cfg.yaml").write_text(CONFIG.split("actor:")[0].split("model:")[0] + "actor:" + CONFIG.split(
-        "actor:")[1].replace("layout: {tp: 2, pp: 1}", f"checkpoint: {ckpt}, layout: {{tp: 1, pp: 2}}"))
+        "actor:")[1].replace("layout: {tp: 2, pp: 1}", f"checkpoint: {ckpt}, {layout}"))
     cfg = cli.load_job_config(str(tmp_path / "cfg.yaml"), [])
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.vocab_size) == (576, 30, 49152)
     assert cfg.model.tokenizer == str(ckpt / "tokenizer") and cfg.notes == []  # no model section: no note

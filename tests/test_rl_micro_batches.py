@@ -101,8 +101,6 @@ def test_scatter_rows_inverts_packing():
 
 def _parity(tp, pp):
     """Log-probs, loss and gradients of the padded fixed-size path vs token-budget vs packed."""
-    from types import SimpleNamespace
-
     import torch.distributed as dist
 
     from hyflow.models.builder import build_gpt_model
@@ -112,6 +110,7 @@ def _parity(tp, pp):
     from hyflow.parallel.layout import Layout
     from hyflow.rl.batch import MicroBatching
     from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer
+    from hyflow.testing.rl import random_policy_batch
     from hyflow.training.optimizer import wrap_ddp
     from hyflow.training.step import forward_backward
 
@@ -120,20 +119,10 @@ def _parity(tp, pp):
     model = build_gpt_model(desc, groups, config_overrides={"perform_initialization": False})
     load_full_state_dict(model, random_full_state_dict(desc, seed=1), desc, groups)
     chunks = wrap_ddp([model], groups, distributed_optimizer=False)
-    gen = torch.Generator().manual_seed(4)
     lengths = [9, 4, 13, 6, 6, 11, 3, 8]
     B, S = len(lengths), max(lengths)
-    tokens = torch.randint(0, 96, (B, S), generator=gen)
-    mask = torch.zeros(B, S)
-    for i, n in enumerate(lengths):
-        mask[i, 2:n] = 1.0
-        tokens[i, n:] = 0
-    cols = {"tokens": tokens, "response_mask": mask, "old_logp": -torch.rand(B, S, generator=gen) * 3,
-            "advantages": torch.randn(B, S, generator=gen)}
-    cols["loss_weight"] = loss_weights(mask, "token-mean", mask.sum(), (mask.sum(-1) > 0).sum())
-    cols["token_weight"] = cols["loss_weight"]
-    cfg = SimpleNamespace(policy_loss="vanilla", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, entropy_coeff=0.01,
-                          use_kl_loss=False, loss_agg_mode="token-mean")
+    cols, cfg = random_policy_batch(lengths, 96, prompt=2)
+    mask = cols["response_mask"]
     out = {}
     for name, batching in (("fixed", MicroBatching(3)), ("budget", MicroBatching(3, max_tokens=26)),
                            ("packed", MicroBatching(3, max_tokens=30, packed=True))):

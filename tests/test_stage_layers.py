@@ -99,8 +99,6 @@ def test_plan_reports_and_uses_the_split():
 def _parity(tp, pp, split):
     """Per-token log-probs of a batch and every parameter's gradient of a policy loss, by global
     name (gathered over TP), plus Megatron's own layer numbering on this stage."""
-    from types import SimpleNamespace
-
     import torch.distributed as dist
 
     from hyflow.models.builder import build_gpt_model
@@ -108,7 +106,8 @@ def _parity(tp, pp, split):
         random_full_state_dict
     from hyflow.parallel.groups import init_training_groups
     from hyflow.rl.batch import MicroBatching, make_micro_batches
-    from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer, loss_weights
+    from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer
+    from hyflow.testing.rl import random_policy_batch
     from hyflow.training.optimizer import wrap_ddp
     from hyflow.training.step import forward_backward
 
@@ -119,20 +118,10 @@ def _parity(tp, pp, split):
     offset = layer_offset(desc, groups)
     numbers = [layer.layer_number - 1 for layer in model.decoder.layers]  # Megatron's global numbering
     chunks = wrap_ddp([model], groups, distributed_optimizer=False)
-    gen = torch.Generator().manual_seed(4)
     lengths = [9, 4, 13, 6]
     B, S = len(lengths), max(lengths)
-    tokens = torch.randint(0, 90, (B, S), generator=gen)
-    mask = torch.zeros(B, S)
-    for i, n in enumerate(lengths):
-        mask[i, 3:n] = 1.0
-        tokens[i, n:] = 0
-    cols = {"tokens": tokens, "response_mask": mask, "old_logp": -torch.rand(B, S, generator=gen) * 3,
-            "advantages": torch.randn(B, S, generator=gen)}
-    cols["loss_weight"] = loss_weights(mask, "token-mean", mask.sum(), (mask.sum(-1) > 0).sum())
-    cols["token_weight"] = cols["loss_weight"]
-    cfg = SimpleNamespace(policy_loss="vanilla", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None,
-                          entropy_coeff=0.01, use_kl_loss=False, loss_agg_mode="token-mean")
+    cols, cfg = random_policy_batch(lengths, 90)
+    mask = cols["response_mask"]
     micro = make_micro_batches(cols, lengths, MicroBatching(2).plan(lengths), packed=False)
     logp = forward_score(chunks, micro, logprob_scorer(90, groups.pgs.tp, 1.0, fused=False), groups, (B, S))
     chunks[0].zero_grad_buffer()

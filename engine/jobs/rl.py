@@ -32,8 +32,9 @@ from hyflow.config import dump_yaml, format_config
 from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.jobs.step_end import StepEnd
 from hyflow.rl.batch import MicroBatching, RolloutBatch, batching_for, build_rollout_batch, pad_multiple
-from hyflow.rl.losses import PolicyLoss, ValueLoss, forward_score, logprob_scorer, value_scorer
+from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer
 from hyflow.rl.metrics import BatchStats, all_gather_strings, score_metrics
+from hyflow.rl.critic import critic_values, update_critic
 from hyflow.rl.dynamic_sampling import Round, collect_groups
 from hyflow.rl.exact_logprobs import (exact_in_generation_layout, rescore_in_generation_layout,
                                       rescore_in_training_layout)
@@ -226,28 +227,6 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     data = dict(train, ref_logp=ref_logp, scores=scores, values=values, returns=adv.returns,
                 greedy_scores=greedy_scores, rows=torch.arange(first * n, stop * n, device=device))
     return out, data
-
-
-def critic_values(cfg: RLJobConfig, critic, groups, columns: dict, lengths, shape: tuple[int, int],
-                  pad_id: int) -> torch.Tensor:
-    """Phase 3's values of these rows ([B, S], forward only). A critic on a pool of its own
-    (:class:`~hyflow.placement.remote_critic.RemoteCritic`) is asked for them; its pool runs this
-    same function on the rows it owns."""
-    if getattr(critic, "remote", False):
-        return critic.values(columns, lengths, shape)
-    scoring = batching_for(cfg, "critic", groups, pad_id).cut(columns, lengths)
-    return forward_score(critic.chunks, scoring, value_scorer(), groups, shape)
-
-
-def update_critic(cfg: RLJobConfig, critic, groups, columns: dict, lengths, pad_id: int, **common):
-    """Phase 5's critic update over these rows (``columns``: the batch's, ``old_values``, ``returns``);
-    a remote critic is sent the returns and answers with its update's statistics."""
-    if getattr(critic, "remote", False):
-        return critic.update(columns, lengths, **common)
-    return update_model(critic, groups, columns, lengths, ValueLoss(cfg.critic),
-                        batching=batching_for(cfg, "critic", groups, pad_id),
-                        mini_batch_size=cfg.critic.mini_batch_size or cfg.actor.mini_batch_size,
-                        epochs=cfg.critic.ppo_epochs or cfg.actor.ppo_epochs, **common)
 
 
 def generate_round(cfg: RLJobConfig, state: RLState, job: "StepJob", shard, first: int, seed: int,

@@ -13,6 +13,7 @@ generation pool), registered as ``reshard`` traffic with :mod:`hyflow.monitor.co
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Optional
 
 import torch.distributed as dist
@@ -126,3 +127,24 @@ def build_sync_group(src: Pool, dst: Pool, backend: Optional[str] = None):
     if dist.get_rank() in ranks:
         comm.register_group(group, "reshard")
     return group
+
+
+@contextmanager
+def optimizer_agreement_on(pool):
+    """Megatron's optimizer set-up agrees on its parameter groups with ``all_gather_object`` over the
+    default group (once per optimizer, not on the step's path); on a pool that agreement is the
+    pool's: the call is routed to ``pool`` (a group) and the other ranks' entries left empty."""
+    original = dist.all_gather_object
+
+    def gather(out, obj, group=None):
+        if group is not None or pool is None:
+            return original(out, obj, group=group)
+        part = [None] * pool.size()
+        original(part, obj, group=pool)
+        out[:] = part + [[] for _ in range(len(out) - len(part))]
+
+    dist.all_gather_object = gather
+    try:
+        yield
+    finally:
+        dist.all_gather_object = original

@@ -14,13 +14,13 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from hyflow.placement.groups import optimizer_agreement_on
 from hyflow.placement.rows import ReceivedRows, recv_rows, row_routes
 from hyflow.placement.weight_sync import SyncStats, WeightSync
 from hyflow.rl.dispatch import shard_range
@@ -86,27 +86,6 @@ class RemoteRollouts:
         return GatheredRollout(samples=got.samples, stats=RolloutStats(samples=len(got.samples)))
 
 
-@contextmanager
-def _default_group_is(pool):
-    """Megatron's optimizer set-up agrees on its parameter groups with ``all_gather_object`` over the
-    default group (once per optimizer, not on the step's path); on a pool that agreement is the
-    pool's: the call is routed to ``pool`` (a group) and the other ranks' entries left empty."""
-    original = dist.all_gather_object
-
-    def gather(out, obj, group=None):
-        if group is not None or pool is None:
-            return original(out, obj, group=group)
-        part = [None] * pool.size()
-        original(part, obj, group=pool)
-        out[:] = part + [[] for _ in range(len(out) - len(part))]
-
-    dist.all_gather_object = gather
-    try:
-        yield
-    finally:
-        dist.all_gather_object = original
-
-
 def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_group=None, pool_group=None):
     """The training pool's :class:`~hyflow.rl.models.RLModels` (see the module docstring)."""
     from hyflow.checkpoint.checkpointer import TrainedModel
@@ -117,7 +96,7 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
     from hyflow.rollout.config import GenerationConfig
 
     desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
-    actor, chunks, optimizer, scheduler = build_actor(cfg, desc, groups, optimizer_scope=_default_group_is(pool_group))
+    actor, chunks, optimizer, scheduler = build_actor(cfg, desc, groups, optimizer_scope=optimizer_agreement_on(pool_group))
     plan = plan_actor_sync(placement, desc, actor.config.params_dtype.itemsize,
                            fused_norms=resolve_spec(cfg.actor.spec) == "te")
     sender = WeightSender(WeightSync(plan, actor, sync_group))
@@ -127,7 +106,7 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
                       dispatcher=rollouts, sample_vocab=min(desc.vocab_size, tokenizer.vocab_size))
     here = tuple(r for r in ("reference", "critic", "reward") if r not in placement.roles
                  or placement.same_pool("actor", r))
-    build_other_roles(cfg, models, actor, tokenizer, optimizer_scope=_default_group_is(pool_group), roles=here)
+    build_other_roles(cfg, models, actor, tokenizer, optimizer_scope=optimizer_agreement_on(pool_group), roles=here)
     if "critic" not in here:  # on a pool of its own (hyflow.placement.remote_critic serves it there)
         from hyflow.placement.remote_critic import RemoteCritic
 

@@ -3,8 +3,8 @@
 The training pool's :func:`hyflow.jobs.rl.rl_step` runs unchanged: ``models.critic`` is a
 :class:`RemoteCritic` there (like :class:`~hyflow.placement.pool_models.RemoteRollouts` stands
 for the dispatcher), and the critic pool runs :func:`serve_critic`, which answers it step by step
-with the same two functions the colocated critic runs (:func:`hyflow.jobs.rl.critic_values`,
-:func:`hyflow.jobs.rl.update_critic`) on the rows its DP ranks own. Per step::
+with the same two functions the colocated critic runs (:func:`hyflow.rl.critic.critic_values`,
+:func:`hyflow.rl.critic.update_critic`) on the rows its DP ranks own. Per step::
 
     training pool (DP rank d)                      critic pool (DP rank c)
     phase 3  rows (tokens, response mask, lengths) ──► forward: values
@@ -62,7 +62,7 @@ def _replies(cfg, placement) -> list[RowRoute]:
 @dataclass
 class RemoteCritic:
     """Stands where the colocated critic (a ``TrainedModel``) stands on the training pool; rl_step
-    calls it through :func:`~hyflow.jobs.rl.critic_values` and :func:`~hyflow.jobs.rl.update_critic`."""
+    calls it through :func:`~hyflow.rl.critic.critic_values` and :func:`~hyflow.rl.critic.update_critic`."""
 
     cfg: object
     placement: object
@@ -121,16 +121,16 @@ class RemoteCritic:
 def serve_critic(cfg, placement, groups, pool_group, go) -> None:
     """The critic pool's loop: build the critic, then answer each step until ``go()`` says stop."""
     from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.jobs.rl import critic_values, update_critic
+    from hyflow.rl.critic import critic_values, update_critic
     from hyflow.models.description import ModelDescription
-    from hyflow.placement.pool_models import _default_group_is
+    from hyflow.placement.groups import optimizer_agreement_on
     from hyflow.rl.models import build_critic
     from hyflow.training.supervisor import StepSupervisor
 
     rank, n, device = dist.get_rank(), cfg.rollout.n, groups.device
     pad_id = load_data_tokenizer(cfg.data).pad_token_id or 0
     desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
-    critic = build_critic(cfg, desc, groups, None, optimizer_scope=_default_group_is(pool_group))
+    critic = build_critic(cfg, desc, groups, None, optimizer_scope=optimizer_agreement_on(pool_group))
     # NaN / inf gradients skip the critic's update here as on the training pool
     guard = StepSupervisor(cfg.trainer.max_bad_steps, [critic.optimizer], signals=(), group=pool_group,
                            device=device)

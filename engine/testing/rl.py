@@ -44,3 +44,28 @@ def score_rows(chunks, groups, tokens: torch.Tensor, scorer: Callable,
     lengths = list(lengths) if lengths is not None else [S] * B
     micro = make_micro_batches({"tokens": tokens}, lengths, plan_fixed(B, B))
     return forward_score(chunks, micro, scorer, groups, (B, S))
+
+
+def random_policy_batch(lengths: Sequence[int], vocab: int, seed: int = 4, prompt: int = 3):
+    """``(columns, loss config)`` of a PPO update over rows of ``lengths`` (random tokens below
+    ``vocab``, responses after ``prompt`` tokens, random old log-probs and advantages, token-mean
+    weights): the columns :func:`hyflow.rl.batch.make_micro_batches` cuts, the config
+    :class:`hyflow.rl.losses.PolicyLoss` reads."""
+    from types import SimpleNamespace
+
+    from hyflow.rl.losses import loss_weights
+
+    gen = torch.Generator().manual_seed(seed)
+    B, S = len(lengths), max(lengths)
+    tokens = torch.randint(0, vocab, (B, S), generator=gen)
+    mask = torch.zeros(B, S)
+    for i, n in enumerate(lengths):
+        mask[i, prompt:n] = 1.0
+        tokens[i, n:] = 0
+    cols = {"tokens": tokens, "response_mask": mask, "old_logp": -torch.rand(B, S, generator=gen) * 3,
+            "advantages": torch.randn(B, S, generator=gen)}
+    cols["loss_weight"] = loss_weights(mask, "token-mean", mask.sum(), (mask.sum(-1) > 0).sum())
+    cols["token_weight"] = cols["loss_weight"]
+    cfg = SimpleNamespace(policy_loss="vanilla", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None,
+                          entropy_coeff=0.01, use_kl_loss=False, loss_agg_mode="token-mean")
+    return cols, cfg
