@@ -110,10 +110,10 @@ class _NoCheckpoints:
     def __init__(self, lead: bool) -> None:
         self.lead = lead
 
-    def log(self, message: str) -> None:
+    def log(self, message: str) -> None:  # StepEnd's word on a stop: there is nothing to resume from
         if self.lead:
-            print(message.replace("resume with the same command (trainer.resume=auto)", "no checkpoint written "
-                                  "(the critic's pool is not checkpointed yet)"), flush=True)
+            print("[hyflow] stopped on a stop signal; no checkpoint is written (the critic's pool is not "
+                  "checkpointed yet)", flush=True)
 
     def poll(self) -> None:
         pass
