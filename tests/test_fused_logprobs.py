@@ -41,8 +41,10 @@ def _head(temperature):
             logits = x @ shard.t()
             lp = vocab_parallel_logprobs(logits, labels, VOCAB, group, temperature)
             ent = vocab_parallel_entropy(logits, VOCAB, group, temperature)
-        else:  # 3 rows a chunk: several chunks
-            lp, ent = fused_logprobs_entropy(x, shard, labels, VOCAB, group, temperature, chunk_elements=3 * width)
+        else:  # 3 rows x 48 columns a block: several row chunks and vocabulary blocks, the last
+            # real block narrower than the others, padded columns skipped
+            lp, ent = fused_logprobs_entropy(x, shard, labels, VOCAB, group, temperature,
+                                             chunk_elements=3 * 48, vocab_block=48)
         if name == "fused_no_entropy_grad":
             (lp * w).sum().backward()
         else:

@@ -55,6 +55,7 @@ from hyflow.checkpoint.trained_model import TrainedModel
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
+from hyflow.training.optimizer import fuse_torch_adam
 
 STATE_FORMAT = "hyflow-trainer-checkpoint"
 STATE_VERSION = 1
@@ -483,4 +484,5 @@ class Checkpointer:
             loaded = dist_checkpointing.load(sharded, directory)
         with torch.no_grad():  # Megatron's dp_reshardable loader copies into parameter views
             model.optimizer.load_state_dict(loaded)
+        fuse_torch_adam(model.optimizer)  # the saved param groups' flags replace the built ones
         restore_adam_steps(model.optimizer)

@@ -45,6 +45,11 @@ def _torch_adams(optimizer: Any) -> list:
     return [o.optimizer for o in distributed_parts(optimizer) if isinstance(o.optimizer, torch.optim.Adam)]
 
 
+def _step_device(group: dict, param: torch.Tensor) -> torch.device:
+    """Where torch's Adam keeps ``step``: with the parameter for the fused kernel, else on the CPU."""
+    return param.device if group.get("fused") else torch.device("cpu")
+
+
 def restore_adam_steps(optimizer: Any) -> None:
     """Repair a torch Adam's ``step`` after Megatron's ``DistributedOptimizer.load_state_dict``.
 
@@ -58,7 +63,7 @@ def restore_adam_steps(optimizer: Any) -> None:
                 state = adam.state.get(param, {})
                 if "step" in state:
                     step = group.get("step", state["step"])
-                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
+                    state["step"] = torch.tensor(float(step), dtype=torch.float32, device=_step_device(group, param))
 
 
 def allocate_distributed_optimizer_state(optimizer: Any) -> None:
@@ -73,6 +78,6 @@ def allocate_distributed_optimizer_state(optimizer: Any) -> None:
             for param in group["params"]:
                 state = adam.state[param]
                 if "step" not in state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=_step_device(group, param))
                     state.setdefault("exp_avg", torch.zeros_like(param, memory_format=torch.preserve_format))
                     state.setdefault("exp_avg_sq", torch.zeros_like(param, memory_format=torch.preserve_format))

@@ -31,6 +31,11 @@ Redirections (each has a test in ``tests/test_cpu_compat.py``):
   with a ``'torch.cuda.*'`` string converts to the matching CPU type.
 * ``torch.cuda.synchronize``, ``torch.cuda.empty_cache``, ``set_device``,
   streams and events become no-ops; memory queries return 0.
+* Megatron's gradient-accumulation fusion calls Apex's CUDA extension
+  ``fused_weight_gradient_mlp_cuda``; here it is a CPU version (the weight gradient
+  accumulated into ``main_grad`` inside the GEMM, ``addmm_``), so DDP-wrapped linear
+  layers skip the separate weight-gradient tensor and its addition
+  (:func:`hyflow.training.optimizer.wrap_ddp` turns the fusion on where it is available).
 """
 
 from __future__ import annotations
@@ -207,6 +212,27 @@ def _install_device_queries() -> None:
     _patch(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
 
 
+class _WgradGemmAccumulate:
+    """Apex's ``fused_weight_gradient_mlp_cuda`` on the CPU: ``main_grad += grad_output^T input``
+    in one GEMM (inputs 2-D, as Megatron's linear backward passes them)."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        main_grad.add_(grad_output.t() @ total_input)
+
+
+def _install_wgrad_accumulation() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:
+        _patch(layers, "fused_weight_gradient_mlp_cuda", _WgradGemmAccumulate)
+        _patch(layers, "_grad_accum_fusion_available", True)
+
+
 def activate() -> None:
     """Install every redirection. Raises :class:`CpuCompatError` if CUDA is available."""
     global _ACTIVE
@@ -231,6 +257,7 @@ def activate() -> None:
     _patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type))
     _install_device_queries()
     _install_rng()
+    _install_wgrad_accumulation()
     _ACTIVE = True
     _LOG.debug("hyflow CPU compatibility layer active")
 

@@ -213,7 +213,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
         actor = update_model(models.actor, groups, train, lengths, policy_loss,
                              batching=batching_for(cfg, "actor", groups, job.pad_id),
                              mini_batch_size=cfg.actor.mini_batch_size,
-                             epochs=cfg.actor.ppo_epochs, **common)
+                             epochs=cfg.actor.ppo_epochs, balance=cfg.actor.balance_batch, **common)
     critic = None
     if models.critic is not None:
         with timers.phase("update_critic"):

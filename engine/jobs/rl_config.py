@@ -109,6 +109,10 @@ class ActorConfig(TrainedModelConfig):
                 "micro_batch_size sequences without a budget"})
     mini_batch_size: int = field(default=16, metadata={
         "help": "sequences per optimizer step (all data-parallel ranks together)"})
+    balance_batch: bool = field(default=True, metadata={
+        "help": "before each epoch, move rows between data-parallel ranks inside each mini-batch so every "
+                "rank trains on about as many tokens (verl's trainer.balance_batch); the update is the same, "
+                "the gradient all-reduce stops waiting for the rank with the longest responses"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each rollout batch"})
     old_logprobs: Literal["recompute", "rollout"] = field(default="recompute", metadata={
         "help": "PPO's old log-probs: 'recompute' scores the batch with a training-layout forward; "

@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_par
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from hyflow.models import positions
+from hyflow.models import embedding_grad, positions
 from hyflow.models.description import ModelDescription
 from hyflow.models.norms import RMSNorm
 from hyflow.models.rope import softmax_scale as rope_softmax_scale
@@ -230,6 +230,7 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
     if not cfg.perform_initialization:
         mark_tensor_parallel_attributes(model)
     _zero_vocab_padding(model, desc.vocab_size, groups)
+    embedding_grad.install(model)
     # Megatron builds on the host when asked (use_cpu_initialization; the local spec's norms and our
     # value head always); move to the rank's device as Megatron-LM's get_model does.
     model = model.to(groups.device)

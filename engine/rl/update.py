@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from hyflow.rl.balance import balance_rows
 from hyflow.rl.batch import MicroBatching
 from hyflow.rl.losses import loss_weights, minibatch_counts
 from hyflow.rollout.sampler import stream_seed
@@ -60,10 +61,13 @@ class UpdateStats:
 
 def update_model(model, groups, columns: dict[str, torch.Tensor], lengths: Sequence[int], loss_fn, *,
                  batching: MicroBatching, mini_batch_size: int, epochs: int, agg_mode: str,
-                 norm_length: Optional[float], seed: int, step: int, row_offset: int) -> UpdateStats:
+                 norm_length: Optional[float], seed: int, step: int, row_offset: int,
+                 balance: bool = False) -> UpdateStats:
     """``epochs`` passes of mini-batch updates of ``model`` (a :class:`TrainedModel`) over this rank's
     rows. ``columns``: per-row [B, S] tensors the loss reads (``response_mask`` among them);
-    ``lengths``: each row's real length; ``row_offset``: global index of the first local row."""
+    ``lengths``: each row's real length; ``row_offset``: global index of the first local row;
+    ``balance``: re-deal each mini-batch's rows over the DP ranks by tokens first
+    (:mod:`hyflow.rl.balance`; the same update)."""
     B = len(lengths)
     dp_group = groups.pgs.dp
     M = B * dp_group.size() // mini_batch_size
@@ -73,13 +77,16 @@ def update_model(model, groups, columns: dict[str, torch.Tensor], lengths: Seque
         assign = minibatch_assignment(B, row_offset, M, seed, step, epoch)
         assign_t = torch.tensor(assign, dtype=torch.long, device=mask.device)
         tokens, seqs = minibatch_counts(mask, assign_t, M, dp_group)
+        local, local_lengths = columns, lengths
+        if balance and dp_group.size() > 1:
+            local, local_lengths, assign = balance_rows(columns, lengths, assign, M, dp_group)
         for k in range(M):
             rows = [i for i, a in enumerate(assign) if a == k]
             index = torch.tensor(rows, dtype=torch.long, device=mask.device)
-            cols = {name: value[index] for name, value in columns.items()}
+            cols = {name: value[index] for name, value in local.items()}
             cols["loss_weight"] = loss_weights(cols["response_mask"], agg_mode, tokens[k], seqs[k], norm_length)
             cols["token_weight"] = loss_weights(cols["response_mask"], "token-mean", tokens[k], seqs[k])
-            sub = [lengths[r] for r in rows]
+            sub = [local_lengths[r] for r in rows]
             micro = batching.cut(cols, sub)
             out.processed_tokens += sum(mb["tokens"].numel() for mb in micro) * batching.cp_size  # CP: a share
             out.real_tokens += sum(sub)

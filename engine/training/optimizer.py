@@ -39,7 +39,52 @@ def wrap_ddp(chunks: list[torch.nn.Module], groups: ParallelGroups,
             # Only the first chunk's buckets may be skipped on the first step.
             disable_bucketing=i > 0, pg_collection=explicit_pgs(groups),
         ))
+        fuse_weight_gradient_accumulation(chunk)
     return wrapped
+
+
+def fuse_weight_gradient_accumulation(chunk: torch.nn.Module) -> int:
+    """Megatron's gradient-accumulation fusion on ``chunk``'s trained linear layers, where its
+    kernel is available (Apex on CUDA; hyflow's CPU layer): each weight gradient is accumulated
+    into DDP's ``main_grad`` inside its GEMM instead of being a new tensor added afterwards. Only
+    DDP-wrapped layers have ``main_grad``, so the model config keeps the fusion off and it is
+    switched on here, layer by layer. Returns how many layers use it."""
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:
+        return 0
+    fused = 0
+    for module in chunk.modules():
+        weight = getattr(module, "weight", None)
+        if (isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)) and weight is not None
+                and weight.requires_grad and hasattr(weight, "main_grad")):
+            module.gradient_accumulation_fusion = True
+            fused += 1
+    return fused
+
+
+def fuse_torch_adam(optimizer) -> int:
+    """Run the torch Adam(W) that Megatron falls back to without Apex / Transformer Engine as
+    torch's fused kernel (CPU and CUDA): Megatron builds it unfused, a loop of ~8 elementwise passes
+    per parameter; the fused kernel makes one (0.10 s instead of 0.89 s per step for
+    SmolLM2-135M's 134.5M fp32 parameters on one dev-box core). Same update, to float32
+    rounding. Returns how many torch Adams were switched."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    supported = set(_get_fused_kernels_supported_devices())
+    switched = 0
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        adam = getattr(part, "optimizer", None)
+        if not isinstance(adam, torch.optim.Adam):  # Apex / TE FusedAdam, SGD
+            continue
+        params = [p for group in adam.param_groups for p in group["params"]]
+        if not params or any(p.device.type not in supported or not p.is_floating_point() for p in params):
+            continue
+        for group in adam.param_groups:
+            group.update(fused=True, foreach=False)
+        adam.defaults.update(fused=True, foreach=False)
+        switched += 1
+    return switched
 
 
 def build_optimizer(chunks: list[DistributedDataParallel], cfg: OptimConfig,
@@ -64,6 +109,7 @@ def build_optimizer(chunks: list[DistributedDataParallel], cfg: OptimConfig,
     pgs = explicit_pgs(groups) if groups is not None else None
     optimizer = get_megatron_optimizer(opt_config, chunks, pg_collection=pgs,
                                        use_gloo_process_groups=pgs is None)
+    fuse_torch_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if cfg.warmup_steps else cfg.lr,
