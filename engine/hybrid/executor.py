@@ -77,7 +77,7 @@ class HybridEngine:
                  dtype: str = "fp32", spec: str = "auto", release_training_weights: bool = True,
                  transport: str = "auto", staging_slot_bytes: int = TP_STAGING_SLOT,
                  optimizer=None, offload_grad_buffers: bool = False, offload_optimizer: bool = False,
-                 table: Optional[RankTable] = None):
+                 table: Optional[RankTable] = None, in_place: bool = True):
         layout = train_groups.layout
         if layout.vpp:
             raise ValueError("the hybrid engine reshards layouts without vpp")
@@ -122,16 +122,25 @@ class HybridEngine:
         gen_params = dict(self.gen_model.named_parameters())
         _check_table(self.table, gen_params, self._train_params)
 
-        # The generation model's parameters are views of the buffer for the whole run.
-        self.buffer = GenerationBuffer(self.table.numel, self.dtype, self.device)
+        # Identical layouts (every route a same-shape copy of this rank's own parameter): the
+        # generation model reads the training weights themselves, so a transition moves nothing.
+        self.in_place = in_place and _aliasable(self.table, gen_params, self._train_params)
+        if self.in_place:
+            for r in self.table.routes:
+                gen_params[r.gen_name].data = self._train_params[r.train_name].data
+            self.release_training_weights = False
+        # Otherwise the generation model's parameters are views of the buffer for the whole run.
+        self.buffer = GenerationBuffer(0 if self.in_place else self.table.numel, self.dtype, self.device)
+        routes = () if self.in_place else self.table.routes
         flat = self.buffer.acquire()
-        self._views = {r.gen_name: flat[r.offset:r.offset + r.numel].view(r.shape) for r in self.table.routes}
+        self._views = {r.gen_name: flat[r.offset:r.offset + r.numel].view(r.shape) for r in routes}
         for name, param in gen_params.items():
-            param.data = self._views[name]
+            if name in self._views:
+                param.data = self._views[name]
         self.buffer.release()
 
         # What a transition does, read off the table once.
-        own = self.table.own_routes
+        own = () if self.in_place else self.table.own_routes
         self._copies = [(self._train_params[r.train_name], self._views[r.gen_name])
                         for r in own if r.via == VIA_COPY]
         self._gathers = [GatherItem(self._train_params[r.train_name], r.fixup, self._views[r.gen_name])
@@ -261,3 +270,19 @@ def _check_table(table: RankTable, gen_params: dict, train_params: dict) -> None
         raise ReshardPlanError(
             "the reshard table does not describe this model (the planner lists a Megatron GPTModel's "
             "parameters from the model description, hyflow.hybrid.param_specs): " + "; ".join(problems[:6]))
+
+
+def _aliasable(table: RankTable, gen_params: dict, train_params: dict) -> bool:
+    """Whether every generation parameter is this rank's own training parameter, same shape and
+    dtype, copied as it is (a copy route; its TP fix-up is moot without a merge): then the
+    generation model can share the training storage."""
+    if table.tp_merge_size != 1 or table.pp_merge_size != 1 or table.pp_publish or table.pp_receive:
+        return False
+    if {r.gen_name for r in table.routes} != set(gen_params):
+        return False
+    for r in table.routes:
+        train = train_params.get(r.train_name)
+        if (r.via != VIA_COPY or r.src_stage != table.train_stage or train is None
+                or tuple(train.shape) != tuple(r.shape) or train.dtype != gen_params[r.gen_name].dtype):
+            return False
+    return True

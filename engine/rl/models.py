@@ -116,7 +116,9 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
     hybrid = HybridEngine(chunks[0], desc, groups, (cfg.rollout.layout.tp, cfg.rollout.layout.pp),
                           dtype=cfg.actor.dtype, spec=cfg.actor.spec, optimizer=optimizer,
                           offload_grad_buffers=cfg.rollout.offload_grad_buffers,
-                          offload_optimizer=cfg.rollout.offload_optimizer)
+                          offload_optimizer=cfg.rollout.offload_optimizer,
+                          # a forced-stale sampler swaps older weights into a buffer of its own
+                          in_place=not cfg.rollout.force_staleness)
     sample_vocab = min(desc.vocab_size, tokenizer.vocab_size)
     eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
     dispatcher = RolloutDispatcher(hybrid, groups, GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),

@@ -13,6 +13,8 @@ so Megatron's reduce (forward all-reduce, backward identity) yields exact gradie
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -117,11 +119,14 @@ def shifted_entropy(logits: torch.Tensor, vocab_size: int, tp_group=None,
 
 # --------------------------------------------------------------------------- fused output layer
 
-#: float32 logits per block of the fused path (rows x vocabulary columns): 4 Mi values, 16 MiB
+#: float32 logits per block of the fused path (rows x vocabulary columns), on the CPU: 4 Mi values,
+#: 16 MiB; on a GPU: 16 Mi values, 64 MiB
 CHUNK_ELEMENTS = 1 << 22
-#: vocabulary columns per block. Narrow blocks keep a block's weights and logits in cache: on the
-#: dev box's CPU a [132, 576] x [576, 1024] product runs at ~80 GFLOP/s where the whole
-#: 49152-column one runs at ~55 (``hyflow bench head``), and the softmax passes stay in cache.
+GPU_CHUNK_ELEMENTS = 1 << 24
+#: vocabulary columns per block on the CPU. Narrow blocks keep a block's weights and logits in
+#: cache: on the dev box a [132, 576] x [576, 1024] product runs at ~80 GFLOP/s where the whole
+#: 49152-column one runs at ~55, and the softmax passes stay in cache. A GPU takes the whole
+#: shard at once (fewer, larger kernels).
 VOCAB_BLOCK = 1024
 
 
@@ -248,13 +253,19 @@ class _FusedHeadScores(torch.autograd.Function):
 
 
 def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                           tp_group=None, temperature: float = 1.0, chunk_elements: int = CHUNK_ELEMENTS,
-                           vocab_block: int = VOCAB_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                           tp_group=None, temperature: float = 1.0, chunk_elements: Optional[int] = None,
+                           vocab_block: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(label), entropy), float32 [N] each, of the output layer ``weight`` [V/tp, h] (this
     rank's vocabulary shard, padded rows included) applied to ``hidden`` [N, h] at ``temperature``:
     the values and gradients of :func:`vocab_parallel_logprobs` / :func:`vocab_parallel_entropy`
     on ``hidden @ weight.T`` without ever holding those logits whole. ``hidden`` must already be in
-    the TP region (:func:`hyflow.training.output_head.hidden_states`)."""
+    the TP region (:func:`hyflow.training.output_head.hidden_states`). ``chunk_elements`` /
+    ``vocab_block``: the block of logits (default: the device's, see :data:`CHUNK_ELEMENTS`)."""
+    cpu = hidden.device.type == "cpu"
+    if chunk_elements is None:
+        chunk_elements = CHUNK_ELEMENTS if cpu else GPU_CHUNK_ELEMENTS
+    if vocab_block is None:
+        vocab_block = VOCAB_BLOCK if cpu else weight.shape[0]
     block = max(1, min(vocab_block, weight.shape[0]))
     rows = max(1, chunk_elements // block)
     return _FusedHeadScores.apply(hidden, weight, labels, vocab_size, tp_group, temperature, rows, block)

@@ -32,6 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
 
 
+def _fused_block_mib(rows: int, vocab: int) -> float:
+    """The fused head's largest float32 block of logits: rows x vocabulary columns."""
+    from hyflow.training.logprobs import CHUNK_ELEMENTS, VOCAB_BLOCK
+
+    columns = min(VOCAB_BLOCK, vocab)
+    return min(rows, max(1, CHUNK_ELEMENTS // columns)) * columns * 4 / 2 ** 20
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -77,14 +85,14 @@ def run(args: argparse.Namespace) -> int:
         "vocab": args.vocab, "threads": args.threads, "repeats": args.repeats,
         "full_cpu_s": med["full"], "fused_cpu_s": med["fused"], "speedup": med["full"] / med["fused"],
         "full_logits_mib": args.rows * S * args.vocab * 4 / 2 ** 20,
-        "fused_chunk_mib": min(args.rows * args.response, max(1, (1 << 24) // args.vocab)) * args.vocab * 4 / 2 ** 20,
+        "fused_chunk_mib": _fused_block_mib(args.rows * args.response, args.vocab),
         "logp_max_diff": float((out["full"][0] - out["fused"][0])[sel].abs().max()),
         "grad_max_diff": float((out["full"][1] - out["fused"][1]).abs().max()),
     }
     print(f"bench head: {args.rows} rows x ({args.prompt} prompt + {args.response} response) tokens, "
           f"hidden {args.hidden}, vocab {args.vocab}, {args.threads} thread(s), median of {args.repeats}")
     print(f"  full logits  {med['full']:8.3f} CPU s   [rows, seq, vocab] fp32 logits {result['full_logits_mib']:.0f} MiB")
-    print(f"  fused head   {med['fused']:8.3f} CPU s   largest chunk {result['fused_chunk_mib']:.0f} MiB")
+    print(f"  fused head   {med['fused']:8.3f} CPU s   largest block of logits {result['fused_chunk_mib']:.1f} MiB")
     print(f"  speed-up x{result['speedup']:.2f}; max |diff| log-prob {result['logp_max_diff']:.1e}, "
           f"hidden grad {result['grad_max_diff']:.1e}")
     print(json.dumps(result))

@@ -14,8 +14,11 @@ Both sides then start from the same weights (the converted checkpoint), sample t
 2-digit addition chat prompts with hyflow's task generator and score them with hyflow's
 ``numeric_match`` rule. Settings: 8 prompts x 4 samples per step, at most 64 new tokens, T=1,
 lr 5e-6, no KL and no reference model (``beta=0``), token-mean loss (``loss_type='dapo'``, one
-process), rewards scaled by the group's std, one optimizer step per generation round, fp32,
-one process with ``--threads`` intra-op threads. Prints a table, then one JSON line.
+process), rewards scaled by the group's std, one optimizer step per generation round, constant lr
+(hyflow's schedule; TRL's default decays to 0), sampling stopped at the same tokens as hyflow's
+rollout (EOS and the chat format's end of turn), fp32,
+one process with ``--threads`` intra-op threads, TRL's other defaults (gradient checkpointing on:
+``--gradient-checkpointing off`` to compare without). Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the medians")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads of the one process")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gradient-checkpointing", choices=("on", "off"), default="on",
+                   help="TRL's GRPOConfig default is on (activations recomputed in the backward)")
     p.add_argument("--output-dir", default="runs/trl_grpo")
     args = p.parse_args(argv)
 
@@ -41,6 +46,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from hyflow.data.tasks import _make_arithmetic
+    from hyflow.data.tokenizer import load_tokenizer
     from hyflow.rewards.rules import numeric_match
 
     torch.set_num_threads(args.threads)
@@ -51,13 +57,18 @@ def main(argv=None) -> int:
     def reward(completions, answer, **_):
         return [numeric_match(c[-1]["content"], a) for c, a in zip(completions, answer)]
 
+    # hyflow's rollout stops at EOS and the chat format's end-of-turn tokens (for SmolLM2
+    # <|im_end|> and <|endoftext|>); TRL's generate stops at EOS only unless told the same
+    stop_ids = load_tokenizer(args.model).stop_token_ids()
     steps = args.warmup + args.steps
     cfg = GRPOConfig(
         output_dir=args.output_dir, use_cpu=True, bf16=False, seed=args.seed, max_steps=steps,
         per_device_train_batch_size=32, gradient_accumulation_steps=1, num_generations=4,
         max_completion_length=64, temperature=1.0, top_p=1.0, top_k=0, learning_rate=5e-6,
         beta=0.0, num_iterations=1, loss_type="dapo", scale_rewards="group",
-        logging_steps=1, report_to="none", save_strategy="no", log_completions=False)
+        logging_steps=1, report_to="none", save_strategy="no", log_completions=False,
+        gradient_checkpointing=args.gradient_checkpointing == "on",
+        generation_kwargs={"eos_token_id": stop_ids}, lr_scheduler_type="constant")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data,
@@ -112,7 +123,8 @@ def main(argv=None) -> int:
     def med(key):
         return statistics.median(r[key] for r in measured)
 
-    summary = {"bench": "trl_grpo", "threads": args.threads, "steps": len(measured),
+    summary = {"bench": "trl_grpo", "threads": args.threads, "steps": len(measured), "stop_token_ids": stop_ids,
+               "gradient_checkpointing": args.gradient_checkpointing,
                "median_step_s": med("step_s"), "median_generate_s": med("generate_s"),
                "median_rest_s": med("rest_s"),
                "response_tokens_per_step": statistics.mean(32 * (r.get("response_length") or 0)
