@@ -63,8 +63,9 @@ def _gather_meta(lengths: Sequence[int], assign: Sequence[int], width: int, grou
 
 def exchange_rows(columns: dict[str, torch.Tensor], plan: list[list[Source]], rank: int, width: int,
                   group) -> dict[str, torch.Tensor]:
-    """This rank's rows of ``plan`` ([B', width] per column): each source sends each destination
-    the rows it is owed in the destination's order; one ``all_to_all_single`` per column."""
+    """This rank's rows of ``plan`` ([B', width] per [B, S] column; per-row [B] columns as they are):
+    each source sends each destination the rows it is owed in the destination's order, one
+    ``all_to_all_single`` per column."""
     dp = len(plan)
     send_rows = [[i for src, i in plan[d] if src == rank] for d in range(dp)]
     recv_counts = [sum(1 for src, _ in plan[rank] if src == s) for s in range(dp)]
@@ -80,7 +81,7 @@ def exchange_rows(columns: dict[str, torch.Tensor], plan: list[list[Source]], ra
     order_t = torch.tensor(order, dtype=torch.long, device=device)
     out = {}
     for name, value in columns.items():
-        if value.shape[1] < width:  # a common width for the exchange
+        if value.dim() > 1 and value.shape[1] < width:  # a common width for the exchange
             value = torch.cat([value, value.new_zeros((value.shape[0], width - value.shape[1]) + value.shape[2:])], 1)
         send = value.index_select(0, send_index).contiguous()
         recv = value.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))

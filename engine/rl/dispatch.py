@@ -14,7 +14,9 @@ Data moves only where the layout needs it (the data half of the hybrid engine):
 
 Nothing here crosses data-parallel ranks: at 1024 ranks (TP8 x PP4 x DP32) a rank receives only its
 1/32 of the samples, from the 32 / (TP_g*PP_g) replicas that share its prompts. Seeds are keyed by
-the global prompt index, so samples do not depend on DP, TP_g or PP_g.
+the global prompt index, so samples do not depend on DP, TP_g or PP_g. Only the update may trade
+rows between DP ranks, inside a mini-batch, to even out their tokens (:mod:`hyflow.rl.balance`,
+``actor.balance_batch``).
 """
 
 from __future__ import annotations
