@@ -26,6 +26,8 @@ def wrap_ddp(chunks: list[torch.nn.Module], groups: ParallelGroups,
     global groups, or the explicit groups of a placement pool: :func:`explicit_pgs`)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
+        # Reduced after the backward, from the buffers: the fused output head and the embedding
+        # lookup add their weight gradients straight into main_grad without autograd's hooks.
         overlap_grad_reduce=False,
         use_distributed_optimizer=distributed_optimizer,
         check_for_nan_in_grad=False,
@@ -82,6 +84,10 @@ def fuse_torch_adam(optimizer) -> int:
             continue
         for group in adam.param_groups:
             group.update(fused=True, foreach=False)
+            for p in group["params"]:  # the fused kernel keeps ``step`` with the parameter
+                state = adam.state.get(p)
+                if state and torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
         adam.defaults.update(fused=True, foreach=False)
         switched += 1
     return switched
