@@ -10,9 +10,9 @@ installed without dependencies, for the prompts and the reward rule only::
     cp checkpoints/smollm2-135m/tokenizer/* smollm2-hf/
     trl-venv/bin/python -m hyflow.tools.bench.trl_grpo --model smollm2-hf --steps 8 --warmup 1
 
-Both sides then start from the same weights (the converted checkpoint), sample the same
-2-digit addition chat prompts with hyflow's task generator and score them with hyflow's
-``numeric_match`` rule. Settings: 8 prompts x 4 samples per step, at most 64 new tokens, T=1,
+Both sides then start from the same weights (the converted checkpoint), see the same 2-digit
+addition chat prompts in the same order (hyflow's task generator and first-epoch shuffle at
+``data.seed=1``) and score them with hyflow's ``numeric_match`` rule. Settings: 8 prompts x 4 samples per step, at most 64 new tokens, T=1,
 lr 5e-6, no KL and no reference model (``beta=0``), token-mean loss (``loss_type='dapo'``, one
 process), rewards scaled by the group's std, one optimizer step per generation round, constant lr
 (hyflow's schedule; TRL's default decays to 0), sampling stopped at the same tokens as hyflow's
@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8, help="measured steps (after the warm-up)")
     p.add_argument("--warmup", type=int, default=1, help="steps run first and left out of the medians")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads of the one process")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="TRL's seed (sampling)")
+    p.add_argument("--data-seed", type=int, default=1, help="hyflow's data.seed: which prompts, in which order")
     p.add_argument("--gradient-checkpointing", choices=("on", "off"), default="on",
                    help="TRL's GRPOConfig default is on (activations recomputed in the backward)")
     p.add_argument("--output-dir", default="runs/trl_grpo")
@@ -45,14 +46,18 @@ def main(argv=None) -> int:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+    from hyflow.data.loader import EpochSampler
     from hyflow.data.tasks import _make_arithmetic
     from hyflow.data.tokenizer import load_tokenizer
     from hyflow.rewards.rules import numeric_match
 
     torch.set_num_threads(args.threads)
-    rows = _make_arithmetic(2000, seed=args.seed, ops="+", max_operand=99)
-    data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["reward_model"]["ground_truth"]}
-                              for r in rows])
+    # hyflow's prompts in hyflow's order (data.seed=1: the task's draw and the loader's first-epoch
+    # shuffle), fed to TRL unshuffled: step k of both runs sees the same 8 prompts
+    rows = _make_arithmetic(2000, seed=args.data_seed, ops="+", max_operand=99)
+    order = EpochSampler(len(rows), 8, shuffle=True, seed=args.data_seed).order(0)
+    data = Dataset.from_list([{"prompt": rows[i]["prompt"], "answer": rows[i]["reward_model"]["ground_truth"]}
+                              for i in order])
 
     def reward(completions, answer, **_):
         return [numeric_match(c[-1]["content"], a) for c, a in zip(completions, answer)]
@@ -63,7 +68,7 @@ def main(argv=None) -> int:
     steps = args.warmup + args.steps
     cfg = GRPOConfig(
         output_dir=args.output_dir, use_cpu=True, bf16=False, seed=args.seed, max_steps=steps,
-        per_device_train_batch_size=32, gradient_accumulation_steps=1, num_generations=4,
+        per_device_train_batch_size=32, gradient_accumulation_steps=1, num_generations=4, shuffle_dataset=False,
         max_completion_length=64, temperature=1.0, top_p=1.0, top_k=0, learning_rate=5e-6,
         beta=0.0, num_iterations=1, loss_type="dapo", scale_rewards="group",
         logging_steps=1, report_to="none", save_strategy="no", log_completions=False,
