@@ -252,6 +252,18 @@ class _FusedHeadScores(torch.autograd.Function):
         return grad_h.to(hidden.dtype), grad_w, None, None, None, None, None, None
 
 
+def block_shape(device: torch.device, width: int, chunk_elements: Optional[int] = None,
+                vocab_block: Optional[int] = None) -> tuple[int, int]:
+    """(rows, columns) of the fused head's blocks of logits for a vocabulary shard of ``width``
+    rows on ``device``: :data:`CHUNK_ELEMENTS` x :data:`VOCAB_BLOCK` on the CPU, the whole shard
+    and :data:`GPU_CHUNK_ELEMENTS` elsewhere, unless given."""
+    cpu = torch.device(device).type == "cpu"
+    if chunk_elements is None:
+        chunk_elements = CHUNK_ELEMENTS if cpu else GPU_CHUNK_ELEMENTS
+    columns = max(1, min(vocab_block or (VOCAB_BLOCK if cpu else width), width))
+    return max(1, chunk_elements // columns), columns
+
+
 def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                            tp_group=None, temperature: float = 1.0, chunk_elements: Optional[int] = None,
                            vocab_block: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,12 +272,6 @@ def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     the values and gradients of :func:`vocab_parallel_logprobs` / :func:`vocab_parallel_entropy`
     on ``hidden @ weight.T`` without ever holding those logits whole. ``hidden`` must already be in
     the TP region (:func:`hyflow.training.output_head.hidden_states`). ``chunk_elements`` /
-    ``vocab_block``: the block of logits (default: the device's, see :data:`CHUNK_ELEMENTS`)."""
-    cpu = hidden.device.type == "cpu"
-    if chunk_elements is None:
-        chunk_elements = CHUNK_ELEMENTS if cpu else GPU_CHUNK_ELEMENTS
-    if vocab_block is None:
-        vocab_block = VOCAB_BLOCK if cpu else weight.shape[0]
-    block = max(1, min(vocab_block, weight.shape[0]))
-    rows = max(1, chunk_elements // block)
+    ``vocab_block``: the block of logits (default: the device's, :func:`block_shape`)."""
+    rows, block = block_shape(hidden.device, weight.shape[0], chunk_elements, vocab_block)
     return _FusedHeadScores.apply(hidden, weight, labels, vocab_size, tp_group, temperature, rows, block)

@@ -32,18 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
 
 
-def _fused_block_mib(rows: int, vocab: int) -> float:
-    """The fused head's largest float32 block of logits: rows x vocabulary columns."""
-    from hyflow.training.logprobs import CHUNK_ELEMENTS, VOCAB_BLOCK
-
-    columns = min(VOCAB_BLOCK, vocab)
-    return min(rows, max(1, CHUNK_ELEMENTS // columns)) * columns * 4 / 2 ** 20
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from hyflow.training.logprobs import shifted_entropy, shifted_token_logprobs
+    from hyflow.training.logprobs import block_shape, shifted_entropy, shifted_token_logprobs
     from hyflow.training.output_head import Hidden, response_logprobs_entropy
 
     torch.set_num_threads(args.threads)
@@ -80,12 +72,13 @@ def run(args: argparse.Namespace) -> int:
             times[name].append(time.process_time() - start)
     med = {k: statistics.median(v) for k, v in times.items()}
     sel = mask > 0
+    block = block_shape(weight.device, args.vocab)
     result = {
         "rows": args.rows, "prompt": args.prompt, "response": args.response, "hidden": args.hidden,
         "vocab": args.vocab, "threads": args.threads, "repeats": args.repeats,
         "full_cpu_s": med["full"], "fused_cpu_s": med["fused"], "speedup": med["full"] / med["fused"],
         "full_logits_mib": args.rows * S * args.vocab * 4 / 2 ** 20,
-        "fused_chunk_mib": _fused_block_mib(args.rows * args.response, args.vocab),
+        "fused_chunk_mib": min(args.rows * args.response, block[0]) * block[1] * 4 / 2 ** 20,
         "logp_max_diff": float((out["full"][0] - out["fused"][0])[sel].abs().max()),
         "grad_max_diff": float((out["full"][1] - out["fused"][1]).abs().max()),
     }
