@@ -47,14 +47,14 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from hyflow.data.loader import EpochSampler
-    from hyflow.data.tasks import _make_arithmetic
+    from hyflow.data.tasks import make_task_rows
     from hyflow.data.tokenizer import load_tokenizer
     from hyflow.rewards.rules import numeric_match
 
     torch.set_num_threads(args.threads)
     # hyflow's prompts in hyflow's order (data.seed=1: the task's draw and the loader's first-epoch
     # shuffle), fed to TRL unshuffled: step k of both runs sees the same 8 prompts
-    rows = _make_arithmetic(2000, seed=args.data_seed, ops="+", max_operand=99)
+    rows = make_task_rows("arithmetic", 2000, seed=args.data_seed, ops="+", max_operand=99)
     order = EpochSampler(len(rows), 8, shuffle=True, seed=args.data_seed).order(0)
     data = Dataset.from_list([{"prompt": rows[i]["prompt"], "answer": rows[i]["reward_model"]["ground_truth"]}
                               for i in order])
