@@ -9,6 +9,7 @@ shard, and the result does not depend on the layout.
 import os
 
 import pytest
+import torch
 
 from hyflow.testing import run_on_ranks
 
@@ -81,3 +82,23 @@ def test_dp2_and_tp2_equal_one_rank(algo):
             assert all(0 < m["rollout/logprob_diff_max"] < 1e-3 and m["rollout_corr/rollout_rs_masked_fraction"] == 0
                        and abs(m["rollout_corr/rollout_is_mean"] - 1) < 1e-4 for m in metrics)
     assert dp2[0][0]["perf/rows_scored_per_rank"] == 16 and one[0][0]["perf/rows_scored_per_rank"] == 32
+
+
+def _sampled_tokens(seeds):
+    """The first step's sampled tokens from the same starting weights, sampling under each of
+    ``seeds`` as ``trainer.seed`` (set after the set-up, so the weights stay those of seed 5)."""
+    from hyflow.testing.rl import rl_setup, rl_step
+
+    out = []
+    for seed in seeds:
+        cfg, state, job = rl_setup(BASE + ["trainer.nproc=1", "data.seed=3", "actor.ppo_epochs=1", "actor.layout.tp=1"])
+        cfg.trainer.seed = seed
+        _, data = rl_step(cfg, state, job)
+        out.append(data["tokens"].clone())
+    return out
+
+
+def test_trainer_seed_picks_the_sampling_stream():
+    same, again, other = run_on_ranks(_sampled_tokens, 1, [5, 5, 6], timeout=600)[0]
+    assert torch.equal(same, again)  # one seed, one stream: reproducible
+    assert not torch.equal(same, other)  # another trainer.seed samples other responses

@@ -116,17 +116,26 @@ def _parity(tp, pp):
 
     groups = init_training_groups(Layout(tp=tp, pp=pp), seed=3)
     desc = tiny_llama(vocab_size=96, num_attention_heads=4, num_query_groups=2, num_layers=2)
-    model = build_gpt_model(desc, groups, config_overrides={"perform_initialization": False})
-    load_full_state_dict(model, random_full_state_dict(desc, seed=1), desc, groups)
-    chunks = wrap_ddp([model], groups, distributed_optimizer=False)
+    def ddp(spec):
+        model = build_gpt_model(desc, groups, spec=spec, config_overrides={"perform_initialization": False})
+        load_full_state_dict(model, random_full_state_dict(desc, seed=1), desc, groups)
+        return wrap_ddp([model], groups, distributed_optimizer=False)
+
+    local, sdpa = ddp("local"), ddp("sdpa")
     lengths = [9, 4, 13, 6, 6, 11, 3, 8]
     B, S = len(lengths), max(lengths)
     cols, cfg = random_policy_batch(lengths, 96, prompt=2)
     mask = cols["response_mask"]
     out = {}
-    for name, batching in (("fixed", MicroBatching(3)), ("budget", MicroBatching(3, max_tokens=26)),
-                           ("packed", MicroBatching(3, max_tokens=30, packed=True))):
-        micro = make_micro_batches(cols, lengths, batching.plan(lengths), packed=batching.packed)
+    # packed_sdpa: the SDPA spec runs each packed sequence's causal attention on its own (the
+    # row's sequence bounds instead of an s x s mask)
+    for name, chunks, batching in (
+            ("fixed", local, MicroBatching(3)), ("budget", local, MicroBatching(3, max_tokens=26)),
+            ("packed", local, MicroBatching(3, max_tokens=30, packed=True)),
+            ("packed_sdpa", sdpa, MicroBatching(3, max_tokens=30, packed=True, bounds=True))):
+        micro = make_micro_batches(cols, lengths, batching.plan(lengths), packed=batching.packed,
+                                   bounds=batching.bounds)
+        assert name != "packed_sdpa" or all(mb["attention_mask"].dim() == 1 for mb in micro)
         logp = forward_score(chunks, micro, logprob_scorer(96, groups.pgs.tp, 0.7), groups, (B, S))
         chunks[0].zero_grad_buffer()
         stats = forward_backward(chunks, micro, loss_fn=PolicyLoss(cfg, 96, groups.pgs.tp, 0.7), with_labels=False)
@@ -144,7 +153,7 @@ def test_packed_and_token_budget_equal_the_fixed_padded_path(tp, pp):
     for rank_result in results:
         fixed = rank_result["fixed"]
         assert rank_result["packed"][3] < fixed[3]  # packing needs fewer micro-batches
-        for name in ("budget", "packed"):
+        for name in ("budget", "packed", "packed_sdpa"):
             logp, loss, grads, _ = rank_result[name]
             assert (logp - fixed[0]).abs().max() <= 1e-6, name
             assert abs(loss - fixed[1]) <= 1e-6 * max(1.0, abs(fixed[1])), name

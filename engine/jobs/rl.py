@@ -153,7 +153,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     mine = records[first:stop]
     stats = BatchStats(device)
     # 1-2. generate this shard's samples in the generation layout, then score them
-    seed = models.dispatcher.rollout_config.sampling.seed + 1_000_003 * step  # a fresh stream per step
+    seed = sampling_seed(cfg, step)
     rnd = generate_round(cfg, state, job, mine, first, seed, timers)
     dynamic = cfg.algorithm.dynamic_sampling
     refill = {}
@@ -227,6 +227,12 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     data = dict(train, ref_logp=ref_logp, scores=scores, values=values, returns=adv.returns,
                 greedy_scores=greedy_scores, rows=torch.arange(first * n, stop * n, device=device))
     return out, data
+
+
+def sampling_seed(cfg: RLJobConfig, step: int) -> int:
+    """The base seed of step ``step``'s sampling: a fresh stream per step, and per ``trainer.seed``
+    (two runs that differ only in ``trainer.seed`` sample different responses)."""
+    return cfg.trainer.seed + 1_000_003 * step
 
 
 def generate_round(cfg: RLJobConfig, state: RLState, job: "StepJob", shard, first: int, seed: int,

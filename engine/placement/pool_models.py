@@ -138,6 +138,7 @@ class GenerationSide:
                                fused_norms=resolve_spec(cfg.actor.spec) == "te")
         self.sync = WeightSync(plan, self.model, sync_group)
         self.rollout_config = GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
+        self.cfg = cfg
         eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
         self.engine = GenerationEngine(self.model, self.rollout_config, vocab_size=min(desc.vocab_size,
                                                                                        tokenizer.vocab_size),
@@ -154,7 +155,9 @@ class GenerationSide:
         from hyflow.rollout.dp import generate_data_parallel
 
         first, stop = shard_range(len(records), self.groups.layout.dp, self.replica)
-        seed = self.rollout_config.sampling.seed + 1_000_003 * step
+        from hyflow.jobs.rl import sampling_seed
+
+        seed = sampling_seed(self.cfg, step)
         sampling = self.rollout_config.sampling.replace(n=n, seed=seed)
         return generate_data_parallel(self.engine, [list(r.prompt_ids) for r in records[first:stop]], None,
                                       sampling, request_offset=first, device=self.groups.device)

@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--data-seed", type=int, default=1, help="hyflow's data.seed: which prompts, in which order")
     p.add_argument("--gradient-checkpointing", choices=("on", "off"), default="on",
                    help="TRL's GRPOConfig default is on (activations recomputed in the backward)")
+    p.add_argument("--lr", type=float, default=5e-6,
+                   help="learning rate (0 samples every step from the starting weights: compares the samplers)")
     p.add_argument("--output-dir", default="runs/trl_grpo")
     args = p.parse_args(argv)
 
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
     cfg = GRPOConfig(
         output_dir=args.output_dir, use_cpu=True, bf16=False, seed=args.seed, max_steps=steps,
         per_device_train_batch_size=32, gradient_accumulation_steps=1, num_generations=4, shuffle_dataset=False,
-        max_completion_length=64, temperature=1.0, top_p=1.0, top_k=0, learning_rate=5e-6,
+        max_completion_length=64, temperature=1.0, top_p=1.0, top_k=0, learning_rate=args.lr,
         beta=0.0, num_iterations=1, loss_type="dapo", scale_rewards="group",
         logging_steps=1, report_to="none", save_strategy="no", log_completions=False,
         gradient_checkpointing=args.gradient_checkpointing == "on",
