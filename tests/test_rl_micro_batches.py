@@ -100,7 +100,8 @@ def test_scatter_rows_inverts_packing():
 
 
 def _parity(tp, pp):
-    """Log-probs, loss and gradients of the padded fixed-size path vs token-budget vs packed."""
+    """Log-probs, loss and gradients of the padded fixed-size path vs token-budget vs packed (masked,
+    and per-sequence SDPA attention)."""
     import torch.distributed as dist
 
     from hyflow.models.builder import build_gpt_model
@@ -116,6 +117,7 @@ def _parity(tp, pp):
 
     groups = init_training_groups(Layout(tp=tp, pp=pp), seed=3)
     desc = tiny_llama(vocab_size=96, num_attention_heads=4, num_query_groups=2, num_layers=2)
+
     def ddp(spec):
         model = build_gpt_model(desc, groups, spec=spec, config_overrides={"perform_initialization": False})
         load_full_state_dict(model, random_full_state_dict(desc, seed=1), desc, groups)

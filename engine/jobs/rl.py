@@ -35,6 +35,7 @@ from hyflow.rl.batch import MicroBatching, RolloutBatch, batching_for, build_rol
 from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer
 from hyflow.rl.metrics import BatchStats, all_gather_strings, score_metrics
 from hyflow.rl.critic import critic_values, update_critic
+from hyflow.rl.dispatch import sampling_seed
 from hyflow.rl.dynamic_sampling import Round, collect_groups
 from hyflow.rl.exact_logprobs import (exact_in_generation_layout, rescore_in_generation_layout,
                                       rescore_in_training_layout)
@@ -153,7 +154,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     mine = records[first:stop]
     stats = BatchStats(device)
     # 1-2. generate this shard's samples in the generation layout, then score them
-    seed = sampling_seed(cfg, step)
+    seed = sampling_seed(cfg.trainer.seed, step)
     rnd = generate_round(cfg, state, job, mine, first, seed, timers)
     dynamic = cfg.algorithm.dynamic_sampling
     refill = {}
@@ -227,12 +228,6 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     data = dict(train, ref_logp=ref_logp, scores=scores, values=values, returns=adv.returns,
                 greedy_scores=greedy_scores, rows=torch.arange(first * n, stop * n, device=device))
     return out, data
-
-
-def sampling_seed(cfg: RLJobConfig, step: int) -> int:
-    """The base seed of step ``step``'s sampling: a fresh stream per step, and per ``trainer.seed``
-    (two runs that differ only in ``trainer.seed`` sample different responses)."""
-    return cfg.trainer.seed + 1_000_003 * step
 
 
 def generate_round(cfg: RLJobConfig, state: RLState, job: "StepJob", shard, first: int, seed: int,

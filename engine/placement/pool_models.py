@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hyflow.placement.groups import optimizer_agreement_on
 from hyflow.placement.rows import ReceivedRows, recv_rows, row_routes
 from hyflow.placement.weight_sync import SyncStats, WeightSync
-from hyflow.rl.dispatch import shard_range
+from hyflow.rl.dispatch import sampling_seed, shard_range
 from hyflow.rollout.dp import GatheredRollout
 from hyflow.rollout.request import RolloutStats
 
@@ -138,7 +138,7 @@ class GenerationSide:
                                fused_norms=resolve_spec(cfg.actor.spec) == "te")
         self.sync = WeightSync(plan, self.model, sync_group)
         self.rollout_config = GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
-        self.cfg = cfg
+        self.trainer_seed = cfg.trainer.seed
         eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
         self.engine = GenerationEngine(self.model, self.rollout_config, vocab_size=min(desc.vocab_size,
                                                                                        tokenizer.vocab_size),
@@ -155,9 +155,7 @@ class GenerationSide:
         from hyflow.rollout.dp import generate_data_parallel
 
         first, stop = shard_range(len(records), self.groups.layout.dp, self.replica)
-        from hyflow.jobs.rl import sampling_seed
-
-        seed = sampling_seed(self.cfg, step)
+        seed = sampling_seed(self.trainer_seed, step)
         sampling = self.rollout_config.sampling.replace(n=n, seed=seed)
         return generate_data_parallel(self.engine, [list(r.prompt_ids) for r in records[first:stop]], None,
                                       sampling, request_offset=first, device=self.groups.device)

@@ -29,6 +29,12 @@ from hyflow.hybrid.generation_groups import generation_enumerations
 from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
 
 
+def sampling_seed(trainer_seed: int, step: int) -> int:
+    """The base seed of RL step ``step``'s sampling: a fresh stream per step, and per
+    ``trainer.seed`` (two runs that differ only in ``trainer.seed`` sample different responses)."""
+    return trainer_seed + 1_000_003 * step
+
+
 def shard_range(count: int, dp: int, dp_rank: int) -> tuple[int, int]:
     """``[start, stop)`` of the prompts DP rank ``dp_rank`` of ``dp`` holds (``dp`` divides ``count``)."""
     if count % dp:
