@@ -12,8 +12,9 @@ installed without dependencies, for the prompts and the reward rule only::
 
 Both sides then start from the same weights (the converted checkpoint), see the same 2-digit
 addition chat prompts in the same order (hyflow's task generator and first-epoch shuffle at
-``data.seed=1``) and score them with hyflow's ``numeric_match`` rule. Settings: 8 prompts x 4 samples per step, at most 64 new tokens, T=1,
-lr 5e-6, no KL and no reference model (``beta=0``), token-mean loss (``loss_type='dapo'``, one
+``data.seed=1``) and score them with hyflow's ``numeric_match`` rule. Settings: 8 prompts x 4
+samples per step, at most 64 new tokens, T=1, lr 5e-6 (``--lr 0`` samples every step from the
+starting weights), no KL and no reference model (``beta=0``), token-mean loss (``loss_type='dapo'``, one
 process), rewards scaled by the group's std, one optimizer step per generation round, constant lr
 (hyflow's schedule; TRL's default decays to 0), sampling stopped at the same tokens as hyflow's
 rollout (EOS and the chat format's end of turn), fp32,
