@@ -20,7 +20,7 @@ from hyflow.parallel.layout import Layout
 from hyflow.rollout.config import GenerationConfig
 from hyflow.placement.config import PlacementConfig
 from hyflow.training.optim_config import OptimConfig
-from hyflow.vllm_backend.config import VLLMConfig, check_vllm_installed
+from hyflow.vllm_backend.config import VLLMConfig, check_vllm_installed, check_vllm_model
 
 
 
@@ -421,6 +421,11 @@ class RLJobConfig:
             if note not in self.notes:
                 self.notes.append(note)
         gen = self.rollout.layout
+        if self.rollout.backend == "vllm":
+            try:
+                check_vllm_model(self.model.head_dim)
+            except ConfigError as e:
+                raise ConfigError(str(e), key="rollout.backend") from None
         if placement.colocated:
             if train.tp % gen.tp or train.pp % gen.pp:
                 raise ConfigError(

