@@ -447,10 +447,6 @@ class RLJobConfig:
             raise ConfigError(f"algorithm.dynamic_sampling keeps groups whose rewards differ: it needs a group "
                               f"estimator ({', '.join(sorted(GROUP_ESTIMATORS))}), not "
                               f"adv_estimator={self.algorithm.adv_estimator}")
-        if self.rollout.force_staleness and self.rollout.exact_logprobs and gen.tp < train.tp:
-            raise ConfigError("rollout.force_staleness with exact_logprobs needs rollout.layout.tp equal to the actor's "
-                              f"tp={train.tp}: a smaller generation TP re-scores in the training layout, with the "
-                              "current weights instead of the stale ones that sampled")
         buffer = self.algorithm.overlong_buffer
         if buffer.enable and buffer.length > self.rollout.max_new_tokens:
             raise ConfigError(f"algorithm.overlong_buffer.length={buffer.length} exceeds the response budget "
