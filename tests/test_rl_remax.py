@@ -63,7 +63,7 @@ def _remax_steps():
     import hyflow.jobs.rl as rl
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.rewards.rules import exact_match
-    from hyflow.rl.losses import logprob_scorer
+    from hyflow.rl.step_losses import logprob_scorer
     from hyflow.testing.rl import rl_setup, score_rows
 
     cfg, state, job = rl_setup(OVERRIDES)

@@ -32,7 +32,7 @@ from hyflow.config import dump_yaml, format_config
 from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.jobs.step_end import StepEnd
 from hyflow.rl.batch import MicroBatching, RolloutBatch, batching_for, build_rollout_batch, pad_multiple
-from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer
+from hyflow.rl.step_losses import PolicyLoss, forward_score, logprob_scorer
 from hyflow.rl.metrics import BatchStats, all_gather_strings, score_metrics
 from hyflow.rl.dispatch import sampling_seed
 from hyflow.rl.dynamic_sampling import Round, collect_groups

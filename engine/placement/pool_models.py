@@ -142,7 +142,7 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
     plan = plan_actor_sync(placement, desc, actor.config.params_dtype.itemsize,
                            fused_norms=resolve_spec(cfg.actor.spec) == "te")
     sender = WeightSender(WeightSync(plan, actor, sync_group))
-    rollouts = RemoteRollouts(groups, GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
+    rollouts = RemoteRollouts(groups, GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
                               placement, row_group, current_weights=cfg.trainer.mode == "sync")
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=sender,
                       rollouts=rollouts, sample_vocab=min(desc.vocab_size, tokenizer.vocab_size))
@@ -170,7 +170,7 @@ class GenerationSide:
         plan = plan_actor_sync(placement, desc, self.model.config.params_dtype.itemsize,
                                fused_norms=resolve_spec(cfg.actor.spec) == "te")
         self.sync = WeightSync(plan, self.model, sync_group)
-        self.rollout_config = GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
+        self.rollout_config = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
         self.trainer_seed = cfg.trainer.seed
         eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
         self.engine = GenerationEngine(self.model, self.rollout_config, vocab_size=min(desc.vocab_size,

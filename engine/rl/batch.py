@@ -20,7 +20,7 @@ Every plan can be stretched to a common micro-batch count (:func:`equalize`) so 
 ranks run the same number of micro-batches. :func:`make_micro_batches` builds the tensors,
 :func:`scatter_rows` puts per-micro-batch outputs back in row order. Loss normalisation does not
 depend on the grouping: losses are weighted per token with global denominators
-(:mod:`hyflow.rl.losses`).
+(:mod:`hyflow.rl.step_losses`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 from hyflow.checkpoint.trained_model import TrainedModel
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.rl.batch import batching_for
-from hyflow.rl.losses import ValueLoss, forward_score, value_scorer
+from hyflow.rl.step_losses import ValueLoss, forward_score, value_scorer
 from hyflow.rl.update import UpdateStats, update_model
 
 

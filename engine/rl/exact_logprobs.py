@@ -5,14 +5,14 @@ the cache, matrix products of other shapes than the training forward's. In exact
 equal the training-layout log-probs; in floating point they differ by ~1e-5 (fp32). Exact mode
 removes the gap after sampling: while the actor is still in its generation layout, the finished
 sequences are scored again by a full-sequence forward that reproduces the training scoring
-(:func:`hyflow.rl.losses.forward_score`) operation for operation:
+(:func:`hyflow.rl.step_losses.forward_score`) operation for operation:
 
 * the same micro-batches: the rows, order and padded widths the old-log-prob forward cuts with
   ``batching_for(cfg, "reference", ...)``, since a row's result may depend on the shapes it is
   computed in (matrix-product blocking, attention over the padded width);
 * the same modules: the generation model is the training ``GPTModel`` (the runner's cache
   attention is detached outside :meth:`ModelRunner.attach`), driven by Megatron's schedule;
-* the same scorer (:class:`hyflow.rl.losses.logprob_scorer`: the fused output head at the
+* the same scorer (:class:`hyflow.rl.step_losses.logprob_scorer`: the fused output head at the
   response positions, or the full logits' log-softmax with ``actor.fused_output_layer=false``).
 
 What changes is only where the layers run. Pipeline stages pass hidden states unchanged, so a
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hyflow.rl.batch import MicroBatching, RolloutBatch, scatter_rows
-from hyflow.rl.losses import forward_score, logprob_scorer
+from hyflow.rl.step_losses import forward_score, logprob_scorer
 from hyflow.training.step import forward_backward
 
 

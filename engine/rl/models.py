@@ -121,7 +121,7 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
                           in_place=not cfg.rollout.force_staleness)
     sample_vocab = min(desc.vocab_size, tokenizer.vocab_size)
     eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
-    generation = GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
+    generation = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
     dispatcher = RolloutDispatcher(hybrid, groups, generation, desc, sample_vocab, eos,
                                    current_weights=not cfg.rollout.force_staleness)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=hybrid,

@@ -7,7 +7,7 @@ token, after reading ``prompt + response``:
 :meth:`RewardModel.__call__` is the :data:`hyflow.rewards.manager.RewardModelFn` handed to the
 :class:`~hyflow.rewards.manager.RewardManager` (it scores the token ids passed as ``sequences``,
 so nothing is re-tokenized). The forward runs through the same pipeline schedule as the
-critic's values (:func:`hyflow.rl.losses.forward_score`), on the rank's DP shard only.
+critic's values (:func:`hyflow.rl.step_losses.forward_score`), on the rank's DP shard only.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class RewardModel:
     def score(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """[N] float32: the value head at the last token of each sequence (collective over the
         model's TP x PP ranks, which must pass the same sequences: a DP shard)."""
-        from hyflow.rl.losses import forward_score
+        from hyflow.rl.step_losses import forward_score
 
         lengths = [len(s) for s in sequences]
         if not lengths or min(lengths) < 1:
