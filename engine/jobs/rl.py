@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from hyflow.algorithms.advantages import compute_advantages
 from hyflow.algorithms.dapo import overlong_penalty
@@ -29,31 +30,36 @@ from hyflow.algorithms.mismatch import mismatch_metrics, mismatch_row_stats
 from hyflow.algorithms.rollout_correction import rollout_correction, rollout_correction_metrics
 from hyflow.checkpoint.checkpointer import Checkpointer
 from hyflow.config import dump_yaml, format_config
+from hyflow.data.dataset import build_dataset, reference_response_ids
+from hyflow.data.loader import PromptLoader
+from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
 from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.jobs.step_end import StepEnd
+from hyflow.monitor import comm
+from hyflow.monitor.memory import memory_summary
+from hyflow.monitor.metrics import PHASE_KEYS, MetricsWriter, read_metrics
+from hyflow.monitor.plot import plot_metrics
+from hyflow.monitor.progress import Progress
+from hyflow.monitor.timers import PhaseTimers
+from hyflow.rewards.manager import RewardManager
 from hyflow.rl.batch import MicroBatching, RolloutBatch, batching_for, build_rollout_batch, pad_multiple
-from hyflow.rl.step_losses import PolicyLoss, forward_score, logprob_scorer
-from hyflow.rl.metrics import BatchStats, all_gather_strings, score_metrics
 from hyflow.rl.dispatch import sampling_seed
 from hyflow.rl.dynamic_sampling import Round, collect_groups
 from hyflow.rl.exact_logprobs import rescore_in_training_layout
+from hyflow.rl.metrics import BatchStats, all_gather_strings, score_metrics
 from hyflow.rl.models import RLModels, build_rl_models, check_actor_checkpoint
-from hyflow.rl.state import RLState
 from hyflow.rl.staleness import StaleWeights
+from hyflow.rl.state import RLState
+from hyflow.rl.step_losses import PolicyLoss, forward_score, logprob_scorer
 from hyflow.rl.update import update_model
 from hyflow.rollout.dp import SampleTensors
-from hyflow.training.step import token_mean_weights, train_step
+from hyflow.training.step import data_group, lm_loss, token_mean_weights, train_step
 from hyflow.training.supervisor import StepSupervisor
 
 
 def setup(cfg: RLJobConfig) -> tuple[RLState, "StepJob"]:
     """Everything a run steps with: its state (models, data position, KL controller, supervisor;
     the supervisor's signal handlers are not installed yet) and the step's helpers."""
-    from hyflow.data.dataset import build_dataset
-    from hyflow.data.loader import PromptLoader
-    from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.rewards.manager import RewardManager
-
     if cfg.actor.checkpoint:  # before the tokenizer, which usually lives in the checkpoint's folder
         check_actor_checkpoint(cfg.actor.checkpoint)
     tokenizer = load_data_tokenizer(cfg.data)
@@ -71,13 +77,6 @@ def setup(cfg: RLJobConfig) -> tuple[RLState, "StepJob"]:
 
 def run(cfg: RLJobConfig) -> list[dict]:
     """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
-    from hyflow.data.tasks import tokenizer_spec_for
-    from hyflow.monitor import comm
-    from hyflow.monitor.memory import memory_summary
-    from hyflow.monitor.metrics import MetricsWriter
-    from hyflow.monitor.progress import Progress
-    from hyflow.monitor.timers import PhaseTimers
-
     rank = dist.get_rank()
     state, job = setup(cfg)
     models, supervisor = state.models, state.supervisor
@@ -130,7 +129,6 @@ def run(cfg: RLJobConfig) -> list[dict]:
 
 class StepJob:
     """What a step uses besides the state: the tokenizer, the reward manager, the data sources."""
-
     def __init__(self, tokenizer, reward, sources, dataset_size: int = 0) -> None:
         self.tokenizer, self.reward, self.sources = tokenizer, reward, list(sources)
         self.dataset_size = dataset_size
@@ -364,11 +362,6 @@ def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, 
 def sft_warmup(cfg: RLJobConfig, state: RLState, tokenizer) -> None:
     """Supervised steps on the reference answers (``extra_info.answer``) before RL; each DP rank
     trains on its own prompts, the loss is the token mean over all of them."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from hyflow.data.dataset import reference_response_ids
-    from hyflow.training.step import data_group, lm_loss
-
     models = state.models
     groups, actor = models.groups, models.actor
     rank = dist.get_rank()
@@ -448,8 +441,6 @@ def cpu_max_over_ranks(metrics: dict, device: torch.device) -> dict[str, float]:
     """``cpu_s_max/<phase>``: the largest ``cpu_s/<phase>`` of any rank (one all-reduce of a few
     scalars). Rank 0's CPU seconds miss the busiest pipeline stage; the slowest stage's work is
     what sets a pipelined phase's pace (the stage balance of ``actor.layout.stage_layers``)."""
-    from hyflow.monitor.metrics import PHASE_KEYS
-
     values = torch.tensor([float(metrics.get(f"cpu_s/{p}", 0.0)) for p in PHASE_KEYS], dtype=torch.float64,
                           device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -458,9 +449,6 @@ def cpu_max_over_ranks(metrics: dict, device: torch.device) -> dict[str, float]:
 
 def _finish(cfg: RLJobConfig, metrics_path: str) -> None:
     """Rank 0: plot the whole run's metrics (resumed parts included) and print a summary."""
-    from hyflow.monitor.metrics import read_metrics
-    from hyflow.monitor.plot import plot_metrics
-
     rows = read_metrics(metrics_path)
     if not rows:
         return

@@ -39,8 +39,8 @@ from hyflow.placement.groups import optimizer_agreement_on
 from hyflow.placement.rows import RowRoute, row_routes
 from hyflow.rl.critic import LocalCritic
 from hyflow.rl.dispatch import shard_range
-from hyflow.rl.step_losses import ValueLoss
 from hyflow.rl.models import build_critic
+from hyflow.rl.step_losses import ValueLoss
 from hyflow.rl.update import UpdateStats
 from hyflow.training.supervisor import StepSupervisor
 
