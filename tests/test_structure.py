@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the training step", ("hyflow.training",)),
     ("checkpoints", ("hyflow.checkpoint",)),
     ("generation and the hybrid engine", ("hyflow.rollout", "hyflow.hybrid")),
+    ("vLLM as the generation engine", ("hyflow.vllm_backend",)),
     ("the RL step's parts", ("hyflow.rl",)),
     ("placement pools", ("hyflow.placement",)),
     ("jobs", ("hyflow.jobs",)),

@@ -6,7 +6,8 @@ References are independent of the backend under test:
   32 prompts x 32 new tokens, before training and after 2 GRPO steps at a large learning rate
   (the greedy tokens change, so a skipped or partial weight update fails), in the layouts train
   TP=2 -> TP_g=1 (2 replicas), TP=2 -> TP_g=2, PP=2 -> TP_g=1, and a Qwen2-style model (Q/K/V
-  biases, untied output layer);
+  biases, untied output layer); the steps run exact mode, DAPO's dynamic sampling and ReMax's
+  greedy baselines on vLLM in one layout each;
 * vLLM's sampled-token log-probs against the trainer's recomputation of the same tokens in the
   training layout (``rollout/logprob_diff_max`` of the steps, at temperature 0.8 with top-k and
   top-p on): ~1e-6 in fp32; exact mode gives 0;
@@ -40,13 +41,15 @@ TINY = ["model.hidden_size=128", "model.num_attention_heads=4", "model.num_query
 BASE = TINY + ["rollout.backend=vllm", "actor.sft_warmup_steps=0", "data.task_size=64", "data.train_batch_size=8",
                "rollout.n=4", "actor.micro_batch_size=8", "actor.mini_batch_size=32", "rollout.max_new_tokens=8",
                "actor.old_logprobs=recompute", "actor.optim.lr=3e-2", "rollout.temperature=0.8",
-               "rollout.top_k=40", "rollout.top_p=0.9", "trainer.nproc=2", "data.seed=3"]
+               "rollout.top_k=40", "rollout.top_p=0.9", "trainer.nproc=2", "data.seed=3", "reward.kind=function",
+               f"reward.function_path={os.path.join(REPO, 'tests', 'data', 'digit_share_reward.py')}"]
 CASES = {
     "tp2->tp1": ["actor.layout.tp=2", "rollout.layout.tp=1"],
     "tp2->tp2 exact": ["actor.layout.tp=2", "rollout.layout.tp=2", "rollout.exact_logprobs=true"],
-    "pp2->tp1": ["actor.layout.tp=1", "actor.layout.pp=2", "rollout.layout.tp=1"],
-    "qwen2 tp2->tp1": ["actor.layout.tp=2", "rollout.layout.tp=1", "model.family=qwen2", "model.qkv_bias=true",
-                       "model.tied_embeddings=false"],
+    "pp2->tp1 dapo": ["actor.layout.tp=1", "actor.layout.pp=2", "rollout.layout.tp=1",
+                      "algorithm.dynamic_sampling.enable=true"],
+    "qwen2 tp2->tp1 remax": ["actor.layout.tp=2", "rollout.layout.tp=1", "model.family=qwen2", "model.qkv_bias=true",
+                             "model.tied_embeddings=false", "algorithm.adv_estimator=remax"],
 }
 
 

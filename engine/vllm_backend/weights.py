@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hyflow.models.description import ModelDescription
-from hyflow.models.hf_mapping import name_map
+from hyflow.models.hf_mapping import hf_parameter_shapes, name_map
 from hyflow.models.weights import canonical_name
 from hyflow.kernels.reshard_reference import grouped_to_qkv
 
@@ -85,8 +85,6 @@ def vllm_weights(gen_model: torch.nn.Module, desc: ModelDescription, vocab_rows:
 
 def weight_count(desc: ModelDescription, tp: int, vocab_rows: Optional[int] = None) -> int:
     """Elements per rank that :func:`vllm_weights` yields (what a transition moves into vLLM)."""
-    from hyflow.models.hf_mapping import hf_parameter_shapes
-
     total = 0
     for name, shape in hf_parameter_shapes(desc).items():
         numel = 1

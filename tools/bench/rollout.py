@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             runners["hf"] = lambda: _hf_generate(hf, prompts, args.new_tokens, pad_id)
         vllm_load = None
         if "vllm" in backends:
-            vllm_engine, vllm_load = _vllm_engine(model, desc, groups, args)
+            vllm_engine, vllm_load = _vllm_engine(model, desc, groups, prompts, args)
             runners["vllm"] = lambda: _timed(lambda: _ours(vllm_engine, prompts, greedy))
         # Warm-up (allocator, first-call dispatch) on every side.
         engine.generate(prompts[:2], greedy.replace(max_new_tokens=4))
@@ -252,7 +252,8 @@ def _ours(engine: Any, prompts: list[list[int]], sampling: Any = None) -> list[l
     return [s.token_ids for s in engine.generate(prompts, sampling).samples]
 
 
-def _vllm_engine(model: Any, desc: Any, groups: Any, args: argparse.Namespace) -> tuple[Any, float]:
+def _vllm_engine(model: Any, desc: Any, groups: Any, prompts: list[list[int]],
+                 args: argparse.Namespace) -> tuple[Any, float]:
     """rollout.backend=vllm's engine on this one rank, fed ``model``'s weights in memory; returns it
     and the seconds of that weight load (the second one: the first is a warm-up)."""
     from hyflow.rollout import GenerationConfig, SamplingConfig
@@ -264,7 +265,8 @@ def _vllm_engine(model: Any, desc: Any, groups: Any, args: argparse.Namespace) -
     greedy = SamplingConfig(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
     config = GenerationConfig(max_concurrent=args.batch, sampling=greedy)
     engine = VLLMEngine(desc, config, VLLMConfig(), vocab_size=desc.vocab_size, eos_token_ids=[],
-                        tp_groups=[[0]], dtype=args.dtype, max_model_len=min(desc.context_length, 512))
+                        tp_groups=[[0]], dtype=args.dtype, device=groups.device,
+                        seq_budget=max(len(p) for p in prompts) + args.new_tokens)
     engine.load_weights(vllm_weights(model, desc, desc.vocab_size))
     return engine, engine.load_weights(vllm_weights(model, desc, desc.vocab_size))
 

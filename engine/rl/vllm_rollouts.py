@@ -18,6 +18,7 @@ from hyflow.rl.dispatch import RolloutDispatcher
 from hyflow.roles import RolloutCapabilities
 from hyflow.rollout.config import GenerationConfig
 from hyflow.vllm_backend.config import VLLMConfig
+from hyflow.vllm_backend.engine import VLLMEngine
 from hyflow.vllm_backend.weights import vllm_weights
 
 
@@ -34,17 +35,15 @@ class VLLMRollouts(RolloutDispatcher):
     def __init__(self, hybrid, train_groups, rollout_config: GenerationConfig, desc, vocab_size: int,
                  eos_token_ids: Sequence[int], *, options: VLLMConfig, dtype: str, seed: int,
                  current_weights: bool = True) -> None:
-        from hyflow.vllm_backend.engine import VLLMEngine
-
         super().__init__(hybrid, train_groups, rollout_config, desc, vocab_size, eos_token_ids,
                          current_weights=current_weights)
-        longest = None
+        budget = None
         if rollout_config.max_prompt_length:
-            longest = min(rollout_config.max_prompt_length + rollout_config.sampling.max_new_tokens,
-                          desc.context_length)
+            budget = rollout_config.max_prompt_length + rollout_config.sampling.max_new_tokens
         self._vllm = VLLMEngine(desc, rollout_config, options, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
                                 tp_groups=generation_enumerations(hybrid.plan)["tp"],
-                                tp_group=hybrid.gen_groups.pgs.tp, dtype=dtype, seed=seed, max_model_len=longest)
+                                tp_group=hybrid.gen_groups.pgs.tp, dtype=dtype, seed=seed, device=train_groups.device,
+                                seq_budget=budget)
 
     @classmethod
     def from_config(cls, cfg, hybrid, train_groups, rollout_config: GenerationConfig, desc, vocab_size: int,
