@@ -255,3 +255,97 @@ def test_smollm2_greedy_tokens_equal_hyflows_before_and_after_training():
     assert vllm0 == ref0 and vllm2 == ref2
     assert vllm0 != vllm2
     assert all(d < 1e-4 for d in r["diffs"]), r["diffs"]
+
+
+# --------------------------------------------------------------------------- vLLM on the generation pool
+
+POOLED = TINY + ["rollout.backend=vllm", "data.train_batch_size=8", "rollout.n=4", "actor.mini_batch_size=16",
+                 "actor.micro_batch_size=16", "actor.sft_warmup_steps=2", "trainer.loggers=[]",
+                 "rollout.temperature=0.8"]
+OFF = ["trainer.mode=one_step_off", "trainer.nproc=4", "trainer.total_steps=3", "trainer.save_every=2"]
+COMPARED = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl", "response_length/mean",
+            "critic/score/mean", "critic/advantages/max", "rollout/logprob_diff_max")
+NOT_COMPARED = ("timing_s/", "cpu_s", "comm/", "perf/", "rollout/tokens_per_s", "reshard/seconds")
+
+
+def _pooled_run(overrides, out):
+    import torch.distributed as dist
+
+    from hyflow.jobs.registry import job_runner, load_job_config
+    from hyflow.testing.rl import QUICKSTART
+
+    torch.set_num_threads(1)  # as `hyflow train` runs its ranks
+    cfg = load_job_config(QUICKSTART, [*POOLED, f"trainer.output_dir={out}", *overrides])
+    history = job_runner("rl")(cfg)  # the RL job in its trainer.mode, as `hyflow train` runs it
+    return history if dist.get_rank() == 0 else None
+
+
+def _rows(run_dir: str) -> dict:
+    from hyflow.monitor.metrics import read_metrics
+
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in read_metrics(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def straight_one_step_off(tmp_path_factory):
+    """Training TP=2 on ranks 0-1, vLLM TP_g=1 x 2 on ranks 2-3 fed by the weight sync: 3 steps,
+    checkpoints after steps 2 and 3."""
+    _need_vllm()
+    out = str(tmp_path_factory.mktemp("off"))
+    history = run_on_ranks_fresh(_pooled_run, 4, OFF, out, timeout=1800)[0]
+    assert [h["step"] for h in history] == [1, 2, 3]
+    return out, history
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_one_step_off_on_vllm_step_one_equals_sync(straight_one_step_off, tmp_path):
+    """Step 1 is sampled with the initial weights (vLLM starts with random ones: a missing load
+    fails), so it equals the colocated sync run on vLLM; step 2 was sampled one update behind."""
+    _, off = straight_one_step_off
+    sync = run_on_ranks_fresh(_pooled_run, 2, ["trainer.nproc=2", "trainer.total_steps=1"], str(tmp_path / "sync"),
+                              timeout=1800)[0]
+    for key in COMPARED:
+        a, b = sync[0][key], off[0][key]
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
+    assert [h["staleness"] for h in off] == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_one_step_off_on_vllm_kill_9_then_resume_equals_the_straight_run(straight_one_step_off, tmp_path):
+    from hyflow.checkpoint.discovery import checkpoint_status, step_dir_name
+    from hyflow.testing.resume import process_descendants
+    from hyflow.testing.rl import QUICKSTART
+
+    import signal
+    import time
+
+    straight, _ = straight_one_step_off
+    out = str(tmp_path / "run")
+    args = [sys.executable, "-m", "hyflow.cli", "train", QUICKSTART, *POOLED, *OFF, f"trainer.output_dir={out}"]
+    step2 = os.path.join(out, "checkpoints", step_dir_name(2))
+    timeout = float(os.environ.get("HYFLOW_TEST_TIMEOUT", 1200))
+    with open(tmp_path / "launch.log", "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + timeout
+            while not checkpoint_status(step2)[0]:
+                assert proc.poll() is None, open(tmp_path / "launch.log").read()[-3000:]
+                assert time.time() < deadline, "the run did not save step 2"
+                time.sleep(0.05)
+        finally:
+            for pid in [proc.pid] + process_descendants(proc.pid):  # kill -9, launcher and every rank
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+    killed_at = sorted(_rows(out))
+    assert killed_at[:2] == [1, 2] and killed_at[-1] < 3, killed_at
+    resumed = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    a, b = _rows(straight), _rows(out)
+    assert sorted(b) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert b[step] == a[step], f"step {step} differs from the straight run"

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from hyflow.config import ConfigError, dump_yaml, format_config
 from hyflow.jobs.rl_config import RLJobConfig
+from hyflow.vllm_backend.groups import init_vllm_groups, local_rank
 
 
 def check_supported(cfg: RLJobConfig) -> None:
@@ -70,7 +71,7 @@ def _setup_data(cfg: RLJobConfig):
 
 def run(cfg: RLJobConfig) -> list[dict]:
     """Both pools' loops; the training pool's rank 0 writes the metrics."""
-    from hyflow.placement.groups import build_pool_groups, build_sync_group
+    from hyflow.placement.groups import build_pool_groups, build_sync_group, pool_enumerations
 
     check_supported(cfg)
     placement = cfg.resolved_placement(dist.get_world_size())
@@ -80,6 +81,8 @@ def run(cfg: RLJobConfig) -> list[dict]:
     sync_group = build_sync_group(actor.pool, gen.pool)
     train_group = dist.new_group(ranks=list(actor.pool.ranks))  # the supervisor's flags, set-up agreements
     critic_group = _critic_pool_group(placement)
+    if cfg.rollout.backend == "vllm":  # vLLM's groups: every rank creates them, the generation pool uses them
+        init_vllm_groups(pool_enumerations(placement)["tp"], local_rank(groups.device))
     if critic_group is not None and rank in placement.roles["critic"].pool:
         from hyflow.placement.inflight import Control, control
         from hyflow.placement.remote_critic import serve_critic
@@ -157,7 +160,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
             loader.load_state_dict(resumed.loader)
         if not control(Control(go=False), placement, rank, groups.device).go:
             return
-        side.sync.run()  # w_0, or w_t after a resume from step t
+        side.receive_weights()  # w_0, or w_t after a resume from step t
         version = 0 if resumed is None else resumed.step - 1  # the weights held (updates applied)
 
         def generate(step: int):
@@ -177,7 +180,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
                 following = generate(step + 1)  # overlaps the update on batch `step`
             msg = control(Control(go=False), placement, rank, groups.device)
             if msg.go:
-                side.sync.run()
+                side.receive_weights()
             if msg.save:
                 samples, seconds, made_with = following or (None, 0.0, version)
                 ckpts.save(msg, InFlight(step=step + 1, samples=samples, version=made_with, gen_seconds=seconds,

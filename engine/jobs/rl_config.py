@@ -417,6 +417,10 @@ class RLJobConfig:
                 check_vllm_model(self.model.head_dim)
             except ConfigError as e:
                 raise ConfigError(str(e), key="rollout.backend") from None
+            if not placement.colocated and placement.roles["rollout"].layout.pp > 1:
+                raise ConfigError(f"rollout.backend=vllm generates with tensor parallelism only: the generation pool's "
+                                  f"layout has pp={placement.roles['rollout'].layout.pp}; give it pp=1",
+                                  key="placement.rollout")
         if placement.colocated:
             if train.tp % gen.tp or train.pp % gen.pp:
                 raise ConfigError(

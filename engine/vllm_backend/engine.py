@@ -58,7 +58,7 @@ from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.engine import prepare_requests
 from hyflow.rollout.request import RolloutResult, RolloutStats
 from hyflow.vllm_backend.config import VLLMConfig
-from hyflow.vllm_backend.groups import init_vllm_groups
+from hyflow.vllm_backend.groups import init_vllm_groups, local_rank
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: vLLM seeds torch.Generator objects, which take seeds below 2**63 without complaint.
@@ -231,8 +231,8 @@ class VLLMEngine:
         cuda = self.cuda = device.type == "cuda"
         # The external launcher reads the rank and the device index from the environment.
         os.environ["RANK"] = str(dist.get_rank())
-        local_rank = device.index if cuda else int(os.environ.get("LOCAL_RANK", "0"))
-        os.environ["LOCAL_RANK"] = str(local_rank)
+        rank_on_node = local_rank(device)
+        os.environ["LOCAL_RANK"] = str(rank_on_node)
         self._dir = tempfile.mkdtemp(prefix="hyflow-vllm-")
         hf = hf_config_from_description(dataclasses.replace(desc, vocab_size=vocab_size), dtype=_DTYPES[dtype])
         with open(os.path.join(self._dir, "config.json"), "w") as f:
@@ -257,7 +257,7 @@ class VLLMEngine:
                 kwargs[key] = value
         _quiet_vllm_logs()
         with _process_state_kept():
-            init_vllm_groups(tp_groups, local_rank)
+            init_vllm_groups(tp_groups, rank_on_node)
             self.llm = LLM(**kwargs)
         client = self.llm.llm_engine.engine_core
         client._finalizer.detach()  # vLLM's own would destroy the training's world group

@@ -13,6 +13,7 @@ finds them initialised and checks only their sizes. Every other vLLM group of a 
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 #: vLLM's module globals this module sets (vllm.distributed.parallel_state, 0.32).
@@ -39,3 +40,8 @@ def init_vllm_groups(tp_groups: list[list[int]], local_rank: int) -> None:
         setattr(ps, attr, ps.init_model_parallel_group(singles, local_rank, backend,
                                                        use_message_queue_broadcaster=broadcaster,
                                                        group_name=name))
+
+
+def local_rank(device: torch.device) -> int:
+    """The device index vLLM's worker takes (``LOCAL_RANK``): the rank's CUDA device, 0 on CPU."""
+    return device.index if device.type == "cuda" and device.index is not None else 0
