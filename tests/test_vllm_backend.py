@@ -236,11 +236,11 @@ def test_sampled_logprobs_match_the_trainers(parity, case):
 
 
 def _smollm2_parity():
-    overrides = [f"actor.checkpoint={SMOLLM2}", f"data.tokenizer={SMOLLM2}/tokenizer", "actor.layout.tp=2",
+    overrides = [f"actor.checkpoint={SMOLLM2}", f"data.tokenizer={SMOLLM2}/tokenizer", "actor.layout.pp=2",
                  "rollout.layout.tp=1", "actor.optim.lr=2e-4", "data.train_batch_size=4", "rollout.n=2",
                  "actor.mini_batch_size=8", "rollout.max_new_tokens=16", "trainer.nproc=2", "rollout.backend=vllm",
                  "actor.old_logprobs=recompute", "actor.pack_sequences=false"]
-    return _parity_cases({"smollm2 tp2->tp1": []}, base=overrides,
+    return _parity_cases({"smollm2 pp2->tp1": []}, base=overrides,
                          config=os.path.join(REPO, "configs", "smollm2_arith.yaml"))
 
 
@@ -250,7 +250,7 @@ def _smollm2_parity():
                     reason="SmolLM2 checkpoint missing (make smollm2, or link /work/main/checkpoints)")
 def test_smollm2_greedy_tokens_equal_hyflows_before_and_after_training():
     _need_vllm()
-    r = run_on_ranks_fresh(_smollm2_parity, 2, timeout=3000)[0]["smollm2 tp2->tp1"]
+    r = run_on_ranks_fresh(_smollm2_parity, 2, timeout=3000)[0]["smollm2 pp2->tp1"]
     (vllm0, ref0), (vllm2, ref2) = r["before"], r["after"]
     assert vllm0 == ref0 and vllm2 == ref2
     assert vllm0 != vllm2

@@ -61,6 +61,8 @@ from hyflow.vllm_backend.config import VLLMConfig
 from hyflow.vllm_backend.groups import init_vllm_groups, local_rank
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+#: vLLM's KV-cache block on CPU (tokens; its default for most models there).
+_CPU_BLOCK = 128
 #: vLLM seeds torch.Generator objects, which take seeds below 2**63 without complaint.
 _SEED_MASK = (1 << 63) - 1
 #: vLLM warnings that say nothing about this use of it, by the logger that emits them: no tokenizer
@@ -241,7 +243,8 @@ class VLLMEngine:
         kv_bytes = options.kv_cache_memory_bytes
         if kv_bytes is None and not cuda:  # CPU: sized for the configured concurrency, not a memory share
             itemsize = torch.finfo(getattr(torch, _DTYPES[dtype])).bits // 8
-            tokens = max(max_seqs * min(seq_budget or limit, limit), limit)  # vLLM wants one whole context
+            # vLLM wants room for one whole context, plus its null block (blocks of up to 128 tokens on CPU)
+            tokens = max(max_seqs * min(seq_budget or limit, limit), limit) + 2 * _CPU_BLOCK
             kv_bytes = kv_cache_bytes(desc, tp, tokens, itemsize)
         self.sleep_level = options.sleep_level if cuda else 0  # vLLM's CPU build has no sleep mode
         kwargs = dict(
