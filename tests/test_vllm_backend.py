@@ -199,7 +199,8 @@ def _parity_cases(cases, base=BASE, steps=2, config=None):
                    for _ in range(2)]
         models.rollouts.finish_generation()
         models.weights.to_training()
-        out[name] = {"before": before, "after": after, "diffs": diffs, "same_seed_same_tokens": sampled[0] == sampled[1]}
+        out[name] = {"before": before, "after": after, "diffs": diffs,
+                     "same_seed_same_tokens": sampled[0] == sampled[1]}
         models.rollouts.engine.close()
     return out
 

@@ -180,7 +180,7 @@ class GenerationSide:
             budget = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
             self.engine = VLLMEngine(desc, self.rollout_config, cfg.rollout.vllm, vocab_size=vocab,
                                      eos_token_ids=eos, tp_groups=pool_enumerations(placement)["tp"],
-                                     tp_group=groups.pgs.tp, dtype=cfg.actor.dtype, seed=cfg.trainer.seed,
+                                     dtype=cfg.actor.dtype, seed=cfg.trainer.seed,
                                      device=groups.device, seq_budget=budget)
         else:
             self.engine = GenerationEngine(self.model, self.rollout_config, vocab_size=vocab, eos_token_ids=eos,

@@ -329,8 +329,6 @@ def _vllm_memory(cfg: Any, model: ModelDescription, est: mem.MemoryEstimate, res
     activations) and its sleep mode gives it back for training (level 2; level 1 keeps nothing on
     the device either, level 0 keeps it all); vLLM's CPU build has no sleep mode, so its weights and
     KV cache stay for the whole run (:mod:`hyflow.vllm_backend.engine`)."""
-    from hyflow.vllm_backend.engine import kv_cache_bytes
-
     options, gen = cfg.rollout.vllm, cfg.rollout.layout
     if opts.device == "gpu":
         share = int(options.gpu_memory_utilization * result.gpu_memory_bytes)
@@ -341,7 +339,7 @@ def _vllm_memory(cfg: Any, model: ModelDescription, est: mem.MemoryEstimate, res
         note = "rollout.vllm.sleep_level=0: vLLM keeps its memory while training"
     else:
         tokens = max((options.max_num_seqs or cfg.rollout.max_concurrent) * capacity, model.context_length)
-        kv = options.kv_cache_memory_bytes or kv_cache_bytes(model, gen.tp, tokens, mem.DTYPE_BYTES[cfg.actor.dtype])
+        kv = options.kv_cache_memory_bytes or mem.kv_cache_bytes(model, gen.tp, 1, 1, tokens, cfg.actor.dtype)
         resident = max(plan.gen_bytes) + kv
         est.add("vLLM engine", resident, f"weights + KV cache: its copy of the generation shard, a KV cache of "
                                          f"{tokens} tokens")

@@ -42,7 +42,7 @@ class VLLMRollouts(RolloutDispatcher):
             budget = rollout_config.max_prompt_length + rollout_config.sampling.max_new_tokens
         self._vllm = VLLMEngine(desc, rollout_config, options, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
                                 tp_groups=generation_enumerations(hybrid.plan)["tp"],
-                                tp_group=hybrid.gen_groups.pgs.tp, dtype=dtype, seed=seed, device=train_groups.device,
+                                dtype=dtype, seed=seed, device=train_groups.device,
                                 seq_budget=budget)
 
     @classmethod

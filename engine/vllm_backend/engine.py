@@ -113,7 +113,7 @@ def _teardown(client, folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def kv_cache_bytes(desc: ModelDescription, tp: int, tokens: int, itemsize: int) -> int:
+def _kv_bytes(desc: ModelDescription, tp: int, tokens: int, itemsize: int) -> int:
     """KV-cache bytes for ``tokens`` tokens on one rank of a TP-``tp`` replica (keys and values)."""
     return 2 * desc.num_layers * (desc.num_query_groups // tp) * desc.head_dim * itemsize * tokens
 
@@ -205,7 +205,6 @@ class VLLMEngine:
         vocab_size: ids that may be sampled (the tokenizer's; the vocabulary vLLM's config declares).
         eos_token_ids: default end-of-sequence ids.
         tp_groups: the generation TP groups of the whole world (ranks), one vLLM instance each.
-        tp_group: this rank's generation TP group (the vocabulary gathers of a weight load).
         dtype: the actor's dtype (fp32, bf16, fp16).
         seed: vLLM's own seed (``trainer.seed``; samples draw from their per-request seeds).
         device: the rank's device (``ParallelGroups.device``).
@@ -214,8 +213,8 @@ class VLLMEngine:
     """
 
     def __init__(self, desc: ModelDescription, config: GenerationConfig, options: VLLMConfig, *,
-                 vocab_size: int, eos_token_ids: Seq[int], tp_groups: list[list[int]], tp_group=None,
-                 dtype: str = "fp32", seed: int = 0, device: Optional[torch.device] = None,
+                 vocab_size: int, eos_token_ids: Seq[int], tp_groups: list[list[int]], dtype: str = "fp32",
+                 seed: int = 0, device: Optional[torch.device] = None,
                  seq_budget: Optional[int] = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -223,7 +222,6 @@ class VLLMEngine:
 
         self.desc, self.config, self.options = desc, config, options
         self.vocab_size, self.eos_token_ids = vocab_size, [int(t) for t in eos_token_ids]
-        self.tp_group = tp_group
         tp = len(next(g for g in tp_groups if dist.get_rank() in g))
         self.tp = tp
         limit = config.max_seq_len or desc.context_length  # as hyflow's engine: the model's context
@@ -245,7 +243,7 @@ class VLLMEngine:
             itemsize = torch.finfo(getattr(torch, _DTYPES[dtype])).bits // 8
             # vLLM wants room for one whole context, plus its null block (blocks of up to 128 tokens on CPU)
             tokens = max(max_seqs * min(seq_budget or limit, limit), limit) + 2 * _CPU_BLOCK
-            kv_bytes = kv_cache_bytes(desc, tp, tokens, itemsize)
+            kv_bytes = _kv_bytes(desc, tp, tokens, itemsize)
         self.sleep_level = options.sleep_level if cuda else 0  # vLLM's CPU build has no sleep mode
         kwargs = dict(
             model=self._dir, skip_tokenizer_init=True, load_format="dummy", dtype=_DTYPES[dtype], seed=seed,

@@ -24,13 +24,13 @@ are all-gathered over the generation TP group: one vocabulary matrix per rank, t
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from hyflow.models.description import ModelDescription
-from hyflow.models.hf_mapping import hf_parameter_shapes, name_map
+from hyflow.models.hf_mapping import name_map
 from hyflow.models.weights import canonical_name
 from hyflow.kernels.reshard_reference import grouped_to_qkv
 
@@ -81,19 +81,3 @@ def vllm_weights(gen_model: torch.nn.Module, desc: ModelDescription, vocab_rows:
             yield from zip(targets, torch.chunk(tensor, 2, dim=0))
         else:
             yield targets[0], tensor
-
-
-def weight_count(desc: ModelDescription, tp: int, vocab_rows: Optional[int] = None) -> int:
-    """Elements per rank that :func:`vllm_weights` yields (what a transition moves into vLLM)."""
-    total = 0
-    for name, shape in hf_parameter_shapes(desc).items():
-        numel = 1
-        for d in shape:
-            numel *= d
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            total += numel * (vocab_rows or desc.vocab_size) // desc.vocab_size
-        elif "layernorm" in name or name == "model.norm.weight":
-            total += numel
-        else:
-            total += numel // tp
-    return total

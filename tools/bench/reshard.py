@@ -227,8 +227,9 @@ def _bench(args: argparse.Namespace) -> int:
               f"planned peak extra {result['peak_extra_bytes']} bytes")
         if args.vllm:
             ratio = result["vllm_transition_ratio"]
-            print(f"vLLM transition / hybrid engine train->gen: {'-' if ratio is None else f'{ratio:.2f}x'}; / train->gen "
-                  f"+ hyflow's packing: {result['vllm_vs_hyflow_with_packing']:.2f}x")
+            shown = "-" if ratio is None else f"{ratio:.2f}x"
+            print(f"vLLM transition / hybrid engine train->gen: {shown}; / train->gen + hyflow's packing: "
+                  f"{result['vllm_vs_hyflow_with_packing']:.2f}x")
         print(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -249,7 +250,7 @@ def _vllm_transition(engine, desc, gen_groups, repeats: int, barrier, to_gen: fl
     check_vllm_imports()
     vllm = VLLMEngine(desc, GenerationConfig(max_concurrent=8), VLLMConfig(), vocab_size=desc.vocab_size,
                       eos_token_ids=[], tp_groups=generation_enumerations(engine.plan)["tp"],
-                      tp_group=gen_groups.pgs.tp, device=torch.device("cpu"), seq_budget=256)
+                      device=torch.device("cpu"), seq_budget=256)
     from hyflow.rollout.cpu_pack import PackedLinears
 
     loads, totals, packs = [], [], []
