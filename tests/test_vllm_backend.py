@@ -316,32 +316,15 @@ def test_one_step_off_on_vllm_step_one_equals_sync(straight_one_step_off, tmp_pa
 @pytest.mark.multirank
 def test_one_step_off_on_vllm_kill_9_then_resume_equals_the_straight_run(straight_one_step_off, tmp_path):
     from hyflow.checkpoint.discovery import checkpoint_status, step_dir_name
-    from hyflow.testing.resume import process_descendants
+    from hyflow.testing.resume import kill_9_when
     from hyflow.testing.rl import QUICKSTART
-
-    import signal
-    import time
 
     straight, _ = straight_one_step_off
     out = str(tmp_path / "run")
     args = [sys.executable, "-m", "hyflow.cli", "train", QUICKSTART, *POOLED, *OFF, f"trainer.output_dir={out}"]
     step2 = os.path.join(out, "checkpoints", step_dir_name(2))
     timeout = float(os.environ.get("HYFLOW_TEST_TIMEOUT", 1200))
-    with open(tmp_path / "launch.log", "w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.time() + timeout
-            while not checkpoint_status(step2)[0]:
-                assert proc.poll() is None, open(tmp_path / "launch.log").read()[-3000:]
-                assert time.time() < deadline, "the run did not save step 2"
-                time.sleep(0.05)
-        finally:
-            for pid in [proc.pid] + process_descendants(proc.pid):  # kill -9, launcher and every rank
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
+    kill_9_when(args, lambda: checkpoint_status(step2)[0], str(tmp_path / "launch.log"), timeout)
     killed_at = sorted(_rows(out))
     assert killed_at[:2] == [1, 2] and killed_at[-1] < 3, killed_at
     resumed = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
