@@ -32,7 +32,8 @@ class VLLMConfig:
         "help": "KV cache size in bytes per rank; null: on GPU from gpu_memory_utilization, on CPU enough for "
                 "rollout.max_concurrent sequences of max_prompt_length + max_new_tokens tokens"})
     enable_prefix_caching: bool = field(default=True, metadata={
-        "help": "share KV blocks of equal prompt prefixes (a prompt's n samples prefill it once)"})
+        "help": "reuse the KV blocks of prompt prefixes computed earlier in a generate call (the cache is "
+                "dropped at every weight load: its blocks hold the old weights' keys and values)"})
     enforce_eager: Optional[bool] = field(default=None, metadata={
         "help": "no CUDA graphs / torch.compile; null: eager on CPU (compiling costs minutes there), graphs on GPU"})
     quantization: Optional[str] = field(default=None, metadata={
