@@ -119,13 +119,14 @@ def _kv_bytes(desc: ModelDescription, tp: int, tokens: int, itemsize: int) -> in
 
 
 @contextlib.contextmanager
-def _process_state_kept():
+def _process_state_kept(device: torch.device):
     """vLLM's start-up changes process-wide state the training side owns: it reseeds the global
     random generators, lowers the torch thread count and, on CPU, replaces ``torch.set_num_threads``
-    with a no-op. Put all of it back afterwards."""
+    with a no-op. Put all of it back afterwards (the CUDA generator of this rank's device only:
+    touching the others would open a context on every visible GPU)."""
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     cpu_rng, py_rng = torch.random.get_rng_state(), random.getstate()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     try:
         yield
     finally:
@@ -134,7 +135,7 @@ def _process_state_kept():
         torch.random.set_rng_state(cpu_rng)
         random.setstate(py_rng)
         if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+            torch.cuda.set_rng_state(cuda_rng, device)
 
 
 def _mark_presharded(model: torch.nn.Module) -> None:
@@ -257,7 +258,7 @@ class VLLMEngine:
             if value is not None:
                 kwargs[key] = value
         _quiet_vllm_logs()
-        with _process_state_kept():
+        with _process_state_kept(device):
             init_vllm_groups(tp_groups, rank_on_node)
             self.llm = LLM(**kwargs)
         client = self.llm.llm_engine.engine_core
