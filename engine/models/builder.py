@@ -148,8 +148,12 @@ class ValueHead(torch.nn.Module):
 
     Called like Megatron's output layer: ``(hidden [s, b, h]) -> (values [s, b, 1], None)``.
     The weight is replicated over TP ranks (hidden states are complete after the
-    last row-parallel all-reduce); under sequence parallelism the sequence is
-    gathered first.
+    last row-parallel all-reduce). Under sequence parallelism each TP rank scores its own
+    slice of the sequence and the values ([s/tp, b, 1], not the hidden states) are gathered.
+    The gather's backward hands each rank its slice of the (TP-identical) value gradient
+    without summing it (summing would multiply every gradient by TP), and the weight, which
+    then sees only its rank's tokens, is marked ``sequence_parallel`` so that Megatron's
+    ``finalize_model_grads`` sums its gradient over TP.
     """
 
     def __init__(self, config: TransformerConfig, tp_group):
@@ -158,14 +162,14 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.normal_(self.weight, std=config.init_method_std)
         self.sequence_parallel = config.sequence_parallel
         self.tp_group = tp_group
-        # Megatron DDP all-reduces grads of params it marks as "sequence parallel" over TP;
-        # with SP our head sees only a slice of tokens, so its grad must be summed likewise.
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        values = F.linear(hidden, self.weight)
         if self.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
-        return F.linear(hidden, self.weight), None
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False,
+                                                          group=self.tp_group)
+        return values, None
 
 
 def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: str = "fp32",
