@@ -305,6 +305,30 @@ def _wrap_coalescing(original: Callable) -> Callable:
     return manager
 
 
+def patch_everywhere(replacements: dict[int, Callable], skip: Any = None) -> list[tuple[Any, str, Any]]:
+    """Replace functions by their wrappers in every loaded module that holds them (``torch.distributed``,
+    ``distributed_c10d`` itself, and modules that imported one by name). ``replacements`` maps
+    ``id(original)`` to a wrapper carrying ``__hyflow_original__``; returns ``(module, attribute,
+    original)`` of each replacement, for :func:`unpatch`."""
+    patched = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict) or module is skip:
+            continue
+        for attr, value in list(namespace.items()):
+            new = replacements.get(id(value))
+            if new is not None and getattr(new, "__hyflow_original__", None) is value:
+                patched.append((module, attr, value))
+                setattr(module, attr, new)
+    return patched
+
+
+def unpatch(patched: list[tuple[Any, str, Any]]) -> None:
+    while patched:
+        owner, attr, original = patched.pop()
+        setattr(owner, attr, original)
+
+
 def installed() -> bool:
     """True while the collectives are wrapped."""
     return _ACTIVE[0]
@@ -326,15 +350,7 @@ def install() -> None:
     coalescing = getattr(c10d, "_coalescing_manager", None)
     if coalescing is not None:
         replacements[id(coalescing)] = _wrap_coalescing(coalescing)
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict) or module is sys.modules[__name__]:
-            continue
-        for attr, value in list(namespace.items()):
-            new = replacements.get(id(value))
-            if new is not None and getattr(new, "__hyflow_original__", None) is value:
-                _PATCHED.append((module, attr, value))
-                setattr(module, attr, new)
+    _PATCHED.extend(patch_everywhere(replacements, skip=sys.modules[__name__]))
     _STATS.__init__()
     _ACTIVE[0] = True
 
@@ -342,9 +358,7 @@ def install() -> None:
 def uninstall() -> None:
     """Put the original functions back."""
     _ACTIVE[0] = False
-    while _PATCHED:
-        owner, attr, original = _PATCHED.pop()
-        setattr(owner, attr, original)
+    unpatch(_PATCHED)
 
 
 @contextlib.contextmanager
