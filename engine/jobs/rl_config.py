@@ -304,6 +304,10 @@ class TrainerConfig:
     keep_last: int = field(default=2, metadata={"help": "complete checkpoints kept"})
     resume: str = field(default="auto", metadata={"help": "auto | never | path of a checkpoint"})
     max_bad_steps: int = field(default=3, metadata={"help": "consecutive NaN/inf steps before stopping"})
+    collective_timeout_s: float = field(default=3600.0, metadata={
+        "help": "longest wait of one collective or receive (NCCL's watchdog aborts the run after it); placement "
+                "pools wait in a receive for the other pool's whole generation or update, so it must exceed the "
+                "longest phase"})
     mode: Literal["sync", "one_step_off"] = field(default="sync", metadata={
         "help": "sync: generate, then train on it (with placement.pools: the generation pool samples step t+1 "
                 "after receiving the weights of step t); one_step_off: the generation pool samples step t+1 with the "
@@ -320,7 +324,7 @@ class TrainerConfig:
         "help": "W&B / MLflow run name (null: the output_dir's name)"})
 
     def validate(self) -> None:
-        check_positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps")
+        check_positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps", "collective_timeout_s")
         if self.save_every < 0:
             raise ConfigError(f"must be >= 0, got {self.save_every}", key="save_every")
         from hyflow.monitor.trackers import check_available
