@@ -241,7 +241,7 @@ def make_micro_batches(columns: dict[str, torch.Tensor], lengths: Sequence[int],
         elif bounds:
             from hyflow.models.context_parallel import sequence_bounds
 
-            mb["attention_mask"] = sequence_bounds(seq_lengths, width, device)
+            mb["attention_mask"] = sequence_bounds(seq_lengths, width)  # on the host
         else:
             mb["attention_mask"] = packed_attention_mask(seq_lengths, width, device)
         mb["rows"] = index
