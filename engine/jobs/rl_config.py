@@ -82,14 +82,26 @@ class TrainedModelConfig:
     checkpoint: Optional[str] = field(default=None, metadata={
         "help": "converted checkpoint directory (hyflow convert hf2mcore); null = random init of `model`"})
     layout: Layout = field(default_factory=Layout, metadata={"help": "training layout; dp is derived"})
-    dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={
-        "help": "parameter and compute dtype of the trained models (and their frozen copies)"})
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = field(default="auto", metadata={
+        "help": "parameter and compute dtype of the trained models (and their frozen copies); auto: bf16 on GPU, "
+                "fp32 on CPU"})
     spec: Literal["auto", "local", "sdpa", "te"] = field(default="auto", metadata={
         "help": "Megatron layer spec: local (plain torch), sdpa, te (Transformer Engine); "
                 "auto picks te on GPU when installed"})
     recompute: Literal["none", "selective", "full"] = field(default="none", metadata={
         "help": "activation recomputation during the update"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+
+
+    def resolve_dtype(self) -> None:
+        """``dtype: auto``: bf16 where this process runs on CUDA, fp32 on the CPU."""
+        if self.dtype == "auto":
+            from hyflow.parallel.distributed import default_dtype
+
+            self.dtype = default_dtype()
+
+    def validate(self) -> None:
+        self.resolve_dtype()
 
 
 @dataclass
@@ -151,6 +163,7 @@ class ActorConfig(TrainedModelConfig):
     sft_lr: float = field(default=1e-3, metadata={"help": "constant learning rate of the SFT warm-up"})
 
     def validate(self) -> None:
+        self.resolve_dtype()
         check_positive(self, "micro_batch_size", "mini_batch_size", "ppo_epochs")
         if self.max_tokens_per_micro_batch is not None:
             check_positive(self, "max_tokens_per_micro_batch")

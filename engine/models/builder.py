@@ -84,6 +84,7 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
         raise ValueError(f"dtype {dtype!r} not supported; one of {sorted(DTYPES)}")
     layout = groups.layout
     layout.check_model(desc)
+    fused = groups.device.type == "cuda" and bool(fusion_backends())
     kwargs = dict(
         num_layers=desc.num_layers,
         hidden_size=desc.hidden_size,
@@ -112,15 +113,17 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
         # every layout starts from the same weights. Models whose weights are loaded afterwards
         # (perform_initialization=False: every job's) are allocated on the rank's device directly.
         use_cpu_initialization=groups.device.type == "cpu" or overrides.get("perform_initialization", True),
-        # Fusions need apex/TE kernels that are absent on CPU.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
+        # Megatron's fused SwiGLU (a TorchScript kernel) and fused masked softmax (TE/Apex kernels) on
+        # GPUs that have TE or Apex; the other fusions stay off: rotary (hyflow's own tables, packed
+        # positions), gradient accumulation (hyflow writes main_grad itself), persistent LayerNorm (RMSNorm here).
+        bias_activation_fusion=fused,
+        masked_softmax_fusion=fused,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         pipeline_dtype=DTYPES[dtype],
-        deallocate_pipeline_outputs=False,
+        deallocate_pipeline_outputs=True,  # a stage frees its output once sent (the backward needs only its grad_fn)
         # YaRN / LongRoPE attention factor: HF scales cos and sin (so q and k) by it.
         softmax_scale=rope_softmax_scale(desc),
         # An uneven pipeline split (layout.stage_layers): Megatron builds and numbers the layers.
@@ -128,6 +131,14 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def fusion_backends() -> tuple[str, ...]:
+    """The fused-kernel libraries Megatron can use here: ``te`` (Transformer Engine), ``apex``."""
+    import importlib.util
+
+    return tuple(name for name, module in (("te", "transformer_engine"), ("apex", "apex"))
+                 if importlib.util.find_spec(module) is not None)
 
 
 def recompute_overrides(kind: str) -> dict:

@@ -81,13 +81,30 @@ def eager_init(group, device: torch.device) -> None:
         dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
+def default_dtype() -> str:
+    """The parameter dtype ``auto`` stands for: ``bf16`` where this process runs on CUDA, ``fp32`` on
+    the CPU (where bf16 matmuls are slow and the tests compare against float32 references)."""
+    return "bf16" if rank_device().type == "cuda" else "fp32"
+
+
+#: environment a rank needs before its CUDA context exists (launchers set it too)
+RANK_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # Megatron: TP/SP communication ordered with compute
+
+
+def set_rank_env() -> None:
+    """:data:`RANK_ENV` where the environment does not say otherwise."""
+    for key, value in RANK_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     """Initialise the default process group (idempotent). Returns (rank, world_size).
 
     ``timeout_s`` bounds every collective of every group (:func:`set_group_timeout`)."""
-    cpu = maybe_activate()
+    maybe_activate()
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    set_rank_env()  # before torch.cuda.set_device creates the context
     set_group_timeout(timeout_s)
     if not launched_by_torchrun():
         os.environ.setdefault("RANK", "0")

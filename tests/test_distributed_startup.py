@@ -1,4 +1,6 @@
-"""``trainer.collective_timeout_s``: how long a collective or receive may wait, on every group.
+"""A rank's start-up settings for CUDA: the collective timeout, the environment, the default dtype.
+
+``trainer.collective_timeout_s``: how long a collective or receive may wait, on every group.
 
 Placement pools wait inside a receive for the other pool's whole generation or update, so the
 timeout must bound a phase, and it must hold for the groups created after start-up too: torch's
@@ -71,3 +73,50 @@ def test_the_default_outlasts_long_phases_and_is_configurable():
     assert DEFAULT_TIMEOUT_S >= 3600  # NCCL's 600 s tripped on a 10-minute generation of the other pool
     assert load_job_config(QUICKSTART, []).trainer.collective_timeout_s == DEFAULT_TIMEOUT_S
     assert load_job_config(QUICKSTART, ["trainer.collective_timeout_s=7200"]).trainer.collective_timeout_s == 7200
+
+
+def test_ranks_get_cuda_device_max_connections_from_every_launcher(monkeypatch):
+    """Megatron orders TP/SP communication with compute only with one CUDA connection: the Slurm
+    launcher set it, the local one and a directly started rank did not."""
+    from hyflow.parallel.distributed import set_rank_env
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    set_rank_env()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # what the environment says wins
+    set_rank_env()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+
+
+def test_dtype_auto_is_bf16_on_a_gpu_and_fp32_on_the_cpu(monkeypatch):
+    import torch
+
+    from hyflow.jobs.registry import load_job_config
+    from hyflow.parallel import distributed
+    from hyflow.testing.rl import QUICKSTART
+
+    assert load_job_config(QUICKSTART, []).actor.dtype == "fp32"  # this machine: no CUDA
+    monkeypatch.setattr(distributed, "rank_device", lambda: torch.device("cuda", 0))
+    assert load_job_config(QUICKSTART, []).actor.dtype == "bf16"
+    assert load_job_config(QUICKSTART, ["actor.dtype=fp32"]).actor.dtype == "fp32"  # explicit wins
+
+
+def test_megatron_fusions_on_a_gpu_with_te_or_apex(monkeypatch):
+    import torch
+
+    from hyflow.models import builder
+    from hyflow.models.description import tiny_llama
+    from hyflow.parallel.groups import ParallelGroups
+    from hyflow.parallel.layout import Layout
+
+    def config(device, backends):
+        monkeypatch.setattr(builder, "fusion_backends", lambda: backends)
+        groups = ParallelGroups(layout=Layout(), pgs=None, rank=0, coords={"tp": 0, "pp": 0, "dp": 0, "cp": 0},
+                                device=torch.device(device))
+        return builder.transformer_config(tiny_llama(), groups, "bf16", perform_initialization=False)
+
+    on = config("cuda", ("te",))
+    assert on.bias_activation_fusion and on.masked_softmax_fusion
+    for device, backends in (("cuda", ()), ("cpu", ("te",))):  # no kernels, or the CPU: the plain path
+        off = config(device, backends)
+        assert not off.bias_activation_fusion and not off.masked_softmax_fusion
