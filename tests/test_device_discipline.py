@@ -233,7 +233,7 @@ def _critic_sp_grads():
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
     from hyflow.rl.batch import MicroBatching, make_micro_batches
-    from hyflow.rl.losses import ValueLoss, loss_weights
+    from hyflow.rl.step_losses import ValueLoss, loss_weights
     from hyflow.training.optimizer import wrap_ddp
     from hyflow.training.step import forward_backward
 

@@ -16,6 +16,7 @@ from hyflow.config import ConfigError
 from hyflow.config.checks import check_finite, check_positive
 from hyflow.jobs.algorithm_config import GROUP_ESTIMATORS, AlgorithmConfig, RolloutCorrectionConfig
 from hyflow.models.description import ModelDescription, tiny_llama
+from hyflow.parallel.distributed import default_dtype
 from hyflow.parallel.layout import Layout
 from hyflow.rollout.config import GenerationSettings, redefault
 from hyflow.placement.config import PlacementConfig
@@ -87,8 +88,6 @@ class TrainedModelConfig:
     def resolve_dtype(self) -> None:
         """``dtype: auto``: bf16 where this process runs on CUDA, fp32 on the CPU."""
         if self.dtype == "auto":
-            from hyflow.parallel.distributed import default_dtype
-
             self.dtype = default_dtype()
 
     def validate(self) -> None:

@@ -24,6 +24,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from hyflow.compat.cpu import maybe_activate
 
@@ -55,8 +56,6 @@ def set_group_timeout(timeout_s: float) -> None:
     ``init_process_group``'s timeout covers the default group only: ``new_group`` reads torch's
     module defaults (10 min for NCCL, 30 for gloo), which are set here.
     """
-    import torch.distributed.distributed_c10d as c10d
-
     timeout = datetime.timedelta(seconds=timeout_s)
     for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
         if isinstance(getattr(c10d, name, None), datetime.timedelta):
@@ -65,8 +64,6 @@ def set_group_timeout(timeout_s: float) -> None:
 
 def group_timeout() -> datetime.timedelta:
     """The timeout new process groups get (:func:`set_group_timeout`)."""
-    import torch.distributed.distributed_c10d as c10d
-
     return c10d.default_pg_timeout
 
 

@@ -26,6 +26,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from hyflow.config import ConfigError
+from hyflow.parallel.distributed import eager_init, rank_device
 from hyflow.parallel.layout import Layout
 from hyflow.placement.config import ROLES, Placement, Pool
 
@@ -69,7 +70,6 @@ def build_pool_groups(placement: Placement, backend: Optional[str] = None):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from hyflow.monitor import comm
-    from hyflow.parallel.distributed import eager_init, rank_device
     from hyflow.parallel.groups import ParallelGroups
 
     if dist.get_world_size() != placement.world:
@@ -138,7 +138,6 @@ def build_sync_group(src: Pool, dst: Pool, backend: Optional[str] = None):
     """The group of the weight sync from ``src`` to ``dst`` (collective: every rank calls it; its
     communicator is created here, as ranks without buckets skip rounds of the sync)."""
     from hyflow.monitor import comm
-    from hyflow.parallel.distributed import eager_init, rank_device
 
     ranks = sorted(set(src.ranks) | set(dst.ranks))
     group = dist.new_group(ranks=ranks, backend=backend)

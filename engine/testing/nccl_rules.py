@@ -24,6 +24,11 @@ import functools
 import threading
 from typing import Any, Callable, Optional
 
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from hyflow.monitor.comm import patch_everywhere, unpatch
+
 #: operations that create the group's communicator (on a device tensor)
 CREATING = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base",
             "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all", "all_to_all_single",
@@ -45,8 +50,6 @@ class FirstOps:
         self._patched: list = []
 
     def _note(self, name: str, group: Any, peers: Optional[list[int]] = None) -> None:
-        import torch.distributed as dist
-
         group = group if group is not None else dist.group.WORLD
         if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
             return
@@ -76,10 +79,6 @@ class FirstOps:
         return wrapper
 
     def __enter__(self) -> "FirstOps":
-        import torch.distributed.distributed_c10d as c10d
-
-        from hyflow.monitor.comm import patch_everywhere
-
         replacements = {}
         for name in CREATING + OPAQUE:
             original = getattr(c10d, name, None)
@@ -90,8 +89,6 @@ class FirstOps:
         return self
 
     def __exit__(self, *exc) -> None:
-        from hyflow.monitor.comm import unpatch
-
         unpatch(self._patched)
 
 
@@ -103,8 +100,6 @@ _GROUP_POS = {"all_reduce": 2, "broadcast": 2, "reduce": 3, "all_gather": 2, "al
 
 def _peer(op: Any) -> int:
     """The global rank a ``P2POp`` talks to."""
-    import torch.distributed as dist
-
     if op.peer is not None:
         return op.peer
     return dist.get_global_rank(op.group, op.group_peer)
