@@ -65,7 +65,7 @@ def test_checks_time_out_skip_and_write_one_json_line_each(tmp_path):
         gpu_check.Check("two gpus", _py("print(1)"), gpus=2),
     ]
     lines = []
-    outcomes = gpu_check.run_checks(checks, gpus=1, log_path=str(log), echo=lines.append)
+    outcomes = gpu_check.run_checks(checks, gpus=1, log_path=str(log), echo=lines.append, logs_dir=str(tmp_path))
     assert [o.status for o in outcomes] == ["ok", "timeout", "failed", "failed", "skipped"]
     assert outcomes[0].figures == {"tok_s": 5.0}
     assert outcomes[1].seconds < 10  # killed at its own timeout, not the 60 s sleep
@@ -92,7 +92,8 @@ def test_without_cuda_every_gpu_check_is_skipped(tmp_path):
 
 def test_the_budget_skips_what_no_longer_fits(tmp_path):
     checks = [gpu_check.Check("first", _py("import time; time.sleep(6)")), gpu_check.Check("second", _py("print(1)"))]
-    outcomes = gpu_check.run_checks(checks, gpus=1, log_path=str(tmp_path / "l"), budget=15, echo=lambda s: None)
+    outcomes = gpu_check.run_checks(checks, gpus=1, log_path=str(tmp_path / "l"), budget=15, echo=lambda s: None,
+                                    logs_dir=str(tmp_path))
     assert [o.status for o in outcomes] == ["ok", "skipped"] and "budget" in outcomes[1].detail
 
 

@@ -181,7 +181,7 @@ def command_line(argv: list) -> str:
     return shlex.join(str(a) for a in argv)
 
 
-def run_check(check: Check, gpus: int, remaining: float, logs: str) -> Outcome:
+def run_check(check: Check, gpus: int, remaining: float, logs: Callable[[], str]) -> Outcome:
     if gpus < check.gpus:
         why = "no CUDA device" if gpus == 0 else f"needs {check.gpus} GPUs, this machine has {gpus}"
         if check.gpus > 1:  # where to run it instead
@@ -191,7 +191,7 @@ def run_check(check: Check, gpus: int, remaining: float, logs: str) -> Outcome:
         return Outcome(check.name, "skipped", detail="the checks' time budget is spent")
     timeout = min(check.timeout, remaining)
     rc, out, seconds = run_command(check.argv, timeout, check.env)
-    log = os.path.join(logs, check.name.replace(" ", "-").replace("/", "-") + ".log")
+    log = os.path.join(logs(), check.name.replace(" ", "-").replace("/", "-") + ".log")
     with open(log, "w") as f:
         f.write(out)
     lines = out.strip().splitlines()
@@ -207,9 +207,16 @@ def run_check(check: Check, gpus: int, remaining: float, logs: str) -> Outcome:
 
 
 def run_checks(checks: list[Check], gpus: int, log_path: str, budget: float = BUDGET_S,
-               echo: Callable[[str], None] = print) -> list[Outcome]:
-    """Every check in order, one line each as it finishes, one JSON line each appended to ``log_path``."""
-    logs = tempfile.mkdtemp(prefix="hyflow-gpu-check-")
+               echo: Callable[[str], None] = print, logs_dir: Optional[str] = None) -> list[Outcome]:
+    """Every check in order, one line each as it finishes, one JSON line each appended to ``log_path``;
+    each check's output goes to ``logs_dir`` (default: a temporary folder made when a check runs)."""
+    made: list[str] = [logs_dir] if logs_dir else []
+
+    def logs() -> str:  # each check's output, in a folder made when a check first runs
+        if not made:
+            made.append(tempfile.mkdtemp(prefix="hyflow-gpu-check-"))
+        return made[0]
+
     start = time.perf_counter()
     outcomes = []
     for check in checks:
@@ -318,7 +325,7 @@ def gpu_test_files() -> list[str]:
 def checks(gpus: int, device_name: str = "") -> list[Check]:
     """The checks, in order; each says how many GPUs it needs."""
     py = [sys.executable, "-m", "hyflow.cli"]
-    scratch = tempfile.mkdtemp(prefix="hyflow-gpu-runs-")
+    scratch = os.path.join(tempfile.gettempdir(), f"hyflow-gpu-runs-{os.getpid()}")  # the runs make it
     quick = os.path.join(scratch, "quickstart")
     common = ["trainer.resume=never", "trainer.loggers=[]", "actor.dtype=bf16"]
     out = [
