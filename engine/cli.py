@@ -63,9 +63,9 @@ def _run_rank(cfg) -> int:
     import torch.distributed as dist
 
     from hyflow.launch.rank_report import run_reporting
-    from hyflow.parallel.distributed import init_distributed, shutdown
+    from hyflow.parallel.distributed import DEFAULT_TIMEOUT_S, init_distributed, shutdown
 
-    init_distributed()
+    init_distributed(getattr(cfg.trainer, "collective_timeout_s", DEFAULT_TIMEOUT_S))
     try:
         return run_reporting(lambda: job_runner(cfg.job)(cfg), dist.get_rank())
     finally:

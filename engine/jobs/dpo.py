@@ -39,6 +39,7 @@ from hyflow.jobs.preference_losses import (chosen_nll, completion_tokens, dpo_lo
                                           loss_scale, score_sequences)
 from hyflow.jobs.preference_models import CACHE_FILE, Policy, ReferenceLogps, build_policy, micro_batches
 from hyflow.jobs.step_end import StepEnd
+from hyflow.rl.batch import pad_multiple
 from hyflow.training.step import train_step
 from hyflow.training.supervisor import StepSupervisor
 
@@ -70,7 +71,7 @@ def run(cfg: PreferenceJobConfig) -> list[dict]:
     loader = PromptLoader(dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     policy = build_policy(cfg, tokenizer)
     # SIGTERM / SIGUSR1 flags and the NaN/inf guard, before the long set-up so no signal is lost
-    supervisor = StepSupervisor(cfg.trainer.max_bad_steps, [policy.optimizer]).install()
+    supervisor = StepSupervisor(cfg.trainer.max_bad_steps, [policy.optimizer], device=policy.groups.device).install()
     ckpt = Checkpointer(cfg.trainer.output_dir, policy.groups, policy.desc, cfg.trainer.keep_last,
                         tokenizer=tokenizer_spec_for(cfg.data))
     if rank == 0:
@@ -132,7 +133,7 @@ def dpo_step(cfg: DPOJobConfig, policy: Policy, reference: ReferenceLogps, pairs
     mine = _my_slice(pairs, policy)
     # 1. this rank's pairs as rows c0 r0 c1 r1 ..., padded to the global batch's longest sequence
     length = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs)
-    batch = sequence_tensors([s for p in mine for s in p.sequences()], PAD_ID, g.device, length)
+    batch = sequence_tensors([s for p in mine for s in p.sequences()], PAD_ID, g.device, length, pad_multiple(g))
     rows = list(range(2 * len(mine)))
     # 2. reference log-probs of every row (zeros when reference-free)
     with timers.phase("ref"):
@@ -157,9 +158,11 @@ def kto_step(cfg: KTOJobConfig, policy: Policy, reference: ReferenceLogps, examp
     mine = _my_slice(examples, policy)
     # 1. this rank's completions, and its KL pairs (each prompt with another example's completion)
     length = max(len(e.prompt_ids) + max(len(e.completion_ids), len(e.kl_completion_ids)) for e in examples)
-    batch = sequence_tensors([(e.prompt_ids, e.completion_ids) for e in mine], PAD_ID, g.device, length)
+    batch = sequence_tensors([(e.prompt_ids, e.completion_ids) for e in mine], PAD_ID, g.device, length,
+                             pad_multiple(g))
     batch["label"] = torch.tensor([float(e.label) for e in mine], dtype=torch.float32, device=g.device)
-    kl_batch = sequence_tensors([(e.prompt_ids, e.kl_completion_ids) for e in mine], PAD_ID, g.device, length)
+    kl_batch = sequence_tensors([(e.prompt_ids, e.kl_completion_ids) for e in mine], PAD_ID, g.device, length,
+                                pad_multiple(g))
     rows = list(range(len(mine)))
     # 2. reference log-probs of both
     with timers.phase("ref"):

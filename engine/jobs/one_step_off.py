@@ -71,6 +71,7 @@ def _setup_data(cfg: RLJobConfig):
 def run(cfg: RLJobConfig) -> list[dict]:
     """Both pools' loops; the training pool's rank 0 writes the metrics."""
     from hyflow.placement.groups import build_pool_groups, build_sync_group
+    from hyflow.placement.remote_critic import has_remote_critic
 
     check_supported(cfg)
     placement = cfg.resolved_placement(dist.get_world_size())
@@ -78,19 +79,19 @@ def run(cfg: RLJobConfig) -> list[dict]:
     groups = build_pool_groups(placement)
     actor, gen = placement.roles["actor"], placement.roles["rollout"]
     sync_group = build_sync_group(actor.pool, gen.pool)
-    train_group = dist.new_group(ranks=list(actor.pool.ranks))  # the supervisor's flags, set-up agreements
-    critic_group = _critic_pool_group(placement)
-    if critic_group is not None and rank in placement.roles["critic"].pool:
+    # this rank's pool: the supervisor's flags, set-up agreements, the distributed optimizer's instance
+    pool_group = groups.pool_group
+    if has_remote_critic(placement) and rank in placement.roles["critic"].pool:
         from hyflow.placement.inflight import Control, control
         from hyflow.placement.remote_critic import serve_critic
 
-        serve_critic(cfg, placement, groups, critic_group,
+        serve_critic(cfg, placement, groups, pool_group,
                      lambda: control(Control(go=False), placement, rank, groups.device).go)
         return []
     if rank in gen.pool:
         _generation_loop(cfg, placement, groups, sync_group)
         return []
-    return _training_loop(cfg, placement, groups, sync_group, train_group)
+    return _training_loop(cfg, placement, groups, sync_group, pool_group)
 
 
 def checkpointing(placement) -> bool:
@@ -122,15 +123,6 @@ class _NoCheckpoints:
 
     def close(self, abort: bool = False) -> None:
         pass
-
-
-def _critic_pool_group(placement):
-    """The critic pool's group when the critic has a pool of its own (collective: every rank calls it)."""
-    from hyflow.placement.remote_critic import has_remote_critic
-
-    if not has_remote_critic(placement):
-        return None
-    return dist.new_group(ranks=list(placement.roles["critic"].pool.ranks))
 
 
 def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:

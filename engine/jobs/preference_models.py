@@ -31,6 +31,7 @@ from hyflow.models.builder import build_gpt_model
 from hyflow.models.description import ModelDescription
 from hyflow.models.weights import load_full_state_dict, random_full_state_dict
 from hyflow.parallel.groups import ParallelGroups, init_training_groups
+from hyflow.rl.batch import pad_multiple
 from hyflow.training.optimizer import build_optimizer, wrap_ddp
 
 CACHE_FILE = "reference_logps.pt"
@@ -213,7 +214,7 @@ def precompute(model: torch.nn.Module, dataset: PreferenceDataset, policy: Polic
         ks = order[b:b + block]
         ks = ks + ks[:(-len(ks)) % micro_size]  # whole micro-batches (repeats are scored twice)
         rows = [s for k in ks for s in record_sequences(dataset[mine[k]], dataset.kind)]
-        tensors = sequence_tensors(rows, 0, groups.device)  # right padding: any id
+        tensors = sequence_tensors(rows, 0, groups.device, multiple=pad_multiple(groups))  # right padding: any id
         micro = micro_batches(tensors, list(range(len(rows))), 2 * micro_size)
         scores = score_sequences([model], micro, policy.vocab_size, groups).view(-1, 2)
         local[torch.tensor(ks, dtype=torch.long, device=groups.device)] = scores

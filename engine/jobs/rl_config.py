@@ -16,6 +16,7 @@ from hyflow.config import ConfigError
 from hyflow.config.checks import check_finite, check_positive
 from hyflow.jobs.algorithm_config import GROUP_ESTIMATORS, AlgorithmConfig, RolloutCorrectionConfig
 from hyflow.models.description import ModelDescription, tiny_llama
+from hyflow.parallel.distributed import default_dtype
 from hyflow.parallel.layout import Layout
 from hyflow.rollout.config import GenerationSettings, redefault
 from hyflow.placement.config import PlacementConfig
@@ -73,14 +74,24 @@ class TrainedModelConfig:
     checkpoint: Optional[str] = field(default=None, metadata={
         "help": "converted checkpoint directory (hyflow convert hf2mcore); null = random init of `model`"})
     layout: Layout = field(default_factory=Layout, metadata={"help": "training layout; dp is derived"})
-    dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={
-        "help": "parameter and compute dtype of the trained models (and their frozen copies)"})
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = field(default="auto", metadata={
+        "help": "parameter and compute dtype of the trained models (and their frozen copies); auto: bf16 on GPU, "
+                "fp32 on CPU"})
     spec: Literal["auto", "local", "sdpa", "te"] = field(default="auto", metadata={
         "help": "Megatron layer spec: local (plain torch), sdpa, te (Transformer Engine); "
                 "auto picks te on GPU when installed"})
     recompute: Literal["none", "selective", "full"] = field(default="none", metadata={
         "help": "activation recomputation during the update"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+
+
+    def resolve_dtype(self) -> None:
+        """``dtype: auto``: bf16 where this process runs on CUDA, fp32 on the CPU."""
+        if self.dtype == "auto":
+            self.dtype = default_dtype()
+
+    def validate(self) -> None:
+        self.resolve_dtype()
 
 
 @dataclass
@@ -142,6 +153,7 @@ class ActorConfig(TrainedModelConfig):
     sft_lr: float = field(default=1e-3, metadata={"help": "constant learning rate of the SFT warm-up"})
 
     def validate(self) -> None:
+        self.resolve_dtype()
         check_positive(self, "micro_batch_size", "mini_batch_size", "ppo_epochs")
         if self.max_tokens_per_micro_batch is not None:
             check_positive(self, "max_tokens_per_micro_batch")
@@ -295,6 +307,10 @@ class TrainerConfig:
     keep_last: int = field(default=2, metadata={"help": "complete checkpoints kept"})
     resume: str = field(default="auto", metadata={"help": "auto | never | path of a checkpoint"})
     max_bad_steps: int = field(default=3, metadata={"help": "consecutive NaN/inf steps before stopping"})
+    collective_timeout_s: float = field(default=3600.0, metadata={
+        "help": "longest wait of one collective or receive (NCCL's watchdog aborts the run after it); placement "
+                "pools wait in a receive for the other pool's whole generation or update, so it must exceed the "
+                "longest phase"})
     mode: Literal["sync", "one_step_off"] = field(default="sync", metadata={
         "help": "sync: generate, then train on it (with placement.pools: the generation pool samples step t+1 "
                 "after receiving the weights of step t); one_step_off: the generation pool samples step t+1 with the "
@@ -311,7 +327,7 @@ class TrainerConfig:
         "help": "W&B / MLflow run name (null: the output_dir's name)"})
 
     def validate(self) -> None:
-        check_positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps")
+        check_positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps", "collective_timeout_s")
         if self.save_every < 0:
             raise ConfigError(f"must be >= 0, got {self.save_every}", key="save_every")
         from hyflow.monitor.trackers import check_available
