@@ -13,13 +13,15 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from hyflow.cli_support import RANK_ARGV_ENV
 from hyflow.jobs.registry import job_runner, job_schema, load_job_config
 
 #: Modules that add subcommands: each defines ``register(subparsers)`` and sets
 #: ``func`` on its parsers. Imported lazily only to build the parser (keep their
 #: top-level imports light: no torch / Megatron at import time).
 COMMAND_MODULES: tuple[str, ...] = ("hyflow.launch.cli", "hyflow.plan.cli", "hyflow.doctor.cli", "hyflow.tools.convert.cli",
-                                     "hyflow.tools.convert.export", "hyflow.rollout.cli", "hyflow.data.cli", "hyflow.tools.bench")
+                                     "hyflow.tools.convert.export", "hyflow.rollout.cli", "hyflow.validation.cli", "hyflow.data.cli",
+                                     "hyflow.tools.bench")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -220,10 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Set by a launcher that starts ranks through torchrun: the ranks' hyflow arguments as a JSON
-# list. torchrun's own parser would otherwise read options after ``-m hyflow.cli`` as its own
-# (``--n`` is an ambiguous prefix of ``--nnodes`` / ``--nproc-per-node``) and stop with an error.
-RANK_ARGV_ENV = "HYFLOW_RANK_ARGV"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -48,6 +48,9 @@ def check_supported(cfg: RLJobConfig) -> None:
     from hyflow.placement.remote_critic import check_remote_roles
 
     check_remote_roles(cfg, placement)  # roles on a pool apart from the actor's: the critic only
+    if cfg.data.val_files:
+        raise ConfigError("validation (data.val_files) runs colocated only for now: drop data.val_files with "
+                          "placement pools, or validate the checkpoints with `hyflow eval`", key="data.val_files")
     if cfg.algorithm.adv_estimator == "remax":
         raise ConfigError("the generation pool does not generate ReMax's greedy baselines: run ReMax colocated "
                           "(trainer.mode=sync, placement.pools empty)", key="algorithm.adv_estimator")

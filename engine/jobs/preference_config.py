@@ -102,6 +102,9 @@ class PreferenceDataConfig:
     from files or a built-in synthetic task."""
 
     train_files: list[str] = field(default_factory=list, metadata={"help": "parquet or jsonl files"})
+    val_files: list[str] = field(default_factory=list, metadata={
+        "help": "held-out rows in the same format, scored every trainer.val_every steps (eval_rewards/accuracies, "
+                "eval_rewards/margins, eval_loss, ...); empty = no validation"})
     task: Optional[str] = field(default=None, metadata={
         "help": "built-in preference task generated locally instead of files (hyflow make-task --list)"})
     task_size: int = field(default=2000, metadata={"help": "problems generated for a synthetic task"})

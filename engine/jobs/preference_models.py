@@ -211,7 +211,7 @@ def precompute(model: torch.nn.Module, dataset: PreferenceDataset, policy: Polic
     start, last_report = time.perf_counter(), 0.0
     for b in range(0, per, block):
         ks = order[b:b + block]
-        ks = ks + ks[:(-len(ks)) % micro_size]  # whole micro-batches (repeats are scored twice)
+        ks = ks + [ks[i % len(ks)] for i in range((-len(ks)) % micro_size)]  # whole micro-batches (repeats scored twice)
         rows = [s for k in ks for s in record_sequences(dataset[mine[k]], dataset.kind)]
         tensors = sequence_tensors(rows, 0, groups.device)  # right padding: any id
         micro = micro_batches(tensors, list(range(len(rows))), 2 * micro_size)

@@ -46,6 +46,8 @@ from hyflow.rl.update import update_model
 from hyflow.rollout.dp import SampleTensors
 from hyflow.training.step import token_mean_weights, train_step
 from hyflow.training.supervisor import StepSupervisor
+from hyflow.validation.metrics import core_keys
+from hyflow.validation.rl import Validation, summary_line, validate_actor
 
 
 def setup(cfg: RLJobConfig) -> tuple[RLState, "StepJob"]:
@@ -99,6 +101,9 @@ def run(cfg: RLJobConfig) -> list[dict]:
     if cfg.actor.sft_warmup_steps and not start:
         sft_warmup(cfg, state, job.tokenizer)
     progress = Progress.from_config(cfg.trainer, initial=start, enabled=rank == 0)
+    validation = Validation.from_config(cfg, job.tokenizer, job.reward, models.dispatcher.rollout_config.sampling)
+    if validation is not None and validation.before_train and not start:  # logged as step 0
+        _validate(validation, models, 0, writer, progress)
     sync = torch.cuda.synchronize if models.groups.device.type == "cuda" else None
     timers = PhaseTimers(sync=sync)  # phases charged with the device work they launched
     ends = StepEnd(cfg.trainer, ckpt, supervisor, writer, progress)  # metrics, checkpoints, stop / divergence
@@ -115,6 +120,8 @@ def run(cfg: RLJobConfig) -> list[dict]:
             metrics.update(timers.step_summary())
             metrics.update(comm.step_summary(), **memory_summary(models.groups.device))
             metrics["perf/time_per_step"] = metrics["timing_s/step"]
+            if validation is not None and not outcome.stop and validation.due(step, cfg.trainer.total_steps):
+                metrics.update(_validate(validation, models, step, None, progress))
             # verl's definition: prompt + response tokens per second per rank
             metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (
                 metrics["timing_s/step"] * dist.get_world_size())
@@ -130,6 +137,16 @@ def run(cfg: RLJobConfig) -> list[dict]:
         writer.close()
         _finish(cfg, writer.path)
     return ends.history
+
+
+def _validate(validation: Validation, models: RLModels, step: int, writer, progress) -> dict:
+    """Validate the actor after ``step``; ``writer``: log the metrics as a row of their own."""
+    metrics = validate_actor(validation, models)
+    if dist.get_rank() == 0:
+        progress.write(summary_line(step, metrics, validation.n))
+    if writer is not None:
+        writer.log(step, metrics, check_required=False)
+    return metrics
 
 
 class StepJob:
@@ -456,6 +473,18 @@ def cpu_max_over_ranks(metrics: dict, device: torch.device) -> dict[str, float]:
     return {f"cpu_s_max/{p}": float(v) for p, v in zip(PHASE_KEYS, values.tolist())}
 
 
+def plot_keys(cfg: RLJobConfig, rows: list[dict]) -> list[str]:
+    """The end-of-run plot's panels: the reward, the KL term in use (none without one), the
+    validation score (the first data source's core ``mean@N``)."""
+    keys = ["critic/score/mean"]
+    if cfg.algorithm.use_kl_in_reward:
+        keys.append("actor/reward_kl_penalty")
+    elif cfg.actor.use_kl_loss:
+        keys.append("actor/kl_loss")
+    val = sorted({k for row in rows for k in core_keys(row, cfg.rollout.val_kwargs.n)})
+    return keys + val[:1]
+
+
 def _finish(cfg: RLJobConfig, metrics_path: str) -> None:
     """Rank 0: plot the whole run's metrics (resumed parts included) and print a summary."""
     from hyflow.monitor.metrics import read_metrics
@@ -464,7 +493,8 @@ def _finish(cfg: RLJobConfig, metrics_path: str) -> None:
     rows = read_metrics(metrics_path)
     if not rows:
         return
-    plot_metrics(rows, os.path.join(cfg.trainer.output_dir, "reward_kl.png"))
-    first, last = rows[0].get("critic/score/mean"), rows[-1].get("critic/score/mean")
+    plot_metrics(rows, os.path.join(cfg.trainer.output_dir, "reward_kl.png"), keys=plot_keys(cfg, rows))
+    scores = [row["critic/score/mean"] for row in rows if "critic/score/mean" in row] or [None]  # not step 0's
+    first, last = scores[0], scores[-1]  # (a validation row)
     fmt = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731 - NaN rows are written as null
     print(f"[hyflow] done: reward {fmt(first)} -> {fmt(last)}; run directory {cfg.trainer.output_dir}", flush=True)

@@ -20,6 +20,7 @@ from hyflow.parallel.layout import Layout
 from hyflow.rollout.config import GenerationConfig
 from hyflow.placement.config import PlacementConfig
 from hyflow.training.optim_config import OptimConfig
+from hyflow.validation.config import ValKwargs
 
 
 
@@ -65,6 +66,7 @@ class RolloutConfig:
     force_staleness: int = field(default=0, metadata={
         "help": "tests and benchmarks only: generate with the actor's weights of this many steps ago (a forced "
                 "off-policy lag; the update still starts from the current weights)"})
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
     def validate(self) -> None:
         check_finite(self, "temperature", "top_p")
@@ -274,6 +276,9 @@ class DataConfig:
     """Prompts: files in verl's format, or a built-in synthetic task."""
 
     train_files: list[str] = field(default_factory=list, metadata={"help": "parquet or jsonl files"})
+    val_files: list[str] = field(default_factory=list, metadata={
+        "help": "held-out parquet / jsonl files in the same format, generated and scored every trainer.val_every "
+                "steps (logged as val-core/<data_source>/reward/mean@N); empty = no validation"})
     task: Optional[str] = field(default=None, metadata={
         "help": "built-in synthetic task generated locally instead of files"})
     task_size: int = field(default=2000, metadata={"help": "prompts generated for a synthetic task"})
@@ -301,6 +306,11 @@ class TrainerConfig:
     seed: int = field(default=1234, metadata={"help": "seed of initialisation, sampling and mini-batch order"})
     log_every: int = field(default=1, metadata={"help": "print a progress line every N steps (when not on a terminal)"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
+    val_every: int = field(default=0, metadata={
+        "help": "validate on data.val_files every N steps and after the last step (verl's trainer.test_freq; "
+                "0 = only after the last step)"})
+    val_before_train: bool = field(default=True, metadata={
+        "help": "validate the starting weights before the first step (logged as step 0; with data.val_files)"})
     keep_last: int = field(default=2, metadata={"help": "complete checkpoints kept"})
     resume: str = field(default="auto", metadata={"help": "auto | never | path of a checkpoint"})
     max_bad_steps: int = field(default=3, metadata={"help": "consecutive NaN/inf steps before stopping"})
@@ -321,8 +331,9 @@ class TrainerConfig:
 
     def validate(self) -> None:
         check_positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps")
-        if self.save_every < 0:
-            raise ConfigError(f"must be >= 0, got {self.save_every}", key="save_every")
+        for name in ("save_every", "val_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"must be >= 0, got {getattr(self, name)}", key=name)
         from hyflow.monitor.trackers import check_available
 
         missing = check_available(self.loggers)

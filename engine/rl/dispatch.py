@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from hyflow.hybrid.generation_groups import generation_enumerations
+from hyflow.rollout.config import SamplingConfig
 from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
 
 
@@ -101,11 +102,13 @@ class RolloutDispatcher:
         return self._engine
 
     def generate(self, gen_model, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
-                 greedy: bool = False, max_new_tokens: Optional[int] = None) -> GatheredRollout:
+                 greedy: bool = False, max_new_tokens: Optional[int] = None,
+                 sampling: Optional[SamplingConfig] = None) -> GatheredRollout:
         """``n`` samples of each of this DP shard's ``prompts`` (global indices from
         ``request_offset``), gathered on every rank of the shard's model-parallel group.
-        ``greedy``: argmax decoding (ReMax's baselines)."""
-        sampling = self.rollout_config.sampling.replace(n=n, seed=seed)
+        ``greedy``: argmax decoding (ReMax's baselines); ``sampling``: settings other than the
+        rollout's (validation's ``rollout.val_kwargs``)."""
+        sampling = (sampling or self.rollout_config.sampling).replace(n=n, seed=seed)
         if greedy:
             sampling = sampling.replace(temperature=0.0)
         if max_new_tokens is not None:
