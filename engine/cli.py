@@ -32,6 +32,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     # hyflow.parallel.distributed.launched_by_torchrun's test, without importing torch (seconds)
     # before the pre-flight checks
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if "=" in args.config and not os.path.exists(args.config):  # no file: `hyflow train k=v ...` (verl's form)
+        args.config, args.overrides = None, [args.config, *args.overrides]
+        if not any(o.startswith("job=") for o in args.overrides):
+            args.overrides.insert(0, "job=rl")
     if getattr(args, "no_verify", False):
         from hyflow.checkpoint.manifest import NO_VERIFY_ENV
 
@@ -42,7 +46,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             return _run_rank(cfg)
         from hyflow.launch.local import Target, check_before_launch
 
-        target = Target(command="train", config=os.path.abspath(args.config), args=list(args.overrides),
+        target = Target(command="train", config=args.config and os.path.abspath(args.config),
+                        args=list(args.overrides),
                         job=cfg.job, output_dir=os.path.abspath(cfg.trainer.output_dir), cfg=cfg)
         check_before_launch(target)  # files, reward function, checkpoints: before any rank starts
     except ConfigError as e:
@@ -196,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     from hyflow.cli_support import make_intermixed
 
     train = make_intermixed(sub.add_parser("train", help="run a training job from a YAML config"))
-    train.add_argument("config", help="YAML config file (see configs/)")
+    train.add_argument("config", help="YAML config file (see configs/); without one, the RL job from the "
+                                      "overrides alone (verl's keys work: docs/verl.md)")
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     train.add_argument("--no-verify", action="store_true",
                        help="skip checkpoint checksums when resuming / loading (sizes and pickles are still checked)")

@@ -1,5 +1,6 @@
-"""``hyflow config --describe``: every key of a schema with its type, effective default and one
-line of help, and a loaded config's values where they differ.
+"""``hyflow config --describe``: every key of a schema with its type, effective default, unit (a
+size's ``field(metadata={"unit": ...})``: what it counts, over which ranks) and one line of help, and
+a loaded config's values where they differ.
 
 Help comes from a field's ``field(metadata={"help": ...})``, else from its entry in the class
 docstring's ``Attributes:`` section, else (for a section) the first line of the section class's
@@ -104,6 +105,8 @@ def describe(cls: type, config: Any = None) -> str:
                 elif f.default_factory is not dataclasses.MISSING:
                     found, default = True, f.default_factory()
             entry = f"{key}: {_type_name(tp)}" + (f" = {_show(default)}" if found else " (required)")
+            if f.metadata.get("unit"):
+                entry += f"  [{f.metadata['unit']}]"
             if config is not None:
                 has, value = _lookup(config, key)
                 if has and (not found or to_dict(value) != to_dict(default)):

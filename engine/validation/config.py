@@ -14,7 +14,8 @@ class ValKwargs:
     at a temperature; every validation uses the same seeds, so two validations of the same
     weights give the same numbers (and ``hyflow eval`` of the checkpoint gives them too)."""
 
-    n: int = field(default=1, metadata={"help": "responses per validation prompt (the N of mean@N, best@N)"})
+    n: int = field(default=1, metadata={
+        "unit": "responses per prompt", "help": "responses per validation prompt (the N of mean@N, best@N)"})
     do_sample: bool = field(default=False, metadata={
         "help": "false: greedy decoding whatever the temperature (verl's default); true: sample with "
                 "temperature / top_k / top_p"})
