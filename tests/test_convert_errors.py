@@ -18,11 +18,11 @@ from hyflow.models.description import ModelDescription
 from hyflow.models.hf_mapping import (description_from_hf_config, hf_config_from_description,
                                       hf_parameter_shapes, hf_to_megatron, name_map)
 from hyflow.models.weights import _tp_slice
-from hyflow.tools.convert.errors import ConversionError
-from hyflow.tools.convert.gguf_source import unpermute_rotary_rows
+from hyflow.models.sources.errors import ConversionError
+from hyflow.models.sources.gguf_source import unpermute_rotary_rows
 from hyflow.tools.convert.preflight import plan_hf2mcore, plan_mcore2hf
-from hyflow.tools.convert.shard_reader import fill_shard
-from hyflow.tools.convert.source import WeightSource
+from hyflow.models.sources.shard_reader import fill_shard
+from hyflow.models.sources.source import WeightSource
 
 
 

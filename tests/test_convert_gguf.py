@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hyflow.models.hf_mapping import description_from_hf_config
-from hyflow.tools.convert.gguf_source import _LAYER_TENSORS, GGUFSource
+from hyflow.models.sources.gguf_source import _LAYER_TENSORS, GGUFSource
 from hyflow.tools.convert.preflight import plan_hf2mcore
 
 gguf = pytest.importorskip("gguf")

@@ -246,7 +246,7 @@ def test_tensor_parallel_attributes_match_megatron_init() -> None:
 
 
 def test_checkpoint_errors(checkpoints, tmp_path) -> None:
-    from hyflow.tools.convert.errors import ConversionError
+    from hyflow.models.sources.errors import ConversionError
     from hyflow.tools.convert.preflight import plan_mcore2hf
 
     ckpt = checkpoints[("llama3", (2, 2))]

@@ -42,9 +42,10 @@ class RolloutConfig:
     checks)."""
 
     layout: GenerationLayout = field(default_factory=GenerationLayout)
-    n: int = field(default=4, metadata={"help": "responses sampled per prompt (the GRPO group size)"})
-    max_prompt_length: int = field(default=128, metadata={"help": "longest prompt in tokens"})
-    max_new_tokens: int = field(default=64, metadata={"help": "longest response in tokens"})
+    n: int = field(default=4, metadata={
+        "unit": "responses per prompt", "help": "responses sampled per prompt (the GRPO group size)"})
+    max_prompt_length: int = field(default=128, metadata={"unit": "tokens", "help": "longest prompt in tokens"})
+    max_new_tokens: int = field(default=64, metadata={"unit": "tokens", "help": "longest response in tokens"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0 = greedy)"})
     top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens (0 = off)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
@@ -52,8 +53,10 @@ class RolloutConfig:
                                       metadata={"help": "extra stop ids besides the tokenizer's EOS"})
     truncate_long_prompts: bool = field(default=False, metadata={
         "help": "left-truncate prompts over max_prompt_length instead of dropping them"})
-    prefill_chunk_size: int = field(default=0, metadata={"help": "chunked prefill size (0 = whole prompt)"})
-    max_concurrent: int = field(default=64, metadata={"help": "sequences decoded at once per replica"})
+    prefill_chunk_size: int = field(default=0, metadata={
+        "unit": "tokens", "help": "chunked prefill size (0 = whole prompt)"})
+    max_concurrent: int = field(default=64, metadata={
+        "unit": "sequences per generation replica", "help": "sequences decoded at once per replica"})
     offload_grad_buffers: bool = field(default=False, metadata={
         "help": "free the actor's gradient buffers while generating (memory for the KV cache)"})
     offload_optimizer: bool = field(default=False, metadata={
@@ -82,7 +85,11 @@ class TrainedModelConfig:
     come from, its layout, precision, layer spec, recomputation and optimizer."""
 
     checkpoint: Optional[str] = field(default=None, metadata={
-        "help": "converted checkpoint directory (hyflow convert hf2mcore); null = random init of `model`"})
+        "help": "starting weights: an HF model directory or .gguf file (read directly, each rank its own shards), "
+                "or a hyflow checkpoint (hyflow convert hf2mcore); null = random init of `model`"})
+    checkpoint_cache: Optional[str] = field(default=None, metadata={
+        "help": "with an HF checkpoint: convert it once into this directory (a hyflow checkpoint; later starts "
+                "load it instead of reading the HF files, until they change); null = read the HF files"})
     layout: Layout = field(default_factory=Layout, metadata={"help": "training layout; dp is derived"})
     dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={
         "help": "parameter and compute dtype of the trained models (and their frozen copies)"})
@@ -99,9 +106,11 @@ class ActorConfig(TrainedModelConfig):
     """The policy: trained in ``layout``, generating in ``rollout.layout``."""
 
     micro_batch_size: int = field(default=4, metadata={
+        "unit": "sequences per DP rank (verl: per GPU)",
         "help": "sequences per forward/backward (when max_tokens_per_micro_batch is null); rows of similar "
                 "length go together, each micro-batch padded to its own longest row"})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
+        "unit": "tokens per DP rank",
         "help": "token budget of a micro-batch instead of a fixed row count (verl's use_dynamic_bsz): rows "
                 "grouped by length, each micro-batch padded to its own longest row (packed: total tokens); "
                 "at least max_prompt_length + max_new_tokens; null = micro_batch_size rows"})
@@ -110,6 +119,7 @@ class ActorConfig(TrainedModelConfig):
                 "causal attention): no padding tokens; up to max_tokens_per_micro_batch tokens, or "
                 "micro_batch_size sequences without a budget"})
     mini_batch_size: int = field(default=16, metadata={
+        "unit": "responses, all DP ranks (verl's prompts x rollout.n)",
         "help": "sequences per optimizer step (all data-parallel ranks together)"})
     balance_batch: bool = field(default=True, metadata={
         "help": "before each epoch, move rows between data-parallel ranks inside each mini-batch so every "
@@ -139,6 +149,7 @@ class ActorConfig(TrainedModelConfig):
     loss_agg_mode: LossAgg = field(default="token-mean", metadata={
         "help": "how per-token losses become one number: mean over tokens, or per sequence then over sequences"})
     loss_scale_factor: Optional[int] = field(default=None, metadata={
+        "unit": "tokens",
         "help": "constant normaliser of loss_agg_mode=seq-mean-token-sum-norm (Dr. GRPO's MAX_TOKENS); "
                 "null = rollout.max_new_tokens"})
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
@@ -193,10 +204,13 @@ class CriticConfig:
         "help": "null = the actor's layout; another layout needs the critic on a pool of its own (placement); "
                 "the trunk starts from the actor's initial weights"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    micro_batch_size: int = field(default=4, metadata={"help": "sequences per critic forward/backward"})
+    micro_batch_size: int = field(default=4, metadata={
+        "unit": "sequences per DP rank (verl: per GPU)", "help": "sequences per critic forward/backward"})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
+        "unit": "tokens per DP rank",
         "help": "token budget of a micro-batch (values and update); null = micro_batch_size rows"})
     mini_batch_size: Optional[int] = field(default=None, metadata={
+        "unit": "responses, all DP ranks (verl's prompts x rollout.n)",
         "help": "sequences per critic optimizer step (all data-parallel ranks); null = actor.mini_batch_size"})
     ppo_epochs: Optional[int] = field(default=None, metadata={
         "help": "passes of the critic over each rollout batch; null = actor.ppo_epochs"})
@@ -221,8 +235,10 @@ class ReferenceConfig:
         "help": "null = the actor's training layout; another layout needs placement pools (colocated roles share "
                 "the actor's layout)"})
     micro_batch_size: Optional[int] = field(default=None, metadata={
+        "unit": "sequences per DP rank (verl: per GPU)",
         "help": "sequences per forward when scoring old / reference log-probs; null = actor.micro_batch_size"})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
+        "unit": "tokens per DP rank",
         "help": "token budget of a scoring micro-batch (forward only: can exceed the actor's); "
                 "null = actor.max_tokens_per_micro_batch"})
 
@@ -281,12 +297,14 @@ class DataConfig:
                 "steps (logged as val-core/<data_source>/reward/mean@N); empty = no validation"})
     task: Optional[str] = field(default=None, metadata={
         "help": "built-in synthetic task generated locally instead of files"})
-    task_size: int = field(default=2000, metadata={"help": "prompts generated for a synthetic task"})
+    task_size: int = field(default=2000, metadata={
+        "unit": "prompts", "help": "prompts generated for a synthetic task"})
     task_options: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "options of the synthetic task's generator, e.g. {min_digits: 2, max_digits: 4}"})
     tokenizer: Optional[str] = field(default=None, metadata={"help": "HF tokenizer dir / sentencepiece model"})
     prompt_key: str = field(default="prompt", metadata={"help": "column of the dataset rows that holds the prompt"})
-    train_batch_size: int = field(default=8, metadata={"help": "prompts per RL step"})
+    train_batch_size: int = field(default=8, metadata={
+        "unit": "prompts, all DP ranks (as verl)", "help": "prompts per RL step"})
     shuffle: bool = field(default=True, metadata={"help": "shuffle the prompts every epoch"})
     seed: int = field(default=1, metadata={"help": "seed of the shuffle"})
 
@@ -403,11 +421,12 @@ class RLJobConfig:
 
     def validate(self) -> None:
         if self.actor.checkpoint:  # the run's architecture is the checkpoint's model.json (when here)
-            from hyflow.checkpoint.architecture import adopt_checkpoint_architecture
+            from hyflow.checkpoint.architecture import adopt_checkpoint_architecture, adopt_model_tokenizer
 
             self.model, note = adopt_checkpoint_architecture(self.actor.checkpoint, self.model, tiny_llama())
-            if note and note not in self.notes:
-                self.notes.append(note)
+            for line in (note, adopt_model_tokenizer(self.data, self.model)):
+                if line and line not in self.notes:
+                    self.notes.append(line)
         world = self.trainer.nproc
         placement = self.resolved_placement(world)
         train = self.actor_layout(world)

@@ -168,7 +168,14 @@ def _check_reward(reward: Any) -> None:
 def _check_model_checkpoint(key: str, path: str) -> None:
     from hyflow.checkpoint.errors import CheckpointError
     from hyflow.checkpoint.model import read_checkpoint_info
+    from hyflow.checkpoint.starting_weights import check_starting_weights, is_hf_model
 
+    if is_hf_model(path):  # read directly: its config and every tensor's header
+        try:
+            check_starting_weights(path, key)
+        except CheckpointError as e:
+            raise _error(key, str(e)) from None
+        return
     if not os.path.isdir(path):
         raise _error(key, f"checkpoint directory {path} does not exist; convert the model into it first: "
                           f"`hyflow convert hf2mcore --hf <HF model dir or .gguf file> --out {path}`")

@@ -1,0 +1,71 @@
+"""A model's starting weights straight from a Hugging Face model (an HF directory or a ``.gguf``
+file), without an intermediate checkpoint on disk.
+
+Every rank builds its part of the Megatron model without random initialisation and fills each
+parameter with exactly its shard, read from the source files block by block
+(:func:`~hyflow.models.sources.shard_reader.fill_shard`): host memory is the rank's shard plus one
+block of reads, never a full state dict. The result equals ``hyflow convert hf2mcore`` followed by
+a checkpoint load (the same mapping, the same reader), in any layout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hyflow.models.description import ModelDescription
+from hyflow.models.sources.errors import ConversionError
+from hyflow.parallel.groups import ParallelGroups
+
+CHECKPOINT_INFO = "hyflow_checkpoint.json"  # a hyflow checkpoint's marker (hyflow.checkpoint.model)
+
+
+def is_hf_model(path: str) -> bool:
+    """An HF model directory (``config.json``, not a hyflow checkpoint) or a ``.gguf`` file."""
+    if os.path.isfile(path):
+        return path.endswith(".gguf")
+    return os.path.isfile(os.path.join(path, "config.json")) and \
+        not os.path.isfile(os.path.join(path, CHECKPOINT_INFO))
+
+
+def hf_description(path: str) -> ModelDescription:
+    """The architecture of the HF model at ``path`` (config.json or GGUF metadata), its EOS ids and
+    its tokenizer (the directory itself, or the GGUF file). Reads headers only; raises
+    :class:`~hyflow.models.sources.errors.ConversionError` naming the problem."""
+    from hyflow.config import ConfigError
+    from hyflow.models.hf_mapping import description_from_hf_config
+    from hyflow.models.sources.model_source import open_model_source
+
+    source = open_model_source(path)
+    try:
+        desc = description_from_hf_config(source.config)
+    except ConfigError as e:
+        raise ConversionError(f"{path}: {e}") from None
+    desc.eos_token_ids = source.eos_token_ids()
+    has_tokenizer = source.format == "gguf" or bool(source.tokenizer_files)
+    desc.tokenizer = os.path.abspath(path) if has_tokenizer else None
+    return desc
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, path: str, desc: ModelDescription, groups: ParallelGroups) -> None:
+    """Fill this rank's ``model`` (any layout and layer spec; one model chunk) with its shards of
+    the HF model at ``path``. No communication: every rank reads its own slices."""
+    from hyflow.models.hf_mapping import name_map
+    from hyflow.models.sources.model_source import check_tensors, open_model_source
+    from hyflow.models.sources.shard_reader import fill_shard
+    from hyflow.models.weights import canonical_parameters, global_name, layer_offset
+
+    source = open_model_source(path)
+    check_tensors(source, desc)
+    names = name_map(desc)
+    offset = layer_offset(desc, groups)
+    for name, param in canonical_parameters(model):
+        key = global_name(name, offset)
+        if key == "output_layer.weight" and desc.tied_embeddings:
+            key = "embedding.word_embeddings.weight"  # the last stage's copy of the tied table
+        if key not in names:
+            raise ConversionError(f"{path}: the model's parameter {key} has no HF tensor (an unsupported part)")
+        fill_shard(source.weights, key, names[key], desc, param, groups.tp_rank, groups.layout.tp)
+    source.weights.release()
