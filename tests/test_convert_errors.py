@@ -45,7 +45,7 @@ SMOLLM2 = _smollm2()
 def tiny(tmp_path_factory) -> Dict[str, str]:
     """Pristine tiny models on disk: safetensors llama3, sharded qwen2, .bin llama_tied."""
     pytest.importorskip("transformers")
-    from hyflow.tools.convert.tiny_models import make_tiny_hf_model
+    from hyflow.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("tiny_src")
     out = {}
@@ -301,7 +301,7 @@ def test_hf_config_round_trip(name: str) -> None:
     """description -> config.json -> transformers -> to_dict (rope_parameters) -> same description."""
     transformers = pytest.importorskip("transformers")
 
-    from hyflow.tools.convert.tiny_models import tiny_hf_config
+    from hyflow.testing.tiny_models import tiny_hf_config
 
     desc = description_from_hf_config(tiny_hf_config(name).to_dict())
     written = hf_config_from_description(desc)

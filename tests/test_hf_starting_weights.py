@@ -21,7 +21,7 @@ TOKENS = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3, 4, 5, 6, 7]]
 def models(tmp_path_factory):
     pytest.importorskip("transformers")
     from hyflow.tools.convert.hf2mcore import hf2mcore
-    from hyflow.tools.convert.tiny_models import make_tiny_hf_model
+    from hyflow.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("hf_start")
     hf = str(root / "qwen2")

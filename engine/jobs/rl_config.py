@@ -323,6 +323,9 @@ class TrainerConfig:
     nproc: int = field(default=1, metadata={"help": "ranks to launch on this machine"})
     seed: int = field(default=1234, metadata={"help": "seed of initialisation, sampling and mini-batch order"})
     log_every: int = field(default=1, metadata={"help": "print a progress line every N steps (when not on a terminal)"})
+    log_samples: int = field(default=0, metadata={
+        "help": "print this many prompt / response / ground truth / score lines of the step's batch every "
+                "log_every steps (verl's trainer.log_val_generations; 0 = none)"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     val_every: int = field(default=0, metadata={
         "help": "validate on data.val_files every N steps and after the last step (verl's trainer.test_freq; "

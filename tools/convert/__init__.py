@@ -10,7 +10,7 @@
 * :mod:`.preflight`: every input check, done before any heavy work;
 * :mod:`.launch`: the local rank launcher; :mod:`.memory`: the peak-memory report;
 * :mod:`.verify`: per-rank logits / greedy decoding of a checkpoint (parity checks);
-* :mod:`.tiny_models`: tiny random HF models of each family (tests, experiments);
+* tiny random HF models of each family (tests, experiments): :mod:`hyflow.testing.tiny_models`;
 * :mod:`.cli`: the ``hyflow convert`` subcommands.
 
 Nothing here imports torch at package import time.
