@@ -98,6 +98,8 @@ def run(cfg: PreferenceJobConfig) -> list[dict]:
     save = functools.partial(_save, cfg, ckpt, policy, loader, supervisor, reference)  # save(step)
     if validation is not None and validation.before_train and not start:
         before = validation.run(cfg, policy, val_metrics)
+        if rank == 0:
+            progress.write(validation.summary(0, before))
         if writer is not None:
             writer.log(0, before, check_required=False)
     try:
@@ -111,6 +113,8 @@ def run(cfg: PreferenceJobConfig) -> list[dict]:
             metrics["epoch"] = loader.sampler.epoch + loader.sampler.index / len(dataset)
             if validation is not None and not outcome.stop and validation.due(step, cfg.trainer.total_steps):
                 metrics.update(validation.run(cfg, policy, val_metrics))
+                if rank == 0:
+                    progress.write(validation.summary(step, metrics))
             if ends.finish(step, metrics, outcome, save):
                 break
         ckpt.wait()

@@ -58,6 +58,13 @@ class PreferenceValidation:
     def due(self, step: int, total_steps: int) -> bool:
         return step == total_steps or bool(self.every and step % self.every == 0)
 
+    @staticmethod
+    def summary(step: int, metrics: dict) -> str:
+        """``[hyflow] validation after step N: eval_rewards/accuracies 0.75 | ...``."""
+        when = "before training" if step == 0 else f"after step {step}"
+        keys = [k for k in ("eval_rewards/accuracies", "eval_rewards/margins", "eval_loss") if k in metrics]
+        return f"[hyflow] validation {when}: " + " | ".join(f"{k} {metrics[k]:.4g}" for k in keys)
+
     def run(self, cfg: Any, policy: Policy, metrics: MetricsFn) -> dict[str, float]:
         """Score the rows with the current policy; the whole set's metrics, ``eval_``-prefixed."""
         start = time.perf_counter()
