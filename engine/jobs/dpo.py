@@ -32,13 +32,14 @@ import torch.distributed as dist
 
 from hyflow.algorithms import dpo_loss, kto_loss
 from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
-from hyflow.config import dump_yaml, format_config
+from hyflow.config import format_config
 from hyflow.data.preference import sequence_tensors
 from hyflow.jobs.preference_config import DPOJobConfig, KTOJobConfig, PreferenceJobConfig
 from hyflow.jobs.preference_losses import (chosen_nll, completion_tokens, dpo_loss_fn, from_last_stage, kto_loss_fn,
                                           loss_scale, score_sequences)
 from hyflow.jobs.preference_models import CACHE_FILE, Policy, ReferenceLogps, build_policy, micro_batches
 from hyflow.jobs.preference_validation import PreferenceValidation
+from hyflow.jobs.run_config import record_config
 from hyflow.jobs.step_end import StepEnd
 from hyflow.training.step import train_step
 from hyflow.training.supervisor import StepSupervisor
@@ -75,9 +76,6 @@ def run(cfg: PreferenceJobConfig) -> list[dict]:
     ckpt = Checkpointer(cfg.trainer.output_dir, policy.groups, policy.desc, cfg.trainer.keep_last,
                         tokenizer=tokenizer_spec_for(cfg.data))
     if rank == 0:
-        os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-        dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
-        print(format_config(cfg), flush=True)
         print(f"[hyflow] {cfg.job}: actor {policy.groups.layout.describe()}; {dataset.describe()}", flush=True)
         if cfg.job == "kto":
             _check_kto_balance(cfg, dataset)
@@ -85,6 +83,8 @@ def run(cfg: PreferenceJobConfig) -> list[dict]:
     validation = PreferenceValidation.build(cfg, policy, tokenizer, reference, ckpt.log)
     val_metrics = functools.partial(validation_metrics, cfg, policy)
     start = _resume(cfg, ckpt, policy, loader, supervisor)  # the checkpoint's step; 0: fresh run
+    if rank == 0:
+        record_config(cfg, start)
     keys = DPO_KEYS if cfg.job == "dpo" else KTO_KEYS
     writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if rank == 0 else None
     if writer is not None:

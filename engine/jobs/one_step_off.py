@@ -36,7 +36,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from hyflow.config import ConfigError, dump_yaml, format_config
+from hyflow.config import ConfigError
+from hyflow.jobs.run_config import record_config
 from hyflow.jobs.rl_config import RLJobConfig
 
 
@@ -234,9 +235,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     saved_models = (*models.trained(), *(_frozen_models(cfg, models) or {}))
     start = _resume(cfg, ckpt, state) if saves else 0  # collective with the generation pool's resume
     if lead:
-        os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-        dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
-        print(format_config(cfg), flush=True)
+        record_config(cfg, start)
         print(f"[hyflow] trainer.mode={cfg.trainer.mode} on pools: {placement.describe()}; {job.dataset_size} prompts; "
               f"{models.hybrid.sync.plan.summary()}", flush=True)
     writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if lead else None

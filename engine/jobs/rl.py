@@ -28,8 +28,9 @@ from hyflow.algorithms.kl import make_kl_controller
 from hyflow.algorithms.mismatch import mismatch_metrics, mismatch_row_stats
 from hyflow.algorithms.rollout_correction import rollout_correction, rollout_correction_metrics
 from hyflow.checkpoint.checkpointer import Checkpointer
-from hyflow.config import dump_yaml, format_config
+from hyflow.config import format_config
 from hyflow.jobs.rl_config import RLJobConfig
+from hyflow.jobs.run_config import record_config
 from hyflow.jobs.step_end import StepEnd
 from hyflow.rl.batch import MicroBatching, RolloutBatch, batching_for, build_rollout_batch, pad_multiple
 from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer
@@ -91,9 +92,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
                         tokenizer=tokenizer_spec_for(cfg.data))
     start = _resume(cfg, ckpt, state)  # the checkpoint's step; 0: fresh run
     if rank == 0:
-        os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-        dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
-        print(format_config(cfg), flush=True)
+        record_config(cfg, start)
         print(f"[hyflow] actor training {models.groups.layout.describe()} -> generation tp={cfg.rollout.layout.tp} "
               f"pp={cfg.rollout.layout.pp} with {models.hybrid.plan.micro_dp_size} micro-DP replicas per "
               f"model copy; {job.dataset_size} prompts", flush=True)
