@@ -69,9 +69,11 @@ def _run_rank(cfg) -> int:
     the launcher (:mod:`hyflow.launch.rank_report`), the exit code says how it ended."""
     import torch.distributed as dist
 
+    from hyflow.compat.warnings import quiet_known_warnings
     from hyflow.launch.rank_report import run_reporting
     from hyflow.parallel.distributed import init_distributed, shutdown
 
+    quiet_known_warnings()  # Megatron's and torch's messages that every run would print
     init_distributed()
     try:
         return run_reporting(lambda: job_runner(cfg.job)(cfg), dist.get_rank())

@@ -32,6 +32,7 @@ from hyflow.config import format_config
 from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.jobs.run_config import record_config
 from hyflow.jobs.step_end import StepEnd
+from hyflow.monitor.samples import print_samples
 from hyflow.rl.batch import MicroBatching, RolloutBatch, batching_for, build_rollout_batch, pad_multiple
 from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer
 from hyflow.rl.metrics import BatchStats, all_gather_strings, score_metrics
@@ -47,7 +48,6 @@ from hyflow.rl.update import update_model
 from hyflow.rollout.dp import SampleTensors
 from hyflow.training.step import token_mean_weights, train_step
 from hyflow.training.supervisor import StepSupervisor
-from hyflow.validation.metrics import core_keys
 from hyflow.validation.rl import Validation, summary_line, validate_actor
 
 
@@ -111,7 +111,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
         for step in range(start + 1, cfg.trainer.total_steps + 1):
             records = state.loader.next_batch()
             supervisor.begin_step()
-            metrics, _ = rl_step(cfg, state, records, job, timers)
+            metrics, data = rl_step(cfg, state, records, job, timers)
             outcome = supervisor.end_step(metrics, step)  # collective: agrees on stop signals and NaN/inf
             state.step = step
             metrics.update(timers.cpu_summary())
@@ -119,6 +119,8 @@ def run(cfg: RLJobConfig) -> list[dict]:
             metrics.update(timers.step_summary())
             metrics.update(comm.step_summary(), **memory_summary(models.groups.device))
             metrics["perf/time_per_step"] = metrics["timing_s/step"]
+            if cfg.trainer.log_samples and rank == 0:  # trainer.log_samples lines every log_every steps
+                print_samples(progress, cfg.trainer, step, start, records, data, job.tokenizer, cfg.rollout.n)
             if validation is not None and not outcome.stop and validation.due(step, cfg.trainer.total_steps):
                 metrics.update(_validate(validation, models, step, None, progress))
             # verl's definition: prompt + response tokens per second per rank
@@ -240,7 +242,9 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     if cfg.algorithm.use_kl_in_reward:  # the controller's horizon counts responses
         state.kl_ctrl.update(adv.kl, len(records) * n)
     out = _metrics(cfg, stats, job, batch, scored, scores, adv, values, rnd.samples, actor, critic, models, timers)
-    out.update({"actor/reward_kl_penalty": adv.kl, "actor/reward_kl_penalty_coeff": state.kl_ctrl.value}, **refill)
+    if cfg.algorithm.use_kl_in_reward:  # as verl: the penalty's metrics only when it is applied
+        out.update({"actor/reward_kl_penalty": adv.kl, "actor/reward_kl_penalty_coeff": state.kl_ctrl.value})
+    out.update(refill)
     data = dict(train, ref_logp=ref_logp, scores=scores, values=values, returns=adv.returns,
                 greedy_scores=greedy_scores, rows=torch.arange(first * n, stop * n, device=device))
     return out, data
@@ -472,27 +476,15 @@ def cpu_max_over_ranks(metrics: dict, device: torch.device) -> dict[str, float]:
     return {f"cpu_s_max/{p}": float(v) for p, v in zip(PHASE_KEYS, values.tolist())}
 
 
-def plot_keys(cfg: RLJobConfig, rows: list[dict]) -> list[str]:
-    """The end-of-run plot's panels: the reward, the KL term in use (none without one), the
-    validation score (the first data source's core ``mean@N``)."""
-    keys = ["critic/score/mean"]
-    if cfg.algorithm.use_kl_in_reward:
-        keys.append("actor/reward_kl_penalty")
-    elif cfg.actor.use_kl_loss:
-        keys.append("actor/kl_loss")
-    val = sorted({k for row in rows for k in core_keys(row, cfg.rollout.val_kwargs.n)})
-    return keys + val[:1]
-
-
 def _finish(cfg: RLJobConfig, metrics_path: str) -> None:
     """Rank 0: plot the whole run's metrics (resumed parts included) and print a summary."""
     from hyflow.monitor.metrics import read_metrics
-    from hyflow.monitor.plot import plot_metrics
+    from hyflow.monitor.plot import plot_metrics, rl_plot_keys
 
     rows = read_metrics(metrics_path)
     if not rows:
         return
-    plot_metrics(rows, os.path.join(cfg.trainer.output_dir, "reward_kl.png"), keys=plot_keys(cfg, rows))
+    plot_metrics(rows, os.path.join(cfg.trainer.output_dir, "reward_kl.png"), keys=rl_plot_keys(cfg, rows))
     scores = [row["critic/score/mean"] for row in rows if "critic/score/mean" in row] or [None]  # not step 0's
     first, last = scores[0], scores[-1]  # (a validation row)
     fmt = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731 - NaN rows are written as null

@@ -267,7 +267,7 @@ class RewardConfig:
     function_path: Optional[str] = field(default=None, metadata={
         "help": "python file defining compute_score(data_source, solution_str, ground_truth, extra_info=None)"})
     function_name: str = field(default="compute_score", metadata={
-        "help": "name of the scoring function in reward.function_file"})
+        "help": "name of the scoring function in reward.function_path"})
     model_checkpoint: Optional[str] = field(default=None, metadata={
         "help": "reward model: hyflow checkpoint directory of a GPTModel with a scalar value head (same "
                 "tokenizer as the actor), run frozen in the actor's training layout; needed by kind=model, "

@@ -23,7 +23,7 @@ _LOG = logging.getLogger(__name__)
 #: Phases timed by :class:`hyflow.monitor.PhaseTimers` (``timing_s/<phase>`` keys, verl's names).
 PHASE_KEYS = ("gen", "reshard", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic")
 #: Keys every RL step row should carry; missing ones are warned about once.
-REQUIRED_KEYS = ("step", "critic/score/mean", "actor/reward_kl_penalty", "actor/pg_clipfrac", "actor/entropy",
+REQUIRED_KEYS = ("step", "critic/score/mean", "actor/pg_clipfrac", "actor/entropy",
                  "actor/grad_norm", "response_length/mean", "perf/throughput") + tuple(
                      f"timing_s/{p}" for p in ("gen", "reshard", "reward", "update_actor"))
 
