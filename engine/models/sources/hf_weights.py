@@ -11,22 +11,18 @@ a checkpoint load (the same mapping, the same reader), in any layout.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from hyflow.models.description import ModelDescription
 from hyflow.models.sources.errors import ConversionError
-from hyflow.parallel.groups import ParallelGroups
+from hyflow.models.sources.model_source import is_hf_model
 
-CHECKPOINT_INFO = "hyflow_checkpoint.json"  # a hyflow checkpoint's marker (hyflow.checkpoint.model)
+if TYPE_CHECKING:
+    from hyflow.parallel.groups import ParallelGroups
 
-
-def is_hf_model(path: str) -> bool:
-    """An HF model directory (``config.json``, not a hyflow checkpoint) or a ``.gguf`` file."""
-    if os.path.isfile(path):
-        return path.endswith(".gguf")
-    return os.path.isfile(os.path.join(path, "config.json")) and \
-        not os.path.isfile(os.path.join(path, CHECKPOINT_INFO))
+__all__ = ["hf_description", "is_hf_model", "load_hf_weights"]
 
 
 def hf_description(path: str) -> ModelDescription:
@@ -49,7 +45,7 @@ def hf_description(path: str) -> ModelDescription:
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, path: str, desc: ModelDescription, groups: ParallelGroups) -> None:
+def load_hf_weights(model: torch.nn.Module, path: str, desc: ModelDescription, groups: "ParallelGroups") -> None:
     """Fill this rank's ``model`` (any layout and layer spec; one model chunk) with its shards of
     the HF model at ``path``. No communication: every rank reads its own slices."""
     from hyflow.models.hf_mapping import name_map

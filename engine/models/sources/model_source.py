@@ -22,6 +22,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "chat_template.json")
 GENERATION_CONFIG = "generation_config.json"
 DTYPE_CHOICES = ("auto", "fp32", "bf16")
+CHECKPOINT_INFO = "hyflow_checkpoint.json"  # a hyflow checkpoint's marker (hyflow.checkpoint.model)
 
 
 @dataclass
@@ -75,6 +76,14 @@ class ModelSource:
         for path in self.tokenizer_files:
             shutil.copy2(path, os.path.join(folder, os.path.basename(path)))
         return True
+
+
+def is_hf_model(path: str) -> bool:
+    """An HF model directory (``config.json``, not a hyflow checkpoint) or a ``.gguf`` file."""
+    if os.path.isfile(path):
+        return path.endswith(".gguf")
+    return os.path.isfile(os.path.join(path, "config.json")) and \
+        not os.path.isfile(os.path.join(path, CHECKPOINT_INFO))
 
 
 def _read_json(path: str) -> dict[str, Any]:
