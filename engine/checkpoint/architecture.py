@@ -21,11 +21,9 @@ def read_checkpoint_architecture(ckpt_dir: str) -> Optional[ModelDescription]:
     """``ckpt_dir``'s ``model.json`` (its relative tokenizer path made absolute), or None when
     the checkpoint is not on this machine. A malformed one raises :class:`ModelDescriptionError`.
     An HF model directory or ``.gguf`` file gives the architecture of its config."""
-    from hyflow.models.sources.model_source import is_hf_model  # light: config validation imports no torch
+    from hyflow.models.sources.model_source import hf_description, is_hf_model  # light: no torch to validate
 
     if is_hf_model(ckpt_dir):
-        from hyflow.models.sources.hf_weights import hf_description
-
         try:
             return hf_description(ckpt_dir)
         except ValueError as e:  # ConversionError: a config hyflow cannot run

@@ -17,9 +17,12 @@ from typing import Optional
 import torch
 
 from hyflow.checkpoint.errors import CheckpointError
+from hyflow.checkpoint.model import load_model_checkpoint, read_checkpoint_info, read_description, \
+    save_model_checkpoint
 from hyflow.models.description import ModelDescription
 from hyflow.models.sources.errors import ConversionError
-from hyflow.models.sources.hf_weights import hf_description, is_hf_model, load_hf_weights
+from hyflow.models.sources.hf_weights import load_hf_weights
+from hyflow.models.sources.model_source import check_tensors, hf_description, is_hf_model, open_model_source
 from hyflow.parallel.groups import ParallelGroups
 
 __all__ = ["is_hf_model", "starting_description", "check_starting_weights", "load_starting_weights"]
@@ -28,8 +31,6 @@ __all__ = ["is_hf_model", "starting_description", "check_starting_weights", "loa
 def starting_description(path: str) -> ModelDescription:
     """The architecture of the weights at ``path`` (a hyflow checkpoint's ``model.json``, or the HF
     model's config), its tokenizer path absolute."""
-    from hyflow.checkpoint.model import read_description
-
     if is_hf_model(path):
         try:
             return hf_description(path)
@@ -42,9 +43,6 @@ def check_starting_weights(path: str, key: str = "actor.checkpoint") -> None:
     """A missing, incomplete or unreadable ``key``=``path`` fails with one error naming it: the HF
     model's config and every tensor's presence and shape (headers only), or the hyflow checkpoint's
     files. Reads files only (no process group needed)."""
-    from hyflow.checkpoint.model import read_checkpoint_info
-    from hyflow.models.sources.model_source import check_tensors, open_model_source
-
     if not os.path.exists(path):
         raise CheckpointError(f"{key}={path!r} does not exist: give an HF model directory, a .gguf file or a "
                               "hyflow checkpoint (hyflow convert hf2mcore)")
@@ -71,8 +69,6 @@ def _source_stamp(path: str) -> list:
 
 
 def _cache_valid(cache: str, path: str) -> bool:
-    from hyflow.checkpoint.model import read_checkpoint_info
-
     try:
         extra = read_checkpoint_info(cache).extra
     except CheckpointError:
@@ -87,8 +83,6 @@ def load_starting_weights(model: torch.nn.Module, path: str, groups: ParallelGro
     """Load this rank's shard of the weights at ``path`` into ``model`` (collective for a hyflow
     checkpoint or a cache write, local for an HF read). ``cache``: a hyflow checkpoint directory
     holding the converted HF model (read when valid; written after an HF read when ``write_cache``)."""
-    from hyflow.checkpoint.model import load_model_checkpoint, save_model_checkpoint
-
     if not is_hf_model(path):
         load_model_checkpoint(model, path, groups)
         return

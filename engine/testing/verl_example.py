@@ -8,6 +8,13 @@ import os
 import re
 import shlex
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from hyflow.data.dataset import write_rows
+from hyflow.data.tasks import make_task_rows
+from hyflow.testing.tiny_models import make_tiny_hf_model
+
 #: the characters of the tokenizer, after its special tokens
 CHARS = "0123456789+-=*/ "
 REWARD_FILE = '''"""verl's compute_score: 1 for the right sum, and a 0.1 partial credit per digit answered (at most 2)."""
@@ -23,9 +30,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def write_char_hf_tokenizer(path: str) -> str:
     """An HF fast tokenizer over :data:`CHARS` (one token per character, ``<eos>``, ``<pad>``) whose
     chat template is the messages' contents; saved to the directory ``path``."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -39,10 +43,6 @@ def write_char_hf_tokenizer(path: str) -> str:
 def make_verl_example(root: str, train_rows: int = 80, test_rows: int = 12) -> dict[str, str]:
     """``{"MODEL": ..., "DATA": ...}`` under ``root``: the tiny model (2 layers, hidden 64) and
     ``train.parquet``, ``test.parquet``, ``reward.py``."""
-    from hyflow.data.dataset import write_rows
-    from hyflow.data.tasks import make_task_rows
-    from hyflow.testing.tiny_models import make_tiny_hf_model
-
     model, data = os.path.join(root, "model"), os.path.join(root, "data")
     os.makedirs(data, exist_ok=True)
     make_tiny_hf_model(model, "llama_tied", num_hidden_layers=2, max_position_embeddings=64, rope_scaling=None,

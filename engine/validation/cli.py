@@ -21,12 +21,19 @@ import os
 import sys
 from typing import Any, Optional
 
+from hyflow.checkpoint.discovery import CONFIG_FILE
+from hyflow.checkpoint.errors import CheckpointError
+from hyflow.cli_support import make_intermixed, run_ranks_here
+from hyflow.config import ConfigError, load_config
+from hyflow.jobs.rl_config import RLJobConfig
+from hyflow.rewards.spec import reward_overrides
+from hyflow.rewards.user_function import RewardError
+from hyflow.rollout.cli import resolve_model_dir
+
 PLACEHOLDER_NOTE = "data.train_files: the validation files stand in (hyflow eval reads no training data)"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from hyflow.cli_support import make_intermixed
-
     p = make_intermixed(subparsers.add_parser(
         "eval", help="validate a checkpoint on held-out data (training's val-core metrics)",
         description=__doc__.split("\n\n")[2] if __doc__ else None))
@@ -48,8 +55,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def saved_config(model_dir: str) -> Optional[str]:
     """The ``config.resolved.yaml`` a checkpoint was saved with: its step directory's, else its run's."""
-    from hyflow.checkpoint.discovery import CONFIG_FILE
-
     step_dir = os.path.dirname(os.path.abspath(model_dir))
     for folder in (step_dir, os.path.dirname(os.path.dirname(step_dir))):
         path = os.path.join(folder, CONFIG_FILE)
@@ -61,9 +66,6 @@ def saved_config(model_dir: str) -> Optional[str]:
 def eval_config(args: argparse.Namespace, model_dir: str) -> Any:
     """The RL job config ``hyflow eval`` validates with (see the module docstring)."""
     from hyflow.checkpoint.model import read_description
-    from hyflow.config import load_config
-    from hyflow.jobs.rl_config import RLJobConfig
-    from hyflow.rewards.spec import reward_overrides
 
     path = args.config or saved_config(model_dir)
     overrides = [f"data.val_files={json.dumps(list(args.data))}"]
@@ -77,10 +79,7 @@ def eval_config(args: argparse.Namespace, model_dir: str) -> Any:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from hyflow.checkpoint.errors import CheckpointError
-    from hyflow.config import ConfigError
     from hyflow.parallel.distributed import launched_by_torchrun
-    from hyflow.rollout.cli import resolve_model_dir
 
     if min(args.tp, args.pp, args.dp) < 1:
         print("hyflow eval: --tp, --pp and --dp must be >= 1", file=sys.stderr)
@@ -101,12 +100,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"hyflow eval: {prefix}{e}", file=sys.stderr)
         return 2
     if world > 1 and not launched_by_torchrun():
-        from hyflow.cli_support import run_ranks_here
-
         return run_ranks_here("eval", world)
-    from hyflow.parallel.distributed import init_distributed, shutdown
-
-    from hyflow.rewards.user_function import RewardError
+    from hyflow.parallel.distributed import init_distributed, shutdown  # torch: only when evaluating
+    from hyflow.validation.standalone import evaluate
 
     init_distributed()
     try:
@@ -123,44 +119,3 @@ def cmd_eval(args: argparse.Namespace) -> int:
             with open(args.output, "w") as f:
                 json.dump(metrics, f, indent=1, sort_keys=True)
     return 0
-
-
-def evaluate(cfg: Any, model_dir: str, tp: int, pp: int, dp: int) -> Optional[dict]:
-    """Validate ``model_dir`` on this rank (collective over ``tp * pp * dp`` ranks); rank 0 gets
-    the metrics, the other ranks None."""
-    import torch.distributed as dist
-
-    from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
-    from hyflow.rewards.manager import RewardManager
-    from hyflow.rollout.config import GenerationConfig
-    from hyflow.rollout.dp import generate_data_parallel
-    from hyflow.rollout.engine import GenerationEngine
-    from hyflow.rollout.loading import load_checkpoint
-    from hyflow.validation.rl import Validation
-
-    if dist.get_world_size() != tp * pp * dp:
-        raise ValueError(f"{dist.get_world_size()} ranks running but --tp {tp} x --pp {pp} x --dp {dp}")
-    groups = init_training_groups(Layout(tp=tp, pp=pp, dp=dp), seed=cfg.trainer.seed)
-    model, desc = load_checkpoint(model_dir, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec)
-    tokenizer = load_data_tokenizer(cfg.data)
-    vocab = min(desc.vocab_size, tokenizer.vocab_size)  # as the RL job's dispatcher
-    eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
-    gen_cfg = GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
-    engine = GenerationEngine(model, gen_cfg, vocab_size=vocab, eos_token_ids=eos, tp_group=groups.pgs.tp,
-                              pp_group=groups.pgs.pp, max_position_embeddings=desc.max_position_embeddings)
-    reward_model = None
-    if cfg.reward.model_checkpoint:
-        from hyflow.rl.reward_model import build_reward_model
-
-        reward_model = build_reward_model(cfg, groups, vocab, tokenizer.pad_token_id or 0)
-    reward = RewardManager.from_config(cfg.reward, model_fn=reward_model)
-    validation = Validation.from_config(cfg, tokenizer, reward, gen_cfg.sampling)
-
-    def generate(prompts: list[list[int]], offset: int):
-        return generate_data_parallel(engine, prompts, None, validation.sampling, request_offset=offset,
-                                      device=groups.device).samples
-
-    metrics = validation.run(generate, groups.dp_rank, dp, groups.pgs.dp, groups.device)
-    return metrics if dist.get_rank() == 0 else None

@@ -9,8 +9,8 @@ all-reduce over the data-parallel group gives the whole set's ``val-core/...`` n
 Two generate paths plug in (a callable ``generate(prompt_ids, request_offset) -> SampleTensors``
 in (prompt, sample) order on every rank of the model-parallel group that shares the prompts):
 
-* in training, :func:`actor_generate`: the actor resharded to the generation layout and the
-  rollout dispatcher's micro-DP replicas, exactly as the RL step generates;
+* in training, :func:`actor_generate`: the run's weight path and rollouts (:mod:`hyflow.roles`), the
+  calls the RL step makes;
 * stand-alone (``hyflow eval``), a model loaded in the generation layout and its engine.
 """
 
@@ -118,21 +118,25 @@ class Validation:
         return out
 
 
-def actor_generate(models: Any, sampling: SamplingConfig) -> tuple[Generate, Callable[[], None]]:
-    """The RL step's generate path for validation: ``(generate, done)``. The actor is resharded to
-    the generation layout at the first call; ``done()`` reshards it back to training."""
-    state = {"gen_model": None}
+def actor_generate(weights: Any, rollouts: Any, sampling: SamplingConfig) -> tuple[Generate, Callable[[], None]]:
+    """The RL step's generate path for validation, through the declared roles (:mod:`hyflow.roles`):
+    ``(generate, done)``. The first call moves the weights to generation and prepares the rollouts;
+    ``done()`` gives the rollouts' memory back and the weights back to training."""
+    state = {"generating": False}
 
     def generate(prompts: list[list[int]], offset: int) -> SampleTensors:
-        if state["gen_model"] is None:
-            state["gen_model"] = models.hybrid.to_generation()
-        return models.dispatcher.generate(state["gen_model"], prompts, sampling.n, seed=sampling.seed,
-                                          request_offset=offset, sampling=sampling).samples
+        if not state["generating"]:
+            weights.to_generation()
+            rollouts.prepare_for_generation()
+            state["generating"] = True
+        return rollouts.generate(prompts, sampling.n, seed=sampling.seed, request_offset=offset,
+                                 sampling=sampling).samples
 
     def done() -> None:
-        if state["gen_model"] is not None:
-            models.hybrid.to_training()
-            state["gen_model"] = None
+        if state["generating"]:
+            rollouts.finish_generation()
+            weights.to_training()
+            state["generating"] = False
 
     return generate, done
 
@@ -140,7 +144,7 @@ def actor_generate(models: Any, sampling: SamplingConfig) -> tuple[Generate, Cal
 def validate_actor(validation: Validation, models: Any) -> dict[str, float]:
     """Validate the RL actor (every rank of the run calls it at the same step)."""
     groups = models.groups
-    generate, done = actor_generate(models, validation.sampling)
+    generate, done = actor_generate(models.weights, models.rollouts, validation.sampling)
     try:
         return validation.run(generate, groups.dp_rank, groups.layout.dp, groups.pgs.dp, groups.device)
     finally:

@@ -10,49 +10,23 @@ a checkpoint load (the same mapping, the same reader), in any layout.
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING
-
 import torch
 
 from hyflow.models.description import ModelDescription
+from hyflow.models.hf_mapping import name_map
 from hyflow.models.sources.errors import ConversionError
-from hyflow.models.sources.model_source import is_hf_model
-
-if TYPE_CHECKING:
-    from hyflow.parallel.groups import ParallelGroups
+from hyflow.models.sources.model_source import check_tensors, hf_description, is_hf_model, open_model_source
+from hyflow.models.sources.shard_reader import fill_shard
+from hyflow.models.weights import canonical_parameters, global_name, layer_offset
+from hyflow.parallel.groups import ParallelGroups
 
 __all__ = ["hf_description", "is_hf_model", "load_hf_weights"]
 
 
-def hf_description(path: str) -> ModelDescription:
-    """The architecture of the HF model at ``path`` (config.json or GGUF metadata), its EOS ids and
-    its tokenizer (the directory itself, or the GGUF file). Reads headers only; raises
-    :class:`~hyflow.models.sources.errors.ConversionError` naming the problem."""
-    from hyflow.config import ConfigError
-    from hyflow.models.hf_mapping import description_from_hf_config
-    from hyflow.models.sources.model_source import open_model_source
-
-    source = open_model_source(path)
-    try:
-        desc = description_from_hf_config(source.config)
-    except ConfigError as e:
-        raise ConversionError(f"{path}: {e}") from None
-    desc.eos_token_ids = source.eos_token_ids()
-    has_tokenizer = source.format == "gguf" or bool(source.tokenizer_files)
-    desc.tokenizer = os.path.abspath(path) if has_tokenizer else None
-    return desc
-
-
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, path: str, desc: ModelDescription, groups: "ParallelGroups") -> None:
+def load_hf_weights(model: torch.nn.Module, path: str, desc: ModelDescription, groups: ParallelGroups) -> None:
     """Fill this rank's ``model`` (any layout and layer spec; one model chunk) with its shards of
     the HF model at ``path``. No communication: every rank reads its own slices."""
-    from hyflow.models.hf_mapping import name_map
-    from hyflow.models.sources.model_source import check_tensors, open_model_source
-    from hyflow.models.sources.shard_reader import fill_shard
-    from hyflow.models.weights import canonical_parameters, global_name, layer_offset
-
     source = open_model_source(path)
     check_tensors(source, desc)
     names = name_map(desc)

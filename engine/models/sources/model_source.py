@@ -13,6 +13,8 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hyflow.config import ConfigError
+from hyflow.models.description import ModelDescription
 from hyflow.models.sources.errors import ConversionError
 from hyflow.models.sources.source import WeightSource
 
@@ -84,6 +86,23 @@ def is_hf_model(path: str) -> bool:
         return path.endswith(".gguf")
     return os.path.isfile(os.path.join(path, "config.json")) and \
         not os.path.isfile(os.path.join(path, CHECKPOINT_INFO))
+
+
+def hf_description(path: str) -> ModelDescription:
+    """The architecture of the HF model at ``path`` (config.json or GGUF metadata), its EOS ids and
+    its tokenizer (the directory itself, or the GGUF file). Reads headers only; raises
+    :class:`~hyflow.models.sources.errors.ConversionError` naming the problem."""
+    from hyflow.models.hf_mapping import description_from_hf_config  # torch: the config checks stay light
+
+    source = open_model_source(path)
+    try:
+        desc = description_from_hf_config(source.config)
+    except ConfigError as e:
+        raise ConversionError(f"{path}: {e}") from None
+    desc.eos_token_ids = source.eos_token_ids()
+    has_tokenizer = source.format == "gguf" or bool(source.tokenizer_files)
+    desc.tokenizer = os.path.abspath(path) if has_tokenizer else None
+    return desc
 
 
 def _read_json(path: str) -> dict[str, Any]:
