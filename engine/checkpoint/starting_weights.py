@@ -43,16 +43,21 @@ def check_starting_weights(path: str, key: str = "actor.checkpoint") -> None:
     """A missing, incomplete or unreadable ``key``=``path`` fails with one error naming it: the HF
     model's config and every tensor's presence and shape (headers only), or the hyflow checkpoint's
     files. Reads files only (no process group needed)."""
+    convert = (f"give an HF model directory or a .gguf file (read directly), or convert one into it: `hyflow "
+               f"convert hf2mcore --hf <HF model dir or .gguf file> --out {path}` (for configs/smollm2_arith.yaml, "
+               "`make smollm2` writes checkpoints/smollm2-135m)")
     if not os.path.exists(path):
-        raise CheckpointError(f"{key}={path!r} does not exist: give an HF model directory, a .gguf file or a "
-                              "hyflow checkpoint (hyflow convert hf2mcore)")
-    try:
-        if is_hf_model(path):
+        raise CheckpointError(f"{key}={path!r} does not exist: {convert}")
+    if is_hf_model(path):
+        try:
             check_tensors(open_model_source(path), hf_description(path))
-        else:
-            read_checkpoint_info(path)
-    except (CheckpointError, ConversionError) as e:
-        raise CheckpointError(f"{key}={path!r}: {e}") from None
+        except ConversionError as e:
+            raise CheckpointError(f"{key}={path!r}: {e}") from None
+        return
+    try:
+        read_checkpoint_info(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{key}={path!r}: {e}; {convert}") from None
 
 
 def _source_stamp(path: str) -> list:
