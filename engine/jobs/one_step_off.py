@@ -36,7 +36,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from hyflow.config import ConfigError, dump_yaml, format_config
+from hyflow.config import ConfigError
+from hyflow.jobs.run_config import record_config
 from hyflow.jobs.rl_config import RLJobConfig
 
 
@@ -50,6 +51,9 @@ def check_supported(cfg: RLJobConfig) -> None:
     from hyflow.placement.remote_critic import check_remote_roles
 
     check_remote_roles(cfg, placement)  # roles on a pool apart from the actor's: the critic only
+    if cfg.data.val_files:
+        raise ConfigError("validation (data.val_files) runs colocated only for now: drop data.val_files with "
+                          "placement pools, or validate the checkpoints with `hyflow eval`", key="data.val_files")
     actor = placement.roles["actor"].pool
     if actor.start != 0:  # Megatron's dist_checkpointing writes the models' common part from rank 0
         raise ConfigError(f"checkpoints of placement pools need the actor's pool to start at rank 0 (it is "
@@ -225,9 +229,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     saved_models = (*models.trained(), *(_frozen_models(cfg, models) or {}))
     start = _resume(cfg, ckpt, state) if saves else 0  # collective with the generation pool's resume
     if lead:
-        os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-        dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
-        print(format_config(cfg), flush=True)
+        record_config(cfg, start)
         print(f"[hyflow] trainer.mode={cfg.trainer.mode} on pools: {placement.describe()}; {job.dataset_size} prompts; "
               f"{models.weights.describe()}", flush=True)
     writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if lead else None
