@@ -35,8 +35,10 @@ CHAT_PROMPTS = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
-                   help="smollm2: SmolLM2-135M-Instruct (GGUF, dequantised); tiny: a random 4-layer Llama")
+    p.add_argument("--model", choices=("smollm2", "tiny", "qwen2.5-0.5b"), default="smollm2",
+                   help="smollm2: SmolLM2-135M-Instruct (GGUF, dequantised); tiny: a random 4-layer Llama; "
+                        "qwen2.5-0.5b: Qwen2.5-0.5B's architecture with random weights (nothing downloaded)")
+    p.add_argument("--no-hf", action="store_true", help="time hyflow's engine only (no transformers baseline)")
     p.add_argument("--batch", type=int, default=16, help="prompts generated together")
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (best is kept)")
@@ -60,6 +62,18 @@ def _tiny_hf(seed: int = 0) -> Any:
                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
                       tie_word_embeddings=False)
     return LlamaForCausalLM(cfg).eval()
+
+
+def _qwen_hf(seed: int = 0) -> Any:
+    """Qwen2.5-0.5B's architecture (its config.json's numbers), random weights."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg).eval()
 
 
 def _prompts(args: argparse.Namespace, tok: Any, vocab: int) -> list[list[int]]:
@@ -116,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model == "smollm2":
             hf, tok = load_hf(smollm2_gguf(), args.dtype)
         else:
-            hf, tok = _tiny_hf(), None
+            hf, tok = (_qwen_hf() if args.model == "qwen2.5-0.5b" else _tiny_hf()), None
             hf = hf.to(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
         hf.generation_config.eos_token_id = None
         model, desc = megatron_from_hf(hf, groups, dtype=args.dtype)
@@ -132,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             raise SystemExit(f"--backend: unknown engine(s) {unknown}; choose from hyflow, hf, vllm")
         runners = {"hyflow": lambda: _timed(lambda: _ours(engine, prompts))}
-        if "hf" in backends:
+        if "hf" in backends and not args.no_hf:
             runners["hf"] = lambda: _hf_generate(hf, prompts, args.new_tokens, pad_id)
         vllm_load = None
         if "vllm" in backends:
@@ -163,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
             "prompt_tokens": sum(len(p) for p in prompts), "backends": list(runners),
             "tokens_per_s": round(tokens / best, 2), "seconds": round(best, 3),
             "tokens_per_s_median": round(tokens / med, 2), "load_s": round(load_s, 1),
+            # what a decode step reads at least (every weight once), for the HBM roofline
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "runs_s": [round(t, 2) for t in ours_t], "cpu_runs_s": [round(t, 2) for t in cpus["hyflow"]],
         }
         for name in ("hf", "vllm"):
