@@ -139,11 +139,17 @@ def test_weight_names_and_tensors_are_hf_checkpoint_ones():
 # --------------------------------------------------------------------------- RL job on vLLM (2 ranks)
 
 
-def _greedy(rollouts, prompts):
-    from hyflow.rl.dispatch import RolloutDispatcher
+def _greedy(rollouts, prompts, via_validation=False):
+    """Greedy tokens through the Rollouts interface: the step's ``greedy=True`` (ReMax's baselines),
+    or validation's ``sampling=`` (its greedy ``rollout.val_kwargs`` replace the rollout's T=0.8)."""
+    from hyflow.validation.config import ValKwargs
+    from hyflow.validation.rl import val_sampling
 
-    out = RolloutDispatcher.generate(rollouts, prompts, 1, seed=0, request_offset=0, greedy=True,
-                                     max_new_tokens=NEW)
+    if via_validation:
+        base = rollouts.rollout_config.sampling.replace(max_new_tokens=NEW)
+        out = rollouts.generate(prompts, 1, seed=0, request_offset=0, sampling=val_sampling(base, ValKwargs()))
+    else:
+        out = rollouts.generate(prompts, 1, seed=0, request_offset=0, greedy=True, max_new_tokens=NEW)
     return [s.token_ids for s in out.samples.to_outputs()]
 
 
@@ -163,11 +169,11 @@ def _hyflow_greedy(models, rollouts, prompts):
     return [s.token_ids for s in out.samples.to_outputs()]
 
 
-def _both_greedy(models, prompts):
+def _both_greedy(models, prompts, via_validation=False):
     rollouts = models.rollouts
     models.weights.to_generation()
     rollouts.prepare_for_generation()
-    ours, reference = _greedy(rollouts, prompts), _hyflow_greedy(models, rollouts, prompts)
+    ours, reference = _greedy(rollouts, prompts, via_validation), _hyflow_greedy(models, rollouts, prompts)
     rollouts.finish_generation()
     models.weights.to_training()
     return ours, reference
@@ -192,7 +198,7 @@ def _parity_cases(cases, base=BASE, steps=2, config=None):
         prompts = [list(r.prompt_ids) for r in (records * PROMPTS)[:PROMPTS]]
         before = _both_greedy(models, prompts)
         diffs = [rl_step(cfg, state, job)[0]["rollout/logprob_diff_max"] for _ in range(steps)]
-        after = _both_greedy(models, prompts)
+        after = _both_greedy(models, prompts, via_validation=True)
         models.weights.to_generation()
         models.rollouts.prepare_for_generation()
         sampled = [models.rollouts.generate(prompts[:8], 2, seed=11, request_offset=0).samples.tokens.tolist()
@@ -200,9 +206,19 @@ def _parity_cases(cases, base=BASE, steps=2, config=None):
         models.rollouts.finish_generation()
         models.weights.to_training()
         out[name] = {"before": before, "after": after, "diffs": diffs,
-                     "same_seed_same_tokens": sampled[0] == sampled[1]}
+                     "same_seed_same_tokens": sampled[0] == sampled[1], "shm_ident": _shm_ident()}
         models.rollouts.engine.close()
     return out
+
+
+def _shm_ident() -> str:
+    """The identifier vLLM's CPU build names this engine's shared-memory segments by (a TP group of
+    two ranks or more): ``{ident}-tp:N-[ranks]-cpushm``; '' where no group has any."""
+    from vllm.distributed import parallel_state as ps
+
+    communicator = ps.get_tp_group().device_communicator  # None in a one-rank group
+    name = getattr(getattr(communicator, "dist_module", None), "group_name", "")
+    return name.split("-tp:")[0] if name else ""
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +239,16 @@ def test_greedy_tokens_equal_hyflows_before_and_after_training(parity, case):
     assert vllm2 == ref2, case
     changed = sum(a != b for a, b in zip(ref0, ref2))
     assert changed >= PROMPTS // 2, f"{case}: the updates changed only {changed} greedy responses"
+
+
+@pytest.mark.multirank
+def test_each_vllm_start_names_its_shared_memory_anew(parity):
+    """vLLM's CPU TP groups share memory under a name from VLLM_DIST_IDENT, which its worker derives
+    from ``env://`` alone: a second job on the host, or segments a killed run left in /dev/shm,
+    collided with it (errno 17 at start). Each start now draws its own identifier, agreed by its
+    ranks (the fixture asserts both ranks' results are equal)."""
+    idents = [parity[case]["shm_ident"] for case in CASES if "tp2->tp2" in case]
+    assert idents and all(i.startswith("hyflow") for i in idents), idents
 
 
 @pytest.mark.multirank

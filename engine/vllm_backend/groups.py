@@ -13,8 +13,12 @@ finds them initialised and checks only their sizes. Every other vLLM group of a 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
+
+from hyflow.parallel.distributed import rank_device
 
 #: vLLM's module globals this module sets (vllm.distributed.parallel_state, 0.32).
 _SINGLETON_GROUPS = (("_DCP", "dcp", True), ("_PCP", "pcp", False), ("_PP", "pp", False), ("_DP", "dp", False))
@@ -28,6 +32,7 @@ def init_vllm_groups(tp_groups: list[list[int]], local_rank: int) -> None:
 
     if ps.model_parallel_is_initialized():
         return
+    os.environ["VLLM_DIST_IDENT"] = _instance_ident()
     world = dist.get_world_size()
     backend = dist.get_backend()
     ps.init_distributed_environment(world, dist.get_rank(), "env://", local_rank, backend)
@@ -40,6 +45,19 @@ def init_vllm_groups(tp_groups: list[list[int]], local_rank: int) -> None:
         setattr(ps, attr, ps.init_model_parallel_group(singles, local_rank, backend,
                                                        use_message_queue_broadcaster=broadcaster,
                                                        group_name=name))
+
+
+def _instance_ident() -> str:
+    """A name for this vLLM start's shared-memory segments, the same on every rank (rank 0's random
+    draw, one broadcast at set-up). vLLM's CPU build names a TP group's segments
+    ``{VLLM_DIST_IDENT}-tp:N-[ranks]-cpushm``, and its worker derives the identifier from the init
+    method, ``env://`` for every job: two jobs on one host, or a job after one killed by -9 (its
+    segments stay in /dev/shm), collide on the name and vLLM's start fails (errno 17, EEXIST)."""
+    nonce = torch.zeros(1, dtype=torch.int64, device=rank_device())
+    if dist.get_rank() == 0:
+        nonce[0] = int.from_bytes(os.urandom(7), "little")  # not torch's generator: the training owns it
+    dist.broadcast(nonce, src=0)
+    return f"hyflow{int(nonce.item()):x}"
 
 
 def local_rank(device: torch.device) -> int:
