@@ -207,7 +207,9 @@ def _parity_cases(cases, base=BASE, steps=2, config=None):
         models.weights.to_training()
         out[name] = {"before": before, "after": after, "diffs": diffs,
                      "same_seed_same_tokens": sampled[0] == sampled[1], "shm_ident": _shm_ident()}
+        segment = models.rollouts.engine.shm_segment
         models.rollouts.engine.close()
+        out[name]["shm_left"] = segment is not None and os.path.exists(segment)
     return out
 
 
@@ -246,9 +248,10 @@ def test_each_vllm_start_names_its_shared_memory_anew(parity):
     """vLLM's CPU TP groups share memory under a name from VLLM_DIST_IDENT, which its worker derives
     from ``env://`` alone: a second job on the host, or segments a killed run left in /dev/shm,
     collided with it (errno 17 at start). Each start now draws its own identifier, agreed by its
-    ranks (the fixture asserts both ranks' results are equal)."""
+    ranks (the fixture asserts both ranks' results are equal), and its close removes the segments."""
     idents = [parity[case]["shm_ident"] for case in CASES if "tp2->tp2" in case]
     assert idents and all(i.startswith("hyflow") for i in idents), idents
+    assert not any(parity[case]["shm_left"] for case in CASES)  # closing removes them from /dev/shm
 
 
 @pytest.mark.multirank

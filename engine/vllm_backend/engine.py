@@ -93,10 +93,22 @@ def _quiet_vllm_logs() -> None:
             logger.addFilter(_QuietFilter(messages))
 
 
-def _teardown(client, folder: str) -> None:
+def _own_shm_segment() -> Optional[str]:
+    """The /dev/shm file of this rank's segment of vLLM's CPU TP communicator (a TP group of two
+    ranks or more; None otherwise). vLLM never unlinks it, and each start has its own name
+    (:func:`hyflow.vllm_backend.groups.init_vllm_groups`), so teardown removes it."""
+    from vllm.distributed import parallel_state as ps  # optional dependency (loaded by then)
+
+    tp = ps.get_tp_group()
+    name = getattr(getattr(tp.device_communicator, "dist_module", None), "group_name", None)
+    return None if name is None else os.path.join("/dev/shm", f"{name}_{tp.rank_in_group}")
+
+
+def _teardown(client, folder: str, shm: Optional[str] = None) -> None:
     """vLLM's in-process engine teardown minus its last act, ``cleanup_dist_env_and_memory``, which
     destroys ``torch.distributed``'s default group (the training's). vLLM's groups go only while
-    that world is still up (the job may have shut it down first)."""
+    that world is still up (the job may have shut it down first); this rank's shared-memory
+    segment ``shm`` goes too (mapped memory stays valid until unmapped)."""
     from vllm.distributed import parallel_state as ps  # optional dependency (loaded by then)
 
     core = client.engine_core
@@ -111,6 +123,9 @@ def _teardown(client, folder: str) -> None:
             ps._WORLD.destroy()
     ps._WORLD = None
     shutil.rmtree(folder, ignore_errors=True)
+    if shm is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(shm)
 
 
 def _kv_bytes(desc: ModelDescription, tp: int, tokens: int, itemsize: int) -> int:
@@ -263,7 +278,8 @@ class VLLMEngine:
             self.llm = LLM(**kwargs)
         client = self.llm.llm_engine.engine_core
         client._finalizer.detach()  # vLLM's own would destroy the training's world group
-        self._finalizer = weakref.finalize(self, _teardown, client, self._dir)
+        self.shm_segment = _own_shm_segment()
+        self._finalizer = weakref.finalize(self, _teardown, client, self._dir, self.shm_segment)
         self._logits = self._model().logits_processor
         if tp > 1:
             self.llm.apply_model(_mark_presharded)
