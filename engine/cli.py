@@ -36,6 +36,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         os.environ[NO_VERIFY_ENV] = "1"  # the ranks inherit it
     try:
         cfg = load_job_config(args.config, args.overrides)
+        from hyflow.checkpoint.manifest import apply_verify_setting
+
+        apply_verify_setting(cfg)  # trainer.verify_checkpoints=false: as --no-verify
         if launched:  # a rank: the launcher checked everything already
             return _run_rank(cfg)
         from hyflow.launch.local import Target, check_before_launch

@@ -52,10 +52,13 @@ def _save_steps(out: str, steps: list, frozen: bool = False) -> None:
     ckpt.close()
 
 
-def _resume(out: str, resume: str) -> dict:
-    """Rank function: find and load what ``trainer.resume=<resume>`` names; report what happened."""
+def _resume(out: str, resume: str, no_verify: bool = False) -> dict:
+    """Rank function: find and load what ``trainer.resume=<resume>`` names (``no_verify``: as
+    ``--no-verify``); report what happened."""
     from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 
+    if no_verify:
+        os.environ["HYFLOW_NO_VERIFY"] = "1"  # the pool restores the environment after the task
     groups, model = _build()
     ckpt = Checkpointer(out, groups, _tiny(), log=lambda m: None)
     warnings = []
@@ -196,8 +199,8 @@ def test_resume_auto_sets_a_damaged_checkpoint_aside_and_uses_the_previous(run):
 def test_a_corrupt_trainer_state_names_its_file(run):
     step = _step(run, 2)
     (step / STATE_FILE).write_text("{\"step\": 2, \"trunc")
-    os.remove(step / MANIFEST_FILE)  # as a checkpoint written before manifests: the parse must name it
-    result = run_on_ranks(_resume, 1, str(run), str(step), timeout=300)[0]
+    os.remove(step / MANIFEST_FILE)  # as a checkpoint written before manifests (--no-verify loads it): the parse
+    result = run_on_ranks(_resume, 1, str(run), str(step), True, timeout=300)[0]  # must name the file
     assert result["type"] == "CheckpointDamaged"
     assert f"{step / STATE_FILE} is not valid JSON" in result["error"]
 

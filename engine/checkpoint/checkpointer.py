@@ -37,10 +37,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from hyflow.checkpoint.agree import any_rank, broadcast_json
 from hyflow.checkpoint.discovery import (CONFIG_FILE, LATEST_FILE, MARKER_FILE, STATE_FILE, checkpoints_root,
                                          latest_checkpoint, prune_checkpoints, resume_candidates,
                                          resume_path, set_aside, step_dir_name)
-from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError
+from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError, NonFiniteWeights
+from hyflow.checkpoint.finite import check_finite
 from hyflow.checkpoint.files import describe_os_error, find_os_error, read_json, write_atomic, write_json
 from hyflow.checkpoint.manifest import write_manifest, verify_manifest
 from hyflow.checkpoint.megatron_io import quiet_dist_checkpointing, stop_signal_proof_writer_queue
@@ -58,6 +60,9 @@ from hyflow.parallel.layout import pad_vocab_size
 from hyflow.training.optimizer import fuse_torch_adam
 
 STATE_FORMAT = "hyflow-trainer-checkpoint"
+#: What to do about a checkpoint that cannot be loaded: resume=auto would pick it again.
+_REFUSED_HINT = ("it cannot be resumed from: set trainer.resume to an earlier step_* directory, or move this one "
+                 "away (trainer.resume=auto then takes the previous checkpoint)")
 STATE_VERSION = 1
 
 __all__ = ["Checkpointer", "TrainedModel", "STATE_FORMAT", "STATE_VERSION", "resume_path", "LATEST_FILE",
@@ -108,6 +113,7 @@ class Checkpointer:
         self._log = log
         self._queue: Any = None
         self._verified: set[str] = set()
+        self._validated: set[str] = set()  # parts whose sharding Megatron validated on a save of this run
         self._doing = ""
 
     def log(self, message: str) -> None:
@@ -147,15 +153,29 @@ class Checkpointer:
             restore_rng(rng)
 
     def _failure(self, step: int, path: str, e: OSError) -> str:
+        return (f"checkpoint step {step} was not saved: {describe_os_error(e, self._doing or f'writing {path}')}; "
+                f"{self._previous_note()}")
+
+    def _previous_note(self) -> str:
         previous = latest_checkpoint(self.root, lambda _: None)
-        after = (f"the previous checkpoint {previous.path} (step {previous.step}) is intact and "
-                 "`trainer.resume=auto` continues from it" if previous else "there is no earlier checkpoint")
-        return f"checkpoint step {step} was not saved: {describe_os_error(e, self._doing or f'writing {path}')}; {after}"
+        return (f"the previous checkpoint {previous.path} (step {previous.step}) is intact and "
+                "`trainer.resume=auto` continues from it" if previous else "there is no earlier checkpoint")
+
+    def _check_finite(self, models: dict[str, Any], what: str, after: str = "") -> None:
+        """Every rank's tensors of ``models`` are finite, or every rank raises (collective)."""
+        try:
+            check_finite(models, what, device=self.groups.device)
+        except NonFiniteWeights as e:
+            if not after:
+                raise
+            raise NonFiniteWeights(f"{e}; {after}", tensor=e.tensor, peer=e.peer) from None
 
     def _save(self, step: int, path: str, rng: dict, models: dict[str, TrainedModel], job_state: dict[str, Any],
               frozen: Optional[dict[str, torch.nn.Module]], config_text: Optional[str],
               own_files: Optional[Callable[[str], None]] = None) -> str:
         rank = dist.get_rank()
+        self._check_finite({**{name: m.chunks for name, m in models.items()}, **(frozen or {})},
+                           f"saving checkpoint step {step}", after=self._previous_note())
         self._doing = f"creating {path}"
         if rank == 0:
             if os.path.exists(path):  # an interrupted save of this step, or a re-save
@@ -226,16 +246,21 @@ class Checkpointer:
 
     def _any_rank(self, flag: bool) -> bool:
         """True when ``flag`` is true on some rank (collective)."""
-        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.groups.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return any_rank(flag, self.groups.device)
 
     def _dist_save(self, sharded: dict, directory: str) -> Any:
         from megatron.core import dist_checkpointing
 
         os.makedirs(directory, exist_ok=True)
+        # Megatron's access-integrity validation all-gathers every rank's shard metadata (pickled,
+        # O(world x shards) per rank). It checks that the layout's shards cover each tensor once,
+        # which cannot change within a run: validate the first save of each part, then trust it.
+        name = os.path.basename(os.path.normpath(directory))
+        validate = name not in self._validated
+        self._validated.add(name)
         with quiet_dist_checkpointing():
-            return dist_checkpointing.save(sharded, directory, async_sharded_save=self.async_save)
+            return dist_checkpointing.save(sharded, directory, async_sharded_save=self.async_save,
+                                           validate_access_integrity=validate)
 
     def _model_info(self, module: torch.nn.Module, step: int, name: str) -> CheckpointInfo:
         from megatron.core import __version__ as mcore_version
@@ -270,15 +295,14 @@ class Checkpointer:
         from hyflow.checkpoint.model import save_model_checkpoint
 
         target = os.path.join(self.root, name)
-        flags = [False]
+        saved = False
         if dist.get_rank() == 0:  # rank 0's view decides for everyone
             try:
                 read_checkpoint_info(target)
-                flags[0] = True
+                saved = True
             except CheckpointError:
                 pass
-        dist.broadcast_object_list(flags, src=0)
-        if not flags[0]:
+        if not any_rank(saved, self.groups.device):
             self._doing = f"writing the frozen {name} model to {target}"
             save_model_checkpoint(model, target, self.groups, self.desc, overwrite=True,
                                   extra={"writer": "hyflow trainer", "role": name},
@@ -323,8 +347,7 @@ class Checkpointer:
                 found[:2] = resume_candidates(resume, self.output_dir, warn)
             except CheckpointError as e:
                 found[2] = str(e)
-        dist.broadcast_object_list(found, src=0)
-        candidates, exact, error = found
+        candidates, exact, error = broadcast_json(found, self.groups.device)
         if error:
             raise CheckpointError(error)
         damaged = []
@@ -375,8 +398,8 @@ class Checkpointer:
         for rel in state.get("frozen", {}).values():
             verify_model_checkpoint(os.path.normpath(os.path.join(path, rel)), self.groups, warn=self.log)
         if manifest is None:
-            self.log(f"[hyflow] warning: {path} has no manifest.json (written by an older hyflow): its files "
-                     "cannot be checked for damage")
+            self.log(f"[hyflow] warning: {path} has no manifest.json: its files cannot be checked for damage "
+                     "(loaded because verification is off: --no-verify / trainer.verify_checkpoints=false)")
         self._verified.add(path)
 
     def _read_state(self, path: str) -> dict[str, Any]:
@@ -437,6 +460,8 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint {path} does not reference frozen model {name!r}")
             load_model_checkpoint(module, os.path.normpath(os.path.join(path, state["frozen"][name])),
                                   self.groups, self.desc, verify=False)
+        self._check_finite({**{name: m.chunks for name, m in models.items()}, **(frozen or {})},
+                           f"loading checkpoint {path}", after=_REFUSED_HINT)
         if same_layout:
             rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank():05d}.pt")
             if os.path.exists(rng_file) or os.path.isdir(os.path.dirname(rng_file)):

@@ -304,6 +304,10 @@ class TrainerConfig:
     keep_last: int = field(default=2, metadata={"help": "complete checkpoints kept"})
     resume: str = field(default="auto", metadata={"help": "auto | never | path of a checkpoint"})
     max_bad_steps: int = field(default=3, metadata={"help": "consecutive NaN/inf steps before stopping"})
+    verify_checkpoints: bool = field(default=True, metadata={
+        "help": "check a checkpoint's files against its manifest.json (sizes, SHA-256, no unlisted file) before "
+                "loading it, and refuse one without a manifest; false (or --no-verify) skips the checksums and "
+                "loads checkpoints that have no manifest (paths, sizes and pickles are still checked)"})
     mode: Literal["sync", "one_step_off"] = field(default="sync", metadata={
         "help": "sync: generate, then train on it (with placement.pools: the generation pool samples step t+1 "
                 "after receiving the weights of step t); one_step_off: the generation pool samples step t+1 with the "
