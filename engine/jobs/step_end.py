@@ -58,6 +58,8 @@ class StepEnd:
         if self.writer is not None:
             self.writer.log(step, metrics)
         self.progress.update(step, metrics)
+        if outcome.bad and self.writer is not None:  # the logging rank
+            print(self.supervisor.bad_step_line(step), flush=True)
         self.ckpt.poll()  # finalize background saves that finished (collective)
         saved = save(step) if self.save_due(step, outcome) else None
         if outcome.diverged:

@@ -131,16 +131,26 @@ class NonFiniteGradGuard:
             self.optimizer.prepare_grads = self._original
 
 
+#: Metric names whose non-finite value makes a step bad: losses, KL terms, entropies and
+#: log-probability statistics (a NaN in the weights or the logits shows in these first, even when
+#: the loss itself is masked or clipped to a finite number).
+_WATCHED = ("loss", "kl", "entropy", "logprob", "log_prob")
+
+
 def _not_finite_losses(metrics: Mapping[str, Any]) -> list[str]:
-    """Names of loss metrics that are NaN / inf, and of infinite gradient norms (a NaN norm
-    alone means "not computed": Megatron reports none without clipping or on a skip)."""
+    """Names of loss / KL / entropy / log-prob metrics that are NaN / inf, and of infinite
+    gradient norms (a NaN norm alone means "not computed": Megatron reports none without
+    clipping or on a skip)."""
     bad = []
     for key, value in metrics.items():
         try:
             value = float(value)
         except (TypeError, ValueError):
             continue
-        if ("loss" in key and not math.isfinite(value)) or (key.endswith("grad_norm") and math.isinf(value)):
+        if key.endswith("grad_norm"):
+            if math.isinf(value):
+                bad.append(key)
+        elif any(w in key.lower() for w in _WATCHED) and not math.isfinite(value):
             bad.append(key)
     return bad
 
@@ -175,6 +185,7 @@ class StepSupervisor:
         self.bad_steps_total = 0
         self.consecutive_bad = 0
         self.bad_step_numbers: list[int] = []
+        self.bad_reasons: list[str] = []  # this rank's view of the last step: what was not finite
         self._guards: list[NonFiniteGradGuard] = []
         self._trip = _Trip()
         self._previous: dict[int, Any] = {}
@@ -242,7 +253,9 @@ class StepSupervisor:
             self._announced = True
             print(f"[hyflow] rank {os.environ.get('RANK', '?')}: received {self.signal_name}; saving a "
                   "checkpoint after this step, then exiting", file=sys.stderr, flush=True)
-        bad_local = self.skipped_updates > self._skipped_before or bool(_not_finite_losses(metrics))
+        skipped = self.skipped_updates > self._skipped_before
+        self.bad_reasons = _not_finite_losses(metrics) + (["gradients (update skipped)"] if skipped else [])
+        bad_local = bool(self.bad_reasons)
         self._trip.tripped, self._trip.in_step = False, False
         flags = torch.tensor([float(self.requested), float(bad_local)], device=self.device)
         if dist.is_initialized():
@@ -261,6 +274,13 @@ class StepSupervisor:
         metrics["training/bad_step"] = float(bad)
         metrics["training/bad_steps_total"] = float(self.bad_steps_total)
         return StepOutcome(bad=bad, preempted=preempted, diverged=self.consecutive_bad >= self.max_bad_steps)
+
+    def bad_step_line(self, step: int) -> str:
+        """The console line of a bad step: what was not finite (as this rank saw it) and the count."""
+        seen = ", ".join(self.bad_reasons[:6]) + (", ..." if len(self.bad_reasons) > 6 else "") \
+            if self.bad_reasons else "values on another rank"
+        return (f"[hyflow] step {step} is bad: non-finite {seen}; its updates were skipped ("
+                f"{self.consecutive_bad} of trainer.max_bad_steps={self.max_bad_steps} consecutive)")
 
     def divergence_error(self, checkpoint: Optional[str] = None) -> DivergenceError:
         """The error that ends a diverged run, naming the steps and the checkpoint."""
