@@ -292,3 +292,29 @@ def test_a_save_on_two_ranks_writes_manifest_parts_without_world_wide_pickled_co
     os.remove(step / PARTS_DIR / "rank_00001.json")
     with pytest.raises(CheckpointDamaged, match="manifest.parts/rank_00001.json .* is missing or unreadable"):
         verify_manifest(str(step))
+
+
+# --------------------------------------------------------------------------- export safety (point 8)
+
+
+@pytest.mark.multirank
+def test_export_force_replaces_only_an_export_and_writes_readable_files(saved, tmp_path, capsys):
+    from hyflow.cli import main
+
+    out = tmp_path / "hf"
+    old = os.umask(0o022)
+    try:
+        assert main(["export", "--ckpt", str(saved), "--out", str(out)]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes
+    assert main(["export", "--ckpt", str(saved), "--out", str(out), "--force"]) == 0  # a previous export
+    unrelated = tmp_path / "home"
+    (unrelated / "src").mkdir(parents=True)
+    (unrelated / "notes.txt").write_text("keep me")
+    capsys.readouterr()
+    assert main(["export", "--ckpt", str(saved), "--out", str(unrelated), "--force"]) == 2
+    assert "does not look like a model directory hyflow export wrote" in capsys.readouterr().err
+    assert (unrelated / "notes.txt").read_text() == "keep me" and (unrelated / "src").is_dir()
+    assert not list(tmp_path.glob("*.partial-*"))
