@@ -70,9 +70,36 @@ def _run_rank(cfg) -> int:
 
     init_distributed()
     try:
-        return run_reporting(lambda: job_runner(cfg.job)(cfg), dist.get_rank())
+        return run_reporting(lambda: _locked_run(cfg), dist.get_rank())
     finally:
         shutdown()
+
+
+def _locked_run(cfg):
+    """The job, with rank 0 holding the run directory's lock (:mod:`hyflow.checkpoint.run_lock`);
+    every rank stops with the one that could not take it."""
+    import torch.distributed as dist
+
+    from hyflow.checkpoint.agree import any_rank
+    from hyflow.checkpoint.run_lock import RunDirInUse, RunLock
+    from hyflow.parallel.distributed import rank_device
+
+    lock, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            lock = RunLock(cfg.trainer.output_dir).acquire()
+        except RunDirInUse as e:
+            error = e
+    if any_rank(error is not None, rank_device()):
+        if error is None:
+            error = RunDirInUse(f"rank 0 could not lock {cfg.trainer.output_dir} (see its error)")
+            error.peer = True
+        raise error
+    try:
+        return job_runner(cfg.job)(cfg)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _run_single(cfg) -> int:

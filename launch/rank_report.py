@@ -54,7 +54,10 @@ def one_line(text: str) -> str:
 
 
 def is_peer_error(exc: BaseException) -> bool:
-    """Whether ``exc`` only reports a lost peer (another rank failed first)."""
+    """Whether ``exc`` only reports a lost peer (another rank failed first): its ``peer``
+    attribute says so, or its text is a transport's."""
+    if getattr(exc, "peer", False):
+        return True
     text = f"{type(exc).__name__}: {exc}"
     return any(marker in text for marker in _PEER_MARKERS)
 

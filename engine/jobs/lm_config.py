@@ -59,6 +59,8 @@ class LMTrainerConfig:
     def validate(self) -> None:
         if self.total_steps < 1:
             raise ConfigError(f"must be >= 1, got {self.total_steps}", key="total_steps")
+        if not str(self.output_dir).strip():
+            raise ConfigError("is empty: name the run directory (metrics, checkpoints, logs)", key="output_dir")
         if self.nproc < 1:
             raise ConfigError(f"must be >= 1, got {self.nproc}", key="nproc")
 

@@ -325,6 +325,8 @@ class TrainerConfig:
 
     def validate(self) -> None:
         check_positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps")
+        if not str(self.output_dir).strip():
+            raise ConfigError("is empty: name the run directory (metrics, checkpoints, logs)", key="output_dir")
         if self.save_every < 0:
             raise ConfigError(f"must be >= 0, got {self.save_every}", key="save_every")
         from hyflow.monitor.trackers import check_available
