@@ -22,14 +22,15 @@ def hyflow(*args, timeout=120):
                           text=True, timeout=timeout, cwd=REPO)
 
 
-def test_dry_run_shows_torchrun_with_intermixed_overrides():
+def test_dry_run_shows_torchrun_with_intermixed_overrides(tmp_path):
+    run = f"trainer.output_dir={tmp_path}"  # not the tree's runs/quickstart (a finished run may be there)
     out = hyflow("launch", "local", "configs/quickstart.yaml", "trainer.total_steps=1", "--nproc",
-                 "2", "--dry-run", "trainer.log_every=1")
+                 "2", "--dry-run", "trainer.log_every=1", run)
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("[hyflow] launching 2 ranks: "))
     assert "-m hyflow.launch.torchrun --standalone --nproc-per-node=2 --shutdown-timeout=" in line
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 -m hyflow.cli train" in line
-    assert line.endswith(f"{QUICKSTART} trainer.total_steps=1 trainer.log_every=1 trainer.nproc=2")
+    assert line.endswith(f"{QUICKSTART} trainer.total_steps=1 trainer.log_every=1 {run} trainer.nproc=2")
     assert "on a stop signal (SIGTERM, SIGUSR1) the ranks get " in out.stdout
 
 
