@@ -65,9 +65,12 @@ def _run_rank(cfg) -> int:
     the launcher (:mod:`hyflow.launch.rank_report`), the exit code says how it ended."""
     import torch.distributed as dist
 
+    from hyflow.launch.parent_watch import exit_with_parent
     from hyflow.launch.rank_report import run_reporting
-    from hyflow.parallel.distributed import init_distributed, shutdown
+    from hyflow.parallel.distributed import init_distributed, launched_by_torchrun, shutdown
 
+    if launched_by_torchrun():
+        exit_with_parent()  # the launcher killed (kill -9): this rank stops too, never runs on alone
     init_distributed()
     try:
         return run_reporting(lambda: _locked_run(cfg), dist.get_rank())

@@ -177,3 +177,43 @@ def test_a_rank_error_is_reported_first_in_three_lines(tmp_path):
     assert len(report) == 3 and "traceback: " in report[1] and "no checkpoint was saved yet" in report[2]
     log = report[1].split("traceback: ")[1].split(" (every")[0]
     assert "ZeroDivisionError" in open(log).read()
+
+
+@pytest.mark.multirank
+def test_ranks_stop_within_30_s_of_the_launcher_being_killed(tmp_path):
+    """Issue #39 point 3: kill -9 of `hyflow train` used to leave both ranks running to the end (torchrun
+    starts them in sessions of their own). They now notice, save after their step and exit."""
+    import signal
+    import time
+
+    from hyflow.testing.resume import process_descendants
+
+    out = tmp_path / "run"
+    log = open(tmp_path / "launch.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "hyflow.cli", "train", QUICKSTART, "trainer.total_steps=500",
+                             "actor.sft_warmup_steps=0", "trainer.loggers=[console]", f"trainer.output_dir={out}"],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    ranks: list = []
+    try:
+        deadline = time.time() + 600
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").stat().st_size:
+            assert proc.poll() is None and time.time() < deadline, open(tmp_path / "launch.log").read()[-3000:]
+            time.sleep(0.2)
+        ranks = process_descendants(proc.pid)
+        assert len(ranks) >= 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        killed = time.time()
+        while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.time() - killed < 30:
+            time.sleep(0.5)
+        alive = [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+        assert not alive, f"still running 30 s after the launcher died: {alive}"
+    finally:
+        for pid in [proc.pid, *ranks]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.close()
+    text = open(tmp_path / "launch.log").read()
+    assert "the launcher (pid" in text and "is gone; stopping" in text
