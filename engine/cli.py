@@ -85,6 +85,7 @@ def _locked_run(cfg):
 
     from hyflow.checkpoint.agree import any_rank
     from hyflow.checkpoint.run_lock import RunDirInUse, RunLock
+    from hyflow.monitor.watchdog import Watchdog
     from hyflow.parallel.distributed import rank_device
 
     lock, error = None, None
@@ -98,9 +99,13 @@ def _locked_run(cfg):
             error = RunDirInUse(f"rank 0 could not lock {cfg.trainer.output_dir} (see its error)")
             error.peer = True
         raise error
+    seconds = getattr(cfg.trainer, "watchdog_s", 0)
+    dog = Watchdog(seconds, dist.get_rank()).start() if seconds else None  # reports a rank making no progress
     try:
         return job_runner(cfg.job)(cfg)
     finally:
+        if dog is not None:
+            dog.stop()
         if lock is not None:
             lock.release()
 

@@ -55,6 +55,7 @@ from hyflow.checkpoint.optimizer_state import (allocate_distributed_optimizer_st
 from hyflow.checkpoint.rng import capture_rng, load_rng, restore_rng, save_rng
 from hyflow.checkpoint.trained_model import TrainedModel
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription
+from hyflow.monitor import watchdog
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
 from hyflow.training.optimizer import fuse_torch_adam
@@ -138,6 +139,7 @@ class Checkpointer:
         what was being written; earlier checkpoints are untouched.
         """
         self.wait()  # one save in flight at a time: the previous one's marker comes first
+        watchdog.beat(f"saving checkpoint step {step}")
         rng = capture_rng()
         path = os.path.join(self.root, step_dir_name(step))
         try:
@@ -420,6 +422,7 @@ class Checkpointer:
         :meth:`verify` (skipped when :meth:`find_resume` just did it); restore this rank's RNG
         states when the layout is unchanged. Returns the trainer state (its ``job`` entry is
         what :meth:`save` was given). Call it last before training resumes."""
+        watchdog.beat(f"loading checkpoint {path}")
         self.verify(path)
         state = self._read_state(path)
         saved, current = state["layout"], _layout_dict(self.layout)

@@ -124,6 +124,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
     finally:
         comm.uninstall()
         supervisor.uninstall()
+        job.reward.close()  # the reward function's worker processes
         ckpt.close(abort=True)  # no-op unless an error left a background save unfinished
     progress.close()
     if writer is not None:
@@ -339,6 +340,7 @@ def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, 
     stats.mean("response_length/clip_ratio", batch.truncated.double().sum(), float(batch.size))
     stats.distribution("prompt_length", batch.prompt_lengths.double())
     stats.mean("prompt_length/clip_ratio", (samples.column("truncated") > 0).double().sum(), float(batch.size))
+    stats.add("reward/timeouts", float(scored.timeouts))  # reward calls stopped at reward.timeout_s
     stats.add("perf/total_num_tokens", batch.lengths.double().sum())
     stats.add("rollout/generated_tokens", batch.response_lengths.double().sum())
     stats.add("rollout/gen_seconds_sum", timers.step_times.get("gen", 0.0))

@@ -260,9 +260,23 @@ class RewardConfig:
     format_score: float = field(default=0.0, metadata={
         "help": "partial credit for a wrong answer whose response matches format_pattern"})
     format_pattern: Optional[str] = field(default=None, metadata={"help": "regex of the `format` rule"})
+    timeout_s: float = field(default=60.0, metadata={
+        "help": "seconds one call of the reward function (kind=function) may take: calls run in worker processes "
+                "and a call past the limit is stopped, scored reward.timeout_score and counted in reward/timeouts; "
+                "the file's import gets max(60, timeout_s). 0 = no limit (the function runs inside the rank)"})
+    batch_timeout_s: float = field(default=0.0, metadata={
+        "help": "seconds all of one rank's reward calls of a step may take; at the limit the unfinished ones are "
+                "scored like timed-out calls (0 = no limit beyond reward.timeout_s per call)"})
+    timeout_score: float = field(default=0.0, metadata={"help": "the score of a reward call that timed out"})
+    workers: int = field(default=1, metadata={
+        "help": "worker processes per rank calling the reward function (calls run in parallel; with timeout_s > 0)"})
 
     def validate(self) -> None:
-        check_finite(self, "model_coef", "format_score")
+        check_finite(self, "model_coef", "format_score", "timeout_s", "batch_timeout_s", "timeout_score")
+        for key in ("timeout_s", "batch_timeout_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"must be >= 0 (0 = no limit), got {getattr(self, key)}", key=key)
+        check_positive(self, "workers")
         if self.kind == "function" and not self.function_path:
             raise ConfigError("reward.kind=function needs reward.function_path", key="function_path")
         if self.kind == "model" and not self.model_checkpoint:
@@ -304,6 +318,9 @@ class TrainerConfig:
     keep_last: int = field(default=2, metadata={"help": "complete checkpoints kept"})
     resume: str = field(default="auto", metadata={"help": "auto | never | path of a checkpoint"})
     max_bad_steps: int = field(default=3, metadata={"help": "consecutive NaN/inf steps before stopping"})
+    watchdog_s: float = field(default=600.0, metadata={
+        "help": "a rank that makes no progress (enters no phase of a step, finishes no step or save) for this many "
+                "seconds prints one line naming its phase (again at 2x, 4x ...); 0 = off"})
     verify_checkpoints: bool = field(default=True, metadata={
         "help": "check a checkpoint's files against its manifest.json (sizes, SHA-256, no unlisted file) before "
                 "loading it, and refuse one without a manifest; false (or --no-verify) skips the checksums and "
@@ -325,6 +342,8 @@ class TrainerConfig:
 
     def validate(self) -> None:
         check_positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps")
+        if self.watchdog_s < 0:
+            raise ConfigError(f"must be >= 0 (0 = off), got {self.watchdog_s}", key="watchdog_s")
         if not str(self.output_dir).strip():
             raise ConfigError("is empty: name the run directory (metrics, checkpoints, logs)", key="output_dir")
         if self.save_every < 0:

@@ -151,13 +151,16 @@ def _check_data_files(cfg: Any) -> None:
 
 def _check_reward(reward: Any) -> None:
     if reward.kind == "function":
-        from hyflow.rewards.user_function import RewardError, load_user_function
+        from hyflow.rewards.user_function import RewardError
+        from hyflow.rewards.worker import DEFAULT_IMPORT_TIMEOUT_S, probe_user_function
 
-        try:
-            load_user_function(reward.function_path, reward.function_name)
+        try:  # in a worker process: a file that hangs at import fails here instead of hanging the launcher
+            probe_user_function(reward.function_path, reward.function_name,
+                                max(DEFAULT_IMPORT_TIMEOUT_S, reward.timeout_s))
         except RewardError as e:
             text = str(e)
-            in_file = text.startswith(("importing", "no reward function file")) or "not found" in text
+            in_file = text.startswith(("importing", "no reward function file", "the reward worker")) or \
+                "not found" in text
             raise _error("reward.function_path" if in_file else "reward.function_name", text) from None
     if reward.model_checkpoint:
         from hyflow.rl.reward_model import check_reward_model_checkpoint

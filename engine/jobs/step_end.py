@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from hyflow.monitor import watchdog
 from hyflow.training.supervisor import StepOutcome, StepSupervisor
 
 
@@ -53,6 +54,7 @@ class StepEnd:
         """Record ``metrics`` of ``step``; when a checkpoint is due call ``save(step)`` (it writes
         the checkpoint and returns its directory); True when the run must stop after this step (a stop signal).
         Raises the supervisor's divergence error when the run diverged."""
+        watchdog.beat(f"the end of step {step} (metrics, checkpoint)")
         metrics["step"] = step
         self.history.append(metrics)
         if self.writer is not None:
