@@ -113,14 +113,19 @@ def _locked_run(cfg):
 def _run_single(cfg) -> int:
     """``trainer.nproc=1``: the one rank runs in this process and reports its own failure."""
     from hyflow.launch.local import new_log_dir
-    from hyflow.launch.rank_report import LOG_DIR_ENV, resume_hint, summarize_failure
+    from hyflow.launch.rank_report import (LOG_DIR_ENV, make_fallback_dir, remove_fallback_dir, resume_hint,
+                                           summarize_failure)
 
     log_dir = new_log_dir(os.path.abspath(cfg.trainer.output_dir))
     os.environ[LOG_DIR_ENV] = log_dir
-    code = _run_rank(cfg)
-    if code:
-        for line in summarize_failure(log_dir, (), resume_hint(cfg.trainer.output_dir)):
-            print(line, file=sys.stderr, flush=True)
+    fallback = make_fallback_dir()  # where the records go when the run directory is full
+    try:
+        code = _run_rank(cfg)
+        if code:
+            for line in summarize_failure(log_dir, (), resume_hint(cfg.trainer.output_dir)):
+                print(line, file=sys.stderr, flush=True)
+    finally:
+        remove_fallback_dir(fallback)
     return code
 
 

@@ -25,7 +25,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from hyflow.launch.rank_report import LOG_DIR_ENV, Death, read_records, resume_hint, summarize_failure
+from hyflow.launch.rank_report import (LOG_DIR_ENV, Death, make_fallback_dir, read_records, remove_fallback_dir,
+                                       resume_hint, summarize_failure)
 
 RUN_DIR_ENV = "HYFLOW_RUN_DIR"
 #: torchrun's loggers whose failure / shutdown messages this module replaces with its summary.
@@ -53,10 +54,14 @@ def run(argv: Sequence[str], log_dir: Optional[str] = None, run_dir: Optional[st
     run_dir = run_dir or os.environ.get(RUN_DIR_ENV)
     if not log_dir:
         raise ValueError(f"{LOG_DIR_ENV} is not set: the directory the ranks report to")
-    os.makedirs(log_dir, exist_ok=True)
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:  # a full or read-only disk: the ranks' records go to the fallback directory
+        print(f"[hyflow] warning: cannot create the log directory {log_dir}: {e.strerror}", file=out, flush=True)
     os.environ[LOG_DIR_ENV] = log_dir
     if run_dir:
         os.environ[RUN_DIR_ENV] = run_dir
+    fallback = make_fallback_dir()
     args = torchrun.parse_args(list(argv))
     _quiet_torchrun_logs()
     started = time.time()
@@ -70,6 +75,8 @@ def run(argv: Sequence[str], log_dir: Optional[str] = None, run_dir: Optional[st
         return 1
     except SignalException as e:
         return _after_signal(e.sigval, log_dir, run_dir, args.nproc_per_node, started, out)
+    finally:
+        remove_fallback_dir(fallback)
 
 
 def _after_signal(sig: signal.Signals, log_dir: str, run_dir: Optional[str], nproc: str, started: float,

@@ -217,3 +217,52 @@ def test_ranks_stop_within_30_s_of_the_launcher_being_killed(tmp_path):
         log.close()
     text = open(tmp_path / "launch.log").read()
     assert "the launcher (pid" in text and "is gone; stopping" in text
+
+
+def test_a_full_log_directory_still_gives_a_short_report(tmp_path, monkeypatch):
+    """Issue #39 point 4: on a full disk the error record could not be written, the rank printed
+    200-330 lines of tracebacks and the summary said "without a hyflow error record". Now the records
+    go to the in-memory fallback directory and the summary has one line per distinct cause."""
+    from hyflow.launch.rank_report import (FALLBACK_DIR_ENV, make_fallback_dir, remove_fallback_dir, run_reporting,
+                                           summarize_failure)
+
+    blocked = tmp_path / "full"
+    blocked.write_text("")  # a file: nothing can be created below it, as on a full disk
+    logs = str(blocked / "logs")
+    monkeypatch.delenv(FALLBACK_DIR_ENV, raising=False)
+    fallback = make_fallback_dir()
+    try:
+        def full(rank):
+            def fail():
+                raise OSError(28, "No space left on device", f"/run/checkpoints/step_000002/actor/__{rank}_0.distcp")
+            return fail
+
+        assert run_reporting(full(0), 0, logs) == 1 and run_reporting(full(1), 1, logs) == 1
+        assert run_reporting(lambda: (_ for _ in ()).throw(KeyError("other")), 2, logs) == 1
+        lines = summarize_failure(logs, (), "[hyflow] hint")
+        assert lines[0].startswith("[hyflow] rank 0 failed: OSError: [Errno 28] No space left on device")
+        assert lines[1] == "[hyflow] rank 2 also failed: KeyError: 'other'"  # rank 1's is the same cause
+        assert lines[2].startswith(f"[hyflow] the job stopped (2 other rank(s) stopped with it); traceback: "
+                                   f"{fallback}/rank_00000.log")
+        assert len(lines) == 4 and "No space left" in open(f"{fallback}/rank_00000.log").read()
+    finally:
+        monkeypatch.delenv(FALLBACK_DIR_ENV, raising=False)
+        remove_fallback_dir(fallback)
+    assert os.path.isdir(fallback)  # kept: it holds the only tracebacks
+    import shutil
+
+    shutil.rmtree(fallback)
+    monkeypatch.setenv(FALLBACK_DIR_ENV, str(blocked / "nowhere"))
+    assert run_reporting(full(3), 3, logs) == 1  # nowhere to write: still one exit code, no second failure
+
+
+def test_a_failed_save_on_a_nearly_full_file_system_is_disk_full(tmp_path, monkeypatch):
+    import errno
+    from types import SimpleNamespace
+
+    from hyflow.checkpoint.files import full_disk_error
+
+    assert full_disk_error(str(tmp_path)) is None or os.statvfs(str(tmp_path)).f_bavail * 4096 < 64 << 20
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_bavail=10, f_frsize=4096))
+    error = full_disk_error(str(tmp_path))
+    assert error.errno == errno.ENOSPC and error.filename == str(tmp_path)

@@ -43,7 +43,7 @@ from hyflow.checkpoint.discovery import (CONFIG_FILE, LATEST_FILE, MARKER_FILE, 
                                          resume_path, set_aside, step_dir_name)
 from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError, NonFiniteWeights
 from hyflow.checkpoint.finite import check_finite
-from hyflow.checkpoint.files import describe_os_error, find_os_error, read_json, write_atomic, write_json
+from hyflow.checkpoint.files import describe_os_error, find_os_error, full_disk_error, read_json, write_atomic, write_json
 from hyflow.checkpoint.manifest import write_manifest, verify_manifest
 from hyflow.checkpoint.megatron_io import quiet_dist_checkpointing, stop_signal_proof_writer_queue
 from hyflow.checkpoint.model import (CHECKPOINT_INFO_FILE, CheckpointInfo, check_compatible, load_model_checkpoint,
@@ -147,7 +147,7 @@ class Checkpointer:
         except BaseException as e:  # torch DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            os_error = find_os_error(e)
+            os_error = find_os_error(e) or full_disk_error(self.root)
             if os_error is None:
                 raise
             raise CheckpointError(self._failure(step, path, os_error)) from e
