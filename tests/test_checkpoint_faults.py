@@ -318,3 +318,16 @@ def test_export_force_replaces_only_an_export_and_writes_readable_files(saved, t
     assert "does not look like a model directory hyflow export wrote" in capsys.readouterr().err
     assert (unrelated / "notes.txt").read_text() == "keep me" and (unrelated / "src").is_dir()
     assert not list(tmp_path.glob("*.partial-*"))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("change", [{"step": "four"}, {"models": ["actor"]}, {"layout": {}}, {"version": "1"}])
+def test_a_malformed_trainer_state_is_named_not_a_bare_value_error(run, change):
+    step = _step(run, 2)
+    state = json.loads((step / "trainer_state.json").read_text())
+    state.update(change)
+    (step / "trainer_state.json").write_text(json.dumps(state))
+    write_manifest(str(step), exclude=(MARKER_FILE,))  # as written: only the contents are wrong
+    result = run_on_ranks(_resume, 1, str(run), str(step), timeout=300)[0]
+    assert result["type"] in ("CheckpointDamaged", "CheckpointError"), result
+    assert f"{step}/trainer_state.json" in result["error"]

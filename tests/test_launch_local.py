@@ -266,3 +266,51 @@ def test_a_failed_save_on_a_nearly_full_file_system_is_disk_full(tmp_path, monke
     monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_bavail=10, f_frsize=4096))
     error = full_disk_error(str(tmp_path))
     assert error.errno == errno.ENOSPC and error.filename == str(tmp_path)
+
+
+_STUBBORN_RANK = """
+import os, signal, sys, time
+def stop(signum, frame):  # like a rank: the first SIGINT means "save after this step", which takes long
+    print(f"rank {os.environ['RANK']} saving", flush=True)
+    time.sleep(120)
+signal.signal(signal.SIGINT, stop)
+open(os.path.join(sys.argv[1], f"ready.{os.environ['RANK']}.{os.getpid()}"), "w").close()
+time.sleep(600)
+"""
+
+
+def test_a_second_ctrl_c_kills_the_ranks_at_once(tmp_path):
+    """Issue #39 point 7: the first Ctrl-C lets the ranks save and stop; a second one aborts them now
+    (torchrun's agent would wait for them once more)."""
+    import signal
+    import time
+
+    (tmp_path / "rank.py").write_text(_STUBBORN_RANK)
+    launcher = ("import sys\nfrom hyflow.launch.torchrun import run\n"
+                f"sys.exit(run(['--standalone', '--nproc-per-node=2', '--shutdown-timeout=300', "
+                f"'--signals-to-handle=SIGTERM,SIGINT', {str(tmp_path / 'rank.py')!r}, {str(tmp_path)!r}], "
+                f"log_dir={str(tmp_path / 'logs')!r}))\n")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    ranks: list = []
+    try:
+        deadline = time.time() + 120
+        while len(ranks) < 2:
+            assert time.time() < deadline and proc.poll() is None
+            ranks = [int(p.name.split(".")[2]) for p in tmp_path.glob("ready.*")]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(2)
+        assert proc.poll() is None  # the ranks are "saving": the launcher waits for them
+        proc.send_signal(signal.SIGINT)
+        start = time.time()
+        assert proc.wait(timeout=60) == 130 and time.time() - start < 30
+        time.sleep(0.5)
+        assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+        assert "second SIGINT: the ranks were killed without saving" in proc.stdout.read()
+    finally:
+        for pid in [proc.pid, *ranks]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

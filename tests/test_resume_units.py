@@ -5,6 +5,7 @@ import json
 import os
 import random
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -173,3 +174,17 @@ def test_a_non_finite_kl_or_log_prob_makes_the_step_bad_and_says_so(capsys):
                      "trainer.max_bad_steps=3 consecutive)",
                      "[hyflow] step 2 is bad: non-finite rollout/logprob_diff_max; its updates were skipped (2 of "
                      "trainer.max_bad_steps=3 consecutive)"]
+
+
+def test_ctrl_c_and_sighup_stop_at_the_step_boundary_and_a_second_ctrl_c_aborts():
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        with StepSupervisor(3) as sup:
+            sup.begin_step()
+            os.kill(os.getpid(), sig)
+            out = sup.end_step({}, step=1)
+            assert out.preempted and sup.signal_name == signal.Signals(sig).name
+    with StepSupervisor(3) as sup:
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # the handler runs between bytecodes

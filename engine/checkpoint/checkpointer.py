@@ -79,6 +79,23 @@ def _describe_layout(layout: dict[str, Any]) -> str:
             f"({layout.get('world_size')} rank{'' if layout.get('world_size') == 1 else 's'})")
 
 
+def _state_problem(state: dict[str, Any]) -> str:
+    """What is wrong with a trainer state's fields (empty when nothing is)."""
+    if not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool) or state["step"] < 0:
+        return f"step is {state.get('step')!r}, not a step number"
+    for key in ("layout", "models", "job"):
+        if not isinstance(state.get(key), dict):
+            return f"{key} is {type(state.get(key)).__name__}, not a mapping"
+    if not all(isinstance(v, dict) for v in state["models"].values()):
+        return "models holds an entry that is not a mapping"
+    if not isinstance(state.get("frozen", {}), dict) or \
+            not all(isinstance(v, str) for v in state.get("frozen", {}).values()):
+        return "frozen is not a mapping of paths"
+    if not all(isinstance(state["layout"].get(k), int) for k in ("tp", "pp")):
+        return "layout lacks tp / pp"
+    return ""
+
+
 class Checkpointer:
     """Saves and loads the step checkpoints of one run (every method is collective).
 
@@ -407,11 +424,14 @@ class Checkpointer:
     def _read_state(self, path: str) -> dict[str, Any]:
         state = read_json(os.path.join(path, STATE_FILE), path)
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or \
-                int(state.get("version", 0)) > STATE_VERSION or not isinstance(state.get("models"), dict):
+                not isinstance(state.get("version", 0), int) or state.get("version", 0) > STATE_VERSION:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise CheckpointError(f"{path}/{STATE_FILE}: not a hyflow trainer checkpoint this version reads "
                                   f"(format {found!r}, version "
                                   f"{state.get('version') if isinstance(state, dict) else None})")
+        problem = _state_problem(state)
+        if problem:
+            raise CheckpointDamaged(f"{path}/{STATE_FILE} is malformed: {problem}", path, STATE_FILE, "unreadable")
         return state
 
     # ----------------------------------------------------------------- load

@@ -12,8 +12,8 @@
             break                                 # then raise supervisor.divergence_error(...) if diverged
     supervisor.uninstall()
 
-* SIGTERM and SIGUSR1 (Slurm's warning before the time limit, see :mod:`hyflow.launch.preemption`)
-  only set a flag. :meth:`StepSupervisor.end_step` all-reduces (MAX) the flags of every rank at the
+* SIGTERM, SIGUSR1 (Slurm's warning before the time limit, see :mod:`hyflow.launch.preemption`),
+  SIGHUP and the first SIGINT (Ctrl-C) only set a flag; a second SIGINT aborts at once. :meth:`StepSupervisor.end_step` all-reduces (MAX) the flags of every rank at the
   step boundary, so all ranks stop after the same step even when the signal reached only some of
   them, and nothing ever exits inside a collective.
 * :class:`NonFiniteGradGuard` makes the Megatron optimizers skip an update whose gradients hold a
@@ -39,7 +39,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
+#: Signals that ask for a save-and-exit at the next step boundary: SIGTERM, Slurm's SIGUSR1, a
+#: closed terminal's SIGHUP and the first Ctrl-C (a second SIGINT aborts: KeyboardInterrupt).
+STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
 class DivergenceError(RuntimeError):
@@ -181,6 +183,7 @@ class StepSupervisor:
         self.device = device if device is not None else torch.device("cpu")
         self.requested = False
         self.signal_name: Optional[str] = None
+        self._interrupts = 0
         self._announced = False
         self.bad_steps_total = 0
         self.consecutive_bad = 0
@@ -222,6 +225,10 @@ class StepSupervisor:
 
     def _handle(self, signum: int, frame: Any) -> None:
         # Only set flags: printing here could re-enter a write the main thread is in.
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:  # the second Ctrl-C: abort, no save
+                raise KeyboardInterrupt
         if not self.requested:
             self.signal_name = signal.Signals(signum).name
         self.requested = True
@@ -251,8 +258,9 @@ class StepSupervisor:
         """
         if self.requested and not self._announced:
             self._announced = True
+            again = " (Ctrl-C again to abort without saving)" if self.signal_name == "SIGINT" else ""
             print(f"[hyflow] rank {os.environ.get('RANK', '?')}: received {self.signal_name}; saving a "
-                  "checkpoint after this step, then exiting", file=sys.stderr, flush=True)
+                  f"checkpoint after this step, then exiting{again}", file=sys.stderr, flush=True)
         skipped = self.skipped_updates > self._skipped_before
         self.bad_reasons = _not_finite_losses(metrics) + (["gradients (update skipped)"] if skipped else [])
         bad_local = bool(self.bad_reasons)
