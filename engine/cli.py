@@ -122,7 +122,7 @@ def _run_single(cfg) -> int:
     try:
         code = _run_rank(cfg)
         if code:
-            for line in summarize_failure(log_dir, (), resume_hint(cfg.trainer.output_dir)):
+            for line in summarize_failure(log_dir, (), resume_hint(cfg.trainer.output_dir, log_dir)):
                 print(line, file=sys.stderr, flush=True)
     finally:
         remove_fallback_dir(fallback)

@@ -236,8 +236,10 @@ def _cause(record: dict) -> tuple[str, str]:
     return record.get("type", ""), re.sub(r"\d+", "#", record.get("message", ""))
 
 
-def resume_hint(output_dir: Optional[str]) -> str:
-    """``trainer.resume=auto`` continues from step N (path), or an empty string."""
+def resume_hint(output_dir: Optional[str], log_dir: Optional[str] = None) -> str:
+    """``trainer.resume=auto`` continues from step N (path), or an empty string. When a rank's
+    error (in ``log_dir``) names that very checkpoint, it was refused: the hint says so instead of
+    sending the user back into the same error."""
     if not output_dir:
         return ""
     from hyflow.checkpoint.discovery import checkpoints_root, latest_checkpoint
@@ -245,5 +247,10 @@ def resume_hint(output_dir: Optional[str]) -> str:
     entry = latest_checkpoint(checkpoints_root(output_dir), lambda _: None)
     if entry is None:
         return "[hyflow] no checkpoint was saved yet: the same command starts the run over"
+    refused = log_dir and any(entry.path in r.get("message", "") for r in read_records(log_dir, "error"))
+    if refused:
+        return (f"[hyflow] the newest checkpoint, step {entry.step} ({entry.path}), was refused (above): the same "
+                "command would load it again; move it away (trainer.resume=auto then takes the one before) or set "
+                "trainer.resume to an earlier step_* directory")
     return (f"[hyflow] run the same command to continue: `trainer.resume=auto` (the default) resumes from "
             f"step {entry.step} ({entry.path})")

@@ -72,7 +72,7 @@ def run(argv: Sequence[str], log_dir: Optional[str] = None, run_dir: Optional[st
     except ChildFailedError as e:
         deaths = [Death(rank=rank, exitcode=f.exitcode, pid=f.pid, time=getattr(f, "timestamp", 0.0))
                   for rank, f in e.failures.items()]
-        _print(summarize_failure(log_dir, deaths, resume_hint(run_dir)), out)
+        _print(summarize_failure(log_dir, deaths, resume_hint(run_dir, log_dir)), out)
         return 1
     except SignalException as e:
         if aborted:
@@ -152,7 +152,7 @@ def _after_signal(sig: signal.Signals, log_dir: str, run_dir: Optional[str], npr
              f"{expected} rank(s) did not exit cleanly (killed after the shutdown timeout, or failed)"]
     if errors:
         lines = summarize_failure(log_dir, (), "")[:1] + lines
-    lines.append(resume_hint(run_dir))
+    lines.append(resume_hint(run_dir, log_dir))
     _print(lines, out)
     return 128 + int(sig)
 

@@ -314,3 +314,30 @@ def test_a_second_ctrl_c_kills_the_ranks_at_once(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_the_resume_hint_never_points_back_at_a_refused_checkpoint(tmp_path):
+    from hyflow.launch.rank_report import record_failure, resume_hint
+
+    step = tmp_path / "run" / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
+    (step / "COMPLETE").write_text('{"step": 2}')
+    logs = str(tmp_path / "logs")
+    os.makedirs(logs)
+    assert "resumes from step 2" in resume_hint(str(tmp_path / "run"), logs)
+    record_failure(ValueError(f"actor/x holds NaN or inf while loading checkpoint {step}"), 0, logs)
+    hint = resume_hint(str(tmp_path / "run"), logs)
+    assert "was refused" in hint and "resumes from" not in hint and "earlier step_* directory" in hint
+
+
+@pytest.mark.multirank
+def test_generate_on_two_ranks_reports_a_bad_model_directory_in_two_lines(tmp_path):
+    (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n')
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    out = hyflow("generate", "--hf", str(tmp_path / "model"), "--prompts", str(tmp_path / "prompts.jsonl"),
+                 "--tp", "2", timeout=600)
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert out.returncode == 1 and len(lines) == 2, lines  # was torchrun's 36-line ChildFailedError dump
+    assert lines[0].startswith("[hyflow] rank ") and "failed: ValueError:" in lines[0] and "Traceback" not in out.stderr

@@ -303,6 +303,9 @@ class DataConfig:
         check_positive(self, "train_batch_size", "task_size")
         if not self.train_files and not self.task:
             raise ConfigError("set data.train_files or data.task")
+        if self.task and self.task_size < self.train_batch_size:
+            raise ConfigError(f"data.task_size={self.task_size} prompts is fewer than one batch of "
+                              f"{self.train_batch_size}: raise data.task_size or lower it", key="train_batch_size")
 
 
 @dataclass

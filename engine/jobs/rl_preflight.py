@@ -131,6 +131,7 @@ def _check_data_files(cfg: Any) -> None:
     from hyflow.data.dataset import DatasetError, read_rows, validate_row
 
     needs_truth = cfg.reward.kind != "model"
+    total, whole = 0, True  # rows seen; whether every file was read to its end
     for i, path in enumerate(cfg.data.train_files):
         key = f"data.train_files[{i}]"
         if not os.path.isfile(path):
@@ -141,12 +142,17 @@ def _check_data_files(cfg: Any) -> None:
             raise _error(key, str(e)) from None
         if not rows:
             raise _error(key, f"{path} has no rows")
+        total += len(rows)
+        whole = whole and len(rows) < PREVIEW_ROWS
         for row, item in enumerate(rows):
             try:
                 validate_row(item, cfg.data.prompt_key, needs_truth)
             except Exception as e:  # noqa: BLE001 - the dataset's row error: key and message
                 where = f", key '{e.key}'" if getattr(e, "key", None) else ""
                 raise _error(key, f"{path}: row {row}{where}: {getattr(e, 'message', e)}") from None
+    if whole and total < cfg.data.train_batch_size:
+        raise _error("data.train_batch_size", f"the data files hold {total} rows, fewer than one batch of "
+                                              f"{cfg.data.train_batch_size} prompts: lower it or add rows")
 
 
 def _check_reward(reward: Any) -> None:

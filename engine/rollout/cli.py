@@ -175,19 +175,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print("hyflow: run `hyflow generate ...` from the command line for --tp/--pp/--dp > 1",
                   file=sys.stderr)
             return 2
-        from hyflow.cli import RANK_ARGV_ENV
+        import tempfile
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+        from hyflow.cli import RANK_ARGV_ENV
+        from hyflow.launch.rank_report import LOG_DIR_ENV
+
+        # hyflow's torchrun: a rank's failure is one line (tracebacks in the rank logs), not torchrun's dump
+        cmd = [sys.executable, "-m", "hyflow.launch.torchrun", "--standalone", f"--nproc-per-node={world}",
                "-m", "hyflow.cli"]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         env[RANK_ARGV_ENV] = json.dumps(sys.argv[1:])  # not on torchrun's command line: see RANK_ARGV_ENV
+        env[LOG_DIR_ENV] = tempfile.mkdtemp(prefix="hyflow-generate-logs-")
         return subprocess.call(cmd, env=env)
+    import torch.distributed as dist
+
+    from hyflow.launch.rank_report import LOG_DIR_ENV, run_reporting
     from hyflow.parallel.distributed import init_distributed, shutdown
 
     init_distributed()
     try:
+        if launched_by_torchrun() and os.environ.get(LOG_DIR_ENV):  # a rank: the launcher reports failures
+            return run_reporting(lambda: _generate(args), dist.get_rank())
         return _generate(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"hyflow generate: {e}", file=sys.stderr)
         return 2
     finally:
