@@ -209,11 +209,7 @@ def test_ranks_stop_within_30_s_of_the_launcher_being_killed(tmp_path):
         alive = [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
         assert not alive, f"still running 30 s after the launcher died: {alive}"
     finally:
-        for pid in [proc.pid, *ranks]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(proc.pid, *ranks)
         log.close()
     text = open(tmp_path / "launch.log").read()
     assert "the launcher (pid" in text and "is gone; stopping" in text
@@ -309,11 +305,7 @@ def test_a_second_ctrl_c_kills_the_ranks_at_once(tmp_path):
         assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
         assert "second SIGINT: the ranks were killed without saving" in proc.stdout.read()
     finally:
-        for pid in [proc.pid, *ranks]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(proc.pid, *ranks)
 
 
 def test_the_resume_hint_never_points_back_at_a_refused_checkpoint(tmp_path):
@@ -341,3 +333,13 @@ def test_generate_on_two_ranks_reports_a_bad_model_directory_in_two_lines(tmp_pa
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     assert out.returncode == 1 and len(lines) == 2, lines  # was torchrun's 36-line ChildFailedError dump
     assert lines[0].startswith("[hyflow] rank ") and "failed: ValueError:" in lines[0] and "Traceback" not in out.stderr
+
+
+def _kill(*pids: int) -> None:
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

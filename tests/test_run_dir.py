@@ -123,3 +123,25 @@ def test_metrics_are_deduplicated_on_resume_and_never_truncated(tmp_path):
     kept = [p for p in tmp_path.iterdir() if p.name.startswith("metrics.") and p.name != "metrics.jsonl"]
     assert len(kept) == 1 and [r["step"] for r in read_metrics(str(kept[0]))] == [1, 2, 3, 4]
     assert [r["x"] for r in read_metrics(str(path))] == [7]
+
+
+def test_tests_never_read_the_working_trees_run_directories(tmp_path):
+    """Issue #39 point 9: `make train` then `make test` failed because a test pre-flight-checked the
+    quickstart config, whose runs/quickstart held the finished run. The tests that check run
+    directories run here from a directory whose runs/ holds locked runs with only set-aside
+    checkpoints (every check of them refuses): they must still pass."""
+    for name in ("quickstart", "rl"):
+        (tmp_path / "runs" / name / "checkpoints" / f"{step_dir_name(3)}.corrupt-checksum").mkdir(parents=True)
+    holders = [subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path / "runs" / name)], stdout=subprocess.PIPE,
+                                text=True) for name in ("quickstart", "rl")]
+    try:
+        assert all(h.stdout.readline().strip() == "locked" for h in holders)
+        tests = [os.path.join(REPO, "tests", "test_placement_config.py"),
+                 os.path.join(REPO, "tests", "test_launch_local.py") + "::test_dry_run_shows_torchrun_with_intermixed_overrides"]
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", REPO, *tests],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait()
