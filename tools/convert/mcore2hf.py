@@ -176,7 +176,8 @@ def mcore2hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, force: bo
     staging = f"{os.path.normpath(out_dir)}.partial-{os.getpid()}"
     with Stopwatch() as clock:
         try:
-            plan, job = prepare_export(ckpt_dir, staging, dtype=dtype, max_shard_bytes=max_shard_bytes, log=log)
+            plan, job = prepare_export(ckpt_dir, staging, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                                       log=lambda message: log(message.replace(staging, out_dir)))
             log(f"hyflow convert: {plan.desc.family} checkpoint written at tp={plan.info.tp} "
                 f"pp={plan.info.pp} -> HF {plan.dtype} in {out_dir}")
             ranks = run_ranks(export_rank, 1, job)
