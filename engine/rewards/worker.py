@@ -33,6 +33,8 @@ Call = tuple
 #: What a timed-out call returns from :meth:`FunctionPool.map`.
 TIMED_OUT = None
 DEFAULT_IMPORT_TIMEOUT_S = 60.0
+#: A replacement worker's import gets this many times the first one's limit (it imported fine once).
+_REPLACEMENT_IMPORT_FACTOR = 4
 _WORKER_MAIN = "import sys; from hyflow.rewards.worker import serve; serve(int(sys.argv[1]))"
 
 
@@ -47,7 +49,8 @@ class _RemoteTraceback(Exception):
 
 
 class _Worker:
-    """One worker process and its end of the socket pair."""
+    """One worker process and its end of the socket pair: started at once, ready once it has
+    imported the function (:meth:`ready`)."""
 
     def __init__(self, path: str, name: str, import_timeout_s: float) -> None:
         mine, theirs = socket.socketpair()
@@ -56,21 +59,28 @@ class _Worker:
                                          pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
+        self.path, self.name, self.limit_s = path, name, import_timeout_s
+        self.deadline = time.monotonic() + import_timeout_s  # for its import
         self.conn = Connection(mine.detach())
         self.conn.send(("load", path, name))
-        if not self.conn.poll(import_timeout_s):
+
+    def ready(self) -> "_Worker":
+        """Wait for the import (until the deadline); raises :class:`RewardError` when it fails."""
+        if not self.conn.poll(max(0.0, self.deadline - time.monotonic())):
             self.kill()
-            raise RewardError(f"importing reward function file {path} did not finish within {import_timeout_s:.0f} s "
-                              "(it hangs at import, or imports something very slow)", function=name, path=path)
+            raise RewardError(f"importing reward function file {self.path} did not finish within {self.limit_s:.0f} s "
+                              "(it hangs at import, imports something very slow, or the machine is overloaded)",
+                              function=self.name, path=self.path)
         try:
             reply = self.conn.recv()
         except (EOFError, OSError):
             code = self.kill()
-            raise RewardError(f"the reward worker for {path} died while importing it (exit code {code})",
-                              function=name, path=path) from None
+            raise RewardError(f"the reward worker for {self.path} died while importing it (exit code {code})",
+                              function=self.name, path=self.path) from None
         if reply[0] != "ready":
             self.kill()
-            raise RewardError(reply[1], function=name, path=path)
+            raise RewardError(reply[1], function=self.name, path=self.path)
+        return self
 
     def kill(self) -> Optional[int]:
         """Stop the worker now; its exit code."""
@@ -104,11 +114,14 @@ class FunctionPool:
         self.import_timeout_s = max(DEFAULT_IMPORT_TIMEOUT_S, self.timeout_s) if import_timeout_s is None \
             else float(import_timeout_s)
         self.size = workers
-        self._idle: list[_Worker] = [self._start()]  # the first one now: a broken file fails at set-up
+        self._idle: list[_Worker] = []  # ready for a call
+        self._starting: dict[Connection, _Worker] = {}  # importing the function
+        self._idle.append(_Worker(self.path, self.name, self.import_timeout_s).ready())  # a broken file fails now
         self.timeouts = 0  # over the pool's life
 
-    def _start(self) -> _Worker:
-        return _Worker(self.path, self.name, self.import_timeout_s)
+    def _replacement(self) -> _Worker:
+        """A worker started while calls run (it imported fine once: a slow start is the machine's load)."""
+        return _Worker(self.path, self.name, _REPLACEMENT_IMPORT_FACTOR * self.import_timeout_s)
 
     def map(self, calls: Sequence[Call]) -> list[Optional[tuple[float, dict]]]:
         """``(score, extras)`` per call, in order; :data:`TIMED_OUT` (None) for a call that took more
@@ -117,19 +130,25 @@ class FunctionPool:
         results: list[Optional[tuple[float, dict]]] = [TIMED_OUT] * len(calls)
         todo = collections.deque(range(len(calls)))
         busy: dict[Connection, tuple[_Worker, int, float]] = {}
+        starting = self._starting  # replacements of killed workers, importing (kept across batches)
         end = time.monotonic() + self.batch_timeout_s if self.batch_timeout_s else float("inf")
         try:
             while todo or busy:
-                while todo and len(busy) < self.size:
-                    worker = self._idle.pop() if self._idle else self._start()
-                    i = todo.popleft()
+                while todo and self._idle:  # a call's time starts when a ready worker takes it
+                    worker, i = self._idle.pop(), todo.popleft()
                     try:
                         worker.conn.send((i, *calls[i]))
                     except OSError:
                         self._died(worker, calls[i])
                     busy[worker.conn] = (worker, i, time.monotonic() + self.timeout_s)
-                deadline = min(min(d for _, _, d in busy.values()), end)
-                for conn in wait(list(busy), timeout=max(0.0, deadline - time.monotonic())):
+                while todo and len(busy) + len(starting) < self.size:
+                    worker = self._replacement()
+                    starting[worker.conn] = worker
+                deadline = min([d for _, _, d in busy.values()] + [w.deadline for w in starting.values()] + [end])
+                for conn in wait([*busy, *starting], timeout=max(0.0, deadline - time.monotonic())):
+                    if conn in starting:
+                        self._idle.append(starting.pop(conn).ready())
+                        continue
                     worker, i, _ = busy.pop(conn)
                     results[i] = self._reply(worker, calls[i])
                     self._idle.append(worker)
@@ -139,6 +158,9 @@ class FunctionPool:
                         busy.pop(conn)
                         worker.kill()
                         self.timeouts += 1
+                for conn, worker in list(starting.items()):
+                    if now >= worker.deadline:
+                        starting.pop(conn).ready()  # raises: it did not import in time
                 if now >= end:
                     self.timeouts += len(todo)
                     todo.clear()
@@ -168,6 +190,8 @@ class FunctionPool:
         """Stop every worker (idempotent)."""
         while self._idle:
             self._idle.pop().kill()
+        while self._starting:
+            self._starting.popitem()[1].kill()
 
     def __del__(self) -> None:
         try:
