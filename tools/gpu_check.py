@@ -46,6 +46,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: GPU-marked tests), setuptools (the editable install of hyflow without build isolation).
 WHEELS = ("megatron-core==0.16.1", "psutil", "packaging>=24.2", "pytest", "pluggy", "iniconfig", "pygments",
           "setuptools")
+#: install_requires the node goes without (installed with --no-deps): imported lazily, never by a check
+LAZY_REQUIREMENTS = {"omegaconf": "imported only for a config with ${...} interpolation; the check's configs have none"}
 #: pytest's dependencies on Pythons before 3.11
 WHEELS_BEFORE_311 = ("exceptiongroup", "tomli")
 #: megatron-core 0.16.1 is tagged manylinux_2_24/2_28 only; pure wheels match any platform

@@ -47,7 +47,7 @@ class PreferenceValidation:
             raise ValueError(f"data.val_files hold {len(dataset)} usable rows, fewer than the {dp} data-parallel "
                              "ranks that share them: give more validation rows")
         if reference.free:
-            table = torch.zeros(len(dataset), 2)
+            table = torch.zeros(len(dataset), 2, device="cpu")  # host table, rows moved per step
         else:
             model = reference.model if reference.model is not None else build_reference_model(cfg, policy)
             table = precompute(model, dataset, policy, cfg.actor.micro_batch_size, log)
@@ -71,7 +71,7 @@ class PreferenceValidation:
         scores = precompute(policy.chunks[0], self.dataset, policy, cfg.actor.micro_batch_size, lambda _: None)
         groups = policy.groups
         rows = list(range(groups.dp_rank, len(self.dataset), groups.layout.dp))
-        index = torch.tensor(rows, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long, device=scores.device)
         out = metrics([self.dataset[i] for i in rows], scores[index].to(groups.device),
                       self.reference[index].to(groups.device), len(self.dataset))
         result = {PREFIX + key: value for key, value in out.items()}
