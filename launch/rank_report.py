@@ -232,8 +232,9 @@ def summarize_failure(log_dir: str, deaths: Sequence[Death] = (), resume_hint: s
 
 
 def _cause(record: dict) -> tuple[str, str]:
-    """A failure's cause, the same for every rank (numbers, e.g. ranks and shard names, left out)."""
-    return record.get("type", ""), re.sub(r"\d+", "#", record.get("message", ""))
+    """A failure's cause, the same for every rank (numbers, e.g. ranks and shard names, and a path
+    in parentheses, which ranks that hit the same full disk report differently, left out)."""
+    return record.get("type", ""), re.sub(r"\d+", "#", re.sub(r" \(/[^()]*\)", "", record.get("message", "")))
 
 
 def resume_hint(output_dir: Optional[str], log_dir: Optional[str] = None) -> str:
@@ -247,7 +248,9 @@ def resume_hint(output_dir: Optional[str], log_dir: Optional[str] = None) -> str
     entry = latest_checkpoint(checkpoints_root(output_dir), lambda _: None)
     if entry is None:
         return "[hyflow] no checkpoint was saved yet: the same command starts the run over"
-    refused = log_dir and any(entry.path in r.get("message", "") for r in read_records(log_dir, "error"))
+    intact = f"{entry.path} (step {entry.step}) is intact"  # a failed save names the previous checkpoint so
+    refused = log_dir and any(entry.path in m and intact not in m  # (Checkpointer._previous_note)
+                              for m in (r.get("message", "") for r in read_records(log_dir, "error")))
     if refused:
         return (f"[hyflow] the newest checkpoint, step {entry.step} ({entry.path}), was refused (above): the same "
                 "command would load it again; move it away (trainer.resume=auto then takes the one before) or set "

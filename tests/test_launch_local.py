@@ -252,6 +252,21 @@ def test_a_full_log_directory_still_gives_a_short_report(tmp_path, monkeypatch):
     assert run_reporting(full(3), 3, logs) == 1  # nowhere to write: still one exit code, no second failure
 
 
+def test_ranks_reporting_one_full_disk_in_other_words_are_one_cause(tmp_path):
+    """Probe of issue #39 point 4 (2 MiB tmpfs): one rank saw the ENOSPC, the other found the disk
+    full from its free space and named the directory; the summary said the same thing twice."""
+    from hyflow.launch.rank_report import record_failure, summarize_failure
+
+    logs = str(tmp_path / "logs")
+    os.makedirs(logs)
+    message = ("checkpoint step 4 was not saved: no space left on the device while writing the actor weights to "
+               "/run/checkpoints/step_000004/actor{}: free space there or point the run elsewhere")
+    record_failure(ValueError(message.format(" (/run/checkpoints)")), 1, logs)
+    record_failure(ValueError(message.format("")), 0, logs)
+    lines = summarize_failure(logs, (), "")
+    assert len(lines) == 2 and "also failed" not in lines[1], lines
+
+
 def test_a_failed_save_on_a_nearly_full_file_system_is_disk_full(tmp_path, monkeypatch):
     import errno
     from types import SimpleNamespace
@@ -317,6 +332,10 @@ def test_the_resume_hint_never_points_back_at_a_refused_checkpoint(tmp_path):
     (step / "COMPLETE").write_text('{"step": 2}')
     logs = str(tmp_path / "logs")
     os.makedirs(logs)
+    assert "resumes from step 2" in resume_hint(str(tmp_path / "run"), logs)
+    # a failed save names the previous checkpoint as intact: resuming from it is right (probe: disk full)
+    record_failure(ValueError(f"checkpoint step 4 was not saved: no space left ...; the previous checkpoint {step} "
+                              "(step 2) is intact and `trainer.resume=auto` continues from it"), 1, logs)
     assert "resumes from step 2" in resume_hint(str(tmp_path / "run"), logs)
     record_failure(ValueError(f"actor/x holds NaN or inf while loading checkpoint {step}"), 0, logs)
     hint = resume_hint(str(tmp_path / "run"), logs)
