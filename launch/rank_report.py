@@ -243,14 +243,17 @@ def resume_hint(output_dir: Optional[str], log_dir: Optional[str] = None) -> str
     sending the user back into the same error."""
     if not output_dir:
         return ""
+    errors = read_records(log_dir, "error") if log_dir else []
+    if any(r.get("type") == "RunDirInUse" for r in errors):
+        return ""  # the directory is another run's: nothing of this one to continue
     from hyflow.checkpoint.discovery import checkpoints_root, latest_checkpoint
 
     entry = latest_checkpoint(checkpoints_root(output_dir), lambda _: None)
     if entry is None:
         return "[hyflow] no checkpoint was saved yet: the same command starts the run over"
     intact = f"{entry.path} (step {entry.step}) is intact"  # a failed save names the previous checkpoint so
-    refused = log_dir and any(entry.path in m and intact not in m  # (Checkpointer._previous_note)
-                              for m in (r.get("message", "") for r in read_records(log_dir, "error")))
+    refused = any(entry.path in m and intact not in m  # (Checkpointer._previous_note)
+                  for m in (r.get("message", "") for r in errors))
     if refused:
         return (f"[hyflow] the newest checkpoint, step {entry.step} ({entry.path}), was refused (above): the same "
                 "command would load it again; move it away (trainer.resume=auto then takes the one before) or set "

@@ -340,6 +340,10 @@ def test_the_resume_hint_never_points_back_at_a_refused_checkpoint(tmp_path):
     record_failure(ValueError(f"actor/x holds NaN or inf while loading checkpoint {step}"), 0, logs)
     hint = resume_hint(str(tmp_path / "run"), logs)
     assert "was refused" in hint and "resumes from" not in hint and "earlier step_* directory" in hint
+    from hyflow.checkpoint.run_lock import RunDirInUse
+
+    record_failure(RunDirInUse(f"trainer.output_dir {tmp_path / 'run'} is in use by another run"), 0, logs)
+    assert resume_hint(str(tmp_path / "run"), logs) == ""  # another run's directory: nothing to continue here
 
 
 @pytest.mark.multirank
