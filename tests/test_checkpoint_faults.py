@@ -6,35 +6,22 @@ One tiny model; the file checks run here, loads and saves on 1-2 gloo ranks."""
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
 
-from hyflow.checkpoint.discovery import MARKER_FILE, step_dir_name
+from hyflow.checkpoint.discovery import MARKER_FILE
 from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError
 from hyflow.checkpoint.manifest import (MANIFEST_FILE, PARTS_DIR, ManifestMissing, file_digest, read_manifest,
                                         sizes_match, verify_manifest, write_manifest)
 from hyflow.testing import run_on_ranks
+from hyflow.testing.checkpoints import build_tiny as _build
+from hyflow.testing.checkpoints import fresh_copy
+from hyflow.testing.checkpoints import resume_tiny as _resume
+from hyflow.testing.checkpoints import step_path as _step
+from hyflow.testing.checkpoints import tiny_description as _tiny
 
 NAN_TENSOR = "decoder.layers.0.mlp.linear_fc1.weight"
-
-
-def _tiny():
-    from hyflow.models.description import ModelDescription
-
-    return ModelDescription(family="llama", vocab_size=16, hidden_size=16, num_layers=1, num_attention_heads=2,
-                            num_query_groups=1, ffn_hidden_size=32, max_position_embeddings=32)
-
-
-def _build(dp: int = 1):
-    from hyflow.models.builder import build_gpt_model
-    from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
-
-    torch.manual_seed(0)
-    groups = init_training_groups(Layout(dp=dp))
-    return groups, build_gpt_model(_tiny(), groups)
 
 
 def _poison(model) -> None:
@@ -75,21 +62,6 @@ def _overwrite_with_nan(step_dir: str) -> None:
     dist_checkpointing.save(model.sharded_state_dict(), actor)
 
 
-def _resume(out: str, resume: str, no_verify: bool = False, dp: int = 1) -> dict:
-    from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
-
-    if no_verify:
-        os.environ["HYFLOW_NO_VERIFY"] = "1"
-    groups, model = _build(dp)
-    ckpt = Checkpointer(out, groups, _tiny(), log=lambda m: None)
-    try:
-        path = ckpt.find_resume(resume, lambda m: None)
-        state = ckpt.load(path, {"actor": TrainedModel([model])}) if path else None
-    except CheckpointError as e:
-        return {"error": str(e), "type": type(e).__name__, "tensor": getattr(e, "tensor", None)}
-    return {"error": None, "path": path, "job": state and state["job"]}
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults") / "run"
@@ -99,13 +71,7 @@ def saved(tmp_path_factory):
 
 @pytest.fixture
 def run(saved, tmp_path):
-    target = tmp_path / "run"
-    shutil.copytree(saved, target)
-    return target
-
-
-def _step(run, step):
-    return run / "checkpoints" / step_dir_name(step)
+    return fresh_copy(saved, tmp_path)
 
 
 # --------------------------------------------------------------------------- non-finite weights
