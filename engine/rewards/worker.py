@@ -153,7 +153,7 @@ class FunctionPool:
                     results[i] = self._reply(worker, calls[i])
                     self._idle.append(worker)
                 now = time.monotonic()
-                for conn, (worker, i, d) in list(busy.items()):
+                for conn, (worker, _i, d) in list(busy.items()):
                     if now >= d or now >= end:  # abandoned: the worker is killed, a fresh one replaces it
                         busy.pop(conn)
                         worker.kill()
