@@ -49,6 +49,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_data_
 from megatron.core.transformer.mlp import MLP, apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from hyflow.models.builder import resolve_spec
 from hyflow.models.lora_config import LORA_TARGETS, LoRAConfig
 from hyflow.models.weights import _stable_hash
 
@@ -434,3 +435,12 @@ def merge_and_unload(model: torch.nn.Module) -> torch.nn.Module:
 def adapter_numel(model: torch.nn.Module | Sequence[torch.nn.Module]) -> int:
     """Elements of this rank's adapters."""
     return sum(m.lora_A.numel() + m.lora_B.numel() for m in lora_modules(model))
+
+
+def lora_spec(spec: str, *loras: Optional[LoRAConfig]) -> str:
+    """The layer spec of a run's models when any of them has adapters (``loras``: their settings, None
+    where a model has none): ``auto`` never picks Transformer Engine's fused layers then (sdpa instead on
+    GPU; ``te`` itself is refused by the config). One spec for all the run's models: the critic and the
+    generation model take the actor's weights by parameter name."""
+    adapted = any(lora is not None for lora in loras)
+    return "sdpa" if adapted and spec == "auto" and resolve_spec("auto") == "te" else spec
