@@ -92,8 +92,8 @@ class HybridEngine:
         train = cfg.actor.layout
         return WeightPathCapabilities(
             generation_model=True, stale_weights=True,
-            exact_in_generation_layout=exact_generation_forward(train.tp, train.sequence_parallel,
-                                                                cfg.rollout.layout.tp))
+            exact_in_generation_layout=cfg.actor.lora is None and exact_generation_forward(
+                train.tp, train.sequence_parallel, cfg.rollout.layout.tp))
 
     def __init__(self, train_model: torch.nn.Module, desc: ModelDescription,
                  train_groups: ParallelGroups, generation: tuple[int, int] | GenerationShape, *,

@@ -139,6 +139,7 @@ class LoRAModel:
     (the adapters, and e.g. a critic's value head), the frozen base is referenced, not copied."""
 
     lora_config: LoRAConfig
+    lora_base: dict  # the frozen weights' reference that checkpoints record
 
     def trained_names(self) -> set[str]:
         return {n for n, p in self.named_parameters() if p.requires_grad}
@@ -232,10 +233,12 @@ def _target(layer: torch.nn.Module, target: str, index: int) -> torch.nn.Module:
 
 @torch.no_grad()
 def apply_lora(model: torch.nn.Module, config: LoRAConfig, seed: int,
-               trainable: Iterable[str] = ()) -> int:
+               trainable: Iterable[str] = (), base: Optional[dict] = None) -> int:
     """Adapt ``model`` (one built, not yet DDP-wrapped ``GPTModel`` chunk) in place: freeze every
     parameter except those named in ``trainable`` (e.g. a critic's ``output_layer.weight``) and add
-    adapters to ``config.targets`` of each decoder layer. Returns the number of adapted linears."""
+    adapters to ``config.targets`` of each decoder layer. ``base``: what checkpoints record about
+    the frozen weights (:func:`hyflow.checkpoint.adapters.base_reference`). Returns the number of
+    adapted linears."""
     config.validate()
     model = _unwrap(model)
     keep = set(trainable)
@@ -249,7 +252,7 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig, seed: int,
             _adapt(module, config, seed, f"decoder.layers.{index}.{TARGET_PATHS[target]}")
             count += 1
     model.__class__ = _adapted_model_class(type(model))
-    model.lora_config = config
+    model.lora_config, model.lora_base = config, dict(base or {})
     if model.pre_process and model.config.recompute_granularity == "full":
         # Megatron's (reentrant) recomputation only differentiates a block whose input needs a
         # gradient; the frozen embedding's output does not, so the first block's adapters would
@@ -306,12 +309,18 @@ def adapters_disabled(model: torch.nn.Module | Sequence[torch.nn.Module]) -> Ite
 class BaseModelView(torch.nn.Module):
     """The base model of an adapted ``model``, as a model chunk: its forward is ``model``'s with
     the adapters off. It owns no parameters (``model`` is not registered as a submodule), so it is
-    the frozen reference for free; Megatron's schedules reach ``model``'s ``config`` and
-    ``set_input_tensor`` through ``.module`` as through DDP."""
+    the frozen reference for free; other attributes (``config``, ``set_input_tensor``, ...) are
+    ``model``'s, as a pipeline schedule expects of a model chunk."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "module", _unwrap(model))
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "module"), name)
 
     def forward(self, *args, **kwargs):
         with adapters_disabled(self.module):
@@ -428,7 +437,7 @@ def merge_and_unload(model: torch.nn.Module) -> torch.nn.Module:
         m.__class__ = next(base for base, adapted in _ADAPTED.items() if isinstance(m, adapted))
     if isinstance(inner, LoRAModel):
         inner.__class__ = next(c for c in type(inner).__mro__[1:] if not issubclass(c, LoRAModel))
-        del inner.lora_config
+        del inner.lora_config, inner.lora_base
     return inner
 
 

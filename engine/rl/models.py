@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hyflow.checkpoint.model import CheckpointError, load_model_checkpoint, read_checkpoint_info
+from hyflow.checkpoint.model import CheckpointError, adapter_base, load_model_checkpoint, read_checkpoint_info
 from hyflow.checkpoint.trained_model import TrainedModel
 from hyflow.hybrid.executor import HybridEngine
 from hyflow.models.builder import build_gpt_model
@@ -142,7 +142,7 @@ def build_actor(cfg, desc: ModelDescription, groups: ParallelGroups, optimizer_s
                             config_overrides=dict(FROZEN_INIT, **_recompute(cfg.actor.recompute)))
     _initial_state(cfg, desc, actor, groups, cfg.actor.checkpoint)
     if cfg.actor.lora is not None:  # the base is frozen: DDP and the optimizer see the adapters only
-        apply_lora(actor, cfg.actor.lora, seed=cfg.trainer.seed)
+        apply_lora(actor, cfg.actor.lora, seed=cfg.trainer.seed, base=adapter_base(cfg.actor.checkpoint, cfg.trainer.seed))
     chunks = wrap_ddp([actor], groups, cfg.actor.optim.distributed_optimizer)
     total_updates = cfg.trainer.total_steps * cfg.actor.ppo_epochs * max(
         1, cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.mini_batch_size) + cfg.actor.sft_warmup_steps
@@ -193,7 +193,8 @@ def build_critic(cfg, desc: ModelDescription, groups: ParallelGroups, trunk: Opt
     del trunk
     _init_value_head(critic, desc.init_method_std, cfg.trainer.seed + 17)
     if cfg.critic.lora is not None:  # adapters on the frozen trunk; the value head trains whole
-        apply_lora(critic, cfg.critic.lora, seed=cfg.trainer.seed + 17, trainable=("output_layer.weight",))
+        apply_lora(critic, cfg.critic.lora, seed=cfg.trainer.seed + 17, trainable=("output_layer.weight",),
+                   base=adapter_base(cfg.actor.checkpoint, cfg.trainer.seed))
     critic_chunks = wrap_ddp([critic], groups, cfg.critic.optim.distributed_optimizer)
     with optimizer_scope if optimizer_scope is not None else contextlib.nullcontext():
         critic_optimizer, critic_scheduler = build_optimizer(
