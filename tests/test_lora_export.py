@@ -1,0 +1,112 @@
+"""Exporting a LoRA checkpoint (saved at TP=2 on a tiny random GQA Llama converted from HF):
+
+* ``hyflow export --adapter`` writes a PEFT directory that ``peft`` loads onto the HF base, and the
+  PEFT model's greedy tokens equal hyflow's generation engine on the LoRA checkpoint (which loads
+  the base it references, the adapters, and merges them);
+* ``hyflow export`` (``--merge``) writes the merged HF model, with the same greedy tokens;
+* adapters whose recorded base checksum does not match the base fail with one error.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from hyflow.cli import main
+from hyflow.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+PROMPTS = [[5, 17, 33, 9], [60, 2], [101, 44, 44, 7, 80]]
+NEW_TOKENS = 6
+
+
+def _adapt_and_save(base_dir: str, lora_dir: str) -> None:
+    """Rank function (TP=2): the base, LoRA adapters set to large random values, saved."""
+    from hyflow.checkpoint.model import adapter_base, load_model_from_checkpoint, save_model_checkpoint
+    from hyflow.models.lora import apply_lora
+    from hyflow.models.lora_config import LoRAConfig
+    from hyflow.models.weights import gather_full_state_dict, load_full_state_dict
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+
+    groups = init_training_groups(Layout(tp=2))
+    model, desc, _ = load_model_from_checkpoint(base_dir, groups, spec="local")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0), seed=3, base=adapter_base(base_dir, 0))
+    full = gather_full_state_dict(model, desc, groups)
+    gen = torch.Generator().manual_seed(1)
+    full = {k: (torch.randn(v.shape, generator=gen) * (0.3 if k.endswith("lora_B") else 1.0) if ".lora_" in k else v)
+            for k, v in full.items()}
+    load_full_state_dict(model, full, desc, groups)
+    save_model_checkpoint(model, lora_dir, groups, desc)
+
+
+def _hyflow_greedy(model_dir: str) -> list:
+    """Rank function: the rollout engine's greedy tokens on a checkpoint, at TP=2."""
+    from hyflow.checkpoint.model import load_model_from_checkpoint
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.rollout.config import GenerationConfig, SamplingConfig
+    from hyflow.rollout.engine import GenerationEngine
+
+    groups = init_training_groups(Layout(tp=2))
+    model, desc, _ = load_model_from_checkpoint(model_dir, groups)
+    model.eval()
+    config = GenerationConfig(sampling=SamplingConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    engine = GenerationEngine.from_description(model, desc, config, tp_group=groups.pgs.tp)
+    return [s.token_ids for s in engine.generate(PROMPTS).samples]
+
+
+def _greedy(model) -> list:
+    out = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
+        out.append(tokens[0, len(prompt):].tolist())
+    return out
+
+
+def test_peft_adapter_and_merged_export_decode_like_hyflow(tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf_base = str(tmp_path / "hf_base")
+    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 initializer_range=0.1, tie_word_embeddings=False)).save_pretrained(hf_base)
+    base_dir, lora_dir = str(tmp_path / "base"), str(tmp_path / "lora")
+    assert main(["convert", "hf2mcore", "--hf", hf_base, "--out", base_dir]) == 0
+    run_on_ranks(_adapt_and_save, 2, base_dir, lora_dir, timeout=600)
+    with open(os.path.join(lora_dir, "hyflow_checkpoint.json")) as f:
+        saved = json.load(f)["extra"]["lora"]
+    assert saved["base"]["checkpoint"] == os.path.abspath(base_dir) and len(saved["base"]["sha256"]) == 64
+
+    peft_dir = str(tmp_path / "peft")
+    assert main(["export", "--ckpt", lora_dir, "--out", peft_dir, "--adapter"]) == 0
+    assert sorted(os.listdir(peft_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
+    expected = run_on_ranks(_hyflow_greedy, 2, lora_dir, timeout=300)[0]
+    base = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32).eval()
+    base_tokens = _greedy(base)
+    assert base_tokens != expected  # the adapters change what the model says
+    peft = PeftModel.from_pretrained(base, peft_dir).eval()
+    assert _greedy(peft) == expected
+
+    merged_dir = str(tmp_path / "merged")
+    assert main(["export", "--ckpt", lora_dir, "--out", merged_dir, "--merge"]) == 0
+    assert "LoRA checkpoint: writing the base with the adapters merged" in capsys.readouterr().err
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    assert _greedy(merged) == expected
+
+    # adapters recorded on other base files: one error naming both, nothing exported
+    info = os.path.join(lora_dir, "hyflow_checkpoint.json")
+    data = json.load(open(info))
+    data["extra"]["lora"]["base"]["sha256"] = "0" * 64
+    json.dump(data, open(info, "w"))
+    assert main(["export", "--ckpt", lora_dir, "--out", str(tmp_path / "bad"), "--merge"]) == 2
+    assert "holds LoRA adapters trained on the base" in capsys.readouterr().err
+    assert main(["export", "--ckpt", base_dir, "--out", str(tmp_path / "bad2"), "--adapter"]) == 2
+    assert "holds a whole model, not LoRA adapters" in capsys.readouterr().err
