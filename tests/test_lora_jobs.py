@@ -120,3 +120,30 @@ def test_dpo_with_lora_trains_adapters_against_the_base(tmp_path):
     step = os.path.join(str(tmp_path / "dpo"), "checkpoints", "step_000003", "actor", "hyflow_checkpoint.json")
     with open(step) as f:
         assert json.load(f)["extra"]["lora"]["rank"] == 8
+
+
+def _job(overrides, out):
+    import torch.distributed as dist
+
+    from hyflow.jobs.registry import job_runner, load_job_config
+    from hyflow.testing.rl import QUICKSTART
+
+    cfg = load_job_config(QUICKSTART, [*BASE, f"trainer.output_dir={out}", "trainer.total_steps=3",
+                                       "trainer.loggers=[]", *overrides])
+    history = job_runner("rl")(cfg)  # as `hyflow train` runs it: pools go to the pooled loops
+    return history if dist.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+def test_pooled_lora_actor_sends_merged_weights_like_colocated(tmp_path):
+    """On placement pools the LoRA actor sends W + s B A (merged in the training layout, unmerged
+    after the send): the generation pool samples what the colocated engine samples."""
+    colocated = run_on_ranks(_job, 2, [], str(tmp_path / "colocated"), timeout=900)[0]
+    pooled = run_on_ranks(_job, 3, ["trainer.nproc=3", "placement.pools={train: [0, 2], gen: [2, 3]}",
+                                    "placement.actor=train", "placement.rollout=gen"], str(tmp_path / "pooled"),
+                          timeout=900)[0]
+    assert len(colocated) == len(pooled) == 3
+    for a, b in zip(colocated, pooled):
+        for key in ("response_length/mean", "actor/entropy", "actor/grad_norm", "critic/score/mean"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
+    assert colocated[2]["actor/entropy"] != colocated[0]["actor/entropy"]  # the adapters trained
