@@ -66,7 +66,10 @@ def _one_rank():
     base_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = LoRAConfig(rank=4, alpha=8.0)
     adapted = apply_lora(model, cfg, seed=9)
-    out = {"adapted": adapted, "layers": desc.num_layers, "adapter_numel": adapter_numel(model)}
+    from hyflow.plan.lora import stage_adapter_params
+
+    out = {"adapted": adapted, "layers": desc.num_layers, "adapter_numel": adapter_numel(model),
+           "planned_numel": stage_adapter_params(desc, Layout(), cfg)[0]}
     tokens = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(12).unsqueeze(0).expand(2, -1)
 
@@ -123,7 +126,7 @@ def test_only_adapters_train(one_rank):
     trained = one_rank["trained"]
     assert trained and all(n.endswith((".lora_A", ".lora_B")) for n in trained)
     assert one_rank["main_grad"] == trained  # DDP buffers for the adapters only
-    assert one_rank["optimizer_numel"] == one_rank["adapter_numel"]
+    assert one_rank["optimizer_numel"] == one_rank["adapter_numel"] == one_rank["planned_numel"]
     assert one_rank["sharded_keys"] == trained  # checkpoints hold the adapters only
     assert one_rank["base_unchanged"] and one_rank["trained_differs"]
     assert one_rank["grad_norm"] > 0
@@ -158,3 +161,18 @@ def test_merged_weight_unmerge_is_bit_exact_in_bf16_and_fp32():
         assert not torch.equal(w, original)
         merge.unmerge()
         assert torch.equal(w, original), dtype
+
+
+def test_plan_shows_the_memory_lora_saves():
+    from hyflow.plan.core import PlanOptions, build_plan
+    from hyflow.testing.rl import QUICKSTART
+
+    args = ["actor.sft_warmup_steps=0"]
+    opts = PlanOptions(world_size=2, gpu_memory_gib=80, megatron_ranks=())
+    full, lora = build_plan(QUICKSTART, args, opts), build_plan(QUICKSTART, args + ["actor.lora.rank=4"], opts)
+    update = {r: next(p for p in plan.phases if p.phase == "actor update") for r, plan in (("full", full), ("lora", lora))}
+    assert update["lora"].get("weights") == update["full"].get("weights")  # the base stays, frozen
+    assert 0 < update["lora"].get("grads") < update["full"].get("grads") / 4  # the adapters' only
+    assert update["full"].get("reference weights") > 0 and update["lora"].get("reference weights") == 0
+    assert update["lora"].get("generation weights (LoRA)") > 0  # TP=2 -> TP_g=1: the base stays in the buffer
+    assert any(n.startswith("actor.lora (rank 4") and "less" in n for n in lora.notes)
