@@ -15,6 +15,7 @@ import torch
 
 from hyflow.cli import main
 from hyflow.testing import run_on_ranks
+from hyflow.testing.fixtures import engine_greedy_tokens
 
 pytestmark = pytest.mark.multirank
 
@@ -40,22 +41,6 @@ def _adapt_and_save(base_dir: str, lora_dir: str) -> None:
             for k, v in full.items()}
     load_full_state_dict(model, full, desc, groups)
     save_model_checkpoint(model, lora_dir, groups, desc)
-
-
-def _hyflow_greedy(model_dir: str) -> list:
-    """Rank function: the rollout engine's greedy tokens on a checkpoint, at TP=2."""
-    from hyflow.checkpoint.model import load_model_from_checkpoint
-    from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
-    from hyflow.rollout.config import GenerationConfig, SamplingConfig
-    from hyflow.rollout.engine import GenerationEngine
-
-    groups = init_training_groups(Layout(tp=2))
-    model, desc, _ = load_model_from_checkpoint(model_dir, groups)
-    model.eval()
-    config = GenerationConfig(sampling=SamplingConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    engine = GenerationEngine.from_description(model, desc, config, tp_group=groups.pgs.tp)
-    return [s.token_ids for s in engine.generate(PROMPTS).samples]
 
 
 def _greedy(model) -> list:
@@ -88,7 +73,7 @@ def test_peft_adapter_and_merged_export_decode_like_hyflow(tmp_path, capsys):
     peft_dir = str(tmp_path / "peft")
     assert main(["export", "--ckpt", lora_dir, "--out", peft_dir, "--adapter"]) == 0
     assert sorted(os.listdir(peft_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
-    expected = run_on_ranks(_hyflow_greedy, 2, lora_dir, timeout=300)[0]
+    expected = run_on_ranks(engine_greedy_tokens, 2, lora_dir, PROMPTS, NEW_TOKENS, timeout=300)[0]
     base = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32).eval()
     base_tokens = _greedy(base)
     assert base_tokens != expected  # the adapters change what the model says
