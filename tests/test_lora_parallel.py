@@ -77,3 +77,42 @@ def test_layout_matches_one_rank(reference, layout):
         assert abs(got - want) <= 1e-5 * abs(want), (losses, norms, ref_losses, ref_norms)
     worst = max(ref_adapters, key=lambda n: _rel(adapters[n], ref_adapters[n]))
     assert _rel(adapters[worst], ref_adapters[worst]) <= 1e-5, worst
+
+
+def _replicas_after_dropout(sequence_parallel: bool):
+    import torch.distributed as dist
+
+    from hyflow.jobs.lm import arith_batch
+    from hyflow.models.builder import build_gpt_model
+    from hyflow.models.description import tiny_llama
+    from hyflow.models.lora import apply_lora, lora_modules
+    from hyflow.models.lora_config import LoRAConfig
+    from hyflow.models.weights import load_full_state_dict, random_full_state_dict
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
+    from hyflow.training.step import train_step
+
+    groups = init_training_groups(Layout(tp=2, sequence_parallel=sequence_parallel), seed=7)
+    desc = tiny_llama(vocab_size=200, num_query_groups=2)
+    model = build_gpt_model(desc, groups, spec="local", config_overrides={"perform_initialization": False})
+    load_full_state_dict(model, random_full_state_dict(desc, seed=3), desc, groups)
+    apply_lora(model, LoRAConfig(rank=4, dropout=0.3), seed=11)
+    chunks = wrap_ddp([model], groups, False)
+    optimizer, scheduler = build_optimizer(chunks, OptimConfig(lr=2e-2), 2)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(2):
+        train_step(chunks, optimizer, scheduler, [arith_batch(desc.vocab_size, MICRO, SEQ, 5, gen)], groups=groups)
+    replicated = [p for m in lora_modules(model) for p in (m.lora_A, m.lora_B) if not p.tensor_model_parallel]
+    gathered = [[torch.empty_like(p) for _ in range(2)] for p in replicated]
+    for p, out in zip(replicated, gathered):
+        dist.all_gather(out, p.detach().contiguous(), group=groups.pgs.tp)
+    return all(torch.equal(a, b) for a, b in gathered), any(m.lora_B.abs().max() > 0 for m in lora_modules(model))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
+def test_dropout_keeps_tp_replicas_identical(sequence_parallel):
+    """With adapter dropout the TP-replicated factors (A of a column layer, B of a row layer) stay
+    the same on every TP rank: a replicated input gets the same mask on each."""
+    for same, trained in run_on_ranks(_replicas_after_dropout, 2, sequence_parallel):
+        assert same and trained
