@@ -98,7 +98,7 @@ def test_rl_with_lora(overrides, tmp_path):
     assert results[0]["actor_bytes"] < results[0]["full_bytes"] / 3  # the adapters, not the weights
 
 
-def _dpo(output_dir):
+def _preference(output_dir, job):
     import torch.distributed as dist
 
     import hyflow.jobs.dpo as dpo
@@ -106,18 +106,23 @@ def _dpo(output_dir):
     from hyflow.testing.rl import REPO
 
     cfg = load_job_config(os.path.join(REPO, "configs", "dpo_quickstart.yaml"), [
-        "trainer.total_steps=3", f"trainer.output_dir={output_dir}", "actor.lora.rank=8", "actor.optim.lr=1e-2",
-        "data.task_size=64", "trainer.loggers=[]"])
+        f"job={job}", "trainer.total_steps=3", f"trainer.output_dir={output_dir}", "actor.lora.rank=8",
+        "actor.optim.lr=1e-2", "data.task_size=64", "trainer.loggers=[]"])
     history = dpo.run(cfg)
     return history if dist.get_rank() == 0 else None
 
 
-def test_dpo_with_lora_trains_adapters_against_the_base(tmp_path):
-    history = run_on_ranks(_dpo, 2, str(tmp_path / "dpo"), timeout=900)[0]
-    # step 1: the policy is its base exactly, so the implicit rewards are 0 and the loss is log 2
-    assert abs(history[0]["rewards/chosen"]) < 1e-6 and abs(history[0]["loss"] - 0.6931471805599453) < 1e-6
-    assert history[-1]["rewards/margins"] > 0  # the adapters moved the policy away from the base
-    step = os.path.join(str(tmp_path / "dpo"), "checkpoints", "step_000003", "actor", "hyflow_checkpoint.json")
+@pytest.mark.parametrize("job", ["dpo", "kto"])
+def test_preference_jobs_with_lora_train_adapters_against_the_base(tmp_path, job):
+    history = run_on_ranks(_preference, 2, str(tmp_path / job), job, timeout=900)[0]
+    # step 1: the policy is its base exactly, so the implicit rewards (and KTO's KL point) are 0
+    assert abs(history[0]["rewards/chosen"]) < 1e-6 and abs(history[0]["rewards/rejected"]) < 1e-6
+    if job == "dpo":
+        assert abs(history[0]["loss"] - 0.6931471805599453) < 1e-6  # log 2
+        assert history[-1]["rewards/margins"] > 0  # the adapters moved the policy away from the base
+    else:
+        assert history[0]["kl"] == 0.0 and history[-1]["kl"] != 0.0
+    step = os.path.join(str(tmp_path / job), "checkpoints", "step_000003", "actor", "hyflow_checkpoint.json")
     with open(step) as f:
         assert json.load(f)["extra"]["lora"]["rank"] == 8
 
