@@ -176,3 +176,35 @@ def test_plan_shows_the_memory_lora_saves():
     assert update["full"].get("reference weights") > 0 and update["lora"].get("reference weights") == 0
     assert update["lora"].get("generation weights (LoRA)") > 0  # TP=2 -> TP_g=1: the base stays in the buffer
     assert any(n.startswith("actor.lora (rank 4") and "less" in n for n in lora.notes)
+
+
+def _first_layer_trains_under_full_recompute():
+    from hyflow.models.builder import build_gpt_model, recompute_overrides
+    from hyflow.models.description import tiny_llama
+    from hyflow.models.lora import apply_lora, lora_modules
+    from hyflow.models.weights import load_full_state_dict, random_full_state_dict
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
+    from hyflow.training.step import train_step
+
+    groups = init_training_groups(Layout(), seed=5)
+    desc = tiny_llama(vocab_size=200)
+    model = build_gpt_model(desc, groups, spec="local",
+                            config_overrides={"perform_initialization": False, **recompute_overrides("full")})
+    load_full_state_dict(model, random_full_state_dict(desc, seed=3), desc, groups)
+    apply_lora(model, LoRAConfig(rank=4), seed=9)
+    chunks = wrap_ddp([model], groups, False)
+    optimizer, scheduler = build_optimizer(chunks, OptimConfig(lr=1e-2), 1)
+    tokens = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(1))
+    train_step(chunks, optimizer, scheduler, [{"tokens": tokens, "position_ids": torch.arange(12).expand(2, -1),
+                                                 "labels": torch.roll(tokens, -1, 1), "loss_mask": torch.ones(2, 12)}],
+               groups=groups)
+    return [bool(m.lora_B.abs().max() > 0) for m in lora_modules(model)]
+
+
+def test_full_recomputation_trains_the_first_layers_adapters():
+    """Megatron's reentrant recomputation differentiates a block only when its input needs a gradient;
+    the frozen embedding's output is made to, so layer 0's adapters train too."""
+    trained = run_on_ranks(_first_layer_trains_under_full_recompute, 1)[0]
+    assert all(trained), trained
