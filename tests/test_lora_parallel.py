@@ -16,7 +16,7 @@ MICRO = 2
 GLOBAL_BATCH = 4
 
 
-def _train(tp: int, pp: int, dp: int, sequence_parallel: bool = False):
+def _train(tp: int, pp: int, dp: int, sequence_parallel: bool = False, distributed_optimizer: bool = False):
     import torch.distributed as dist
 
     from hyflow.jobs.lm import arith_batch
@@ -35,8 +35,9 @@ def _train(tp: int, pp: int, dp: int, sequence_parallel: bool = False):
     model = build_gpt_model(desc, groups, spec="local", config_overrides={"perform_initialization": False})
     load_full_state_dict(model, random_full_state_dict(desc, seed=3), desc, groups)
     apply_lora(model, LoRAConfig(rank=4, alpha=16.0), seed=11)
-    chunks = wrap_ddp([model], groups, False)
-    optimizer, scheduler = build_optimizer(chunks, OptimConfig(lr=2e-2, clip_grad=1.0), STEPS)
+    chunks = wrap_ddp([model], groups, distributed_optimizer)
+    optimizer, scheduler = build_optimizer(
+        chunks, OptimConfig(lr=2e-2, clip_grad=1.0, distributed_optimizer=distributed_optimizer), STEPS)
     gen = torch.Generator().manual_seed(11)
     n_micro = GLOBAL_BATCH // (MICRO * dp)
     losses, norms = [], []
@@ -67,8 +68,9 @@ def test_reference_run_trains_the_adapters(reference):
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=1, dp=1, sequence_parallel=True),
-                                    dict(tp=2, pp=1, dp=1), dict(tp=1, pp=2, dp=1), dict(tp=1, pp=1, dp=2)],
-                         ids=["tp2_sp", "tp2", "pp2", "dp2"])
+                                    dict(tp=2, pp=1, dp=1), dict(tp=1, pp=2, dp=1), dict(tp=1, pp=1, dp=2),
+                                    dict(tp=1, pp=1, dp=2, distributed_optimizer=True)],
+                         ids=["tp2_sp", "tp2", "pp2", "dp2", "dp2_distributed_optimizer"])
 def test_layout_matches_one_rank(reference, layout):
     losses, norms, adapters = run_on_ranks(_train, 2, **layout)[0]
     ref_losses, ref_norms, ref_adapters = reference
