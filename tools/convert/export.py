@@ -39,7 +39,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Run the export; returns the process exit status."""
     from hyflow.checkpoint.adapters import adapter_settings
     from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info
-    from hyflow.tools.convert.errors import ConversionError
+    from hyflow.models.sources.errors import ConversionError
     from hyflow.tools.convert.launch import RankFailure
     from hyflow.tools.convert.mcore2hf import mcore2hf
     from hyflow.tools.convert.peft_export import export_adapter

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hyflow.checkpoint.adapters import adapter_settings, lora_config
 from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info, read_description, verify_model_checkpoint
-from hyflow.tools.convert.errors import ConversionError
+from hyflow.models.sources.errors import ConversionError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
