@@ -7,7 +7,9 @@ Its ``hyflow_checkpoint.json`` records, under ``extra.lora``, the adapters' sett
 parameters besides the adapters, and the base (:func:`base_reference`): the base checkpoint's
 absolute path and a checksum of its files (the SHA-256 of its manifest entries: their sizes and
 digests, which loading the base verifies against the files), or the seed of a random
-initialisation. Whatever loads the adapters compares that reference with the base it has
+initialisation. A Hugging Face base (``actor.checkpoint`` an HF directory or a ``.gguf`` file, read
+directly) carries no checksums; it is identified by its files' names and sizes (``hf_files``), since
+hashing its contents on every rank at every start would read the whole model again. Whatever loads the adapters compares that reference with the base it has
 (:func:`check_base`): adapters trained on other weights fail with one error naming both.
 """
 
@@ -24,6 +26,7 @@ from hyflow.checkpoint.errors import CheckpointError
 from hyflow.checkpoint.manifest import file_digest, list_files, read_manifest
 from hyflow.models.lora import LoRAModel, has_adapters, lora_config_of
 from hyflow.models.lora_config import LoRAConfig
+from hyflow.models.sources.model_source import is_hf_model
 
 #: the key of ``CheckpointInfo.extra`` that marks an adapter checkpoint
 LORA_KEY = "lora"
@@ -51,8 +54,18 @@ def base_reference(checkpoint: Optional[str], seed: int, manifest_at: Optional[t
     :func:`hyflow.checkpoint.model.manifest_location`), or ``{"random_init_seed": seed}``."""
     if not checkpoint:
         return {"random_init_seed": int(seed)}
+    if is_hf_model(checkpoint):
+        return {"checkpoint": os.path.abspath(checkpoint), "hf_files": _hf_files_digest(checkpoint)}
     root, prefix = manifest_at or (checkpoint, "")
     return {"checkpoint": os.path.abspath(checkpoint), "sha256": base_checksum(root, prefix)}
+
+
+def _hf_files_digest(path: str) -> str:
+    """SHA-256 of the names and sizes of an HF model's files (a directory's, or one ``.gguf``)."""
+    folder, names = (path, list_files(path)) if os.path.isdir(path) else \
+        (os.path.dirname(os.path.abspath(path)), [os.path.basename(path)])
+    files = {name: os.path.getsize(os.path.join(folder, name)) for name in names}
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def adapter_info(model: Optional[torch.nn.Module]) -> dict[str, Any]:
@@ -90,18 +103,20 @@ def check_base(saved: dict[str, Any], current: dict[str, Any], where: str) -> No
 
 
 def find_base(saved: dict[str, Any], where: str) -> Optional[str]:
-    """The base checkpoint directory an adapter checkpoint references (None: a random init),
-    checked to exist and to hold the files the adapters were trained on."""
+    """The base an adapter checkpoint references (a checkpoint directory, an HF directory or a
+    ``.gguf`` file; None: a random init), checked to exist."""
     path = saved.get("checkpoint")
     if path is None:
         return None
-    if not os.path.isdir(path):
+    if not os.path.exists(path):
         raise CheckpointError(f"{where} holds LoRA adapters whose base checkpoint {path} does not exist (moved or "
                               "deleted?): put the base back there, then load the adapters again")
     return path
 
 
 def _describe(ref: dict[str, Any]) -> str:
+    if "hf_files" in ref:
+        return f"{ref['checkpoint']} (HF files' names and sizes sha256 {str(ref['hf_files'])[:12]}...)"
     if "checkpoint" in ref:
         return f"{ref['checkpoint']} (files sha256 {str(ref.get('sha256'))[:12]}...)"
     if "random_init_seed" in ref:

@@ -46,6 +46,9 @@ from hyflow.checkpoint.manifest import MANIFEST_FILE, sizes_match, verify_manife
 from hyflow.checkpoint.megatron_io import quiet_dist_checkpointing
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription, ModelDescriptionError
 from hyflow.models.lora import apply_lora, lora_spec, merge_and_unload
+from hyflow.models.sources.errors import ConversionError
+from hyflow.models.sources.hf_weights import load_hf_weights
+from hyflow.models.sources.model_source import is_hf_model
 from hyflow.models.weights import load_full_state_dict, random_full_state_dict
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
@@ -392,6 +395,13 @@ def _load_adapted(ckpt_dir: str, saved: dict, groups: ParallelGroups, dtype: str
     if base_dir is None:  # a random initialisation
         model = build_model_for_loading(desc, groups, dtype=dtype, spec=spec)
         load_full_state_dict(model, random_full_state_dict(desc, saved["base"]["random_init_seed"]), desc, groups)
+    elif is_hf_model(base_dir):  # a Hugging Face base read directly (actor.checkpoint an HF dir or .gguf)
+        check_base(saved["base"], base_reference(base_dir, 0), ckpt_dir)
+        model = build_model_for_loading(desc, groups, dtype=dtype, spec=spec)
+        try:
+            load_hf_weights(model, base_dir, desc, groups)
+        except ConversionError as e:
+            raise CheckpointError(f"the LoRA base of {ckpt_dir}: {e}") from None
     else:
         check_base(saved["base"], base_reference(base_dir, 0, manifest_location(base_dir)), ckpt_dir)
         model, _, _ = load_model_from_checkpoint(base_dir, groups, dtype=dtype, spec=spec, verify=verify)
