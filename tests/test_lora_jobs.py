@@ -57,7 +57,7 @@ def _rl(overrides, output_dir):
     saved = {name: _trained(m.module) for name, m in roles.items()}
     out["trained_names"] = {name: sorted(t) for name, t in saved.items()}
     ckpt = Checkpointer(cfg.trainer.output_dir, models.groups, models.desc, 2)
-    path = rl._save(cfg, ckpt, state)
+    path = rl.RLSteps(cfg, state, job, ckpt).save(state.step)
     ckpt.wait()
     if rank == 0:
         with open(os.path.join(path, "actor", "hyflow_checkpoint.json")) as f:
@@ -66,7 +66,7 @@ def _rl(overrides, output_dir):
                                  for f in os.listdir(os.path.join(path, "actor")) if f.endswith(".distcp"))
     cfg2, state2, job2 = rl_setup(args)
     ckpt2 = Checkpointer(cfg2.trainer.output_dir, state2.models.groups, state2.models.desc, 2)
-    out["resumed_step"] = rl._resume(cfg2, ckpt2, state2)
+    out["resumed_step"] = rl.RLSteps(cfg2, state2, job2, ckpt2).resume()
     out["resumed_equal"] = all(torch.equal(saved[name][n], p) for name, m in state2.models.trained().items()
                                for n, p in _trained(m.module).items())
     out["full_bytes"] = sum(p.numel() * p.element_size() for p in models.actor.module.parameters()
