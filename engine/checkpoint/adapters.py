@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from hyflow.checkpoint.errors import CheckpointError
-from hyflow.checkpoint.manifest import file_digest, list_files, read_manifest
+from hyflow.checkpoint.manifest import file_digest, manifest_entries, read_manifest
 from hyflow.models.lora import LoRAModel, has_adapters, lora_config_of
 from hyflow.models.lora_config import LoRAConfig
 from hyflow.models.sources.model_source import is_hf_model
@@ -38,7 +38,8 @@ def base_checksum(root: str, prefix: str = "") -> str:
     themselves."""
     manifest = read_manifest(root)
     if manifest is not None:
-        entries = {rel[len(prefix):]: entry for rel, entry in manifest["files"].items() if rel.startswith(prefix)}
+        entries = {rel[len(prefix):]: entry for rel, entry in manifest_entries(root, manifest).items()
+                   if rel.startswith(prefix)}
     else:
         base = os.path.join(root, prefix)
         entries = {rel: {"size": os.path.getsize(os.path.join(base, rel)),
@@ -58,6 +59,12 @@ def base_reference(checkpoint: Optional[str], seed: int, manifest_at: Optional[t
         return {"checkpoint": os.path.abspath(checkpoint), "hf_files": _hf_files_digest(checkpoint)}
     root, prefix = manifest_at or (checkpoint, "")
     return {"checkpoint": os.path.abspath(checkpoint), "sha256": base_checksum(root, prefix)}
+
+
+def list_files(root: str) -> list[str]:
+    """The regular files under ``root``, as sorted relative POSIX paths."""
+    return sorted(os.path.relpath(os.path.join(d, name), root).replace(os.sep, "/")
+                  for d, _, names in os.walk(root) for name in names if os.path.isfile(os.path.join(d, name)))
 
 
 def _hf_files_digest(path: str) -> str:

@@ -85,11 +85,14 @@ def run(cfg: RLJobConfig) -> list[dict]:
     ckpt = Checkpointer(cfg.trainer.output_dir, state.models.groups, state.models.desc, cfg.trainer.keep_last,
                         tokenizer=tokenizer_spec_for(cfg.data))
     steps = RLSteps(cfg, state, job, ckpt)
-    run = open_run(cfg, ckpt, state.supervisor, steps.resume, lead=dist.get_rank() == 0)
-    if run.writer is not None:
-        print(f"[hyflow] {state.models.weights.describe()}; {job.dataset_size} prompts", flush=True)
-    steps.before_train(run)
-    return run_job(run, steps)
+    try:
+        run = open_run(cfg, ckpt, state.supervisor, steps.resume, lead=dist.get_rank() == 0)
+        if run.writer is not None:
+            print(f"[hyflow] {state.models.weights.describe()}; {job.dataset_size} prompts", flush=True)
+        steps.before_train(run)
+        return run_job(run, steps)
+    finally:
+        job.reward.close()  # the reward function's worker processes
 
 
 class RLSteps:
@@ -401,6 +404,7 @@ def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, 
     stats.mean("response_length/clip_ratio", batch.truncated.double().sum(), float(batch.size))
     stats.distribution("prompt_length", batch.prompt_lengths.double())
     stats.mean("prompt_length/clip_ratio", (samples.column("truncated") > 0).double().sum(), float(batch.size))
+    stats.add("reward/timeouts", float(scored.timeouts))  # reward calls stopped at reward.timeout_s
     stats.add("perf/total_num_tokens", batch.lengths.double().sum())
     stats.add("rollout/generated_tokens", batch.response_lengths.double().sum())
     stats.add("rollout/gen_seconds_sum", timers.step_times.get("gen", 0.0))
