@@ -74,6 +74,7 @@ def adapter_config(settings: dict, base: str) -> dict:
 def export_adapter_rank(job: AdapterJob) -> int:
     """Load the adapters on this single rank (at TP=1 x PP=1) and write the PEFT tensors; returns
     their bytes."""
+    import torch  # the rank's work: this module stays light until the command runs
     from safetensors.torch import save_file
 
     from hyflow.checkpoint.model import build_model_for_loading, load_model_checkpoint
@@ -86,7 +87,10 @@ def export_adapter_rank(job: AdapterJob) -> int:
     settings = adapter_settings(info.extra)
     desc = read_description(job.ckpt_dir)
     groups = init_training_groups(Layout(tp=1, pp=1))
-    model = build_model_for_loading(desc, groups, dtype=info.dtype, spec="local")  # the base stays unloaded
+    model = build_model_for_loading(desc, groups, dtype=info.dtype, spec="local")
+    with torch.no_grad():  # the base is never read: zeros instead of its (uninitialised, maybe non-finite)
+        for p in model.parameters():  # memory, which the load's finite-weights check would refuse
+            p.zero_()
     config = lora_config(settings)
     apply_lora(model, config, seed=0, trainable=settings.get("trained", ()), base=settings.get("base"))
     load_model_checkpoint(model, job.ckpt_dir, groups, desc, verify=False)
