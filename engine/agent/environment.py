@@ -26,11 +26,13 @@ from hyflow.agent.parsers import ToolCallParser
 @dataclass
 class AssistantTurn:
     """One sampled assistant turn: its decoded ``text`` (special tokens dropped), ``token_ids``
-    (as sampled), its 0-based ``index`` in the trajectory."""
+    (as sampled), its 0-based ``index`` in the trajectory; ``last``: no observation will follow it
+    (``max_turns`` reached), so only its reward and ``done`` matter."""
 
     text: str
     token_ids: list[int]
     index: int
+    last: bool = False
 
 
 @dataclass
@@ -61,11 +63,14 @@ class Toolbox:
     def __init__(self, parser: ToolCallParser, runner: ToolRunner, observation_role: str = "tool") -> None:
         self.parser, self.runner, self.role = parser, runner, observation_role
 
-    def answer(self, text: str) -> Optional[EnvStep]:
-        """The step answering the calls in ``text``, or None when it makes none."""
+    def answer(self, text: str, run: bool = True) -> Optional[EnvStep]:
+        """The step answering the calls in ``text``, or None when it makes none. ``run=False``: the
+        calls are counted, not executed (nobody would read their results)."""
         calls = self.parser.parse(text)
         if not calls:
             return None
+        if not run:
+            return EnvStep(tool_calls=len(calls))
         outcomes: list[CallOutcome] = self.runner.run(calls)
         failures = [o.failure for o in outcomes if o.failure]
         return EnvStep(observation=[{"role": self.role, "name": o.name, "content": o.text} for o in outcomes],
@@ -101,4 +106,4 @@ class ToolEnvironment(Environment):
 
     def run_tools(self, turn: AssistantTurn) -> Optional[EnvStep]:
         """The step answering the turn's tool calls (None when it makes none, or no tools exist)."""
-        return self.tools.answer(turn.text) if self.tools is not None else None
+        return self.tools.answer(turn.text, run=not turn.last) if self.tools is not None else None

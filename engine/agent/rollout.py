@@ -248,7 +248,7 @@ class MultiTurnRollout:
                 if state.step is not None:
                     return
                 turn_ = AssistantTurn(text=self.tokenizer.decode(out.token_ids), token_ids=list(out.token_ids),
-                                      index=t.turns)
+                                      index=t.turns, last=t.turns + 1 >= self.cfg.max_turns)
                 state.step = _Call(lambda env=state.env, turn_=turn_: env.step(turn_), self.cfg.env_timeout)
 
         if self.leader:
@@ -311,10 +311,12 @@ class MultiTurnRollout:
             return END_REASONS.index("failed") + 1, [], 0.0, counts
         counts = [step.tool_calls, step.tool_errors, step.tool_timeouts, int(step.tool_calls > 0)]
         reward = float(step.reward)
-        if step.done or not step.observation:
+        if step.done:
             return END_REASONS.index("done") + 1, [], reward, counts
         if turn + 1 >= self.cfg.max_turns:
             return END_REASONS.index("max_turns") + 1, [], reward, counts
+        if not step.observation:  # nothing to answer: the trajectory is over
+            return END_REASONS.index("done") + 1, [], reward, counts
         stop = out.stop_token if out.stop_token is not None else (out.token_ids[-1] if out.token_ids else None)
         obs = self.chat.observation_ids(step.observation, stop)
         if len(t.response_ids) + len(obs) >= self.cfg.max_response_tokens:

@@ -125,7 +125,6 @@ def _assemble(rounds: list[Optional[Round]], chosen: list[tuple[int, int]], firs
         extras[key] = [v for i, g in chosen
                        for v in (rounds[i].scored.extras.get(key) or [math.nan] * rounds[i].scores.shape[0])
                        [g * n:(g + 1) * n]]
-    samples = SampleTensors(meta=torch.cat([p.meta for p in parts]), tokens=torch.cat([p.tokens for p in parts]),
-                            logprobs=torch.cat([p.logprobs for p in parts]))
+    samples = SampleTensors.concat(parts)
     return Round(samples=samples, scored=RewardBatch(scores, sources, extras), scores=torch.cat(values), n=n)
 

@@ -121,7 +121,10 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
                           in_place=not cfg.rollout.force_staleness)
     sample_vocab = min(desc.vocab_size, tokenizer.vocab_size)
     eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
-    dispatcher = RolloutDispatcher(hybrid, groups, GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
+    # a multi-turn context outgrows the first prompt's limit: the trajectory's budget bounds it (hyflow.agent)
+    prompt_limit = {"max_prompt_length": None} if cfg.rollout.multi_turn.enable else {}
+    dispatcher = RolloutDispatcher(hybrid, groups, GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0,
+                                                                             **prompt_limit),
                                    desc, sample_vocab, eos)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), hybrid=hybrid,
                       dispatcher=dispatcher, sample_vocab=sample_vocab)
