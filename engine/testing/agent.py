@@ -132,3 +132,63 @@ class ScriptedTurns:
                     time.sleep(self.delay)
         self.calls.append((start, time.monotonic(), len(requests)))
         return outs
+
+
+class EchoUser:
+    """A simulated user for tests (``rollout.multi_turn.environment: hyflow.testing.agent:EchoUser``):
+    answers every assistant turn with "again" until ``turns`` turns are done, so trajectories have
+    observations whatever the model writes; each turn's reward is its number of distinct characters
+    over 10 (it varies inside a group). Deterministic: a resumed run sees the same answers."""
+
+    tools = None
+
+    def __init__(self, turns: int = 3, reply: str = "again") -> None:
+        self.turns, self.reply = turns, reply
+
+    def reset(self, record) -> list[dict]:
+        return [dict(m) for m in record.messages]
+
+    def step(self, turn):
+        from hyflow.agent.environment import EnvStep
+
+        reward = len(set(turn.text)) / 10
+        if turn.index + 1 >= self.turns:
+            return EnvStep(reward=reward, done=True)
+        return EnvStep([{"role": "user", "content": self.reply}], reward=reward)
+
+    def close(self) -> None:
+        pass
+
+
+#: a tiny multi-turn RL config for tests: the quickstart's kind of model (char tokenizer), the
+#: simulated user above (3 turns), most characters stop a turn (a random model rarely writes EOS)
+TINY_MULTI_TURN = """\
+job: rl
+model: {family: llama, vocab_size: 128, hidden_size: 32, num_layers: 2, num_attention_heads: 4,
+        num_query_groups: 2, ffn_hidden_size: 64, max_position_embeddings: 96}
+actor:
+  layout: {tp: 1, pp: 2}
+  optim: {lr: 1.0e-3, clip_grad: 1.0}
+  micro_batch_size: 4
+  mini_batch_size: 8
+rollout:
+  layout: {tp: 1, pp: 1}
+  n: 2
+  max_prompt_length: 16
+  max_new_tokens: 6
+  stop_token_ids: [%s]
+  multi_turn:
+    enable: true
+    tools: [calculator]
+    tool_prompt: none
+    observation_role: user
+    environment: hyflow.testing.agent:EchoUser
+    environment_kwargs: {turns: 3}
+    max_turns: 3
+    max_response_tokens: 40
+    reward: sum
+algorithm: {adv_estimator: grpo}
+reward: {kind: rule, rule: exact_match}
+data: {task: digit_add, task_size: 64, train_batch_size: 4}
+trainer: {total_steps: 4, nproc: 2, log_every: 1, loggers: [console]}
+""" % ", ".join(str(i) for i in range(7, 90))
