@@ -271,8 +271,6 @@ def _replica(calls_file):
     """Two ranks form one replica: rank 0 (the leader) runs the environments, rank 1 gets the results."""
     import torch.distributed as dist
 
-    from hyflow.agent.channel import ReplicaChannel
-
     group = dist.new_group([0, 1])
     agent = _agent()
     records = _records(["q1?", "q2?"])
@@ -283,7 +281,7 @@ def _replica(calls_file):
     gen = ScriptedTurns(lambda ctx, j: (lambda ids: (ids, [-0.1] * len(ids)))(calc_then_answer(TOK.decode(ctx, False), j)),
                         [EOS])
     samples = agent.rollout(gen, records, 2, seed=1, request_offset=0, sampling=SamplingConfig(max_new_tokens=120),
-                            max_seq_len=4096, device=torch.device("cpu"), channel=ReplicaChannel([group]))
+                            max_seq_len=4096, device=torch.device("cpu"), replica_groups=[group])
     return samples.tokens.tolist(), samples.mask.tolist(), samples.stats.tolist(), len(counted)
 
 

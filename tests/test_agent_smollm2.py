@@ -37,7 +37,7 @@ def _sample_and_rescore(exact: bool) -> dict:
     from hyflow.algorithms.mismatch import mismatch_metrics, mismatch_row_stats
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.rl.batch import batching_for
-    from hyflow.rl.losses import forward_score, logprob_scorer
+    from hyflow.rl.step_losses import forward_score, logprob_scorer
     from hyflow.rl.dispatch import sampling_seed
     from hyflow.testing.rl import rl_setup
 
@@ -46,7 +46,7 @@ def _sample_and_rescore(exact: bool) -> dict:
                                os.path.join(REPO, "configs", "smollm2_tools.yaml"))
     models = state.models
     records = state.loader.next_batch()
-    first, stop = models.dispatcher.shard(len(records))
+    first, stop = models.rollouts.shard(len(records))
     rnd = rl.generate_round(cfg, state, job, records[first:stop], first, sampling_seed(cfg.trainer.seed, 1),
                             PhaseTimers())
     batch = rl._rollout_batch(rnd.samples, job.pad_id)

@@ -12,7 +12,7 @@ from hyflow.agent.builder import build_toolbox, environment_factory
 from hyflow.agent.channel import ReplicaChannel
 from hyflow.agent.chat import ChatFormat
 from hyflow.agent.config import MultiTurnConfig
-from hyflow.agent.rollout import MultiTurnRollout, TurnGenerator
+from hyflow.agent.rollout import EngineTurns, MultiTurnRollout
 from hyflow.agent.trajectory import STATS, final_turns, to_sample_tensors
 from hyflow.rollout.config import SamplingConfig
 from hyflow.rollout.dp import SampleTensors, all_gather_samples, split_evenly
@@ -32,17 +32,20 @@ class MultiTurnAgent:
         self.chat = ChatFormat(tokenizer, schemas, cfg.tool_prompt, cfg.observation_role)
         self.make_env = environment_factory(cfg, self.toolbox)
 
-    def rollout(self, generator: TurnGenerator, records: Sequence[Any], n: int, *, seed: int, request_offset: int,
+    def rollout(self, engine, records: Sequence[Any], n: int, *, seed: int, request_offset: int,
                 sampling: SamplingConfig, max_seq_len: int, device: torch.device, dp_group=None,
-                channel: Optional[ReplicaChannel] = None, pad_id: int = 0) -> SampleTensors:
-        """``n`` trajectories of each of ``records`` (global indices from ``request_offset``): the
-        replicas of ``dp_group`` (one rank per replica) each run a contiguous share of the prompts,
-        and every rank gets all of them in (prompt, sample) order, with masks and counters."""
+                replica_groups: Sequence = (), pad_id: int = 0) -> SampleTensors:
+        """``n`` trajectories of each of ``records`` (global indices from ``request_offset``) with
+        this rank's replica ``engine`` (``generate(requests, on_finish=...)``, as
+        :class:`~hyflow.rollout.engine.GenerationEngine`): the replicas of ``dp_group`` (one rank per
+        replica) each run a contiguous share of the prompts, the leader of each replica (rank 0 of
+        every group of ``replica_groups``: its TP, then PP group) runs the tools and environments,
+        and every rank gets all trajectories in (prompt, sample) order, with masks and counters."""
         size = dp_group.size() if dp_group is not None else 1
         rank = dp_group.rank() if dp_group is not None else 0
         start, stop = split_evenly(len(records), size)[rank]
-        driver = MultiTurnRollout(self.cfg, self.chat, self.tokenizer, generator, sampling, max_seq_len,
-                                  self.make_env, channel)
+        driver = MultiTurnRollout(self.cfg, self.chat, self.tokenizer, EngineTurns(engine), sampling, max_seq_len,
+                                  self.make_env, ReplicaChannel(replica_groups, device))
         trajectories = driver.run(records[start:stop], n, seed, request_offset + start) if stop > start else []
         local = to_sample_tensors(trajectories, device, pad_id)
         return all_gather_samples(local, dp_group).sorted()

@@ -4,15 +4,17 @@ load, a parser without ``parse`` fail there with one error naming the key."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from hyflow.agent.config import MultiTurnConfig
 from hyflow.agent.environment import Environment, ToolEnvironment, Toolbox
 from hyflow.agent.executor import ToolRunner
 from hyflow.agent.loading import LoadError, load_object
 from hyflow.agent.parsers import make_parser
 from hyflow.agent.tools import Tool, ToolConfigError, load_tool_config, make_builtin
 from hyflow.config import ConfigError
+
+if TYPE_CHECKING:  # annotations only: the config imports this module to check itself
+    from hyflow.agent.config import MultiTurnConfig
 
 
 def build_tools(cfg: MultiTurnConfig) -> list[Tool]:

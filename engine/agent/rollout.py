@@ -20,6 +20,7 @@ not depend on how prompts are split over replicas.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import time
@@ -49,17 +50,19 @@ class TurnGenerator(Protocol):
 
 
 class EngineTurns:
-    """:class:`TurnGenerator` over hyflow's :class:`~hyflow.rollout.engine.GenerationEngine`."""
+    """:class:`TurnGenerator` over a replica's engine (hyflow's
+    :class:`~hyflow.rollout.engine.GenerationEngine`, or another backend's with the same
+    ``generate(requests)``); an engine without ``on_finish`` reports nothing early: the environment
+    steps then start when its call returns."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.engine.max_seq_len
+        self.reports = "on_finish" in inspect.signature(engine.generate).parameters
 
     def generate(self, requests: list[GenerationRequest], on_finish: Optional[OnFinish] = None) -> list[SampleOutput]:
-        return self.engine.generate(requests, on_finish=on_finish).samples
+        if self.reports:
+            return self.engine.generate(requests, on_finish=on_finish).samples
+        return self.engine.generate(requests).samples
 
 
 class _Call(threading.Thread):

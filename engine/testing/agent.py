@@ -8,7 +8,7 @@ import os
 import time
 from typing import Callable, Optional, Sequence
 
-from hyflow.rollout.request import GenerationRequest, SampleOutput
+from hyflow.rollout.request import GenerationRequest, RolloutResult, SampleOutput
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOLLM2_TOKENIZER = os.path.join(REPO, "checkpoints", "smollm2-135m", "tokenizer")
@@ -106,7 +106,7 @@ CHATML_SMOLLM2 = (
 
 
 class ScriptedTurns:
-    """A :class:`hyflow.agent.rollout.TurnGenerator` whose "model" is ``script(context_ids, sample)
+    """A replica engine (``generate(requests, on_finish)``, as hyflow's) whose "model" is ``script(context_ids, sample)
     -> (token ids, log-probs)`` (the stop token included when the turn ends by itself). It reports
     each sample through ``on_finish`` as the engine does, ``delay`` seconds apart (the others
     still "decoding"), and records when each call started and ended."""
@@ -116,7 +116,7 @@ class ScriptedTurns:
         self.script, self.stops, self.max_seq_len, self.delay = script, set(stop_ids), max_seq_len, delay
         self.calls: list[tuple[float, float, int]] = []  # (start, end, requests)
 
-    def generate(self, requests: list[GenerationRequest], on_finish=None) -> list[SampleOutput]:
+    def generate(self, requests: list[GenerationRequest], on_finish=None) -> RolloutResult:
         start = time.monotonic()
         outs = []
         for i, req in enumerate(requests):
@@ -131,7 +131,7 @@ class ScriptedTurns:
                 if self.delay:
                     time.sleep(self.delay)
         self.calls.append((start, time.monotonic(), len(requests)))
-        return outs
+        return RolloutResult(outs)
 
 
 class EchoUser:
