@@ -162,6 +162,11 @@ class Hang(Environment):
         time.sleep(3600)
 
 
+class BrokenInit(Environment):
+    def __init__(self):
+        raise OSError("cannot reach the game server")
+
+
 @pytest.mark.parametrize("policy", ["retry", "resample_group"])
 def test_failures_are_retried(policy):
     Flaky.failures.clear()
@@ -196,6 +201,9 @@ def test_a_hung_environment_fails_within_its_timeout():
     samples, _ = _run(agent, lambda ctx, j: _ids("a"), _records(["q"]), n=2)
     assert time.monotonic() - start < 5
     assert _stat(samples, "dropped") == [1, 1]
+    broken = _agent(tools=[], environment=f"{__name__}:BrokenInit", max_retries=0)
+    samples, _ = _run(broken, lambda ctx, j: _ids("a"), _records(["q"]), n=2)
+    assert _stat(samples, "dropped") == [1, 1] and _ends(samples) == ["failed", "failed"]
 
 
 def test_hung_and_flooding_tools_inside_a_rollout(tmp_path):

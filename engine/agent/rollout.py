@@ -180,9 +180,11 @@ class MultiTurnRollout:
         if self.leader:
             calls = []
             for t in trajs:
-                env = self.make_env()
-                live[id(t)].env = env
-                calls.append(_Call(lambda env=env, rec=record_of[t.request]: env.reset(rec), self.cfg.env_timeout))
+                def start(state=live[id(t)], record=record_of[t.request]):
+                    state.env = self.make_env()  # a constructor that raises fails the trajectory, not the run
+                    return state.env.reset(record)
+
+                calls.append(_Call(start, self.cfg.env_timeout))
             for t, call in zip(trajs, calls):
                 messages, failure = call.wait()
                 ids: list[int] = []
