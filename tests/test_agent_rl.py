@@ -126,3 +126,51 @@ def test_multi_turn_training_paths(config):
     assert "rollout_corr/seq_is_weight_mean" in got["tis"]["metrics"][0] or any(
         k.startswith("rollout_corr/") for k in got["tis"]["metrics"][0])
     assert "critic/vf_loss" in got["gae"]["metrics"][0]
+
+
+def _faulty_step(config: str, tools_yaml: str, secret: str) -> dict:
+    import time
+
+    import torch
+
+    from hyflow.data.tokenizer import CharTokenizer
+    from hyflow.testing.rl import rl_setup, rl_step
+
+    torch.set_num_threads(1)
+    overrides = ["rollout.multi_turn.environment=hyflow.testing.agent:FaultyCalls",
+                 f"rollout.multi_turn.environment_kwargs={{read_path: {secret}, turns: 2}}",
+                 f"rollout.multi_turn.tool_config_path={tools_yaml}", "rollout.multi_turn.tools=[python]",
+                 "rollout.multi_turn.tool_timeout=3.0", "rollout.multi_turn.max_tool_response_length=40",
+                 "rollout.multi_turn.max_response_tokens=400", "model.max_position_embeddings=512"]
+    cfg, state, job = rl_setup(overrides, config)
+    start = time.monotonic()
+    metrics, data = rl_step(cfg, state, job)
+    text = CharTokenizer().decode(data["tokens"].flatten().tolist())
+    return {"metrics": metrics, "seconds": time.monotonic() - start, "text": text}
+
+
+def test_faulty_tools_inside_an_rl_step(config, tmp_path):
+    """A tool that sleeps forever, one that raises, one that returns 10 MB, and Python code reading
+    the run directory and opening a socket, called by every trajectory: the step finishes within
+    its timeout budget, the errors are counted, nothing outside the sandbox is read or touched."""
+    from hyflow.testing.agent import FAULT_TOOLS_YAML
+
+    (tmp_path / "tools.yaml").write_text(FAULT_TOOLS_YAML)
+    run = tmp_path / "run"
+    run.mkdir()
+    secret = run / "config.resolved.yaml"
+    secret.write_text("SECRET-RUN-FILE")
+    got = run_on_ranks(_faulty_step, 2, config, str(tmp_path / "tools.yaml"), str(secret), timeout=1200)
+    for rank in got:
+        m = rank["metrics"]
+        trajectories = 8  # 4 prompts x 2 samples
+        assert m["multi_turn/tool_calls/mean"] == 8  # 4 calls a turn, 2 turns
+        # the sleeper times out in every turn (a sandbox start on a loaded box may too)
+        assert 2 * trajectories <= m["multi_turn/tool_timeouts"] <= 4 * trajectories
+        assert m["multi_turn/tool_errors"] == 6 * trajectories  # sleeper, raiser, the sandbox's refusal per turn
+        assert m["multi_turn/end_reason/failed"] == 0 and m["multi_turn/dropped_groups"] == 0
+        assert rank["seconds"] < 300  # not 3600 s: one 3 s timeout per wave, the calls in parallel
+        assert "sandbox's directory" in rank["text"] and "characters cut" in rank["text"]
+        assert "SECRET-RUN-FILE" not in rank["text"]
+    assert sorted(p.name for p in run.iterdir()) == ["config.resolved.yaml"]
+    assert secret.read_text() == "SECRET-RUN-FILE"

@@ -10,7 +10,7 @@ from hyflow.agent.environment import Environment, ToolEnvironment, Toolbox
 from hyflow.agent.executor import ToolRunner
 from hyflow.agent.loading import LoadError, load_object
 from hyflow.agent.parsers import make_parser
-from hyflow.agent.tools import Tool, ToolConfigError, load_tool_config, make_builtin
+from hyflow.agent.tools import Tool, ToolConfigError, load_tool_config, make_builtin, tool_name
 from hyflow.config import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the config imports this module to check itself
@@ -71,7 +71,7 @@ def check_agent_config(cfg: MultiTurnConfig) -> None:
         tools = build_tools(cfg)
     except (ToolConfigError, LoadError) as exc:
         raise ConfigError(str(exc), key="tool_config_path" if cfg.tool_config_path else "tools") from None
-    names = [t.name for t in tools]
+    names = [tool_name(t) for t in tools]
     if len(set(names)) != len(names):
         raise ConfigError(f"two tools share a name: {names}; tool names must be unique", key="tool_config_path")
     try:

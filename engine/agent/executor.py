@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hyflow.agent.parsers import ToolCall
-from hyflow.agent.tools import Tool, ToolFailure, ToolResult, argument_errors
+from hyflow.agent.tools import Tool, ToolFailure, ToolResult, argument_errors, tool_name
 
 
 @dataclass
@@ -54,7 +54,7 @@ class _Call(threading.Thread):
     """One call in a daemon thread; ``done`` is set when it returns (or raises)."""
 
     def __init__(self, tool: Tool, arguments: dict, slots: threading.BoundedSemaphore) -> None:
-        super().__init__(daemon=True, name=f"hyflow-tool-{tool.name}")
+        super().__init__(daemon=True, name=f"hyflow-tool-{tool_name(tool)}")
         self.tool, self.arguments, self.slots = tool, arguments, slots
         self.done = threading.Event()
         self.result: Optional[ToolResult] = None
@@ -110,9 +110,10 @@ class ToolRunner:
                  timeout_is_failure: bool = False) -> None:
         self.tools: dict[str, Tool] = {}
         for tool in tools:
-            if tool.name in self.tools:
-                raise ValueError(f"two tools are named {tool.name!r}; tool names must be unique")
-            self.tools[tool.name] = tool
+            name = tool_name(tool)
+            if name in self.tools:
+                raise ValueError(f"two tools are named {name!r}; tool names must be unique")
+            self.tools[name] = tool
         self.timeout, self.max_chars, self.side = timeout, max_chars, truncate_side
         self.max_parallel_calls = max_parallel_calls
         self.timeout_is_failure = timeout_is_failure

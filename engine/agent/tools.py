@@ -69,10 +69,15 @@ class Tool:
 
     @property
     def name(self) -> str:
-        return self.schema["function"]["name"]
+        return tool_name(self)
 
     def execute(self, arguments: dict[str, Any]) -> Union[str, ToolResult]:
         raise NotImplementedError
+
+
+def tool_name(tool) -> str:
+    """The name a tool is called by (its schema's; tools need not subclass :class:`Tool`)."""
+    return tool.schema["function"]["name"]
 
 
 def function_schema(name: str, description: str, properties: dict[str, dict], required: list[str]) -> dict:
@@ -180,5 +185,6 @@ def load_tool_config(path: str) -> list[Tool]:
         if not callable(getattr(tool, "execute", None)) or not isinstance(getattr(tool, "schema", None), dict):
             raise ToolConfigError(f"{where}: {entry['class_name']} is not a tool (needs .schema and "
                                   "execute(arguments); subclass hyflow.agent.tools.Tool)")
+        check_schema(tool.schema, where)
         tools.append(tool)
     return tools

@@ -192,3 +192,69 @@ reward: {kind: rule, rule: exact_match}
 data: {task: digit_add, task_size: 64, train_batch_size: 4}
 trainer: {total_steps: 4, nproc: 2, log_every: 1, loggers: [console]}
 """ % ", ".join(str(i) for i in range(7, 90))
+
+
+class SleepTool:
+    """A tool that never returns (fault tests)."""
+
+    def __init__(self, config=None, tool_schema=None) -> None:
+        from hyflow.agent.tools import function_schema
+
+        self.schema = tool_schema or function_schema("sleep", "sleeps forever", {}, [])
+
+    def execute(self, arguments):
+        time.sleep(3600)
+
+
+class SpamTool(SleepTool):
+    """A tool that returns 10 MB."""
+
+    def __init__(self, config=None, tool_schema=None) -> None:
+        from hyflow.agent.tools import function_schema
+
+        self.schema = tool_schema or function_schema("spam", "returns 10 MB", {}, [])
+
+    def execute(self, arguments):
+        return "x" * 10_000_000
+
+
+class BoomTool(SleepTool):
+    """A tool that raises."""
+
+    def __init__(self, config=None, tool_schema=None) -> None:
+        from hyflow.agent.tools import function_schema
+
+        self.schema = tool_schema or function_schema("boom", "raises", {}, [])
+
+    def execute(self, arguments):
+        raise RuntimeError("the tool blew up")
+
+
+FAULT_TOOLS_YAML = """\
+tools:
+  - {class_name: "hyflow.testing.agent:SleepTool"}
+  - {class_name: "hyflow.testing.agent:SpamTool"}
+  - {class_name: "hyflow.testing.agent:BoomTool"}
+"""
+
+
+class FaultyCalls(EchoUser):
+    """A "model" that calls every fault at each turn whatever it writes (the environment makes the
+    calls itself): the hung, the flooding and the raising tool, and Python code that tries to read
+    ``read_path`` and to open a socket. Its observation is their results; ``turns`` turns."""
+
+    def __init__(self, read_path: str = "/etc/hostname", turns: int = 2) -> None:
+        super().__init__(turns)
+        code = f"print(open({read_path!r}).read())\\nimport socket\\nsocket.socket()"
+        self.text = "".join('<tool_call>{"name": "%s", "arguments": {}}</tool_call>' % name
+                            for name in ("sleep", "spam", "boom")) + \
+            '<tool_call>{"name": "python", "arguments": {"code": "%s"}}</tool_call>' % code.replace('"', '\\"')
+
+    def step(self, turn):
+        from hyflow.agent.environment import EnvStep
+
+        step = self.tools.answer(self.text, run=not turn.last)
+        if turn.index + 1 >= self.turns:
+            return EnvStep(done=True, tool_calls=step.tool_calls, tool_errors=step.tool_errors,
+                           tool_timeouts=step.tool_timeouts)
+        return step
