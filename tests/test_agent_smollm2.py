@@ -29,49 +29,61 @@ OVERRIDES = [
 ]
 
 
-def _sample_and_rescore(exact: bool) -> dict:
-    """Phases 1-3 of a step: the trajectories, then the trainer's old-log-prob forward over them."""
+def _sample_and_rescore() -> dict:
+    """Phases 1-3 of a step in exact mode: the trajectories (their log-probs as sampled are kept
+    before exact mode replaces them), then the trainer's old-log-prob forward over them."""
     import torch
 
     import hyflow.jobs.rl as rl
     from hyflow.algorithms.mismatch import mismatch_metrics, mismatch_row_stats
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.rl.batch import batching_for
-    from hyflow.rl.step_losses import forward_score, logprob_scorer
     from hyflow.rl.dispatch import sampling_seed
+    from hyflow.rl.step_losses import forward_score, logprob_scorer
     from hyflow.testing.rl import rl_setup
 
     torch.set_num_threads(1)
-    cfg, state, job = rl_setup(OVERRIDES + [f"rollout.exact_logprobs={str(exact).lower()}"],
+    cfg, state, job = rl_setup(OVERRIDES + ["rollout.exact_logprobs=true"],
                                os.path.join(REPO, "configs", "smollm2_tools.yaml"))
     models = state.models
     records = state.loader.next_batch()
     first, stop = models.rollouts.shard(len(records))
-    rnd = rl.generate_round(cfg, state, job, records[first:stop], first, sampling_seed(cfg.trainer.seed, 1),
-                            PhaseTimers())
-    batch = rl._rollout_batch(rnd.samples, job.pad_id)
-    columns = {"tokens": batch.tokens, "response_mask": batch.response_mask}
-    scoring = batching_for(cfg, "reference", models.groups, job.pad_id).cut(columns, batch.row_lengths())
+    sampled = []
+    original = rl._with_logprobs
+
+    def keep(samples, pad_id, rescore):  # the sampler's own log-probs, before exact mode's re-score
+        sampled.append(samples.logprobs.clone())
+        return original(samples, pad_id, rescore)
+
+    rl._with_logprobs = keep
+    try:
+        rnd = rl.generate_round(cfg, state, job, records[first:stop], first, sampling_seed(cfg.trainer.seed, 1),
+                                PhaseTimers())
+    finally:
+        rl._with_logprobs = original
+    exact = rl._rollout_batch(rnd.samples, job.pad_id)
+    columns = {"tokens": exact.tokens, "response_mask": exact.response_mask}
+    scoring = batching_for(cfg, "reference", models.groups, job.pad_id).cut(columns, exact.row_lengths())
     scorer = logprob_scorer(models.sample_vocab, models.groups.pgs.tp, cfg.rollout.temperature,
                             cfg.actor.fused_output_layer)
-    old = forward_score(models.actor.chunks, scoring, scorer, models.groups, tuple(batch.tokens.shape))
-    mask = batch.response_mask > 0
-    diff = (old - batch.rollout_logprobs).abs()[mask]
-    rows = mismatch_row_stats(old, batch.rollout_logprobs, batch.response_mask)
-    metrics = mismatch_metrics({k: float(v.max() if k.endswith("_max") else v.sum()) for k, v in rows.items()})
-    observations = batch.response_positions() & ~mask
-    return {"trajectories": batch.size, "assistant_tokens": int(mask.sum()),
-            "observation_tokens": int(observations.sum()), "diff_max": float(diff.max()),
-            "diff_mean": float(diff.mean()), "metric": metrics["rollout/logprob_diff_max"],
-            "turns": rnd.samples.stats[:, 0].tolist()}
-
-
-def _both() -> dict:
-    return {"sampled": _sample_and_rescore(False), "exact": _sample_and_rescore(True)}
+    old = forward_score(models.actor.chunks, scoring, scorer, models.groups, tuple(exact.tokens.shape))
+    out = {}
+    for mode, samples in (("sampled", rnd.samples.replace_logprobs(sampled[0])), ("exact", rnd.samples)):
+        batch = rl._rollout_batch(samples, job.pad_id)
+        mask = batch.response_mask > 0
+        diff = (old - batch.rollout_logprobs).abs()[mask]
+        rows = mismatch_row_stats(old, batch.rollout_logprobs, batch.response_mask)
+        metrics = mismatch_metrics({k: float(v.max() if k.endswith("_max") else v.sum()) for k, v in rows.items()})
+        observations = batch.response_positions() & ~mask
+        out[mode] = {"trajectories": batch.size, "assistant_tokens": int(mask.sum()),
+                     "observation_tokens": int(observations.sum()), "diff_max": float(diff.max()),
+                     "diff_mean": float(diff.mean()), "metric": metrics["rollout/logprob_diff_max"],
+                     "turns": rnd.samples.stats[:, 0].tolist()}
+    return out
 
 
 def test_recomputed_logprobs_of_every_assistant_token_match_the_samplers():
-    got = run_on_ranks(_both, 2, timeout=1800)[0]
+    got = run_on_ranks(_sample_and_rescore, 2, timeout=1800)[0]
     for mode in ("sampled", "exact"):
         r = got[mode]
         print(f"[smollm2 multi-turn] {mode}: {r['trajectories']} trajectories, {r['assistant_tokens']} assistant "
