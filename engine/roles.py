@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # annotations only: the protocols stay import-free
     from hyflow.rl.batch import MicroBatching, RolloutBatch
     from hyflow.rl.update import UpdateStats
     from hyflow.agent.agent import MultiTurnAgent
+    from hyflow.rollout.config import SamplingConfig
     from hyflow.rollout.dp import GatheredRollout, SampleTensors
 
 
@@ -151,21 +152,24 @@ class Rollouts(Protocol):
         ...
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
-                 greedy: bool = False, max_new_tokens: Optional[int] = None) -> GatheredRollout:
+                 greedy: bool = False, max_new_tokens: Optional[int] = None,
+                 sampling: Optional[SamplingConfig] = None) -> GatheredRollout:
         """``n`` samples of each of this DP shard's ``prompts`` (global prompt indices from
         ``request_offset``; ``seed``: the step's base seed), in (prompt, sample) order: token ids,
         sampled-token log-probs, finish reasons (:class:`~hyflow.rollout.dp.SampleTensors`).
         ``greedy``: argmax decoding (needs ``capabilities.greedy``); ``max_new_tokens``: overrides
-        the configured length."""
+        the configured length; ``sampling``: another phase's sampling (validation's
+        ``rollout.val_kwargs``: temperature, top-k, top-p) instead of the rollout's."""
         ...
 
     def generate_trajectories(self, agent: MultiTurnAgent, records: Sequence, n: int, *, seed: int,
-                              request_offset: int) -> SampleTensors:
+                              request_offset: int, sampling: Optional[SamplingConfig] = None) -> SampleTensors:
         """``n`` multi-turn trajectories of each of this DP shard's ``records`` (prompt rows,
         global indices from ``request_offset``), in (prompt, sample) order: the ``agent``'s loop on
         each replica with its tools and environments, assistant turns masked in, observations
-        masked out (``SampleTensors.mask``), with the trajectories' counters (``.stats``). Only
-        with ``capabilities.multi_turn``."""
+        masked out (``SampleTensors.mask``), with the trajectories' counters (``.stats``).
+        ``sampling``: another phase's sampling (validation's), as in :meth:`generate`. Only with
+        ``capabilities.multi_turn``."""
         ...
 
     def rescore(self, batch: RolloutBatch, batching: MicroBatching, *, temperature: float, fused: bool,

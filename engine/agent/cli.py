@@ -3,7 +3,7 @@
 The RL config's ``rollout.multi_turn`` section (tools, environment, turn and token budgets) runs
 on the prompts file's rows (the RL data format, e.g. from ``hyflow make-task``) with the command's
 sampling settings (``--max-new-tokens`` is the per-turn limit; greedy by default). Rank 0 prints
-each trajectory and a summary: the reward rule's mean score of the final turns (``--reward``), the
+each trajectory and a summary: the mean score of the final turns by a reward rule or function file (``--reward``), the
 share of trajectories that called a tool, turns, tool errors and why trajectories ended.
 """
 
@@ -17,11 +17,10 @@ from hyflow.agent.config import END_REASONS
 from hyflow.agent.trajectory import STATS, final_turns
 from hyflow.data.dataset import PromptDataset, read_rows
 from hyflow.jobs.registry import load_job_config
-from hyflow.rewards.rules import RULES
 
 
 def generate_multi_turn(config_path: str, prompts_path: str, engine, groups, tokenizer, n: int, seed: int,
-                        rule: Optional[str], output: Optional[str], rank: int) -> dict[str, Any]:
+                        reward: Any, output: Optional[str], rank: int) -> dict[str, Any]:
     """Run the trajectories over the ``groups``' data-parallel replicas; rank 0 reports them.
     Returns the summary (every rank)."""
     cfg = load_job_config(config_path, [])
@@ -30,7 +29,7 @@ def generate_multi_turn(config_path: str, prompts_path: str, engine, groups, tok
     agent = MultiTurnAgent(cfg.rollout.multi_turn, tokenizer)
     records = list(PromptDataset.from_rows(read_rows(prompts_path), tokenizer, source=prompts_path,
                                            max_prompt_length=engine.max_seq_len - 1,
-                                           require_ground_truth=rule is not None))
+                                           require_ground_truth=reward is not None))
     sampling = engine.config.sampling.replace(n=1, seed=seed)
     samples = agent.rollout(engine, records, n, seed=seed, request_offset=0, sampling=sampling,
                             max_seq_len=engine.max_seq_len, device=groups.device, dp_group=groups.pgs.dp,
@@ -39,9 +38,11 @@ def generate_multi_turn(config_path: str, prompts_path: str, engine, groups, tok
     stats = samples.stats.tolist()
     meta = samples.meta.tolist()
     scores = None
-    if rule is not None:
-        scores = [float(RULES[rule](text, records[m[0]].ground_truth, extra_info=records[m[0]].extra_info))
-                  for m, text in zip(meta, finals)]
+    if reward is not None:  # the final turns, each against its own row (trajectories may be dropped)
+        rows = [records[m[0]] for m in meta]
+        scores = reward.score(finals, [r.data_source for r in rows],
+                              [r.ground_truth for r in rows], [r.extra_info for r in rows],
+                              where=[r.where for r in rows]).scores
     col = {name: [row[i] for row in stats] for i, name in enumerate(STATS)}
     count = len(stats)
     ends = [END_REASONS[int(e)] for e in col["end"]]

@@ -32,7 +32,7 @@ from hyflow.monitor import comm
 from hyflow.rl.batch import MicroBatching, RolloutBatch
 from hyflow.rl.exact_logprobs import rescore_in_generation_layout
 from hyflow.roles import RolloutCapabilities
-from hyflow.rollout.config import GenerationConfig
+from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.dp import GatheredRollout, SampleTensors, generate_data_parallel
 from hyflow.rollout.engine import GenerationEngine
 
@@ -127,11 +127,13 @@ class RolloutDispatcher:
         """Nothing to release: the hybrid engine's ``to_training`` gives the buffer back."""
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
-                 greedy: bool = False, max_new_tokens: Optional[int] = None) -> GatheredRollout:
+                 greedy: bool = False, max_new_tokens: Optional[int] = None,
+                 sampling: Optional[SamplingConfig] = None) -> GatheredRollout:
         """``n`` samples of each of this DP shard's ``prompts`` (global indices from
         ``request_offset``), gathered on every rank of the shard's model-parallel group.
-        ``greedy``: argmax decoding (ReMax's baselines)."""
-        sampling = self.rollout_config.sampling.replace(n=n, seed=seed)
+        ``greedy``: argmax decoding (ReMax's baselines); ``sampling``: settings other than the
+        rollout's (validation's ``rollout.val_kwargs``)."""
+        sampling = (sampling or self.rollout_config.sampling).replace(n=n, seed=seed)
         if greedy:
             sampling = sampling.replace(temperature=0.0)
         if max_new_tokens is not None:
@@ -139,8 +141,8 @@ class RolloutDispatcher:
         return generate_data_parallel(self.engine, [list(p) for p in prompts], self.micro_dp_group,
                                       sampling, request_offset=request_offset, device=self.groups.device)
 
-    def generate_trajectories(self, agent, records: Sequence, n: int, *, seed: int,
-                              request_offset: int) -> SampleTensors:
+    def generate_trajectories(self, agent, records: Sequence, n: int, *, seed: int, request_offset: int,
+                              sampling: Optional[SamplingConfig] = None) -> SampleTensors:
         """``n`` multi-turn trajectories of each of this DP shard's ``records``: the prompts are
         split over the micro-DP replicas, each runs the agent's loop with this replica's engine
         (its leader, generation TP rank 0 of stage 0, runs the tools and environments and shares
@@ -149,7 +151,7 @@ class RolloutDispatcher:
         gen = self.hybrid.gen_groups
         engine = self.engine
         return agent.rollout(engine, records, n, seed=seed, request_offset=request_offset,
-                             sampling=self.rollout_config.sampling.replace(n=1, seed=seed),
+                             sampling=(sampling or self.rollout_config.sampling).replace(n=1, seed=seed),
                              max_seq_len=getattr(engine, "max_seq_len", None) or self.desc.context_length,
                              device=self.groups.device, dp_group=self.micro_dp_group,
                              replica_groups=[gen.pgs.tp, gen.pgs.pp], pad_id=self.rollout_config.pad_token_id)
