@@ -9,7 +9,10 @@ answers every turn, so trajectories have observations whatever the model writes)
 * packed rows and token-budget micro-batches give the same update as padded rows; rollout
   correction, RLOO and PPO with a critic (GAE) run over the trajectories with zero advantages on
   observations;
-* the multi-turn metrics are reported.
+* the multi-turn metrics are reported;
+* validation (``data.val_files``) of a multi-turn run validates trajectories, scored as in
+  training (the simulated user's per-turn rewards count: single responses would score ~0), the
+  same numbers twice for the same weights, with the tool-call rate.
 """
 
 import pytest
@@ -44,7 +47,9 @@ def _runs(config: str, runs: dict) -> dict:
     import torch
 
     import hyflow.jobs.rl as rl
+    from hyflow.rollout.config import GenerationConfig
     from hyflow.testing.rl import rl_setup, rl_step
+    from hyflow.validation.rl import Validation, validate_actor
 
     torch.set_num_threads(1)
     out = {}
@@ -73,6 +78,10 @@ def _runs(config: str, runs: dict) -> dict:
         try:
             cfg, state, job = rl_setup(list(overrides), config)
             metrics = [rl_step(cfg, state, job)[0] for _ in range(steps)]
+            if cfg.data.val_files:  # validated twice, as the job does after the steps
+                validation = Validation.from_config(cfg, job.tokenizer, job.reward,
+                                                    GenerationConfig.from_settings(cfg.rollout).sampling, job.agent)
+                metrics += [validate_actor(validation, state.models) for _ in range(2)]
         finally:
             rl.PolicyLoss = original
         out[name] = {"metrics": metrics, **seen}
@@ -89,7 +98,13 @@ def _merge(results):
     return out
 
 
-def test_multi_turn_training_paths(config):
+def test_multi_turn_training_paths(config, tmp_path):
+    import json
+
+    from hyflow.data.tasks import make_task_rows
+
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in make_task_rows("digit_add", 6, seed=5)))
     exact = ["rollout.exact_logprobs=true"]
     runs = {
         "grads": (["actor.fused_output_layer=false"], 2),
@@ -101,6 +116,7 @@ def test_multi_turn_training_paths(config):
         "tis": (["actor.rollout_correction.mode=token_tis"], 1),
         "rloo": (["algorithm.adv_estimator=rloo"], 1),
         "gae": (["algorithm.adv_estimator=gae", "critic.enable=true"], 1),
+        "val": ([f"data.val_files=[{val}]"], 1),
     }
     got = _merge(run_on_ranks(_runs, 2, config, runs, timeout=1200))
 
@@ -108,6 +124,11 @@ def test_multi_turn_training_paths(config):
     assert len(grads["holes"]) > 20 and len(grads["sampled"]) > 20  # trajectories with observations
     assert max(grads["holes"]) == 0.0  # no loss on any observation token
     assert sum(g > 0 for g in grads["sampled"]) > 0.5 * len(grads["sampled"])  # (0 where a group ties)
+    step, first, again = got.pop("val")["metrics"]
+    key = "val-core/hyflow/digit_add/reward/mean@1"
+    assert first[key] == again[key] and first[key] > 0.3  # 3 turns' rewards (>= 0.1 each) + the final's score
+    assert first["val-aux/multi_turn/tool_call_rate"] == again["val-aux/multi_turn/tool_call_rate"]
+    assert 0.0 <= first["val-aux/multi_turn/tool_call_rate"] <= 1.0
     for name, result in got.items():
         assert max(abs(a) for a in result["adv_holes"]) == 0.0, name
         for m in result["metrics"]:
