@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from hyflow.jobs.rl_config import TrainerConfig
+from hyflow.jobs.trainer_config import TrainerConfig
 from hyflow.monitor import (
     PHASE_KEYS,
     REQUIRED_KEYS,

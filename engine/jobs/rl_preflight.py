@@ -36,9 +36,7 @@ def preflight(cfg: Any) -> None:
 
 
 def _preflight(cfg: Any) -> None:
-    from hyflow.jobs.one_step_off import check_supported
-
-    check_supported(cfg)  # placement pools and trainer.mode=one_step_off: what runs today
+    check_pooled_supported(cfg)  # placement pools and trainer.mode=one_step_off: what runs today
     check_role_capabilities(cfg)
     _check_context_parallel(cfg)
     _check_task(cfg.data)
@@ -54,6 +52,26 @@ def _preflight(cfg: Any) -> None:
                                        "use a model / tokenizer pair that match")
     _check_resume(cfg.trainer.resume)
     _check_output_dir(cfg.trainer.output_dir)
+
+
+def check_pooled_supported(cfg: Any) -> None:
+    """What placement pools (``trainer.mode=one_step_off``, or ``sync`` with ``placement.pools``) do not
+    run yet, named before any rank starts (what the pooled roles cannot do is their declared capabilities':
+    :func:`hyflow.jobs.rl_preflight.check_role_capabilities`)."""
+    placement = cfg.resolved_placement()
+    if placement.colocated:
+        return
+    from hyflow.placement.remote_critic import check_remote_roles
+
+    check_remote_roles(cfg, placement)  # roles on a pool apart from the actor's: the critic only
+    if cfg.data.val_files:
+        raise ConfigError("validation (data.val_files) runs colocated only for now: drop data.val_files with "
+                          "placement pools, or validate the checkpoints with `hyflow eval`", key="data.val_files")
+    actor = placement.roles["actor"].pool
+    if actor.start != 0:  # Megatron's dist_checkpointing writes the models' common part from rank 0
+        raise ConfigError(f"checkpoints of placement pools need the actor's pool to start at rank 0 (it is "
+                          f"{actor.describe()}): list the training pool first in placement.pools",
+                          key="placement.pools")
 
 
 def role_classes(cfg: Any) -> tuple[type, type]:

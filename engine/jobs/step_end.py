@@ -25,6 +25,12 @@ from typing import Any, Callable, Optional
 from hyflow.training.supervisor import StepOutcome, StepSupervisor
 
 
+def save_due(trainer: Any, step: int, outcome: StepOutcome) -> bool:
+    """Whether ``step`` checkpoints: every ``trainer.save_every`` steps, at the last step, and before stopping."""
+    every = trainer.save_every
+    return outcome.stop or step == trainer.total_steps or bool(every and step % every == 0)
+
+
 @dataclass
 class StepEnd:
     """What a job's loop does after each step; ``history`` holds every step's metrics of this run.
@@ -44,11 +50,6 @@ class StepEnd:
     progress: Any
     history: list[dict] = field(default_factory=list)
 
-    def save_due(self, step: int, outcome: StepOutcome) -> bool:
-        """Every ``trainer.save_every`` steps, at the last step, and before stopping."""
-        every = self.trainer.save_every
-        return outcome.stop or step == self.trainer.total_steps or bool(every and step % every == 0)
-
     def finish(self, step: int, metrics: dict, outcome: StepOutcome, save: Callable[[int], Optional[str]]) -> bool:
         """Record ``metrics`` of ``step``; when a checkpoint is due call ``save(step)`` (it writes
         the checkpoint and returns its directory); True when the run must stop after this step (a stop signal).
@@ -59,7 +60,7 @@ class StepEnd:
             self.writer.log(step, metrics)
         self.progress.update(step, metrics)
         self.ckpt.poll()  # finalize background saves that finished (collective)
-        saved = save(step) if self.save_due(step, outcome) else None
+        saved = save(step) if save_due(self.trainer, step, outcome) else None
         if outcome.diverged:
             self.ckpt.wait()
             raise self.supervisor.divergence_error(saved)
