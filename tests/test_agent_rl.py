@@ -126,7 +126,8 @@ def test_multi_turn_training_paths(config, tmp_path):
     assert sum(g > 0 for g in grads["sampled"]) > 0.5 * len(grads["sampled"])  # (0 where a group ties)
     step, first, again = got.pop("val")["metrics"]
     key = "val-core/hyflow/digit_add/reward/mean@1"
-    assert first[key] == again[key] and first[key] > 0.3  # 3 turns' rewards (>= 0.1 each) + the final's score
+    # 3 turns' rewards (>= 0.1 each) + the final turn's score; single responses scored 0.0 here
+    assert first[key] == again[key] and first[key] >= 0.3 - 1e-6
     assert first["val-aux/multi_turn/tool_call_rate"] == again["val-aux/multi_turn/tool_call_rate"]
     assert 0.0 <= first["val-aux/multi_turn/tool_call_rate"] <= 1.0
     for name, result in got.items():
