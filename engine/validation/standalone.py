@@ -4,6 +4,7 @@ layout, each data-parallel replica validating a share of the prompts with the sa
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -32,6 +33,8 @@ def evaluate(cfg: Any, model_dir: str, tp: int, pp: int, dp: int) -> Optional[di
     vocab = min(desc.vocab_size, tokenizer.vocab_size)  # as the RL job's dispatcher
     eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
     gen_cfg = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
+    if cfg.rollout.multi_turn.enable:  # as in training: a multi-turn context outgrows the prompt limit
+        gen_cfg = dataclasses.replace(gen_cfg, max_prompt_length=None)
     engine = GenerationEngine(model, gen_cfg, vocab_size=vocab, eos_token_ids=eos, tp_group=groups.pgs.tp,
                               pp_group=groups.pgs.pp, max_position_embeddings=desc.max_position_embeddings)
     reward_model = None
