@@ -7,7 +7,6 @@ replaced by a function that fails the test). Also: the architecture comes from
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 

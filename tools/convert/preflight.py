@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from hyflow.models.sources.errors import ConversionError
-from hyflow.models.sources.model_source import DTYPE_CHOICES, ModelSource, check_tensors, open_model_source, \
+from hyflow.models.sources.model_source import ModelSource, check_tensors, open_model_source, \
     resolve_dtype
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
