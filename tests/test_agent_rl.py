@@ -58,11 +58,14 @@ def _runs(config: str, runs: dict) -> dict:
         seen = {"holes": [], "sampled": [], "adv_holes": []}
 
         class Capture(original):
+            captured, grads = seen, name == "grads"
+
             def __call__(self, output, batch):
-                if isinstance(output, torch.Tensor) and output.requires_grad and name == "grads":
+                seen = self.captured
+                if isinstance(output, torch.Tensor) and output.requires_grad and self.grads:
                     mask = batch["response_mask"].detach().clone()
 
-                    def hook(grad, mask=mask):
+                    def hook(grad, mask=mask, seen=seen):
                         norms = grad.detach().float().pow(2).sum(-1)  # [b, s]: the logits at s predict s + 1
                         for row in range(mask.shape[0]):
                             m = mask[row].tolist()

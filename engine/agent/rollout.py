@@ -174,17 +174,18 @@ class MultiTurnRollout:
                     if state.env is not None:
                         _Call(state.env.close, 1.0)  # never waited for: close must not block the step
 
+    def _starter(self, state, record) -> Callable[[], Any]:
+        """A trajectory's environment made and reset (in a :class:`_Call`)."""
+        def start():
+            state.env = self.make_env()  # a constructor that raises fails the trajectory, not the run
+            return state.env.reset(record)
+        return start
+
     def _reset(self, trajs: list[Trajectory], live: dict, record_of: dict) -> None:
         """Every trajectory's environment and prompt ids (the leader resets; the ids are shared)."""
         ints: list[int] = []
         if self.leader:
-            calls = []
-            for t in trajs:
-                def start(state=live[id(t)], record=record_of[t.request]):
-                    state.env = self.make_env()  # a constructor that raises fails the trajectory, not the run
-                    return state.env.reset(record)
-
-                calls.append(_Call(start, self.cfg.env_timeout))
+            calls = [_Call(self._starter(live[id(t)], record_of[t.request]), self.cfg.env_timeout) for t in trajs]
             for t, call in zip(trajs, calls):
                 messages, failure = call.wait()
                 ids: list[int] = []

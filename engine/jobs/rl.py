@@ -91,11 +91,14 @@ def run(cfg: RLJobConfig) -> list[dict]:
     ckpt = Checkpointer(cfg.trainer.output_dir, state.models.groups, state.models.desc, cfg.trainer.keep_last,
                         tokenizer=tokenizer_spec_for(cfg.data))
     steps = RLSteps(cfg, state, job, ckpt)
-    run = open_run(cfg, ckpt, state.supervisor, steps.resume, lead=dist.get_rank() == 0)
-    if run.writer is not None:
-        print(f"[hyflow] {state.models.weights.describe()}; {job.dataset_size} prompts", flush=True)
-    steps.before_train(run)
-    return run_job(run, steps)
+    try:
+        run = open_run(cfg, ckpt, state.supervisor, steps.resume, lead=dist.get_rank() == 0)
+        if run.writer is not None:
+            print(f"[hyflow] {state.models.weights.describe()}; {job.dataset_size} prompts", flush=True)
+        steps.before_train(run)
+        return run_job(run, steps)
+    finally:
+        job.reward.close()  # the reward function's worker processes
 
 
 class RLSteps:
@@ -416,6 +419,7 @@ def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, 
     stats.mean("response_length/clip_ratio", batch.truncated.double().sum(), float(batch.size))
     stats.distribution("prompt_length", batch.prompt_lengths.double())
     stats.mean("prompt_length/clip_ratio", (samples.column("truncated") > 0).double().sum(), float(batch.size))
+    stats.add("reward/timeouts", float(scored.timeouts))  # reward calls stopped at reward.timeout_s
     stats.add("perf/total_num_tokens", batch.lengths.double().sum())
     sampled = batch.response_lengths.double().sum() if samples.stats is None else \
         samples.stats[:, STATS.index("generated_tokens")].sum()  # a trajectory's observations were not sampled

@@ -287,9 +287,23 @@ class RewardConfig:
     format_score: float = field(default=0.0, metadata={
         "help": "partial credit for a wrong answer whose response matches format_pattern"})
     format_pattern: Optional[str] = field(default=None, metadata={"help": "regex of the `format` rule"})
+    timeout_s: float = field(default=60.0, metadata={
+        "help": "seconds one call of the reward function (kind=function) may take: calls run in worker processes "
+                "and a call past the limit is stopped, scored reward.timeout_score and counted in reward/timeouts; "
+                "the file's import gets max(60, timeout_s). 0 = no limit (the function runs inside the rank)"})
+    batch_timeout_s: float = field(default=0.0, metadata={
+        "help": "seconds all of one rank's reward calls of a step may take; at the limit the unfinished ones are "
+                "scored like timed-out calls (0 = no limit beyond reward.timeout_s per call)"})
+    timeout_score: float = field(default=0.0, metadata={"help": "the score of a reward call that timed out"})
+    workers: int = field(default=1, metadata={
+        "help": "worker processes per rank calling the reward function (calls run in parallel; with timeout_s > 0)"})
 
     def validate(self) -> None:
-        check_finite(self, "model_coef", "format_score")
+        check_finite(self, "model_coef", "format_score", "timeout_s", "batch_timeout_s", "timeout_score")
+        for key in ("timeout_s", "batch_timeout_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"must be >= 0 (0 = no limit), got {getattr(self, key)}", key=key)
+        check_positive(self, "workers")
         if self.kind == "function" and not self.function_path:
             raise ConfigError("reward.kind=function needs reward.function_path", key="function_path")
         if self.kind == "model" and not self.model_checkpoint:
@@ -321,6 +335,9 @@ class DataConfig:
         check_positive(self, "train_batch_size", "task_size")
         if not self.train_files and not self.task:
             raise ConfigError("set data.train_files or data.task")
+        if self.task and self.task_size < self.train_batch_size:
+            raise ConfigError(f"data.task_size={self.task_size} prompts is fewer than one batch of "
+                              f"{self.train_batch_size}: raise data.task_size or lower it", key="train_batch_size")
 
 
 @dataclass
