@@ -13,6 +13,9 @@ One module per concept:
 * :mod:`~hyflow.agent.environment` -- ``reset(record)`` / ``step(turn)`` environments;
 * :mod:`~hyflow.agent.rollout` -- the per-replica loop: waves, budgets, retries, dropped groups;
 * :mod:`~hyflow.agent.channel` -- the replica leader's results shared with its other ranks;
-* :mod:`~hyflow.agent.agent`, :mod:`~hyflow.agent.step` -- what the RL step calls;
+* :mod:`~hyflow.agent.agent` -- what the RL step calls;
+* :mod:`~hyflow.agent.builder`, :mod:`~hyflow.agent.loading` -- tools, parser and environment from the
+  config, checked before any rank starts; a user's class from a spec string;
+* :mod:`~hyflow.agent.cli` -- ``hyflow generate --multi-turn``;
 * :mod:`~hyflow.agent.metrics` -- turns, tool calls, errors, end reasons, token counts.
 """
