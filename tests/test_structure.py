@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("generation and the hybrid engine", ("hyflow.rollout", "hyflow.hybrid")),
     ("vLLM as the generation engine", ("hyflow.vllm_backend",)),
     ("the RL step's parts", ("hyflow.rl",)),
+    ("multi-turn rollouts: trajectories, tools, environments", ("hyflow.agent",)),
     ("validation on held-out data", ("hyflow.validation",)),
     ("placement pools", ("hyflow.placement",)),
     ("jobs", ("hyflow.jobs",)),
