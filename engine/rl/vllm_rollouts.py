@@ -11,6 +11,8 @@ re-scores with the generation-layout Megatron model exactly as the hyflow backen
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Sequence
 
 from hyflow.hybrid.generation_groups import generation_enumerations
@@ -29,14 +31,16 @@ class VLLMRollouts(RolloutDispatcher):
     @classmethod
     def capabilities_for(cls, cfg) -> RolloutCapabilities:
         """As the hyflow backend: greedy baselines, exact re-scores through the same generation-layout
-        model, current weights (a forced-stale sampler's older weights are what vLLM loads)."""
-        return RolloutDispatcher.capabilities_for(cfg)
+        model, current weights (a forced-stale sampler's older weights are what vLLM loads); not
+        multi-turn trajectories yet (vLLM's batch call has no per-turn hook for tool calls, untested)."""
+        return dataclasses.replace(RolloutDispatcher.capabilities_for(cfg), multi_turn=False)
 
     def __init__(self, hybrid, train_groups, rollout_config: GenerationConfig, desc, vocab_size: int,
                  eos_token_ids: Sequence[int], *, options: VLLMConfig, dtype: str, seed: int,
                  current_weights: bool = True) -> None:
         super().__init__(hybrid, train_groups, rollout_config, desc, vocab_size, eos_token_ids,
                          current_weights=current_weights)
+        self.capabilities = dataclasses.replace(self.capabilities, multi_turn=False)
         budget = None
         if rollout_config.max_prompt_length:
             budget = rollout_config.max_prompt_length + rollout_config.sampling.max_new_tokens
