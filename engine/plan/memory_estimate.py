@@ -16,6 +16,10 @@ What is counted, per rank, for the worst pipeline stage:
   two activation gradients).
 * **KV cache** (generation): keys and values of ``slots`` sequences of ``capacity`` tokens for
   the layers and query groups a generation rank holds.
+* **start-up** (:func:`startup_estimate`): the models built one after the other, each step's
+  lasting bytes plus what exists only while it runs (Megatron DDP moving the weights into its
+  buffer, the hybrid engine's generation buffer while its views are set up, a random initial
+  state); the peak is the worst step.
 
 Not counted: the CUDA context, NCCL buffers and allocator fragmentation (the planner adds a
 configurable reserve for them), Python objects, and host-side (CPU) copies made while
@@ -354,6 +358,71 @@ def rollout_data_bytes(rows: int, seq: int, *, reference: bool, critic: bool) ->
     exchange = 8 + 4
     update = 8 + 4 * (fp32 + 2)
     return rows * seq * (per_token + exchange + update)
+
+
+@dataclass
+class BuildStep:
+    """One step of a rank's start-up: ``kept`` bytes stay afterwards; ``transient`` bytes exist only
+    while the step runs (named ``transient_name``)."""
+
+    name: str
+    kept: float = 0.0
+    note: str = ""
+    transient: float = 0.0
+    transient_name: str = ""
+    transient_note: str = "while the step runs"
+
+
+def trainable_build_steps(role: str, params: int, dtype: str, distributed_optimizer: bool, shard: int,
+                          initial: float = 0.0, initial_note: str = "") -> list[BuildStep]:
+    """A trained model's start-up on one rank: its weights (``initial``: transient bytes of where
+    they come from), Megatron DDP's buffers and the optimizer as built (Adam's moments appear at the
+    first step, in the update phase).
+
+    * DDP allocates the fp32 gradient buffer and, with the distributed optimizer, a parameter buffer
+      the weights are copied into one by one: both copies of the weights exist when it starts;
+    * the optimizer keeps fp32 master weights of 16-bit parameters (its shard of them when
+      distributed); fp32 parameters are their own master copy.
+    """
+    p = DTYPE_BYTES[dtype]
+    shard = shard if distributed_optimizer else 1
+    master = params * 4 / shard if p < 4 else 0
+    return [
+        BuildStep(f"{role} weights", params * p, f"{params:,} params x {p} B ({dtype})", initial,
+                  initial_note),
+        BuildStep(f"{role} grads", params * 4, "fp32 DDP gradient buffer",
+                  params * p if distributed_optimizer else 0,
+                  f"{role} weights' old storage (DDP copies them into its parameter buffer)"),
+        BuildStep(f"{role} optimizer (as built)", master,
+                  (f"fp32 master weights / {shard} (distributed)" if shard > 1 else "fp32 master weights")
+                  if master else "none before the first step (fp32 parameters)"),
+    ]
+
+
+def random_init_bytes(desc: ModelDescription) -> int:
+    """Host bytes of a random initial state (:func:`hyflow.models.weights.random_full_state_dict`,
+    what a job without a checkpoint draws on every rank): the whole unsharded model in fp32, plus
+    one temporary of its largest tensor while a rank copies its shard."""
+    h, f = desc.hidden_size, desc.ffn_hidden_size
+    qkv = (desc.num_attention_heads + 2 * desc.num_query_groups) * desc.head_dim
+    largest = max(desc.vocab_size * h, 2 * f * h, qkv * h)
+    return 4 * (desc.num_parameters() + largest)
+
+
+def startup_estimate(steps: Sequence[BuildStep], stage: Optional[int] = None) -> MemoryEstimate:
+    """The start-up peak of a rank that runs ``steps`` in order: at the worst step, what earlier
+    steps and that step keep plus that step's transient. Phase ``start-up, at <step>``."""
+    kept: list[MemoryItem] = []
+    best: Optional[MemoryEstimate] = None
+    for step in steps:
+        if step.kept:
+            kept.append(MemoryItem(step.name, int(step.kept), step.note))
+        here = MemoryEstimate(f"start-up, at {step.name}", list(kept), stage)
+        if step.transient:
+            here.add(step.transient_name or f"{step.name} (transient)", step.transient, step.transient_note)
+        if best is None or here.total > best.total:
+            best = here
+    return best if best is not None else MemoryEstimate("start-up", [], stage)
 
 
 def worst(estimates: Sequence[MemoryEstimate]) -> MemoryEstimate:
