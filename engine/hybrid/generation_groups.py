@@ -53,16 +53,18 @@ class GenerationGroups:
 
 def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = None) -> GenerationGroups:
     """Create every generation group of ``plan`` (collective: every rank of the world calls it,
-    in the same order) and return ``rank``'s."""
-    import torch.distributed as dist
-
+    in the same order) and return ``rank``'s. Through :mod:`hyflow.parallel.group_registry`: a
+    layout group equal to another (the generation tp and the training tp at TP_g = TP, the
+    generation mp and tp at PP_g=1, ...) is that group, singletons are the rank's self group; the
+    merge groups are their own (their traffic is counted as ``reshard``)."""
     from hyflow.monitor import comm
+    from hyflow.parallel import group_registry
     from hyflow.parallel.groups import build_groups
     from hyflow.parallel.layout import Layout
 
     enums = enums or generation_enumerations(plan)
-    tp_merge, _ = dist.new_subgroups_by_enumeration(enums["tp_merge"])
-    pp_merge, _ = dist.new_subgroups_by_enumeration(enums["pp_merge"])
+    tp_merge = group_registry.subgroups(enums["tp_merge"], purpose="reshard")
+    pp_merge = group_registry.subgroups(enums["pp_merge"], purpose="reshard")
     comm.register_group(tp_merge, "reshard")
     comm.register_group(pp_merge, "reshard")
     tg, pg, dg = plan.gen_coord(rank)

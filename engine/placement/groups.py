@@ -19,6 +19,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from hyflow.config import ConfigError
+from hyflow.parallel import group_registry
 from hyflow.parallel.layout import Layout
 from hyflow.placement.config import ROLES, Placement, Pool
 
@@ -70,12 +71,11 @@ def build_pool_groups(placement: Placement, backend: Optional[str] = None):
     rank = dist.get_rank()
     pgs = ProcessGroupCollection()
     for kind, ranks in pool_enumerations(placement).items():
-        group, _ = dist.new_subgroups_by_enumeration(ranks, backend=backend)
-        setattr(pgs, kind, group)
+        setattr(pgs, kind, group_registry.subgroups(ranks, backend=backend))
     pgs.intra_dp_cp = pgs.dp_cp
     # Dense models: Megatron's DDP and optimizer still ask for the expert groups (ep = 1: one rank each;
     # the others equal the dense ones).
-    pgs.ep, _ = dist.new_subgroups_by_enumeration([[r] for r in range(placement.world)], backend=backend)
+    pgs.ep = group_registry.group([rank], backend=backend)
     pgs.expt_tp, pgs.tp_ep = pgs.tp, pgs.tp
     pgs.expt_dp, pgs.intra_expt_dp, pgs.tp_ep_pp, pgs.intra_dist_opt = pgs.dp, pgs.dp, pgs.mp, pgs.dp
     comm.register_collection(pgs)
@@ -123,7 +123,7 @@ def build_sync_group(src: Pool, dst: Pool, backend: Optional[str] = None):
     from hyflow.monitor import comm
 
     ranks = sorted(set(src.ranks) | set(dst.ranks))
-    group = dist.new_group(ranks=ranks, backend=backend)
+    group = group_registry.group(ranks, backend=backend, purpose="reshard")
     if dist.get_rank() in ranks:
         comm.register_group(group, "reshard")
     return group

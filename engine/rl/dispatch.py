@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import torch.distributed as dist
 
 from hyflow.hybrid.generation_groups import generation_enumerations
+from hyflow.parallel import group_registry
 from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
 
 
@@ -72,7 +72,7 @@ class RolloutDispatcher:
         self.desc, self.vocab_size, self.eos = desc, vocab_size, list(eos_token_ids)
         micro = cp_micro_dp(hybrid.plan, train_groups.layout.cp)
         # One group per (training dp, generation tp, generation pp); its order is the replica index.
-        self.micro_dp_group, _ = dist.new_subgroups_by_enumeration(micro)
+        self.micro_dp_group = group_registry.subgroups(micro, purpose="data")
         from hyflow.monitor import comm
 
         comm.register_group(self.micro_dp_group, "data")  # the data plane's sample exchange
