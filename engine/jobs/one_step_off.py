@@ -38,6 +38,8 @@ import torch.distributed as dist
 
 from hyflow.config import ConfigError, dump_yaml, format_config
 from hyflow.jobs.rl_config import RLJobConfig
+from hyflow.parallel import group_registry
+from hyflow.placement.inflight import Control, control, control_group
 
 
 def check_supported(cfg: RLJobConfig) -> None:
@@ -79,19 +81,19 @@ def run(cfg: RLJobConfig) -> list[dict]:
     groups = build_pool_groups(placement)
     actor, gen = placement.roles["actor"], placement.roles["rollout"]
     sync_group = build_sync_group(actor.pool, gen.pool)
-    train_group = dist.new_group(ranks=list(actor.pool.ranks))  # the supervisor's flags, set-up agreements
+    train_group = group_registry.group(actor.pool.ranks, purpose="pool")  # the supervisor's flags, set-up agreements
     critic_group = _critic_pool_group(placement)
+    ctl = control_group(placement)  # the lead's per-step message to the other pools
     if critic_group is not None and rank in placement.roles["critic"].pool:
-        from hyflow.placement.inflight import Control, control
         from hyflow.placement.remote_critic import serve_critic
 
         serve_critic(cfg, placement, groups, critic_group,
-                     lambda: control(Control(go=False), placement, rank, groups.device).go)
+                     lambda: control(Control(go=False), placement, rank, groups.device, ctl).go)
         return []
     if rank in gen.pool:
-        _generation_loop(cfg, placement, groups, sync_group)
+        _generation_loop(cfg, placement, groups, sync_group, ctl)
         return []
-    return _training_loop(cfg, placement, groups, sync_group, train_group)
+    return _training_loop(cfg, placement, groups, sync_group, train_group, ctl)
 
 
 def checkpointing(placement) -> bool:
@@ -125,17 +127,27 @@ class _NoCheckpoints:
         pass
 
 
+def _sync_summary(cfg, placement, models) -> str:
+    """The whole weight sync's numbers (each rank plans only its own part; this plans one replica)."""
+    from hyflow.models.builder import resolve_spec
+    from hyflow.placement.sync_planner import summarize_actor_sync
+
+    return summarize_actor_sync(placement, models.desc, models.actor.module.config.params_dtype.itemsize,
+                                fused_norms=resolve_spec(cfg.actor.spec) == "te",
+                                bucket_bytes=models.hybrid.sync.plan.bucket_bytes).summary()
+
+
 def _critic_pool_group(placement):
     """The critic pool's group when the critic has a pool of its own (collective: every rank calls it)."""
     from hyflow.placement.remote_critic import has_remote_critic
 
     if not has_remote_critic(placement):
         return None
-    return dist.new_group(ranks=list(placement.roles["critic"].pool.ranks))
+    return group_registry.group(placement.roles["critic"].pool.ranks, purpose="pool")
 
 
-def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
-    from hyflow.placement.inflight import Control, GenerationCheckpoints, InFlight, control
+def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> None:
+    from hyflow.placement.inflight import GenerationCheckpoints, InFlight
     from hyflow.placement.pool_models import GenerationSide
     from hyflow.placement.rows import row_routes, send_rows
     from hyflow.training.supervisor import StepSupervisor
@@ -156,7 +168,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
                 loader.next_batch()
         else:
             loader.load_state_dict(resumed.loader)
-        if not control(Control(go=False), placement, rank, groups.device).go:
+        if not control(Control(go=False), placement, rank, groups.device, ctl).go:
             return
         side.sync.run()  # w_0, or w_t after a resume from step t
         version = 0 if resumed is None else resumed.step - 1  # the weights held (updates applied)
@@ -176,7 +188,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
             following = None
             if overlap and step < cfg.trainer.total_steps:
                 following = generate(step + 1)  # overlaps the update on batch `step`
-            msg = control(Control(go=False), placement, rank, groups.device)
+            msg = control(Control(go=False), placement, rank, groups.device, ctl)
             if msg.go:
                 side.sync.run()
             if msg.save:
@@ -193,7 +205,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
         held.uninstall()
 
 
-def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group) -> list[dict]:
+def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group, ctl) -> list[dict]:
     from hyflow.algorithms.kl import make_kl_controller
     from hyflow.checkpoint.checkpointer import Checkpointer
     from hyflow.data.tasks import tokenizer_spec_for
@@ -204,7 +216,6 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     from hyflow.monitor.metrics import MetricsWriter
     from hyflow.monitor.progress import Progress
     from hyflow.monitor.timers import PhaseTimers
-    from hyflow.placement.inflight import Control, control
     from hyflow.placement.pool_models import build_training_models
     from hyflow.rewards.manager import RewardManager
     from hyflow.rl.state import RLState
@@ -235,7 +246,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
         dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
         print(format_config(cfg), flush=True)
         print(f"[hyflow] trainer.mode={cfg.trainer.mode} on pools: {placement.describe()}; {job.dataset_size} prompts; "
-              f"{models.hybrid.sync.plan.summary()}", flush=True)
+              f"{_sync_summary(cfg, placement, models)}", flush=True)
     writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if lead else None
     if cfg.actor.sft_warmup_steps and not start:
         sft_warmup(cfg, state, tokenizer)
@@ -243,7 +254,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     timers = PhaseTimers(sync=torch.cuda.synchronize if groups.device.type == "cuda" else None)
     ends = StepEnd(cfg.trainer, ckpt, supervisor, writer, progress)
     go = start < cfg.trainer.total_steps
-    control(Control(go=go), placement, rank, groups.device)
+    control(Control(go=go), placement, rank, groups.device, ctl)
     if go:
         models.hybrid.send()  # w_0, or w_start after a resume
     comm.install()
@@ -260,7 +271,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
             t1 = time.perf_counter()
             due = saves and ends.save_due(step, outcome)  # the generation pool joins the save (in-flight batch)
             control(Control(go=go, save=due, step=step, models=saved_models if due else ()), placement, rank,
-                    groups.device)
+                    groups.device, ctl)
             sent = models.hybrid.send() if go else None
             step_seconds = time.perf_counter() - t0
             metrics.update(timers.step_summary())

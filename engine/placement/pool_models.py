@@ -98,7 +98,7 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
     desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
     actor, chunks, optimizer, scheduler = build_actor(cfg, desc, groups, optimizer_scope=optimizer_agreement_on(pool_group))
     plan = plan_actor_sync(placement, desc, actor.config.params_dtype.itemsize,
-                           fused_norms=resolve_spec(cfg.actor.spec) == "te")
+                           fused_norms=resolve_spec(cfg.actor.spec) == "te", rank=dist.get_rank())
     sender = WeightSender(WeightSync(plan, actor, sync_group))
     rollouts = RemoteRollouts(groups, GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
                               placement, row_group)
@@ -135,7 +135,7 @@ class GenerationSide:
         self.model.requires_grad_(False)
         self.model.eval()
         plan = plan_actor_sync(placement, desc, self.model.config.params_dtype.itemsize,
-                               fused_norms=resolve_spec(cfg.actor.spec) == "te")
+                               fused_norms=resolve_spec(cfg.actor.spec) == "te", rank=dist.get_rank())
         self.sync = WeightSync(plan, self.model, sync_group)
         self.rollout_config = GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
         self.trainer_seed = cfg.trainer.seed

@@ -77,7 +77,7 @@ class PlanResult:
     compute: dict[str, Any] = field(default_factory=dict)  #: :func:`hyflow.plan.stages.compute_plan`
     pools: list[dict] = field(default_factory=list)  # placement pools: name, ranks, roles, worst phase
     placement: str = ""
-    weight_sync: Any = None  # hyflow.placement.sync_planner.SyncPlan (placement pools)
+    weight_sync: Any = None  # hyflow.placement.sync_planner.SyncSummary (placement pools)
     throughput: Optional[dict] = None  # hyflow.plan.throughput.project
 
     @property
@@ -364,7 +364,7 @@ def _project(cfg: Any, model: ModelDescription, world: int, opts: PlanOptions, r
     import dataclasses
 
     from hyflow.placement.config import resolve_placement
-    from hyflow.placement.sync_planner import ModelLayout, model_specs, plan_weight_sync
+    from hyflow.placement.sync_planner import ModelLayout, model_specs, summarize_weight_sync
     from hyflow.plan.throughput import project
 
     if opts.device != "gpu":
@@ -389,10 +389,17 @@ def _project(cfg: Any, model: ModelDescription, world: int, opts: PlanOptions, r
             off = f"the ranks split in half do not fit: {e}"
     if sync_plan is None and not isinstance(off, str):
         actor, gen = off.roles["actor"], off.roles["rollout"]
-        sync_plan = plan_weight_sync(model_specs(model, mem.padded_vocab(model, actor.layout.tp), pbytes),
-                                     ModelLayout.of(actor.pool.start, actor.layout),
-                                     ModelLayout.of(gen.pool.start, gen.layout), model.num_layers)
-    result.throughput = project(cfg, model, world, max(reshard.bytes_recv) if reshard else None, sync_plan, off)
+        sync_plan = summarize_weight_sync(model_specs(model, mem.padded_vocab(model, actor.layout.tp), pbytes),
+                                          ModelLayout.of(actor.pool.start, actor.layout),
+                                          ModelLayout.of(gen.pool.start, gen.layout), model.num_layers)
+    colocated_layout = None
+    try:
+        colocated_layout = cfg.trained_actor_layout().with_dp_for(world)
+    except ConfigError:
+        pass
+    cluster = getattr(cfg, "cluster", None)
+    result.throughput = project(cfg, model, world, reshard, sync_plan, off, layout=colocated_layout,
+                                gpus_per_node=cluster.gpus_per_node if cluster else 8)
 
 
 def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) -> PlanResult:
