@@ -46,6 +46,9 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
+    # gloo connects each group's full mesh when the group is created unless told to connect a pair
+    # on its first use: on GPU most groups never carry a host tensor, so they never connect.
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     device = rank_device()
     backend = "gloo"
     if device.type == "cuda":
