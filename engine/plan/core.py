@@ -23,6 +23,7 @@ from hyflow.plan import memory_estimate as mem
 from hyflow.plan.group_check import (RankCheck, check_partition, generation_enumerations,
                                 layout_enumerations, summarize, verify_rank)
 from hyflow.plan.role_plan import RolePlan
+from hyflow.plan.throughput import project_plan
 from hyflow.rollout.config import GenerationConfig
 
 GIB = 1 << 30
@@ -184,7 +185,7 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
 
         plan_pools(cfg, world, opts, result, placement, model, attention)
         result.warnings.extend(notes)
-        _project(cfg, model, world, opts, result, placement)
+        project_plan(cfg, model, world, opts.device, result, placement)
         return
     actor = _role("actor", layout, model, dtype, True)
     result.roles.append(actor)
@@ -324,7 +325,7 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         "kv_cache_bytes": est.get("KV cache"), "slots": slots, "capacity": capacity,
         "rollout_rows_per_rank": rows, "rollout_data_bytes": data[1],
     }
-    _project(cfg, model, world, opts, result, placement)
+    project_plan(cfg, model, world, opts.device, result, placement)
 
 
 def startup_phase(cfg: Any, actor: RolePlan, opts: PlanOptions, generation_bytes: int,
@@ -355,51 +356,6 @@ def startup_phase(cfg: Any, actor: RolePlan, opts: PlanOptions, generation_bytes
             "random initial weights: the whole model in fp32 on every rank (no actor.checkpoint)")
         stages.append(mem.startup_estimate(steps + after, stage=q))
     return mem.worst(stages)
-
-
-def _project(cfg: Any, model: ModelDescription, world: int, opts: PlanOptions, result: PlanResult,
-             placement: Any) -> None:
-    """Steps/s of ``sync`` (colocated on every rank) and ``one_step_off`` (the config's pools, or the
-    ranks split in half) from the cost model (:mod:`hyflow.plan.throughput`); GPU plans only."""
-    import dataclasses
-
-    from hyflow.placement.config import resolve_placement
-    from hyflow.placement.sync_planner import ModelLayout, model_specs, summarize_weight_sync
-    from hyflow.plan.throughput import project
-
-    if opts.device != "gpu":
-        return
-    pbytes = mem.DTYPE_BYTES[cfg.actor.dtype]
-    reshard = result.reshard
-    if reshard is None:  # a pooled config: the colocated equivalent on every rank
-        try:
-            colocated = cfg.trained_actor_layout().with_dp_for(world)
-            specs = model_param_specs(model, mem.padded_vocab(model, colocated.tp), pbytes)
-            reshard = plan_reshard(specs, colocated, (cfg.rollout.layout.tp, cfg.rollout.layout.pp),
-                                   world_size=world, num_layers=model.num_layers)
-        except (ConfigError, ReshardPlanError):
-            reshard = None
-    off: Any = placement if not placement.colocated else None
-    sync_plan = result.weight_sync
-    if off is None:
-        try:
-            off = resolve_placement(dataclasses.replace(
-                cfg, trainer=dataclasses.replace(cfg.trainer, mode="one_step_off")), world)
-        except ConfigError as e:
-            off = f"the ranks split in half do not fit: {e}"
-    if sync_plan is None and not isinstance(off, str):
-        actor, gen = off.roles["actor"], off.roles["rollout"]
-        sync_plan = summarize_weight_sync(model_specs(model, mem.padded_vocab(model, actor.layout.tp), pbytes),
-                                          ModelLayout.of(actor.pool.start, actor.layout),
-                                          ModelLayout.of(gen.pool.start, gen.layout), model.num_layers)
-    colocated_layout = None
-    try:
-        colocated_layout = cfg.trained_actor_layout().with_dp_for(world)
-    except ConfigError:
-        pass
-    cluster = getattr(cfg, "cluster", None)
-    result.throughput = project(cfg, model, world, reshard, sync_plan, off, layout=colocated_layout,
-                                gpus_per_node=cluster.gpus_per_node if cluster else 8)
 
 
 def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) -> PlanResult:

@@ -33,7 +33,7 @@ for comparing layouts and modes, not a promise.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 GB = 1e9
 
@@ -220,3 +220,49 @@ def format_projection(proj: dict) -> list[str]:
                  f"{hw['decode_efficiency']:.0%} in decode, NVLink {hw['nvlink_bytes_per_s'] / GB:.0f} GB/s inside a "
                  f"node of {hw['gpus_per_node']}, network {hw['network_bytes_per_s'] / GB:.0f} GB/s between nodes")
     return lines
+
+
+def project_plan(cfg: Any, model: Any, world: int, device: str, result: Any, placement: Any) -> None:
+    """``hyflow plan``'s projection into ``result.throughput`` (GPU plans only): ``sync`` colocated
+    on every rank (the config's reshard, or for a pooled config the colocated equivalent) and
+    ``one_step_off`` (the config's pools, or the ranks split in half)."""
+    import dataclasses
+
+    from hyflow.config import ConfigError
+    from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
+    from hyflow.hybrid.reshard_plan import plan_reshard
+    from hyflow.placement.config import resolve_placement
+    from hyflow.placement.sync_planner import ModelLayout, model_specs, summarize_weight_sync
+    from hyflow.plan import memory_estimate as mem
+
+    if device != "gpu":
+        return
+    pbytes = mem.DTYPE_BYTES[cfg.actor.dtype]
+    try:
+        colocated = cfg.trained_actor_layout().with_dp_for(world)
+    except ConfigError:
+        colocated = None
+    reshard = result.reshard
+    if reshard is None and colocated is not None:  # a pooled config: the colocated equivalent
+        try:
+            specs = model_param_specs(model, mem.padded_vocab(model, colocated.tp), pbytes)
+            reshard = plan_reshard(specs, colocated, (cfg.rollout.layout.tp, cfg.rollout.layout.pp),
+                                   world_size=world, num_layers=model.num_layers)
+        except (ConfigError, ReshardPlanError):
+            reshard = None
+    off: Any = placement if not placement.colocated else None
+    sync = result.weight_sync
+    if off is None:
+        try:
+            off = resolve_placement(dataclasses.replace(
+                cfg, trainer=dataclasses.replace(cfg.trainer, mode="one_step_off")), world)
+        except ConfigError as e:
+            off = f"the ranks split in half do not fit: {e}"
+    if sync is None and not isinstance(off, str):
+        actor, gen = off.roles["actor"], off.roles["rollout"]
+        sync = summarize_weight_sync(model_specs(model, mem.padded_vocab(model, actor.layout.tp), pbytes),
+                                     ModelLayout.of(actor.pool.start, actor.layout),
+                                     ModelLayout.of(gen.pool.start, gen.layout), model.num_layers)
+    cluster = getattr(cfg, "cluster", None)
+    result.throughput = project(cfg, model, world, reshard, sync, off, layout=colocated,
+                                gpus_per_node=cluster.gpus_per_node if cluster else 8)
