@@ -317,7 +317,7 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     # (same layout), none on CPU (a mapping whose pages arrive with the first transition).
     in_place = (gen.tp, gen.pp) == (layout.tp, layout.pp) and not cfg.rollout.force_staleness
     buffer = 0 if in_place or opts.device == "cpu" else max(plan.gen_bytes)
-    result.phases.insert(0, startup_phase(cfg, actor, opts, buffer, staging,
+    result.phases.insert(0, mem.rl_startup_estimate(cfg, actor, opts.device, buffer, staging,
                                            [(r, r.name == "critic") for r in result.roles[1:]]))
     result.generation = {
         "tp": gen.tp, "pp": gen.pp, "dp": plan.gen_dp_size, "micro_dp_size": plan.micro_dp_size,
@@ -326,36 +326,6 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         "rollout_rows_per_rank": rows, "rollout_data_bytes": data[1],
     }
     project_plan(cfg, model, world, opts.device, result, placement)
-
-
-def startup_phase(cfg: Any, actor: RolePlan, opts: PlanOptions, generation_bytes: int,
-                   staging: list[tuple[str, int, str]], others: list[tuple[RolePlan, bool]]) -> mem.MemoryEstimate:
-    """The start-up of a colocated RL rank, in :func:`hyflow.rl.models.build_rl_models`' order: the
-    actor (weights, DDP, optimizer), the hybrid engine (its generation buffer held only while the
-    generation model's parameters are pointed at it; on CPU the reshard's shared-memory staging,
-    mapped for the run), then the reference, critic and reward model; worst pipeline stage."""
-    dtype = actor.dtype
-    shard = actor.layout.dp * actor.layout.cp
-    random_init = opts.device == "cpu" and not cfg.actor.checkpoint  # on GPU the draw is host memory
-    after = [mem.BuildStep(name, nbytes, note) for name, nbytes, note in staging]
-    after.append(mem.BuildStep("hybrid engine", transient=generation_bytes, transient_name="generation buffer",
-                               transient_note="held while the generation model's parameters are pointed at it, "
-                                              "then released"))
-    for role, trained in others:  # resident roles: their worst stage (an upper bound, as in the other phases)
-        n = max(role.stage_params)
-        if trained:
-            after += mem.trainable_build_steps(role.name, n, dtype, cfg.critic.optim.distributed_optimizer,
-                                               role.layout.dp * role.layout.cp)
-        else:
-            after.append(mem.BuildStep(f"{role.name} weights", n * mem.DTYPE_BYTES[dtype], f"frozen, {dtype}"))
-    stages = []
-    for q, n in enumerate(actor.stage_params):
-        steps = mem.trainable_build_steps(
-            "actor", n, dtype, cfg.actor.optim.distributed_optimizer, shard,
-            mem.random_init_bytes(actor.model) if random_init else 0,
-            "random initial weights: the whole model in fp32 on every rank (no actor.checkpoint)")
-        stages.append(mem.startup_estimate(steps + after, stage=q))
-    return mem.worst(stages)
 
 
 def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) -> PlanResult:

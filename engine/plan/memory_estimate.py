@@ -29,7 +29,7 @@ loading a checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.layout import Layout, pad_vocab_size
@@ -423,6 +423,37 @@ def startup_estimate(steps: Sequence[BuildStep], stage: Optional[int] = None) ->
         if best is None or here.total > best.total:
             best = here
     return best if best is not None else MemoryEstimate("start-up", [], stage)
+
+
+def rl_startup_estimate(cfg: Any, actor: Any, device: str, generation_bytes: int,
+                        staging: list[tuple[str, int, str]], others: list[tuple[Any, bool]]) -> MemoryEstimate:
+    """The start-up of a colocated RL rank, in :func:`hyflow.rl.models.build_rl_models`' order: the
+    actor (weights, DDP, optimizer), the hybrid engine (its generation buffer held only while the
+    generation model's parameters are pointed at it; on CPU the reshard's shared-memory staging,
+    mapped for the run), then the reference, critic and reward model; worst pipeline stage. ``actor``
+    and ``others``: :class:`~hyflow.plan.role_plan.RolePlan` s (``others`` with whether each trains)."""
+    dtype = actor.dtype
+    shard = actor.layout.dp * actor.layout.cp
+    random_init = device == "cpu" and not cfg.actor.checkpoint  # on GPU the draw is host memory
+    after = [BuildStep(name, nbytes, note) for name, nbytes, note in staging]
+    after.append(BuildStep("hybrid engine", transient=generation_bytes, transient_name="generation buffer",
+                           transient_note="held while the generation model's parameters are pointed at it, "
+                                          "then released"))
+    for role, trained in others:  # resident roles: their worst stage (an upper bound, as in the other phases)
+        n = max(role.stage_params)
+        if trained:
+            after += trainable_build_steps(role.name, n, dtype, cfg.critic.optim.distributed_optimizer,
+                                           role.layout.dp * role.layout.cp)
+        else:
+            after.append(BuildStep(f"{role.name} weights", n * DTYPE_BYTES[dtype], f"frozen, {dtype}"))
+    stages = []
+    for q, n in enumerate(actor.stage_params):
+        steps = trainable_build_steps(
+            "actor", n, dtype, cfg.actor.optim.distributed_optimizer, shard,
+            random_init_bytes(actor.model) if random_init else 0,
+            "random initial weights: the whole model in fp32 on every rank (no actor.checkpoint)")
+        stages.append(startup_estimate(steps + after, stage=q))
+    return worst(stages)
 
 
 def worst(estimates: Sequence[MemoryEstimate]) -> MemoryEstimate:

@@ -74,10 +74,8 @@ def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, mod
                 phase=f"{label}: {here[0]} update")
             est = _with(train, resident + [data], f"{label}: {here[0]} update")
             if here[0] == "actor":  # its start-up: the actor, then the other roles of the pool
-                from hyflow.plan.core import startup_phase
-
-                start = startup_phase(cfg, by_name["actor"], opts, 0, [],
-                                      [(by_name[r], r == "critic") for r in here[1:]])
+                start = mem.rl_startup_estimate(cfg, by_name["actor"], opts.device, 0, [],
+                                                [(by_name[r], r == "critic") for r in here[1:]])
                 start.phase = f"{label}: {start.phase}"
                 result.phases.append(start)
         else:

@@ -32,8 +32,19 @@ for comparing layouts and modes, not a promise.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from hyflow.config import ConfigError
+from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
+from hyflow.hybrid.reshard_plan import plan_reshard
+from hyflow.parallel.layout import Layout
+from hyflow.placement.config import resolve_placement
+from hyflow.placement.sync_planner import ModelLayout, model_specs, summarize_weight_sync
+from hyflow.plan import memory_estimate as mem
+from hyflow.plan.flops import forward_flops, step_flops
+from hyflow.plan.stages import bubble_step_factor, job_head_layers
 
 GB = 1e9
 
@@ -53,8 +64,6 @@ class Hardware:
 
 def generation_seconds(cfg: Any, model: Any, tp: int, pp: int, replicas: int, hw: Hardware) -> float:
     """Seconds for ``replicas`` generation replicas of ``tp x pp`` GPUs to produce one step's responses."""
-    from hyflow.plan import memory_estimate as mem
-    from hyflow.plan.flops import forward_flops
 
     pbytes = mem.DTYPE_BYTES[cfg.actor.dtype]
     seqs = -(-cfg.data.train_batch_size * cfg.rollout.n // replicas)
@@ -73,7 +82,6 @@ def generation_seconds(cfg: Any, model: Any, tp: int, pp: int, replicas: int, hw
 def training_seconds(cfg: Any, model: Any, gpus: int, hw: Hardware, layout: Any = None) -> float:
     """Seconds of one step's forward/backward work (everything but generation) on ``gpus`` GPUs in
     ``layout`` (the actor's; its pipeline's idle slots included, :func:`pipeline_factors`)."""
-    from hyflow.plan.flops import step_flops
 
     rows = cfg.data.train_batch_size * cfg.rollout.n
     tokens = rows * (cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens)
@@ -88,7 +96,6 @@ def pipeline_factors(cfg: Any, model: Any, layout: Any) -> tuple[float, float]:
     """1F1B step time over perfectly parallel work (:func:`hyflow.plan.stages.bubble_step_factor`,
     the built stage split) of a scoring pass (one flush over the rank's rows) and of an update (one
     flush per mini-batch: ``mini_batch_size / (dp x micro_batch_size)`` micro-batches each)."""
-    from hyflow.plan.stages import bubble_step_factor, job_head_layers
 
     if layout.pp == 1 or layout.vpp:
         return 1.0, 1.0
@@ -125,7 +132,6 @@ def dp_gradient_seconds(cfg: Any, model: Any, layout: Any, gpus_per_node: int, h
     of a buffer per pass, the fp32 gradients reduce-scattered and the updated parameters all-gathered
     with the distributed optimizer (an all-reduce, two passes of the fp32 gradients, without), over
     the links of the data-parallel group (``first_rank``: where the layout starts, for a pool)."""
-    from hyflow.plan import memory_estimate as mem
 
     dp = layout.dp * layout.cp
     if dp == 1:
@@ -178,22 +184,18 @@ def project(cfg: Any, model: Any, world: int, reshard: Any, sync_plan: Any, off_
 
 
 def _model_bytes(model: Any, tp: int, pbytes: int) -> float:
-    from hyflow.plan import memory_estimate as mem
 
     layout_params = sum(mem.stage_params(model, _layout(tp)))
     return layout_params * tp * pbytes
 
 
 def _layout(tp: int):
-    from hyflow.parallel.layout import Layout
 
     return Layout(tp=tp)
 
 
 def _with_model(cfg: Any, model: Any) -> Any:
     """``cfg`` with ``model`` as its model section (the checkpoint's description when planned from one)."""
-    import dataclasses
-
     return dataclasses.replace(cfg, model=model) if cfg.model is not model else cfg
 
 
@@ -226,14 +228,6 @@ def project_plan(cfg: Any, model: Any, world: int, device: str, result: Any, pla
     """``hyflow plan``'s projection into ``result.throughput`` (GPU plans only): ``sync`` colocated
     on every rank (the config's reshard, or for a pooled config the colocated equivalent) and
     ``one_step_off`` (the config's pools, or the ranks split in half)."""
-    import dataclasses
-
-    from hyflow.config import ConfigError
-    from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
-    from hyflow.hybrid.reshard_plan import plan_reshard
-    from hyflow.placement.config import resolve_placement
-    from hyflow.placement.sync_planner import ModelLayout, model_specs, summarize_weight_sync
-    from hyflow.plan import memory_estimate as mem
 
     if device != "gpu":
         return
