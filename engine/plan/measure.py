@@ -205,8 +205,8 @@ def measure_lm(config: str, overrides: Sequence[str] = (), steps: int = 2) -> di
 def measure_rl_startup(config: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Build an ``rl`` job's models as the job does (:func:`hyflow.rl.models.build_rl_models`:
     actor, DDP, optimizer, hybrid engine, reference, critic) on this rank under the tensor tracker;
-    returns the peak with the plan's CPU start-up estimate (its tensor items: the CPU reshard's
-    shared-memory staging is mapped memory, not tensors)."""
+    returns the peak with the plan's CPU start-up estimate (the tracker sees the CPU reshard's
+    shared-memory staging too: ``torch.from_file`` segments)."""
     import gc
 
     import torch.distributed as dist
@@ -227,11 +227,10 @@ def measure_rl_startup(config: str, overrides: Sequence[str] = ()) -> dict[str, 
         models = build_rl_models(cfg, tokenizer)
     startup = [e for e in plan.phases if e.phase.startswith("start-up")]
     est = max(startup, key=lambda e: e.total) if startup else None
-    mapped = sum(i.bytes for i in est.items if i.name.startswith("reshard staging")) if est else 0
     del models
     return {"rank": dist.get_rank(), "stage": None if est is None else est.stage,
             "estimate_phase": None if est is None else est.phase,
-            "estimate_bytes": None if est is None else est.total - mapped,
+            "estimate_bytes": None if est is None else est.total,
             "estimate_items": {} if est is None else {i.name: i.bytes for i in est.items},
             "tensor_peak_bytes": tracker.peak, "tensor_after_bytes": tracker.current, "errors": plan.errors}
 
