@@ -32,7 +32,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["group", "subgroups", "megatron_groups_shared"]
+__all__ = ["group", "subgroups", "megatron_groups_shared", "initialize_megatron_groups"]
 
 _cache: dict[tuple[tuple[int, ...], Optional[str], Optional[str]], object] = {}
 _self_group: dict[tuple[Optional[str], Optional[str]], object] = {}
@@ -121,3 +121,24 @@ def megatron_groups_shared() -> Iterator[None]:
         yield
     finally:
         parallel_state.create_group = original
+
+
+def initialize_megatron_groups(layout) -> None:
+    """Megatron-Core's global parallel state for ``layout`` (a :class:`~hyflow.parallel.layout.Layout`)
+    with its groups from this registry and no gloo side groups (hyflow's optimizer and checkpoint
+    formats never use them: ``fully_reshardable`` gathers over the device group). What
+    :func:`hyflow.parallel.groups.init_training_groups` runs, and ``hyflow plan``'s group check."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    with megatron_groups_shared():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            order="tp-cp-ep-dp-pp",
+            create_gloo_process_groups=False,
+        )

@@ -12,8 +12,7 @@ Two entry points:
 
 Both must be called by every rank in the same order (group creation is collective). Both create
 groups through :mod:`hyflow.parallel.group_registry` (each distinct set of ranks once, a rank's
-singletons as one self group); Megatron's gloo side groups are not created (hyflow's optimizer and
-checkpoint formats never use them: ``fully_reshardable`` gathers over the device group).
+singletons as one self group; no Megatron gloo side groups).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -91,18 +89,7 @@ def init_training_groups(layout: Layout, seed: int = 1234) -> ParallelGroups:
     distinct streams), which Megatron's layers need before they are built.
     """
     layout.check_world(_require_dist())
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    with group_registry.megatron_groups_shared():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=layout.pp,
-            virtual_pipeline_model_parallel_size=layout.vpp,
-            context_parallel_size=layout.cp,
-            expert_model_parallel_size=layout.ep,
-            order="tp-cp-ep-dp-pp",
-            create_gloo_process_groups=False,
-        )
+    group_registry.initialize_megatron_groups(layout)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     comm.register_collection(pgs)  # collectives over these groups are charged to dp / tp / pp / ...
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

@@ -18,7 +18,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from hyflow.hybrid.generation_groups import MEGATRON_KINDS, build_generation_groups, generation_enumerations
+from hyflow.hybrid.generation_groups import (MEGATRON_KINDS, build_generation_groups, build_micro_dp_group,
+                                             generation_enumerations)
 from hyflow.hybrid.reshard_plan import ReshardPlan
 from hyflow.hybrid.reshard_table import rank_plan
 from hyflow.parallel.layout import Layout
@@ -162,24 +163,21 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
                 train_enums: Optional[dict] = None, gen_enums: Optional[dict] = None) -> RankCheck:
     """Create, in a fake world, every group ``rank`` would create and compare.
 
-    Training: :func:`hyflow.parallel.groups.init_training_groups` (Megatron's
-    ``initialize_model_parallel`` through hyflow's group registry), as the RL job calls it.
+    Training: Megatron's ``initialize_model_parallel`` through hyflow's group registry
+    (:func:`hyflow.parallel.group_registry.initialize_megatron_groups`, what
+    :func:`hyflow.parallel.groups.init_training_groups` runs).
     Generation (when ``plan`` is given): :func:`hyflow.hybrid.generation_groups.build_generation_groups`
     and the data plane's micro-DP groups, as the hybrid engine and the dispatcher create them.
     """
     import torch.distributed as dist
 
-    from hyflow.compat.cpu import maybe_activate
-    from hyflow.parallel import group_registry
-    from hyflow.parallel.groups import init_training_groups
-    from hyflow.rl.dispatch import cp_micro_dp
+    from hyflow.parallel.group_registry import initialize_megatron_groups
 
-    maybe_activate()  # Megatron's model-parallel seeding asks CUDA
     check = RankCheck(rank=rank)
     train_enums = train_enums or layout_enumerations(layout)
     with fake_world(rank, layout.world_size), counting_new_group() as counted:
         before = _member_groups()
-        init_training_groups(layout)
+        initialize_megatron_groups(layout)  # exactly as init_training_groups does
         check.training_calls, check.training_groups = counted.calls, _member_groups() - before
         check.megatron = _megatron_groups()
         for kind, ranks in check.megatron.items():
@@ -190,7 +188,7 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
         if plan is not None:
             before = _member_groups()
             created = build_generation_groups(plan, rank, gen_enums)  # exactly as the engine does
-            micro_dp = group_registry.subgroups(cp_micro_dp(plan, layout.cp), purpose="data")  # the dispatcher's
+            micro_dp = build_micro_dp_group(plan, layout.cp)  # as the dispatcher does
             check.generation_calls = counted.calls - check.training_calls
             check.generation_groups = _member_groups() - before
             for kind in ("tp", "pp", "dp"):
