@@ -36,6 +36,7 @@ __all__ = ["group", "subgroups", "megatron_groups_shared", "initialize_megatron_
 
 _cache: dict[tuple[tuple[int, ...], Optional[str], Optional[str]], object] = {}
 _self_group: dict[tuple[Optional[str], Optional[str]], object] = {}
+_members: list = []  # the cached groups this rank is in
 _world: list = [None]  # the default group the cache belongs to
 
 
@@ -45,11 +46,10 @@ def _check_world() -> None:
     create the same groups again, in the same order."""
     default = dist.distributed_c10d._get_default_group()
     live = dist.distributed_c10d._world.pg_map
-    mine = [g for g in (*_cache.values(), *_self_group.values())
-            if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER]
-    if _world[0] is not default or any(g not in live for g in mine):
+    if _world[0] is not default or any(g not in live for g in _members):
         _cache.clear()
         _self_group.clear()
+        _members.clear()
         _world[0] = default
 
 
@@ -64,6 +64,7 @@ def _self(backend: Optional[str], purpose: Optional[str], **options):
             mine, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())],
                                                         backend=backend, group_desc="hyflow_self", **options)
             _self_group[key] = mine
+        _members.append(_self_group[key])
     return _self_group[key]
 
 
@@ -80,6 +81,8 @@ def group(ranks: Sequence[int], backend: Optional[str] = None, purpose: Optional
     key = (members, backend, purpose)
     if key not in _cache:
         _cache[key] = dist.new_group(list(members), backend=backend, **options)
+        if dist.get_rank() in members:
+            _members.append(_cache[key])
     return _cache[key]
 
 
