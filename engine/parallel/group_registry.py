@@ -32,6 +32,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
+from hyflow.parallel.distributed import group_timeout
+
 __all__ = ["group", "subgroups", "megatron_groups_shared", "initialize_megatron_groups"]
 
 _cache: dict[tuple[tuple[int, ...], Optional[str], Optional[str]], object] = {}
@@ -144,4 +146,5 @@ def initialize_megatron_groups(layout) -> None:
             expert_model_parallel_size=layout.ep,
             order="tp-cp-ep-dp-pp",
             create_gloo_process_groups=False,
+            distributed_timeout_minutes=group_timeout().total_seconds() / 60,  # trainer.collective_timeout_s
         )

@@ -24,6 +24,7 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from hyflow.config import ConfigError
+from hyflow.monitor import comm
 from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.request import GenerationRequest, RolloutResult, RolloutStats, SampleOutput, as_requests
 from hyflow.rollout.runner import ModelRunner
@@ -159,7 +160,8 @@ class GenerationEngine:
         if seqs:
             cache = self.runner.new_cache(min(self.config.max_concurrent, len(seqs)), capacity_needed(seqs))
             scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats)
-            with torch.inference_mode(), self.runner.attach(cache, self.config.cpu_weight_packing):
+            # the decode loop's TP all-reduces (two per layer per token) are counted, not CUDA-timed
+            with torch.inference_mode(), self.runner.attach(cache, self.config.cpu_weight_packing), comm.untimed():
                 scheduler.run(seqs)
             del cache, scheduler
         stats.generated_tokens = sum(len(s.out.token_ids) for s in seqs)
