@@ -108,6 +108,7 @@ class Checkpointer:
         self._log = log
         self._queue: Any = None
         self._verified: set[str] = set()
+        self._sharding_checked: set[str] = set()  # the parts whose sharding Megatron validated in this run
         self._doing = ""
 
     def log(self, message: str) -> None:
@@ -234,8 +235,15 @@ class Checkpointer:
         from megatron.core import dist_checkpointing
 
         os.makedirs(directory, exist_ok=True)
+        # Megatron's access-integrity check all-gathers every rank's shard metadata onto every rank
+        # (O(world x shards) pickled per rank): the sharding of a part (actor, actor_optimizer, ...)
+        # is the same at every save of a run, so it is checked at the part's first save only.
+        part = os.path.basename(directory)
+        first = part not in self._sharding_checked
+        self._sharding_checked.add(part)
         with quiet_dist_checkpointing():
-            return dist_checkpointing.save(sharded, directory, async_sharded_save=self.async_save)
+            return dist_checkpointing.save(sharded, directory, async_sharded_save=self.async_save,
+                                           validate_access_integrity=first)
 
     def _model_info(self, module: torch.nn.Module, step: int, name: str) -> CheckpointInfo:
         from megatron.core import __version__ as mcore_version

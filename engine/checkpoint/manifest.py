@@ -8,7 +8,9 @@ blake2b); it is written into the manifest, so another algorithm can follow.
 
 Both directions are collective and split the work over the ranks: when saving, each rank hashes
 the files it wrote itself (``__<rank>_<n>.distcp``, ``rng/rank_<rank>.pt``; rank 0 also the small
-metadata files) while they are still in its page cache, and rank 0 writes the manifest; when
+metadata files) while they are still in its page cache, and rank 0 writes the manifest (rank 0
+lists the directory and sends each rank the names of its own files; each rank sends back their
+entries: a rank other than 0 handles O(files it wrote), whatever the world size); when
 verifying, each rank checks a share of the files and the ranks agree on the first damaged one,
 so verifying a checkpoint costs ``size / ranks`` per rank. Without a process group (``hyflow
 export``, tests) one process does everything.
@@ -81,11 +83,9 @@ def _owner(rel: str, world: int) -> int:
     return 0
 
 
-def _share(rels: Sequence[str], rank: int, world: int, by_writer: bool) -> list[int]:
-    """Indices of ``rels`` this rank handles: each file's writer (saving), or round robin
-    (verifying: any rank may read any file, the load after it reads them all anyway)."""
-    if by_writer:
-        return [i for i, rel in enumerate(rels) if _owner(rel, world) == rank]
+def _share(rels: Sequence[str], rank: int, world: int) -> list[int]:
+    """Indices of ``rels`` this rank verifies, round robin (any rank may read any file; the load
+    after it reads them all anyway)."""
     return list(range(rank, len(rels), world))
 
 
@@ -102,12 +102,16 @@ def write_manifest(root: str, exclude: Iterable[str] = (), group: Any = None) ->
     and write ``root/manifest.json`` on rank 0. Call it when every file is written and before
     the completion marker. Returns the manifest on rank 0, ``{}`` elsewhere."""
     dist, rank, world = _dist(group)
-    rels = [list_files(root, exclude) if rank == 0 else None]
+    files: list[str] = list_files(root, exclude) if rank == 0 else []
+    shares: list[list[str]] = [[] for _ in range(world)] if rank == 0 else []
+    for rel in files:
+        shares[_owner(rel, world)].append(rel)
+    mine_rels = [shares[0] if rank == 0 else None]
     if dist is not None and world > 1:
-        dist.broadcast_object_list(rels, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                                   group=group)
-    files: list[str] = rels[0]  # type: ignore[assignment]
-    mine = {files[i]: _entry(os.path.join(root, files[i])) for i in _share(files, rank, world, by_writer=True)}
+        # each rank receives the names of its own files only (O(files it wrote), not the whole list)
+        dist.scatter_object_list(mine_rels, shares if rank == 0 else None,
+                                 src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    mine = {rel: _entry(os.path.join(root, rel)) for rel in mine_rels[0]}  # type: ignore[union-attr]
     parts = [mine]
     if dist is not None and world > 1:
         parts = [None] * world if rank == 0 else None  # type: ignore[assignment]
@@ -185,7 +189,7 @@ def verify_manifest(root: str, prefix: str = "", group: Any = None, device: Any 
     rels = [rel for rel in manifest["files"] if rel.startswith(prefix)]
     dist, rank, world = _dist(group)
     first = len(rels) * len(_REASONS)  # "no problem"
-    for i in _share(rels, rank, world, by_writer=False):
+    for i in _share(rels, rank, world):
         problem = _check(root, rels[i], manifest["files"][rels[i]], algorithm, checksums)
         if problem:
             first = i * len(_REASONS) + _REASONS.index(problem)
