@@ -7,7 +7,7 @@ grow with the world on ranks other than 0.
   every rank) runs at the first save of each part of a run only: the sharding is the same at every
   save.
 
-Two gloo ranks (DP=2) save a tiny model three times.
+Two gloo ranks (TP=2: each writes shards of its own) save a tiny model three times.
 """
 
 import os
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multirank
 
 
 def _save_three_times(out: str) -> dict:
-    """Rank function: three checkpoints of a tiny DP=2 model; report what this rank received in
+    """Rank function: three checkpoints of a tiny TP=2 model; report what this rank received in
     pickled collectives while writing the manifests, and how often Megatron gathered the shard
     metadata."""
     import torch.distributed as dist
@@ -35,9 +35,9 @@ def _save_three_times(out: str) -> dict:
     from hyflow.parallel.layout import Layout
 
     desc = ModelDescription(family="llama", vocab_size=16, hidden_size=16, num_layers=1, num_attention_heads=2,
-                            num_query_groups=1, ffn_hidden_size=32, max_position_embeddings=32)
+                            num_query_groups=2, ffn_hidden_size=32, max_position_embeddings=32)
     torch.manual_seed(0)
-    groups = init_training_groups(Layout(dp=2))
+    groups = init_training_groups(Layout(tp=2))
     model = build_gpt_model(desc, groups)
 
     received: list = []  # what the manifest's object collectives handed this rank
@@ -86,21 +86,22 @@ def _save_three_times(out: str) -> dict:
 
 def test_saves_send_each_rank_its_own_names_and_validate_the_sharding_once(tmp_path):
     from hyflow.checkpoint.discovery import checkpoints_root, step_dir_name
-    from hyflow.checkpoint.manifest import read_manifest, verify_manifest
+    from hyflow.checkpoint.manifest import _owner, read_manifest, verify_manifest
 
     out = tmp_path / "run"
     results = run_on_ranks(_save_three_times, 2, str(out), timeout=600)
     path = os.path.join(checkpoints_root(str(out)), step_dir_name(3))
     files = read_manifest(path)["files"]
-    assert any("__1_" in rel for rel in files) and any("__0_" in rel for rel in files)
+    ones = [rel for rel in files if _owner(rel, 2) == 1]
+    zeros = [rel for rel in files if _owner(rel, 2) == 0]
+    assert any(rel.endswith(".distcp") for rel in ones) and any(rel.endswith(".distcp") for rel in zeros)
     assert verify_manifest(path) is not None  # rank 1's own hashes made it into rank 0's manifest
-    rank1 = results[1]
-    assert rank1["received"], "rank 1 took part in no manifest collective"
-    seen = "".join(rank1["received"])
-    assert "__1_" in seen  # its own shard names
-    # rank 0's shards, the models' metadata and the trainer state are rank 0's to hash: rank 1 never
-    # receives their names (old code: the whole file list, broadcast to every rank)
-    assert "__0_" not in seen and "trainer_state" not in seen and ".metadata" not in seen
+    seen = "".join(results[1]["received"])
+    assert seen, "rank 1 took part in no manifest collective"
+    assert all(rel in seen for rel in ones)  # the names of the files it wrote
+    # the names of rank 0's shards, the models' metadata and the trainer state (rank 0's to hash)
+    # never reach rank 1 (old code: the whole file list, broadcast to every rank)
+    assert [rel for rel in zeros if rel in seen] == []
     # Megatron's all_gather_object of every rank's shard metadata: once (the actor's first save), not
     # at each of the three saves
     assert [r["metadata_gathers"] for r in results] == [1, 1]
