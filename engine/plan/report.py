@@ -61,7 +61,7 @@ def to_json(result: PlanResult) -> dict[str, Any]:
          "generation_new_group_calls": c.generation_calls, "training_groups": c.training_groups,
          "generation_groups": c.generation_groups, "megatron": c.megatron,
          "generation": c.generation, "ok": not c.mismatches} for c in result.checks]
-    out["errors"], out["warnings"] = result.errors, result.warnings
+    out["errors"], out["warnings"], out["notes"] = result.errors, result.warnings, result.notes
     out["timings"] = {k: round(v, 3) for k, v in result.timings.items()}
     return out
 
@@ -151,6 +151,8 @@ def format_table(result: PlanResult) -> str:
         from hyflow.plan.throughput import format_projection
 
         lines += format_projection(result.throughput)
+    for note in result.notes:
+        lines.append(f"note: {note}")
     for w in result.warnings:
         lines.append(f"warning: {w}")
     for e in result.errors:
