@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hyflow.hybrid.param_specs import gpt_param_specs, megatron_local_name
-from hyflow.placement.sync_planner import ModelLayout, SyncPlanError, plan_weight_sync
+from hyflow.placement.sync_planner import ModelLayout, SyncPlanError, plan_weight_sync, summarize_weight_sync
 
 L = 4
 
@@ -143,3 +143,57 @@ def test_layout_that_does_not_divide_is_named():
         plan_weight_sync(_specs(), ModelLayout(0, 2), ModelLayout(2, 8), L)
     with pytest.raises(SyncPlanError, match="pp=3 does not divide num_layers=4"):
         plan_weight_sync(_specs(), ModelLayout(0, 1, 3), ModelLayout(3, 1), L)
+
+
+@pytest.mark.parametrize("src,dst", [
+    (ModelLayout(0, 2, 1, 1), ModelLayout(2, 1, 1, 2)),
+    (ModelLayout(0, 2, 2, 2, (1, 3)), ModelLayout(8, 1, 2, 3)),
+    (ModelLayout(0, 4, 1, 1), ModelLayout(4, 2, 2, 2)),
+    (ModelLayout(0, 1, 2, 3), ModelLayout(6, 2, 1, 4)),   # 4 replicas served by 3 source replicas
+    (ModelLayout(0, 2, 1, 1), ModelLayout(0, 1, 1, 2)),   # one pool, two layouts: local copies
+], ids=["tp2-to-2x", "pp2-uneven", "tp4-to-tp2pp2", "dp3-serves-4", "same-pool"])
+def test_each_rank_plans_exactly_its_part_of_the_whole_plan(src, dst):
+    """A job's rank plans only what it sends and receives: the same buckets (pieces, order, round)
+    as the whole world's plan holds for it, and the one-replica summary has the whole plan's numbers."""
+    specs = _specs(tied=True, qkv_bias=True)
+    whole = plan_weight_sync(specs, src, dst, L, bucket_bytes=1024)
+    for rank in sorted(set(src.ranks) | set(dst.ranks)):
+        mine = plan_weight_sync(specs, src, dst, L, bucket_bytes=1024, rank=rank)
+        assert mine.rank == rank and mine.buckets
+        assert set(mine.buckets) == {b for b in whole.buckets if rank in (b.src_rank, b.dst_rank)}
+        assert (mine.sends(rank), mine.recvs(rank), mine.local(rank)) == \
+               (whole.sends(rank), whole.recvs(rank), whole.local(rank))
+        assert mine.shard_bytes.get(rank) == whole.shard_bytes.get(rank)
+    if set(src.ranks) & set(dst.ranks):
+        with pytest.raises(SyncPlanError, match="overlap"):
+            summarize_weight_sync(specs, src, dst, L, bucket_bytes=1024)
+        return
+    summary = summarize_weight_sync(specs, src, dst, L, bucket_bytes=1024)
+    assert (summary.total_bytes, summary.buckets, summary.rounds, summary.max_recv, summary.max_sent) == \
+           (whole.total_bytes, len(whole.buckets), whole.rounds, whole.max_recv, whole.max_sent)
+    assert summary.max_shard_bytes == max(whole.shard_bytes.values())
+    assert summary.max_peers == max(len({b.src_rank for b in whole.recvs(r)}) for r in dst.ranks)
+
+
+def test_per_rank_planning_at_1024_ranks_is_a_rank_s_share():
+    """The 1024-GPU preset's one_step_off pools (Qwen2-72B, TP8 x PP4 x DP16 -> TP_g 4 x DP 128): the
+    whole plan has 576,000 pieces; a training rank plans the 8 replicas it serves, a generation rank
+    its own slice (about 1.2K pieces each: ~0.05 and ~0.01 CPU s against ~4.4 s for the whole plan,
+    2026-11-27 dev box)."""
+    from hyflow.parallel.layout import pad_vocab_size
+
+    specs = gpt_param_specs(80, 8192, 64, 8, 128, 29568, pad_vocab_size(152064, 8), qkv_bias=True, dtype_bytes=2)
+    src, dst = ModelLayout(0, 8, 4, 16, (19, 21, 21, 19)), ModelLayout(512, 4, 1, 128)
+    summary = summarize_weight_sync(specs, src, dst, 80)
+    for rank in (0, 511, 512, 1023):
+        mine = plan_weight_sync(specs, src, dst, 80, rank=rank)
+        pieces = sum(len(b.pieces) for b in mine.buckets)
+        assert 0 < pieces < 2000
+        if rank in dst.ranks:  # its slice, once
+            assert mine.bytes_recv(rank) == mine.shard_bytes[rank] <= summary.max_recv
+        else:  # the 8 replicas it serves
+            assert {dst.coords(b.dst_rank)[2] % src.dp for b in mine.buckets} == {src.coords(rank)[2]}
+            assert mine.bytes_sent(rank) <= summary.max_sent
+    replica0 = [plan_weight_sync(specs, src, dst, 80, rank=r) for r in range(512, 516)]
+    assert summary.total_bytes == 128 * sum(p.bytes_recv(r) for p, r in zip(replica0, range(512, 516)))
+    assert summary.buckets == 331_264  # the whole plan's (the review's count)

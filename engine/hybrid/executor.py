@@ -138,9 +138,10 @@ class HybridEngine:
         self.gen_groups = groups.layout
         self.tp_merge_group, self.tp_merge_ranks = groups.tp_merge, groups.tp_merge_ranks
         self.pp_merge_group, self.pp_merge_ranks = groups.pp_merge, groups.pp_merge_ranks
+        # Built without storage: every parameter is then pointed at the buffer (or at the training
+        # weights), so start-up never holds the generation weights twice (hyflow plan's start-up phase).
         self.gen_model = build_gpt_model(desc, self.gen_groups, dtype=dtype, spec=spec,
-                                         padded_vocab_size=self.padded_vocab,
-                                         config_overrides={"perform_initialization": False})
+                                         padded_vocab_size=self.padded_vocab, meta=True)
         self._train_params = dict(self.train_model.named_parameters())
         gen_params = dict(self.gen_model.named_parameters())
         _check_table(self.table, gen_params, self._train_params)
@@ -149,17 +150,16 @@ class HybridEngine:
         # generation model reads the training weights themselves, so a transition moves nothing.
         self.in_place = in_place and _aliasable(self.table, gen_params, self._train_params)
         if self.in_place:
-            for r in self.table.routes:
-                gen_params[r.gen_name].data = self._train_params[r.train_name].data
+            bind_parameters(self.gen_model, {r.gen_name: self._train_params[r.train_name].detach()
+                                             for r in self.table.routes})
             self.release_training_weights = False
         # Otherwise the generation model's parameters are views of the buffer for the whole run.
         self.buffer = GenerationBuffer(0 if self.in_place else self.table.numel, self.dtype, self.device)
         routes = () if self.in_place else self.table.routes
         flat = self.buffer.acquire()
         self._views = {r.gen_name: flat[r.offset:r.offset + r.numel].view(r.shape) for r in routes}
-        for name, param in gen_params.items():
-            if name in self._views:
-                param.data = self._views[name]
+        if self._views:
+            bind_parameters(self.gen_model, self._views)
         self.buffer.release()
 
         # What a transition does, read off the table once.
@@ -297,6 +297,26 @@ class HybridEngine:
         for storage, _ in released:
             storage.resize_(0)
         self._released = released
+
+
+def bind_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Give the named parameters of a model built on ``meta`` their storage: each becomes a
+    parameter over ``tensors[name]`` that keeps the meta one's attributes (Megatron's tensor-parallel
+    marks) and ``requires_grad``. Raises if a parameter is left without storage."""
+    params = dict(model.named_parameters())
+    bound = {}
+    for name, value in tensors.items():
+        old = params[name]
+        new = torch.nn.Parameter(value, requires_grad=old.requires_grad)
+        new.__dict__.update(old.__dict__)
+        bound[id(old)] = new
+    for module in model.modules():  # every registration of a shared parameter
+        for attr, param in module._parameters.items():
+            if param is not None and id(param) in bound:
+                module._parameters[attr] = bound[id(param)]
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ReshardPlanError(f"generation parameters without storage after binding: {left[:4]}")
 
 
 def _check_table(table: RankTable, gen_params: dict, train_params: dict) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 
 from hyflow.hybrid.reshard_plan import ReshardPlan
 
-__all__ = ["MEGATRON_KINDS", "GenerationGroups", "generation_enumerations", "build_generation_groups"]
+__all__ = ["MEGATRON_KINDS", "GenerationGroups", "generation_enumerations", "build_generation_groups", "cp_micro_dp",
+           "build_micro_dp_group"]
 
 #: Kinds of groups Megatron creates for a layout (and hyflow's ``ParallelGroups`` carries).
 MEGATRON_KINDS = ("tp", "pp", "dp", "cp", "mp", "tp_cp", "dp_cp", "embd", "pos_embd")
@@ -53,16 +54,18 @@ class GenerationGroups:
 
 def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = None) -> GenerationGroups:
     """Create every generation group of ``plan`` (collective: every rank of the world calls it,
-    in the same order) and return ``rank``'s."""
-    import torch.distributed as dist
-
+    in the same order) and return ``rank``'s. Through :mod:`hyflow.parallel.group_registry`: a
+    layout group equal to another (the generation tp and the training tp at TP_g = TP, the
+    generation mp and tp at PP_g=1, ...) is that group, singletons are the rank's self group; the
+    merge groups are their own (their traffic is counted as ``reshard``)."""
     from hyflow.monitor import comm
+    from hyflow.parallel import group_registry
     from hyflow.parallel.groups import build_groups
     from hyflow.parallel.layout import Layout
 
     enums = enums or generation_enumerations(plan)
-    tp_merge, _ = dist.new_subgroups_by_enumeration(enums["tp_merge"])
-    pp_merge, _ = dist.new_subgroups_by_enumeration(enums["pp_merge"])
+    tp_merge = group_registry.subgroups(enums["tp_merge"], purpose="reshard")
+    pp_merge = group_registry.subgroups(enums["pp_merge"], purpose="reshard")
     comm.register_group(tp_merge, "reshard")
     comm.register_group(pp_merge, "reshard")
     tg, pg, dg = plan.gen_coord(rank)
@@ -72,3 +75,27 @@ def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = N
                           coords={"tp": tg, "cp": 0, "dp": dg, "pp": pg})
     return GenerationGroups(layout, tp_merge, list(plan.tp_merge_ranks(rank)),
                             pp_merge, list(plan.pp_merge_ranks(rank)))
+
+
+def cp_micro_dp(plan, cp: int) -> list[list[int]]:
+    """The micro-DP groups of the data plane. At ``cp > 1`` the reshard plan folds CP into DP (CP
+    ranks hold the same weights: its data-parallel index is ``dp * cp + cp_rank``), so its micro-DP
+    groups are per CP rank; the CP ranks of a training DP rank share its prompts, so their groups
+    with the same generation TP / PP ranks become one group of ``cp`` times the replicas."""
+    groups = generation_enumerations(plan)["micro_dp"]
+    if cp == 1:
+        return [list(g) for g in groups]
+    merged: dict[tuple[int, int, int], list[int]] = {}
+    for g in groups:
+        _, _, folded = plan.train_coord(g[0])
+        tg, pg, _ = plan.gen_coord(g[0])
+        merged.setdefault((folded // cp, tg, pg), []).extend(g)
+    return [sorted(g) for g in merged.values()]
+
+
+def build_micro_dp_group(plan: ReshardPlan, cp: int):
+    """This rank's micro-DP group of the data plane (:func:`cp_micro_dp`; collective: every rank of
+    the world calls it), its traffic counted as ``data``."""
+    from hyflow.parallel import group_registry
+
+    return group_registry.subgroups(cp_micro_dp(plan, cp), purpose="data")

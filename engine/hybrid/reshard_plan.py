@@ -211,6 +211,9 @@ class ReshardPlan:
     model_bytes: int
     formula_bytes: Fraction
     _by_name: dict = field(default=None, repr=False, compare=False)
+    #: of ``bytes_recv``, what comes from another training stage (the PP merge; the rest is the
+    #: TP merge inside the stage)
+    bytes_recv_pp: tuple[int, ...] = ()
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -427,7 +430,7 @@ def plan_reshard(params: Iterable[ParamSpec], train: Any, gen: Any,
     plans = tuple(_plan_param(sp, train, gen, num_layers) for sp in params)
 
     # Per-stage accounting: every number depends on the training stage only (TP shards are equal).
-    recv, sent, held, gathered = [0] * PP, [0] * PP, [0] * PP, [0] * PP
+    recv, recv_pp, sent, held, gathered = [0] * PP, [0] * PP, [0] * PP, [0] * PP, [0] * PP
     gen_b = [0] * PPg
     for pr in plans:
         replicated = pr.spec.shard_dim is None
@@ -443,6 +446,7 @@ def plan_reshard(params: Iterable[ParamSpec], train: Any, gen: Any,
                 else:  # same stage: s-1 peer shards; other stage: all s shards of src
                     n = (s - 1 if src == q else s) * pr.train_shard_bytes
                 recv[q] += n
+                recv_pp[q] += 0 if src == q else n
                 sent[src] += n
     # The bucketed TP-merge all-gather stages s slots of this stage's shards (collective path).
     scratch = [s * staging_slot_bytes(g, TP_STAGING_SLOT) if s > 1 else 0 for g in gathered]
@@ -468,4 +472,4 @@ def plan_reshard(params: Iterable[ParamSpec], train: Any, gen: Any,
         bytes_recv=ranks(recv), bytes_sent=ranks(sent), train_bytes=ranks(held),
         gen_bytes=ranks(gen_b, True), scratch_bytes=ranks(scratch),
         model_bytes=model_bytes, formula_bytes=reshard_formula_bytes(model_bytes, train, gen),
-        _by_name={pr.name: pr for pr in plans})
+        _by_name={pr.name: pr for pr in plans}, bytes_recv_pp=ranks(recv_pp))

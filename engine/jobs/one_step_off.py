@@ -46,7 +46,7 @@ from hyflow.jobs.step_end import save_due
 from hyflow.monitor import comm
 from hyflow.monitor.memory import memory_summary
 from hyflow.placement.groups import build_pool_groups, build_sync_group, pool_enumerations
-from hyflow.placement.inflight import Control, GenerationCheckpoints, InFlight, control
+from hyflow.placement.inflight import Control, GenerationCheckpoints, InFlight, control, control_group
 from hyflow.placement.pool_models import GenerationSide, RemoteRollouts, WeightSender, build_training_models
 from hyflow.placement.remote_critic import has_remote_critic, serve_critic
 from hyflow.placement.rows import row_routes, send_rows
@@ -74,14 +74,15 @@ def run(cfg: RLJobConfig) -> list[dict]:
     pool_group = groups.pool_group
     if cfg.rollout.backend == "vllm":  # vLLM's groups: every rank creates them, the generation pool uses them
         init_vllm_groups(pool_enumerations(placement)["tp"], local_rank(groups.device))
+    ctl = control_group(placement)  # the lead's per-step message to the other pools
     if has_remote_critic(placement) and rank in placement.roles["critic"].pool:
         serve_critic(cfg, placement, groups, pool_group,
-                     lambda: control(Control(go=False), placement, rank, groups.device).go)
+                     lambda: control(Control(go=False), placement, rank, groups.device, ctl).go)
         return []
     if rank in gen.pool:
-        _generation_loop(cfg, placement, groups, sync_group)
+        _generation_loop(cfg, placement, groups, sync_group, ctl)
         return []
-    return _training_loop(cfg, placement, groups, sync_group, pool_group)
+    return _training_loop(cfg, placement, groups, sync_group, pool_group, ctl)
 
 
 def checkpointing(placement) -> bool:
@@ -113,7 +114,7 @@ class _NoCheckpoints:
         pass
 
 
-def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
+def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> None:
     tokenizer, _, loader = _setup_data(cfg)
     side = GenerationSide(cfg, tokenizer, placement, groups, sync_group)
     rank, n = dist.get_rank(), cfg.rollout.n
@@ -130,7 +131,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
                 loader.next_batch()
         else:
             loader.load_state_dict(resumed.loader)
-        if not control(Control(go=False), placement, rank, groups.device).go:
+        if not control(Control(go=False), placement, rank, groups.device, ctl).go:
             return
         side.receive_weights()  # w_0, or w_t after a resume from step t
         version = 0 if resumed is None else resumed.step - 1  # the weights held (updates applied)
@@ -150,7 +151,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
             following = None
             if overlap and step < cfg.trainer.total_steps:
                 following = generate(step + 1)  # overlaps the update on batch `step`
-            msg = control(Control(go=False), placement, rank, groups.device)
+            msg = control(Control(go=False), placement, rank, groups.device, ctl)
             if msg.go:
                 side.receive_weights()
             if msg.save:
@@ -167,7 +168,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
         held.uninstall()
 
 
-def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group) -> list[dict]:
+def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group, ctl) -> list[dict]:
     rank = dist.get_rank()
     tokenizer, dataset, loader = _setup_data(cfg)
     models = build_training_models(cfg, tokenizer, placement, groups, sync_group, pool_group=train_group)
@@ -186,7 +187,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     saves = checkpointing(placement)
     ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
                         tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead)
-    steps = PooledSteps(cfg, state, job, ckpt, placement, train_group, saves)
+    steps = PooledSteps(cfg, state, job, ckpt, placement, train_group, ctl, saves)
     try:
         run = open_run(cfg, ckpt, supervisor, steps.resume, lead)  # the resume is collective with the generation pool
         if lead:
@@ -202,12 +203,12 @@ class PooledSteps(RLSteps):
     """The training pool's steps: :class:`~hyflow.jobs.rl.RLSteps` whose rows come from the
     generation pool, followed by the control message and the weight send; metrics of both pools."""
 
-    def __init__(self, cfg: RLJobConfig, state, job, ckpt, placement, train_group, saves: bool) -> None:
+    def __init__(self, cfg: RLJobConfig, state, job, ckpt, placement, train_group, ctl, saves: bool) -> None:
         super().__init__(cfg, state, job, ckpt)
         # this loop drives the pooled roles' own parts: the weight send and the received rows' record
         self.sender, self.received = state.models.weights, state.models.rollouts
         assert isinstance(self.sender, WeightSender) and isinstance(self.received, RemoteRollouts)
-        self.placement, self.train_group, self.saves = placement, train_group, saves
+        self.placement, self.train_group, self.ctl, self.saves = placement, train_group, ctl, saves
         self.saved_models = (*state.models.trained(), *(frozen_models(cfg, state.models) or {}))
         self.t0 = 0.0
 
@@ -220,7 +221,7 @@ class PooledSteps(RLSteps):
         if cfg.actor.sft_warmup_steps and not run.start:
             sft_warmup(cfg, self.state, self.job.tokenizer)
         go = run.start < cfg.trainer.total_steps
-        control(Control(go=go), self.placement, dist.get_rank(), self._device)
+        control(Control(go=go), self.placement, dist.get_rank(), self._device, self.ctl)
         if go:
             self.sender.send()
         comm.install()
@@ -242,7 +243,7 @@ class PooledSteps(RLSteps):
         due = self.saves and save_due(self.cfg.trainer, step, outcome)
         # the generation pool joins the save (its batch in flight)
         control(Control(go=go, save=due, step=step, models=self.saved_models if due else ()), self.placement,
-                dist.get_rank(), self._device)
+                dist.get_rank(), self._device, self.ctl)
         sent = self.sender.send() if go else None
         step_seconds = time.perf_counter() - self.t0
         metrics.update(self.timers.step_summary())

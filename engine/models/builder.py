@@ -17,6 +17,7 @@ instead of the vocabulary projection.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 from typing import Literal, Optional
@@ -187,7 +188,7 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
                     spec: SpecName = "auto", value_head: bool = False,
                     vp_stage: Optional[int] = None, seed: Optional[int] = None,
                     config_overrides: Optional[dict] = None,
-                    padded_vocab_size: Optional[int] = None) -> GPTModel:
+                    padded_vocab_size: Optional[int] = None, meta: bool = False) -> GPTModel:
     """Build this rank's part of the model (its pipeline stage and TP shard).
 
     Args:
@@ -201,9 +202,17 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
             same full-size initial weights.
         padded_vocab_size: vocabulary rows including TP padding; default pads for this
             layout's TP. A generation-layout copy of a model keeps its training padding.
+        meta: parameters without storage (on the ``meta`` device, Megatron's attributes set):
+            the caller points every one at memory it owns (the hybrid engine's generation
+            buffer), so building never holds a second copy of the weights. Buffers (RoPE) are
+            on the rank's device as usual.
     """
     desc.validate()
-    cfg = transformer_config(desc, groups, dtype, **(config_overrides or {}))
+    overrides = dict(config_overrides or {})
+    if meta:  # Megatron's local layers allocate on the default device then; TE's on "meta"
+        overrides.update(perform_initialization=False, use_cpu_initialization=True,
+                         init_model_with_meta_device=True)
+    cfg = transformer_config(desc, groups, dtype, **overrides)
     layout = groups.layout
     vpp = layout.vpp or 1
     chunk = vp_stage or 0
@@ -219,6 +228,26 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
         layer = TransformerBlockSubmodules(
             layer_specs=[layer] * get_num_layers_to_build(cfg, vp_stage if layout.vpp else None, groups.pp_rank),
             layer_norm=RMSNorm)
+    pgs = groups.pgs
+    if meta:  # no storage to agree on: Megatron's all-reduce of a tied embedding's copy is skipped
+        pgs = copy.copy(pgs)
+        pgs.embd = None
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = _gpt_model(desc, cfg, layer, pgs, layout, pre, post, value_head, padded_vocab_size, vp_stage)
+    model.embd_group = groups.pgs.embd
+    if not meta:
+        _zero_vocab_padding(model, desc.vocab_size, groups)
+        # Megatron builds on the host when asked (use_cpu_initialization; the local spec's norms and
+        # our value head always); move to the rank's device as Megatron-LM's get_model does.
+        model = model.to(groups.device)
+    # RoPE frequencies stay float32 whatever params_dtype the cast gave the buffer.
+    model.rotary_pos_emb.inv_freq = desc.inv_freq().to(device=groups.device, dtype=torch.float32)
+    return model
+
+
+def _gpt_model(desc: ModelDescription, cfg: TransformerConfig, layer, pgs, layout, pre: bool, post: bool,
+               value_head: bool, padded_vocab_size: Optional[int], vp_stage: Optional[int]) -> GPTModel:
+    """Megatron's ``GPTModel`` with hyflow's RoPE, positions, value head and dtype (on the default device)."""
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=layer,
@@ -229,28 +258,22 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
         share_embeddings_and_output_weights=desc.tied_embeddings and not value_head,
         position_embedding_type="rope",
         rotary_base=int(desc.rope_theta) if float(desc.rope_theta).is_integer() else desc.rope_theta,
-        pg_collection=groups.pgs,
+        pg_collection=pgs,
         vp_stage=vp_stage if layout.vpp else None,
     )
     # RoPE frequencies from the description: every HF scaling family, bit-identical to HF's
     # (Megatron's module knows llama3 with fixed constants), CP slicing on any device.
-    model.rotary_pos_emb = DescribedRotaryEmbedding(desc, cp_group=groups.pgs.cp)
+    model.rotary_pos_emb = DescribedRotaryEmbedding(desc, cp_group=pgs.cp)
     positions.install(model)  # packed rows: rotary tables at each token's own position
     if value_head and post:
-        model.output_layer = ValueHead(cfg, groups.pgs.tp)
+        model.output_layer = ValueHead(cfg, pgs.tp)
     if cfg.params_dtype != torch.float32:
         # The local spec's torch norms ignore params_dtype; Megatron-LM casts the whole
         # module the same way (Float16Module) so every parameter has one dtype.
         model.to(cfg.params_dtype)
     if not cfg.perform_initialization:
         mark_tensor_parallel_attributes(model)
-    _zero_vocab_padding(model, desc.vocab_size, groups)
     embedding_grad.install(model)
-    # Megatron builds on the host when asked (use_cpu_initialization; the local spec's norms and our
-    # value head always); move to the rank's device as Megatron-LM's get_model does.
-    model = model.to(groups.device)
-    # RoPE frequencies stay float32 whatever params_dtype the cast above gave the buffer.
-    model.rotary_pos_emb.inv_freq = desc.inv_freq().to(device=groups.device, dtype=torch.float32)
     return model
 
 

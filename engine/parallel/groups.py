@@ -10,7 +10,9 @@ Two entry points:
   layout over the same ranks (the actor's generation layout), or for any explicit
   rank enumeration, without touching the globals.
 
-Both must be called by every rank in the same order (group creation is collective).
+Both must be called by every rank in the same order (group creation is collective). Both create
+groups through :mod:`hyflow.parallel.group_registry` (each distinct set of ranks once, a rank's
+singletons as one self group; no Megatron gloo side groups).
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from hyflow.monitor import comm
-from hyflow.parallel.distributed import group_timeout, rank_device
+from hyflow.parallel import group_registry
+from hyflow.parallel.distributed import rank_device
 from hyflow.parallel.layout import Layout, LayoutError
 
 _KINDS = ("tp", "pp", "dp", "cp", "mp", "tp_cp", "dp_cp", "embd", "pos_embd")
@@ -87,17 +89,7 @@ def init_training_groups(layout: Layout, seed: int = 1234) -> ParallelGroups:
     distinct streams), which Megatron's layers need before they are built.
     """
     layout.check_world(_require_dist())
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        order="tp-cp-ep-dp-pp",
-        distributed_timeout_minutes=group_timeout().total_seconds() / 60,  # trainer.collective_timeout_s
-    )
+    group_registry.initialize_megatron_groups(layout)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     comm.register_collection(pgs)  # collectives over these groups are charged to dp / tp / pp / ...
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
@@ -122,8 +114,7 @@ def build_groups(layout: Layout, enumerations: Optional[dict[str, list[list[int]
     for kind in _KINDS:
         ranks = enumerations.get(kind) or layout.groups(kind)
         _check_partition(kind, ranks, world)
-        group, _ = dist.new_subgroups_by_enumeration(ranks, backend=backend)
-        setattr(pgs, kind, group)
+        setattr(pgs, kind, group_registry.subgroups(ranks, backend=backend))
     pgs.intra_dp_cp = pgs.dp_cp
     comm.register_collection(pgs)
     return ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=coords or layout.coords(rank),

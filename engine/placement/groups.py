@@ -26,6 +26,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from hyflow.config import ConfigError
+from hyflow.parallel import group_registry
 from hyflow.parallel.distributed import eager_init, rank_device
 from hyflow.parallel.layout import Layout
 from hyflow.placement.config import ROLES, Placement, Pool
@@ -78,15 +79,15 @@ def build_pool_groups(placement: Placement, backend: Optional[str] = None):
     eager_init(dist.group.WORLD, device)  # control messages and rows: the lead and other pools only
     pgs = ProcessGroupCollection()
     for kind, ranks in pool_enumerations(placement).items():
-        group, _ = dist.new_subgroups_by_enumeration(ranks, backend=backend)
+        group = group_registry.subgroups(ranks, backend=backend)
         setattr(pgs, kind, group)
         if kind == "pp":  # pipeline sends and receives between neighbouring stages
             eager_init(group, device)
     pgs.intra_dp_cp = pgs.dp_cp
     # Dense models: Megatron's DDP and optimizer still ask for the expert groups (ep = 1: one rank each;
     # the others equal the dense ones).
-    pgs.ep, _ = dist.new_subgroups_by_enumeration([[r] for r in range(placement.world)], backend=backend)
-    pool_group, _ = dist.new_subgroups_by_enumeration([list(p.ranks) for p in placement.pools], backend=backend)
+    pgs.ep = group_registry.group([rank], backend=backend)
+    pool_group = group_registry.subgroups([list(p.ranks) for p in placement.pools], backend=backend, purpose="pool")
     eager_init(pool_group, device)
     pgs.expt_tp, pgs.tp_ep = pgs.tp, pgs.tp
     pgs.expt_dp, pgs.intra_expt_dp, pgs.tp_ep_pp = pgs.dp, pgs.dp, pgs.mp
@@ -140,7 +141,7 @@ def build_sync_group(src: Pool, dst: Pool, backend: Optional[str] = None):
     from hyflow.monitor import comm
 
     ranks = sorted(set(src.ranks) | set(dst.ranks))
-    group = dist.new_group(ranks=ranks, backend=backend)
+    group = group_registry.group(ranks, backend=backend, purpose="reshard")
     if dist.get_rank() in ranks:
         eager_init(group, rank_device())
         comm.register_group(group, "reshard")

@@ -5,7 +5,7 @@ When the training pool saves after update ``t``, the generation pool holds batch
 batch, so the checkpoint is written by both pools at once:
 
 * the training pool's lead says "save" in its per-step control message (:func:`control`: three
-  int64 per generation rank, sent point to point; no pickling collective on the step path);
+  int64 broadcast to the other pools' ranks; no pickling collective on the step path);
 * the training ranks write the models, optimizers and the job's state as the ``sync`` job does
   (:class:`~hyflow.checkpoint.checkpointer.Checkpointer`);
 * every generation rank joins the same save with *absent* models (Megatron's dist_checkpointing
@@ -54,22 +54,28 @@ class Control:
     models: tuple[str, ...] = ()  # the models a save writes (trained and frozen)
 
 
-def control(msg: Control, placement, rank: int, device: torch.device) -> Control:
-    """The training pool's first rank sends ``msg`` to every rank of the other pools (generation,
-    and a critic's pool of its own; one int64 triple each, point to point); returns what this rank
-    knows (the message, on every pool)."""
+def control_group(placement):
+    """The group :func:`control` broadcasts over: the training pool's first rank and every rank of
+    the other pools (collective: every rank calls it, in the same order)."""
+    from hyflow.parallel import group_registry
+
     train = placement.roles["actor"].pool
-    others = [r for r in range(placement.world) if r not in train]
+    return group_registry.group([train.start] + [r for r in range(placement.world) if r not in train],
+                                purpose="control")
+
+
+def control(msg: Control, placement, rank: int, device: torch.device, group) -> Control:
+    """The training pool's first rank tells every rank of the other pools (generation, and a
+    critic's pool of its own) ``msg``: one broadcast of three int64 over ``group``
+    (:func:`control_group`; NCCL runs it as a tree, not one rank's point-to-point send to each of
+    the world's ranks), entered by all its members at the same point of every step. Returns what
+    this rank knows (the message, on every pool)."""
+    train = placement.roles["actor"].pool
+    if rank in train and rank != train.start:
+        return msg
     mask = sum(1 << i for i, name in enumerate(MODEL_NAMES) if name in msg.models)
     t = torch.tensor([GO * msg.go + SAVE * msg.save, msg.step, mask], dtype=torch.long, device=device)
-    if rank == train.start:
-        ops = [dist.P2POp(dist.isend, t, r) for r in others]
-    elif rank not in train:
-        ops = [dist.P2POp(dist.irecv, t, train.start)]
-    else:
-        return msg
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
+    dist.broadcast(t, src=train.start, group=group)
     flags, step, mask = (int(x) for x in t.tolist())
     return Control(go=bool(flags & GO), save=bool(flags & SAVE), step=step,
                    models=tuple(n for i, n in enumerate(MODEL_NAMES) if mask >> i & 1))

@@ -28,7 +28,7 @@ from hyflow.parallel.layout import pad_vocab_size
 from hyflow.placement.groups import optimizer_agreement_on, pool_enumerations
 from hyflow.placement.remote_critic import RemoteCritic
 from hyflow.placement.rows import ReceivedRows, recv_rows, row_routes
-from hyflow.placement.sync_planner import plan_actor_sync
+from hyflow.placement.sync_planner import SyncSummary, plan_actor_sync, summarize_actor_sync
 from hyflow.placement.weight_sync import SyncStats, WeightSync
 from hyflow.rl.batch import MicroBatching, RolloutBatch
 from hyflow.rl.dispatch import sampling_seed, shard_range
@@ -61,8 +61,9 @@ class WeightSender:
     def capabilities_for(cls, cfg) -> WeightPathCapabilities:
         return cls.CAPABILITIES
 
-    def __init__(self, sync: WeightSync, model: Optional[torch.nn.Module] = None) -> None:
-        self.sync = sync
+    def __init__(self, sync: WeightSync, summary: Optional[SyncSummary] = None,
+                 model: Optional[torch.nn.Module] = None) -> None:
+        self.sync, self.summary = sync, summary  # the whole sync's numbers (sync.plan is this rank's part)
         # A LoRA actor sends W + s B A, merged in the training layout for the send and unmerged exactly
         # after it: full-weight sync (the generation pool holds a plain model; adapter-only sync to a
         # pool is not built yet)
@@ -81,7 +82,7 @@ class WeightSender:
         return None
 
     def describe(self) -> str:
-        return self.sync.plan.summary()
+        return self.summary.summary() if self.summary is not None else self.sync.plan.summary()
 
     def send(self) -> SyncStats:
         if self.model is None:
@@ -158,9 +159,11 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
     """The training pool's :class:`~hyflow.rl.models.RLModels` (see the module docstring)."""
     desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
     actor, chunks, optimizer, scheduler = build_actor(cfg, desc, groups, optimizer_scope=optimizer_agreement_on(pool_group))
-    plan = plan_actor_sync(placement, desc, actor.config.params_dtype.itemsize,
-                           fused_norms=resolve_spec(model_spec(cfg)) == "te")
-    sender = WeightSender(WeightSync(plan, actor, sync_group), model=actor)
+    fused = resolve_spec(model_spec(cfg)) == "te"
+    plan = plan_actor_sync(placement, desc, actor.config.params_dtype.itemsize, fused_norms=fused, rank=dist.get_rank())
+    sender = WeightSender(WeightSync(plan, actor, sync_group),
+                          summarize_actor_sync(placement, desc, actor.config.params_dtype.itemsize, fused_norms=fused),
+                          model=actor)
     rollouts = RemoteRollouts(groups, GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
                               placement, row_group, current_weights=cfg.trainer.mode == "sync")
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=sender,
@@ -187,7 +190,7 @@ class GenerationSide:
         self.model.requires_grad_(False)
         self.model.eval()
         plan = plan_actor_sync(placement, desc, self.model.config.params_dtype.itemsize,
-                               fused_norms=resolve_spec(model_spec(cfg)) == "te")
+                               fused_norms=resolve_spec(model_spec(cfg)) == "te", rank=dist.get_rank())
         self.sync = WeightSync(plan, self.model, sync_group)
         self.rollout_config = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
         self.trainer_seed = cfg.trainer.seed

@@ -116,7 +116,8 @@ class Bucket:
 
 @dataclass(frozen=True)
 class SyncPlan:
-    """Who sends what to whom, and the bytes."""
+    """Who sends what to whom, and the bytes: the whole world's plan, or (``rank`` set) only the
+    buckets ``rank`` sends or receives, the same buckets the whole plan has for it."""
 
     src: ModelLayout
     dst: ModelLayout
@@ -124,6 +125,7 @@ class SyncPlan:
     model_bytes: int
     shard_bytes: dict = field(default_factory=dict)  # destination rank -> bytes of its slice
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    rank: Optional[int] = None
     _by_rank: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -216,12 +218,15 @@ def _row_bytes(spec: ParamSpec, dim: int) -> int:
 
 
 def plan_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLayout, num_layers: int,
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncPlan:
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, rank: Optional[int] = None) -> SyncPlan:
     """Plan the copy of a model from ``src`` (every replica holds it) into every replica of ``dst``.
 
     ``specs``: the model's parameters (:func:`hyflow.hybrid.param_specs.gpt_param_specs`, global
-    layer indices, the same padded vocabulary on both sides). Raises :class:`SyncPlanError` for a
-    layout that does not divide the model.
+    layer indices, the same padded vocabulary on both sides). ``rank``: plan only what that rank
+    sends and receives (its destination replica; as a source, the replicas it serves), the same
+    pieces and buckets as the whole plan's for it: per-rank work bounded by the layout, not the
+    world (the whole plan of the 1024-rank preset is 576K pieces). Raises :class:`SyncPlanError`
+    for a layout that does not divide the model.
     """
     specs = tuple(specs)
     if bucket_bytes < 1:
@@ -229,9 +234,31 @@ def plan_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLay
     for spec in specs:
         _check(spec, src, "source", num_layers)
         _check(spec, dst, "destination", num_layers)
+    replicas: Iterable[int] = range(dst.dp)
+    want = None
+    if rank is not None:
+        mine = set()
+        if rank in dst.ranks:
+            mine.add(dst.coords(rank)[2])
+        if rank in src.ranks:
+            mine.update(range(src.coords(rank)[2], dst.dp, src.dp))  # destination j reads source j mod DP_src
+        replicas = sorted(mine)
+        want = lambda s, d: rank in (s, d)  # noqa: E731
+    pieces, shard_bytes = _pieces(specs, src, dst, num_layers, replicas, want)
+    if rank is not None:
+        shard_bytes = {d: n for d, n in shard_bytes.items() if d == rank}
+    return SyncPlan(src=src, dst=dst, buckets=_buckets(pieces, bucket_bytes), model_bytes=sum(sp.nbytes for sp in specs),
+                    shard_bytes=shard_bytes, bucket_bytes=bucket_bytes, rank=rank)
+
+
+def _pieces(specs: tuple[ParamSpec, ...], src: ModelLayout, dst: ModelLayout, num_layers: int,
+            replicas: Iterable[int], want=None) -> tuple[dict[tuple[int, int], list[SyncPiece]], dict[int, int]]:
+    """The pieces of destination replicas ``replicas`` (in order) between rank pairs ``want(src, dst)``
+    accepts (all when None), listed in one order (replica, parameter, stage, tp, run) for every
+    caller, so a pair's pieces and buckets do not depend on what else is planned."""
     pieces: dict[tuple[int, int], list[SyncPiece]] = defaultdict(list)
     shard_bytes: dict[int, int] = defaultdict(int)
-    for j in range(dst.dp):
+    for j in replicas:
         sdp = j % src.dp
         for spec in specs:
             src_stage = spec.stages(src.pp, num_layers, src.stage_layers)[0]
@@ -242,24 +269,33 @@ def plan_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLay
                     drank = dst.rank(t, q, j)
                     if spec.shard_dim is None:  # replicated: whole, from the source tp t mod TP_src
                         srank = src.rank(t % src.tp, src_stage, sdp)
-                        n = spec.global_shape[0] if spec.global_shape else 1
-                        pieces[(srank, drank)].append(SyncPiece(spec.name, srank, drank, src_name, dst_name, 0,
-                                                                0, 0, n, spec.nbytes))
-                        shard_bytes[drank] += spec.nbytes
+                        if want is None or want(srank, drank):
+                            n = spec.global_shape[0] if spec.global_shape else 1
+                            pieces[(srank, drank)].append(SyncPiece(spec.name, srank, drank, src_name, dst_name, 0,
+                                                                    0, 0, n, spec.nbytes))
+                            shard_bytes[drank] += spec.nbytes
                         continue
                     dim = spec.shard_dim
                     row = _row_bytes(spec, dim)
                     for g0, l0, n in _segments(spec, dst.tp, t):
                         for k in range(src.tp):
+                            srank = src.rank(k, src_stage, sdp)
+                            if want is not None and not want(srank, drank):
+                                continue
                             for h0, m0, m in _segments(spec, src.tp, k):
                                 lo, hi = max(g0, h0), min(g0 + n, h0 + m)
                                 if lo >= hi:
                                     continue
-                                srank = src.rank(k, src_stage, sdp)
                                 pieces[(srank, drank)].append(SyncPiece(
                                     spec.name, srank, drank, src_name, dst_name, dim, m0 + lo - h0, l0 + lo - g0,
                                     hi - lo, (hi - lo) * row))
                                 shard_bytes[drank] += (hi - lo) * row
+    return pieces, dict(shard_bytes)
+
+
+def _buckets(pieces: dict[tuple[int, int], list[SyncPiece]], bucket_bytes: int) -> tuple[Bucket, ...]:
+    """Each rank pair's pieces packed in order into buckets of at most ``bucket_bytes`` (a larger
+    piece alone); bucket ``i`` of a pair runs in round ``i``."""
     buckets = []
     for (s, d), plist in sorted(pieces.items()):
         current: list[SyncPiece] = []
@@ -273,8 +309,56 @@ def plan_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLay
         if current:
             buckets.append(Bucket(s, d, index, tuple(current)))
     buckets.sort(key=lambda b: (b.index, b.src_rank, b.dst_rank))
-    return SyncPlan(src=src, dst=dst, buckets=tuple(buckets), model_bytes=sum(sp.nbytes for sp in specs),
-                    shard_bytes=dict(shard_bytes), bucket_bytes=bucket_bytes)
+    return tuple(buckets)
+
+
+@dataclass(frozen=True)
+class SyncSummary:
+    """The whole sync's numbers for ``hyflow plan`` and the run's first line, from one destination
+    replica's plan (every replica receives the same slices; the source replica ``j mod DP_src``
+    serves replica ``j``, so source replica 0 serves the most): exact for pools that do not overlap."""
+
+    total_bytes: int
+    buckets: int
+    rounds: int
+    max_recv: int
+    max_sent: int
+    max_shard_bytes: int
+    max_peers: int  # sending peers of one destination rank
+    model_bytes: int
+    bucket_bytes: int
+    src: ModelLayout
+    dst: ModelLayout
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        src, dst = self.src, self.dst
+        return (f"weight sync tp={src.tp} pp={src.pp} dp={src.dp} (ranks {src.start}-{src.start + src.size - 1}) -> "
+                f"tp={dst.tp} pp={dst.pp} dp={dst.dp} (ranks {dst.start}-{dst.start + dst.size - 1}): "
+                f"{self.total_bytes / mib:.1f} MiB in {self.buckets} buckets over {self.rounds} rounds; per destination "
+                f"rank {self.max_recv / mib:.1f} MiB (its slice), per source rank at most {self.max_sent / mib:.1f} "
+                f"MiB; model {self.model_bytes / mib:.1f} MiB")
+
+
+def summarize_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLayout, num_layers: int,
+                          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncSummary:
+    """:class:`SyncSummary` of :func:`plan_weight_sync` (pools that do not overlap), at the cost of
+    planning one destination replica."""
+    specs = tuple(specs)
+    if set(src.ranks) & set(dst.ranks):
+        raise SyncPlanError("summarize_weight_sync needs pools that do not overlap; plan the whole sync")
+    for spec in specs:
+        _check(spec, src, "source", num_layers)
+        _check(spec, dst, "destination", num_layers)
+    pieces, shard_bytes = _pieces(specs, src, dst, num_layers, [0])
+    one = SyncPlan(src=src, dst=dst, buckets=_buckets(pieces, bucket_bytes), model_bytes=sum(sp.nbytes for sp in specs),
+                   shard_bytes=shard_bytes, bucket_bytes=bucket_bytes)
+    served = -(-dst.dp // src.dp)  # replicas source replica 0 serves
+    return SyncSummary(total_bytes=dst.dp * one.total_bytes, buckets=dst.dp * len(one.buckets), rounds=one.rounds,
+                       max_recv=one.max_recv, max_sent=served * one.max_sent,
+                       max_shard_bytes=max(shard_bytes.values(), default=0),
+                       max_peers=max((len({b.src_rank for b in one.recvs(r)}) for r in dst.ranks), default=0),
+                       model_bytes=one.model_bytes, bucket_bytes=bucket_bytes, src=src, dst=dst)
 
 
 def model_specs(desc, padded_vocab: int, dtype_bytes: int, value_head: bool = False) -> list[ParamSpec]:
@@ -304,14 +388,26 @@ def bucket_rounds(plan: SyncPlan, rank: int) -> list[tuple[list[Bucket], list[Bu
 
 
 def plan_actor_sync(placement, desc, dtype_bytes: int, *, fused_norms: bool = False,
-                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncPlan:
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, rank: Optional[int] = None) -> SyncPlan:
     """The plan of a pooled run (:class:`~hyflow.placement.config.Placement`): the actor's
-    training pool -> the generation pool, vocabulary padded for the actor's tp on both sides."""
+    training pool -> the generation pool, vocabulary padded for the actor's tp on both sides;
+    ``rank``: that rank's part only (what a job's rank plans)."""
+    return plan_weight_sync(*_actor_sync(placement, desc, dtype_bytes, fused_norms), bucket_bytes=bucket_bytes,
+                            rank=rank)
+
+
+def summarize_actor_sync(placement, desc, dtype_bytes: int, *, fused_norms: bool = False,
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncSummary:
+    """:func:`summarize_weight_sync` of :func:`plan_actor_sync`."""
+    return summarize_weight_sync(*_actor_sync(placement, desc, dtype_bytes, fused_norms), bucket_bytes=bucket_bytes)
+
+
+def _actor_sync(placement, desc, dtype_bytes: int, fused_norms: bool):
     from hyflow.hybrid.param_specs import model_param_specs
     from hyflow.parallel.layout import pad_vocab_size
 
     actor, gen = placement.roles["actor"], placement.roles["rollout"]
     specs = model_param_specs(desc, pad_vocab_size(desc.vocab_size, actor.layout.tp), dtype_bytes,
                               fused_norms=fused_norms)
-    return plan_weight_sync(specs, ModelLayout.of(actor.pool.start, actor.layout),
-                            ModelLayout.of(gen.pool.start, gen.layout), desc.num_layers, bucket_bytes=bucket_bytes)
+    return (specs, ModelLayout.of(actor.pool.start, actor.layout), ModelLayout.of(gen.pool.start, gen.layout),
+            desc.num_layers)

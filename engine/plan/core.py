@@ -24,6 +24,7 @@ from hyflow.plan import lora as plan_lora
 from hyflow.plan import memory_estimate as mem
 from hyflow.plan.group_check import RankCheck, check_partition, layout_enumerations, summarize, verify_rank
 from hyflow.plan.role_plan import RolePlan
+from hyflow.plan.throughput import project_plan
 from hyflow.rollout.config import GenerationConfig
 
 GIB = 1 << 30
@@ -79,7 +80,7 @@ class PlanResult:
     compute: dict[str, Any] = field(default_factory=dict)  #: :func:`hyflow.plan.stages.compute_plan`
     pools: list[dict] = field(default_factory=list)  # placement pools: name, ranks, roles, worst phase
     placement: str = ""
-    weight_sync: Any = None  # hyflow.placement.sync_planner.SyncPlan (placement pools)
+    weight_sync: Any = None  # hyflow.placement.sync_planner.SyncSummary (placement pools)
     throughput: Optional[dict] = None  # hyflow.plan.throughput.project
 
     @property
@@ -192,7 +193,7 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
 
         plan_pools(cfg, world, opts, result, placement, model, attention)
         result.warnings.extend(notes)
-        _project(cfg, model, world, opts, result, placement)
+        project_plan(cfg, model, world, opts.device, result, placement)
         return
     actor = _role("actor", layout, model, dtype, True)
     result.roles.append(actor)
@@ -325,23 +326,31 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
             chunked=chunk < cfg.rollout.max_prompt_length),
             f"prefill of {prefill} tokens over a {capacity}-token cache, logits + sampling of {slots} rows")
     result.phases.append(est)
+    staging = []
     if opts.device == "cpu" and plan.tp_ratio > 1:  # the TP merge's shared-memory staging, mapped for the run
         own = max(plan.bytes_recv) // (plan.tp_ratio - 1)
-        for phase in result.phases:
-            phase.add("reshard staging", staging_bytes_per_rank(own, plan.tp_ratio),
-                      "CPU shared-memory slots of the TP merge (all of the group's, mapped)")
+        staging.append(("reshard staging", staging_bytes_per_rank(own, plan.tp_ratio),
+                        "CPU shared-memory slots of the TP merge (all of the group's, mapped)"))
     if opts.device == "cpu" and plan.pp_ratio > 1:  # the PP merge's exchange slots, likewise
         own = max(plan.bytes_recv) // (plan.pp_ratio - 1)
-        for phase in result.phases:
-            phase.add("reshard staging (PP)", staging_bytes_per_rank(own, plan.pp_ratio, PP_STAGING_SLOT),
-                      "CPU shared-memory slots of the PP merge (all of the group's, mapped)")
+        staging.append(("reshard staging (PP)", staging_bytes_per_rank(own, plan.pp_ratio, PP_STAGING_SLOT),
+                        "CPU shared-memory slots of the PP merge (all of the group's, mapped)"))
+    for phase in result.phases:
+        for item in staging:
+            phase.add(*item)
+    # The generation buffer at start-up: none when the generation model reads the training weights
+    # (same layout), none on CPU (a mapping whose pages arrive with the first transition).
+    in_place = (gen.tp, gen.pp) == (layout.tp, layout.pp) and not cfg.rollout.force_staleness
+    buffer = 0 if in_place or opts.device == "cpu" else max(plan.gen_bytes)
+    result.phases.insert(0, mem.rl_startup_estimate(cfg, actor, opts.device, buffer, staging,
+                                           [(r, r.name == "critic") for r in result.roles[1:]]))
     result.generation = {
         "tp": gen.tp, "pp": gen.pp, "dp": plan.gen_dp_size, "micro_dp_size": plan.micro_dp_size,
         "layout": gen_layout.describe(), "groups": summarize(enums),
         "kv_cache_bytes": est.get("KV cache"), "slots": slots, "capacity": capacity,
         "rollout_rows_per_rank": rows, "rollout_data_bytes": data[1],
     }
-    _project(cfg, model, world, opts, result, placement)
+    project_plan(cfg, model, world, opts.device, result, placement)
 
 
 def _vllm_memory(cfg: Any, model: ModelDescription, est: mem.MemoryEstimate, result: PlanResult, plan: Any,
@@ -369,44 +378,6 @@ def _vllm_memory(cfg: Any, model: ModelDescription, est: mem.MemoryEstimate, res
     if resident:
         for phase in result.phases:
             phase.add("vLLM (resident)", resident, note)
-
-
-def _project(cfg: Any, model: ModelDescription, world: int, opts: PlanOptions, result: PlanResult,
-             placement: Any) -> None:
-    """Steps/s of ``sync`` (colocated on every rank) and ``one_step_off`` (the config's pools, or the
-    ranks split in half) from the cost model (:mod:`hyflow.plan.throughput`); GPU plans only."""
-    import dataclasses
-
-    from hyflow.placement.config import resolve_placement
-    from hyflow.placement.sync_planner import ModelLayout, model_specs, plan_weight_sync
-    from hyflow.plan.throughput import project
-
-    if opts.device != "gpu":
-        return
-    pbytes = mem.DTYPE_BYTES[cfg.actor.dtype]
-    reshard = result.reshard
-    if reshard is None:  # a pooled config: the colocated equivalent on every rank
-        try:
-            colocated = cfg.trained_actor_layout().with_dp_for(world)
-            specs = model_param_specs(model, mem.padded_vocab(model, colocated.tp), pbytes)
-            reshard = plan_reshard(specs, colocated, (cfg.rollout.layout.tp, cfg.rollout.layout.pp),
-                                   world_size=world, num_layers=model.num_layers)
-        except (ConfigError, ReshardPlanError):
-            reshard = None
-    off: Any = placement if not placement.colocated else None
-    sync_plan = result.weight_sync
-    if off is None:
-        try:
-            off = resolve_placement(dataclasses.replace(
-                cfg, trainer=dataclasses.replace(cfg.trainer, mode="one_step_off")), world)
-        except ConfigError as e:
-            off = f"the ranks split in half do not fit: {e}"
-    if sync_plan is None and not isinstance(off, str):
-        actor, gen = off.roles["actor"], off.roles["rollout"]
-        sync_plan = plan_weight_sync(model_specs(model, mem.padded_vocab(model, actor.layout.tp), pbytes),
-                                     ModelLayout.of(actor.pool.start, actor.layout),
-                                     ModelLayout.of(gen.pool.start, gen.layout), model.num_layers)
-    result.throughput = project(cfg, model, world, max(reshard.bytes_recv) if reshard else None, sync_plan, off)
 
 
 def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) -> PlanResult:

@@ -4,9 +4,10 @@ Enumerations are pure arithmetic (:meth:`Layout.groups`, the hybrid planner's ge
 groups), so they are produced for every rank of a 1024-rank job in milliseconds. To check
 that they are the groups the engine really creates, :func:`verify_rank` starts a *fake*
 ``torch.distributed`` world in this one process (``backend="fake"`` with a ``FakeStore``:
-collectives are no-ops, group creation is real), pretends to be one rank, runs Megatron's
-``initialize_model_parallel`` and hyflow's generation-group construction exactly as a job
-would, and compares the groups that rank ends up in with the enumerations.
+collectives are no-ops, group creation is real), pretends to be one rank, creates the training
+groups (Megatron's ``initialize_model_parallel`` through hyflow's registry), the generation groups
+and the data plane's micro-DP groups exactly as a job would, compares the groups that rank ends up
+in with the enumerations and counts the ``new_group`` calls it made (:func:`counting_new_group`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from hyflow.hybrid.generation_groups import MEGATRON_KINDS, build_generation_groups
+from hyflow.hybrid.generation_groups import MEGATRON_KINDS, build_generation_groups, build_micro_dp_group
 from hyflow.hybrid.reshard_plan import ReshardPlan
 from hyflow.hybrid.reshard_table import rank_plan
 from hyflow.parallel.layout import Layout
@@ -69,12 +70,16 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     finally:
         from megatron.core import parallel_state
 
+        from hyflow.monitor import comm
+
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+        comm.forget_groups()  # the fake groups registered while pretending
         dist.destroy_process_group()
 
 
-def _group_count() -> int:
+def _member_groups() -> int:
+    """Process groups this rank is a member of (torch registers only those)."""
     import torch.distributed as dist
 
     world = getattr(dist.distributed_c10d, "_world", None)
@@ -82,12 +87,51 @@ def _group_count() -> int:
 
 
 @dataclass
+class GroupCalls:
+    """``new_group`` calls made inside :func:`counting_new_group` (non-member calls included: in
+    torch's default mode every rank makes every call) and how many asked for gloo."""
+
+    calls: int = 0
+    gloo: int = 0
+
+
+@contextlib.contextmanager
+def counting_new_group() -> Iterator[GroupCalls]:
+    """Count ``torch.distributed.new_group`` calls (from Megatron, torch's
+    ``new_subgroups_by_enumeration`` and hyflow alike). In a fake world a gloo group is counted and
+    created on the fake backend (which cannot host gloo)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    counted = GroupCalls()
+    original = c10d.new_group
+    fake = dist.get_backend() == "fake"
+
+    def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
+        counted.calls += 1
+        if backend is not None and "gloo" in str(backend):
+            counted.gloo += 1
+            if fake:
+                backend = None
+        return original(ranks, timeout, backend, *args, **kwargs)
+
+    dist.new_group = c10d.new_group = new_group
+    try:
+        yield counted
+    finally:
+        dist.new_group = c10d.new_group = original
+
+
+@dataclass
 class RankCheck:
-    """What the fake world showed for one rank."""
+    """What the fake world showed for one rank: the groups it is in and the ``new_group`` calls it
+    made to create them (:mod:`hyflow.parallel.group_registry`: each distinct group once)."""
 
     rank: int
-    megatron_groups_created: int = 0
-    generation_groups_created: int = 0
+    training_calls: int = 0
+    generation_calls: int = 0
+    training_groups: int = 0  # distinct groups this rank is a member of
+    generation_groups: int = 0
     megatron: dict[str, list[int]] = field(default_factory=dict)
     generation: dict[str, list[int]] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
@@ -118,24 +162,22 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
                 train_enums: Optional[dict] = None, gen_enums: Optional[dict] = None) -> RankCheck:
     """Create, in a fake world, every group ``rank`` would create and compare.
 
-    Training: Megatron's ``initialize_model_parallel`` (as :func:`init_training_groups` calls
-    it; gloo side groups off since the fake backend cannot host them). Generation (when
-    ``plan`` is given): :func:`hyflow.hybrid.generation_groups.build_generation_groups`, the function
-    the hybrid engine calls.
+    Training: Megatron's ``initialize_model_parallel`` through hyflow's group registry
+    (:func:`hyflow.parallel.group_registry.initialize_megatron_groups`, what
+    :func:`hyflow.parallel.groups.init_training_groups` runs).
+    Generation (when ``plan`` is given): :func:`hyflow.hybrid.generation_groups.build_generation_groups`
+    and the data plane's micro-DP groups, as the hybrid engine and the dispatcher create them.
     """
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+
+    from hyflow.parallel.group_registry import initialize_megatron_groups
 
     check = RankCheck(rank=rank)
     train_enums = train_enums or layout_enumerations(layout)
-    with fake_world(rank, layout.world_size):
-        before = _group_count()
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-            virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
-            expert_model_parallel_size=layout.ep, order="tp-cp-ep-dp-pp",
-            create_gloo_process_groups=False)
-        check.megatron_groups_created = _group_count() - before
+    with fake_world(rank, layout.world_size), counting_new_group() as counted:
+        before = _member_groups()
+        initialize_megatron_groups(layout)  # exactly as init_training_groups does
+        check.training_calls, check.training_groups = counted.calls, _member_groups() - before
         check.megatron = _megatron_groups()
         for kind, ranks in check.megatron.items():
             mine = [g for g in train_enums[kind] if rank in g]
@@ -143,18 +185,21 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
                 check.mismatches.append(
                     f"rank {rank}: Megatron's {kind} group {ranks} != layout's {mine}")
         if plan is not None:
-            before = _group_count()
+            before = _member_groups()
             created = build_generation_groups(plan, rank, gen_enums)  # exactly as the engine does
-            check.generation_groups_created = _group_count() - before
+            micro_dp = build_micro_dp_group(plan, layout.cp)  # as the dispatcher does
+            check.generation_calls = counted.calls - check.training_calls
+            check.generation_groups = _member_groups() - before
             for kind in ("tp", "pp", "dp"):
                 check.generation[kind] = sorted(dist.get_process_group_ranks(getattr(created.layout.pgs, kind)))
             check.generation["tp_merge"] = sorted(dist.get_process_group_ranks(created.tp_merge))
             check.generation["pp_merge"] = sorted(dist.get_process_group_ranks(created.pp_merge))
+            check.generation["micro_dp"] = sorted(dist.get_process_group_ranks(micro_dp))
             rp = rank_plan(plan, rank)
-            check.generation["micro_dp"] = sorted(rp.micro_dp_group)  # enumerated: no engine group
             expected = {"tp": rp.gen_tp_group, "pp": rp.gen_pp_group,
                         "dp": next(g for g in plan.gen_dp_groups if rank in g),
-                        "tp_merge": plan.tp_merge_ranks(rank), "pp_merge": plan.pp_merge_ranks(rank)}
+                        "tp_merge": plan.tp_merge_ranks(rank), "pp_merge": plan.pp_merge_ranks(rank),
+                        "micro_dp": rp.micro_dp_group if layout.cp == 1 else check.generation["micro_dp"]}
             for kind, want in expected.items():
                 if check.generation[kind] != sorted(want):
                     check.mismatches.append(f"rank {rank}: generation {kind} group "

@@ -12,20 +12,23 @@ Two measurements around model + optimizer build and train steps:
   allocator caching, autograd / Python objects, thread stacks.
 
 :func:`measure_lm` builds an ``lm`` job step by step (build and step peaks apart, the estimate
-of the rank's own pipeline stage); :func:`measure_job` runs any job's ``run(cfg)`` whole and
+of the rank's own pipeline stage); :func:`measure_rl_startup` builds an ``rl`` job's models as the
+job does and compares with the plan's start-up phase (:func:`device_buffer_accounting` counts the
+hybrid engine's generation buffer as the CUDA path holds it); :func:`measure_job` runs any job's ``run(cfg)`` whole and
 compares with the plan's worst phase. Run the latter as ``torchrun --nproc-per-node N -m
 hyflow.plan.measure CONFIG [overrides]``: every rank prints one JSON line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
 import threading
 import time
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,12 +47,19 @@ class TensorMemoryTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak = self.current
 
+    def hold(self, nbytes: int) -> None:
+        """Count ``nbytes`` held (negative: given back) outside tensor ops."""
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
     def _release(self, key: int) -> None:
         nbytes = self.live.pop(key, None)
         if nbytes is not None:
             self.current -= nbytes
 
     def _track(self, t: torch.Tensor, inputs: set[int]) -> None:
+        if t.is_meta:  # shapes without storage (a model built on "meta")
+            return
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key in inputs or key in self.live or storage.nbytes() == 0:
@@ -67,6 +77,32 @@ class TensorMemoryTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._track(t, inputs)
         return out
+
+
+@contextlib.contextmanager
+def device_buffer_accounting(tracker: TensorMemoryTracker) -> Iterator[None]:
+    """Count the hybrid engine's generation buffer as the CUDA path holds it: allocator memory
+    from ``acquire`` to ``release`` (on CPU it is a mapping whose pages arrive with the first
+    write, which no tensor op shows)."""
+    from hyflow.hybrid.generation_buffer import GenerationBuffer
+
+    acquire, release = GenerationBuffer.acquire, GenerationBuffer.release
+
+    def counted_acquire(self):
+        if not self.held:
+            tracker.hold(self.nbytes)
+        return acquire(self)
+
+    def counted_release(self):
+        if self.held:
+            tracker.hold(-self.nbytes)
+        return release(self)
+
+    GenerationBuffer.acquire, GenerationBuffer.release = counted_acquire, counted_release
+    try:
+        yield
+    finally:
+        GenerationBuffer.acquire, GenerationBuffer.release = acquire, release
 
 
 class RssSampler:
@@ -164,6 +200,39 @@ def measure_lm(config: str, overrides: Sequence[str] = (), steps: int = 2) -> di
         "tensor_build_peak_bytes": build_peak, "rss_growth_bytes": rss.growth,
         "rss_baseline_bytes": rss.baseline,
     }
+
+
+def measure_rl_startup(config: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Build an ``rl`` job's models as the job does (:func:`hyflow.rl.models.build_rl_models`:
+    actor, DDP, optimizer, hybrid engine, reference, critic) on this rank under the tensor tracker;
+    returns the peak with the plan's CPU start-up estimate (the tracker sees the CPU reshard's
+    shared-memory staging too: ``torch.from_file`` segments)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from hyflow.data.tasks import load_data_tokenizer
+    from hyflow.jobs.registry import load_job_config
+    from hyflow.plan.core import PlanOptions, build_plan
+    from hyflow.rl.models import build_rl_models
+
+    world = dist.get_world_size()
+    overrides = list(overrides) + [f"trainer.nproc={world}"]
+    cfg = load_job_config(config, overrides)
+    plan = build_plan(config, overrides, PlanOptions(world_size=world, device="cpu", megatron_ranks=()))
+    tokenizer = load_data_tokenizer(cfg.data)
+    gc.collect()
+    tracker = TensorMemoryTracker()
+    with tracker:
+        models = build_rl_models(cfg, tokenizer)
+    startup = [e for e in plan.phases if e.phase.startswith("start-up")]
+    est = max(startup, key=lambda e: e.total) if startup else None
+    del models
+    return {"rank": dist.get_rank(), "stage": None if est is None else est.stage,
+            "estimate_phase": None if est is None else est.phase,
+            "estimate_bytes": None if est is None else est.total,
+            "estimate_items": {} if est is None else {i.name: i.bytes for i in est.items},
+            "tensor_peak_bytes": tracker.peak, "tensor_after_bytes": tracker.current, "errors": plan.errors}
 
 
 def measure_job(config: str, overrides: Sequence[str] = ()) -> dict[str, Any]:

@@ -16,6 +16,10 @@ What is counted, per rank, for the worst pipeline stage:
   two activation gradients).
 * **KV cache** (generation): keys and values of ``slots`` sequences of ``capacity`` tokens for
   the layers and query groups a generation rank holds.
+* **start-up** (:func:`startup_estimate`): the models built one after the other, each step's
+  lasting bytes plus what exists only while it runs (Megatron DDP moving the weights into its
+  buffer, the hybrid engine's generation buffer while its views are set up, a random initial
+  state); the peak is the worst step.
 
 Not counted: the CUDA context, NCCL buffers and allocator fragmentation (the planner adds a
 configurable reserve for them), Python objects, and host-side (CPU) copies made while
@@ -25,7 +29,7 @@ loading a checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.layout import Layout, pad_vocab_size
@@ -354,6 +358,102 @@ def rollout_data_bytes(rows: int, seq: int, *, reference: bool, critic: bool) ->
     exchange = 8 + 4
     update = 8 + 4 * (fp32 + 2)
     return rows * seq * (per_token + exchange + update)
+
+
+@dataclass
+class BuildStep:
+    """One step of a rank's start-up: ``kept`` bytes stay afterwards; ``transient`` bytes exist only
+    while the step runs (named ``transient_name``)."""
+
+    name: str
+    kept: float = 0.0
+    note: str = ""
+    transient: float = 0.0
+    transient_name: str = ""
+    transient_note: str = "while the step runs"
+
+
+def trainable_build_steps(role: str, params: int, dtype: str, distributed_optimizer: bool, shard: int,
+                          initial: float = 0.0, initial_note: str = "") -> list[BuildStep]:
+    """A trained model's start-up on one rank: its weights (``initial``: transient bytes of where
+    they come from), Megatron DDP's buffers and the optimizer as built (Adam's moments appear at the
+    first step, in the update phase).
+
+    * DDP allocates the fp32 gradient buffer and, with the distributed optimizer, a parameter buffer
+      the weights are copied into one by one: both copies of the weights exist when it starts;
+    * the optimizer keeps fp32 master weights of 16-bit parameters (its shard of them when
+      distributed); fp32 parameters are their own master copy.
+    """
+    p = DTYPE_BYTES[dtype]
+    shard = shard if distributed_optimizer else 1
+    master = params * 4 / shard if p < 4 else 0
+    return [
+        BuildStep(f"{role} weights", params * p, f"{params:,} params x {p} B ({dtype})", initial,
+                  initial_note),
+        BuildStep(f"{role} grads", params * 4, "fp32 DDP gradient buffer",
+                  params * p if distributed_optimizer else 0,
+                  f"{role} weights' old storage (DDP copies them into its parameter buffer)"),
+        BuildStep(f"{role} optimizer (as built)", master,
+                  (f"fp32 master weights / {shard} (distributed)" if shard > 1 else "fp32 master weights")
+                  if master else "none before the first step (fp32 parameters)"),
+    ]
+
+
+def random_init_bytes(desc: ModelDescription) -> int:
+    """Host bytes of a random initial state (:func:`hyflow.models.weights.random_full_state_dict`,
+    what a job without a checkpoint draws on every rank): the whole unsharded model in fp32, plus
+    one temporary of its largest tensor while a rank copies its shard."""
+    h, f = desc.hidden_size, desc.ffn_hidden_size
+    qkv = (desc.num_attention_heads + 2 * desc.num_query_groups) * desc.head_dim
+    largest = max(desc.vocab_size * h, 2 * f * h, qkv * h)
+    return 4 * (desc.num_parameters() + largest)
+
+
+def startup_estimate(steps: Sequence[BuildStep], stage: Optional[int] = None) -> MemoryEstimate:
+    """The start-up peak of a rank that runs ``steps`` in order: at the worst step, what earlier
+    steps and that step keep plus that step's transient. Phase ``start-up, at <step>``."""
+    kept: list[MemoryItem] = []
+    best: Optional[MemoryEstimate] = None
+    for step in steps:
+        if step.kept:
+            kept.append(MemoryItem(step.name, int(step.kept), step.note))
+        here = MemoryEstimate(f"start-up, at {step.name}", list(kept), stage)
+        if step.transient:
+            here.add(step.transient_name or f"{step.name} (transient)", step.transient, step.transient_note)
+        if best is None or here.total > best.total:
+            best = here
+    return best if best is not None else MemoryEstimate("start-up", [], stage)
+
+
+def rl_startup_estimate(cfg: Any, actor: Any, device: str, generation_bytes: int,
+                        staging: list[tuple[str, int, str]], others: list[tuple[Any, bool]]) -> MemoryEstimate:
+    """The start-up of a colocated RL rank, in :func:`hyflow.rl.models.build_rl_models`' order: the
+    actor (weights, DDP, optimizer), the hybrid engine (its generation buffer held only while the
+    generation model's parameters are pointed at it; on CPU the reshard's shared-memory staging,
+    mapped for the run), then the reference, critic and reward model; worst pipeline stage. ``actor``
+    and ``others``: :class:`~hyflow.plan.role_plan.RolePlan` s (``others`` with whether each trains)."""
+    dtype = actor.dtype
+    shard = actor.layout.dp * actor.layout.cp
+    random_init = device == "cpu" and not cfg.actor.checkpoint  # on GPU the draw is host memory
+    after = [BuildStep(name, nbytes, note) for name, nbytes, note in staging]
+    after.append(BuildStep("hybrid engine", transient=generation_bytes, transient_name="generation buffer",
+                           transient_note="held while the generation model's parameters are pointed at it, "
+                                          "then released"))
+    for role, trained in others:  # resident roles: their worst stage (an upper bound, as in the other phases)
+        n = max(role.stage_params)
+        if trained:
+            after += trainable_build_steps(role.name, n, dtype, cfg.critic.optim.distributed_optimizer,
+                                           role.layout.dp * role.layout.cp)
+        else:
+            after.append(BuildStep(f"{role.name} weights", n * DTYPE_BYTES[dtype], f"frozen, {dtype}"))
+    stages = []
+    for q, n in enumerate(actor.stage_params):
+        steps = trainable_build_steps(
+            "actor", n, dtype, cfg.actor.optim.distributed_optimizer, shard,
+            random_init_bytes(actor.model) if random_init else 0,
+            "random initial weights: the whole model in fp32 on every rank (no actor.checkpoint)")
+        stages.append(startup_estimate(steps + after, stage=q))
+    return worst(stages)
 
 
 def worst(estimates: Sequence[MemoryEstimate]) -> MemoryEstimate:

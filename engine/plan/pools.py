@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hyflow.parallel.layout import Layout
-from hyflow.placement.sync_planner import ModelLayout, model_specs, plan_weight_sync
+from hyflow.placement.sync_planner import ModelLayout, model_specs, summarize_weight_sync
 from hyflow.plan import memory_estimate as mem
 from hyflow.plan.group_check import layout_enumerations, summarize
 
@@ -37,8 +37,9 @@ def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, mod
     actor_layout = roles["actor"].layout
     padded = mem.padded_vocab(model, actor_layout.tp)
     gen = roles["rollout"]
-    sync = plan_weight_sync(model_specs(model, padded, pbytes), ModelLayout.of(roles["actor"].pool.start, actor_layout),
-                            ModelLayout.of(gen.pool.start, gen.layout), model.num_layers)
+    sync = summarize_weight_sync(model_specs(model, padded, pbytes), ModelLayout.of(roles["actor"].pool.start,
+                                                                                   actor_layout),
+                                 ModelLayout.of(gen.pool.start, gen.layout), model.num_layers)
     result.weight_sync = sync
     prompts, n = cfg.data.train_batch_size, cfg.rollout.n
 
@@ -72,6 +73,11 @@ def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, mod
                 head="value" if here[0] == "critic" else "lm", logits_copies=3 if here[0] == "actor" else 1,
                 phase=f"{label}: {here[0]} update")
             est = _with(train, resident + [data], f"{label}: {here[0]} update")
+            if here[0] == "actor":  # its start-up: the actor, then the other roles of the pool
+                start = mem.rl_startup_estimate(cfg, by_name["actor"], opts.device, 0, [],
+                                                [(by_name[r], r == "critic") for r in here[1:]])
+                start.phase = f"{label}: {start.phase}"
+                result.phases.append(start)
         else:
             fwd = mem.inference_estimates(model, lead.layout, dtype=dtype, seq=seq,
                                           micro_batch_size=cfg.actor.micro_batch_size, attention=attention,
@@ -87,10 +93,10 @@ def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, mod
     slots = min(cfg.rollout.max_concurrent, per_replica)
     prefill = min(8192, -(-slots // n) * cfg.rollout.max_prompt_length)
     est = mem.MemoryEstimate(f"pool {gen.pool.name}: generation")
-    est.add("generation weights", max(sync.shard_bytes.values()),
+    est.add("generation weights", sync.max_shard_bytes,
             f"actor in TP_g={layout.tp} PP_g={layout.pp}: this rank's slice, as the weight sync delivers it")
-    peers = max(len({b.src_rank for b in sync.recvs(r)}) for r in gen.pool.ranks)
-    est.add("weight-sync staging", min(sync.bucket_bytes * peers, max(sync.shard_bytes.values())),
+    peers = sync.max_peers
+    est.add("weight-sync staging", min(sync.bucket_bytes * peers, sync.max_shard_bytes),
             f"one bucket per sending peer ({peers})")
     est.add("KV cache", mem.kv_cache_bytes(model, layout.tp, layout.pp, slots, seq, dtype),
             f"{slots} sequences x {seq} tokens")

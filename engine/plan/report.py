@@ -44,7 +44,7 @@ def to_json(result: PlanResult) -> dict[str, Any]:
     out["placement"] = {"description": result.placement, "pools": result.pools}
     out["weight_sync"] = None if sync is None else {
         "total_bytes": sync.total_bytes, "bytes_recv_max": sync.max_recv, "bytes_sent_max": sync.max_sent,
-        "buckets": len(sync.buckets), "rounds": sync.rounds, "bucket_bytes": sync.bucket_bytes,
+        "buckets": sync.buckets, "rounds": sync.rounds, "bucket_bytes": sync.bucket_bytes,
         "model_bytes": sync.model_bytes}
     out["throughput"] = result.throughput
     peak = result.peak
@@ -57,8 +57,9 @@ def to_json(result: PlanResult) -> dict[str, Any]:
                              "items": {i.name: i.bytes for i in e.items}} for e in result.phases},
     }
     out["megatron_checks"] = [
-        {"rank": c.rank, "megatron_groups_created": c.megatron_groups_created,
-         "generation_groups_created": c.generation_groups_created, "megatron": c.megatron,
+        {"rank": c.rank, "training_new_group_calls": c.training_calls,
+         "generation_new_group_calls": c.generation_calls, "training_groups": c.training_groups,
+         "generation_groups": c.generation_groups, "megatron": c.megatron,
          "generation": c.generation, "ok": not c.mismatches} for c in result.checks]
     out["errors"], out["warnings"], out["notes"] = result.errors, result.warnings, result.notes
     out["timings"] = {k: round(v, 3) for k, v in result.timings.items()}
@@ -109,7 +110,7 @@ def format_table(result: PlanResult) -> str:
     sync = result.weight_sync
     if sync is not None:
         lines += ["", "Weight sync training pool -> generation pool, per update",
-                  f"  {format_bytes(sync.total_bytes)} in {len(sync.buckets)} buckets of <= "
+                  f"  {format_bytes(sync.total_bytes)} in {sync.buckets} buckets of <= "
                   f"{format_bytes(sync.bucket_bytes)} ({sync.rounds} rounds); each generation rank receives "
                   f"{format_bytes(sync.max_recv)} (its slice, once), a training rank sends at most "
                   f"{format_bytes(sync.max_sent)}; model {format_bytes(sync.model_bytes)}"]
@@ -125,8 +126,9 @@ def format_table(result: PlanResult) -> str:
         lines += ["", "Groups really created for sample ranks (fake process-group backend)"]
         for c in result.checks:
             status = "match" if not c.mismatches else f"{len(c.mismatches)} MISMATCH(ES)"
-            lines.append(f"  rank {c.rank:5d}: Megatron created {c.megatron_groups_created} groups, "
-                         f"generation {c.generation_groups_created}: {status}; tp {_short(c.megatron.get('tp', []))}"
+            lines.append(f"  rank {c.rank:5d}: new_group calls {c.training_calls} training + {c.generation_calls} "
+                         f"generation, member of {c.training_groups} + {c.generation_groups}: {status}; "
+                         f"tp {_short(c.megatron.get('tp', []))}"
                          f" pp {_short(c.megatron.get('pp', []))} dp {_short(c.megatron.get('dp', []))}")
     if result.phases:
         lines += ["", "Memory per GPU (worst rank of each phase)"]

@@ -130,7 +130,9 @@ def compute_plan(cfg: Any, desc: Any, layout: Any, device: str, cores: Optional[
         even = [desc.num_layers // layout.pp] * layout.pp if desc.num_layers % layout.pp == 0 else None
         balanced = balanced_stage_layers(desc.num_layers, layout.pp, head)
         built = list(layout.layers_per_stage(desc.num_layers))
-        m = max(1, -(-rows // max(1, layout.dp if hasattr(layout, "dp") else 1) // cfg.actor.micro_batch_size))
+        # an update flushes the pipeline after every mini-batch: its micro-batches per flush
+        mini = getattr(cfg.actor, "mini_batch_size", None) or rows
+        m = max(1, mini // (max(1, layout.dp * layout.cp) * cfg.actor.micro_batch_size))
         out["stages"] = {"even": even, "balanced": balanced, "built": built,
                          "automatic": cfg.actor.layout.stage_layers is None,
                          "built_cost": stage_costs(built, head), "balanced_cost": stage_costs(balanced, head),
@@ -164,8 +166,8 @@ def format_compute(d: dict[str, Any]) -> list[str]:
         split = lambda xs: "/".join(map(str, xs))  # noqa: E731
         how = "automatic (actor.layout.stage_layers=null)" if st["automatic"] else "actor.layout.stage_layers"
         lines.append(f"  pipeline stages: builds {split(st['built'])} layers, {how}: slowest stage "
-                     f"{max(st['built_cost']):.1f} layers' worth, step x{st['built_factor']:.2f} of ideal with "
-                     f"{st['micro_batches']} micro-batches")
+                     f"{max(st['built_cost']):.1f} layers' worth, update x{st['built_factor']:.2f} of ideal with "
+                     f"{st['micro_batches']} micro-batches per flush (one mini-batch)")
         others = []
         if st.get("even") and st["even"] != st["built"]:
             others.append(f"even {split(st['even'])} ({max(st['even_cost']):.1f}, x{st['even_factor']:.2f})")

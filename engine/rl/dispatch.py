@@ -24,10 +24,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from hyflow.hybrid.executor import HybridEngine
-from hyflow.hybrid.generation_groups import generation_enumerations
+from hyflow.hybrid.generation_groups import build_micro_dp_group
 from hyflow.monitor import comm
 from hyflow.rl.batch import MicroBatching, RolloutBatch
 from hyflow.rl.exact_logprobs import rescore_in_generation_layout
@@ -52,22 +51,6 @@ def shard_range(count: int, dp: int, dp_rank: int) -> tuple[int, int]:
     return dp_rank * per, (dp_rank + 1) * per
 
 
-def cp_micro_dp(plan, cp: int) -> list[list[int]]:
-    """The micro-DP groups of the data plane. At ``cp > 1`` the reshard plan folds CP into DP (CP
-    ranks hold the same weights: its data-parallel index is ``dp * cp + cp_rank``), so its micro-DP
-    groups are per CP rank; the CP ranks of a training DP rank share its prompts, so their groups
-    with the same generation TP / PP ranks become one group of ``cp`` times the replicas."""
-    groups = generation_enumerations(plan)["micro_dp"]
-    if cp == 1:
-        return [list(g) for g in groups]
-    merged: dict[tuple[int, int, int], list[int]] = {}
-    for g in groups:
-        _, _, folded = plan.train_coord(g[0])
-        tg, pg, _ = plan.gen_coord(g[0])
-        merged.setdefault((folded // cp, tg, pg), []).extend(g)
-    return [sorted(g) for g in merged.values()]
-
-
 class RolloutDispatcher:
     """Generates a DP shard's samples on the micro-DP replicas of the hybrid engine's layout, with
     hyflow's KV-cache engine over the engine's generation model: the colocated
@@ -88,9 +71,8 @@ class RolloutDispatcher:
         self.hybrid, self.groups = hybrid, train_groups
         self.rollout_config = rollout_config
         self.desc, self.vocab_size, self.eos = desc, vocab_size, list(eos_token_ids)
-        micro = cp_micro_dp(hybrid.plan, train_groups.layout.cp)
         # One group per (training dp, generation tp, generation pp); its order is the replica index.
-        self.micro_dp_group, _ = dist.new_subgroups_by_enumeration(micro)
+        self.micro_dp_group = build_micro_dp_group(hybrid.plan, train_groups.layout.cp)
         comm.register_group(self.micro_dp_group, "data")  # the data plane's sample exchange
         self.capabilities = RolloutCapabilities(
             greedy=True, exact_rescore=hybrid.capabilities.exact_in_generation_layout,

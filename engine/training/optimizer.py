@@ -113,8 +113,9 @@ def build_optimizer(chunks: list[DistributedDataParallel], cfg: OptimConfig,
         use_distributed_optimizer=cfg.distributed_optimizer,
     )
     pgs = explicit_pgs(groups) if groups is not None else None
-    optimizer = get_megatron_optimizer(opt_config, chunks, pg_collection=pgs,
-                                       use_gloo_process_groups=pgs is None)
+    # No gloo side groups: the distributed optimizer's checkpoint formats here gather over its
+    # device group (hyflow.parallel.groups creates no Megatron gloo groups).
+    optimizer = get_megatron_optimizer(opt_config, chunks, pg_collection=pgs, use_gloo_process_groups=False)
     fuse_torch_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
