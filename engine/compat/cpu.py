@@ -36,6 +36,14 @@ Redirections (each has a test in ``tests/test_cpu_compat.py``):
   accumulated into ``main_grad`` inside the GEMM, ``addmm_``), so DDP-wrapped linear
   layers skip the separate weight-gradient tensor and its addition
   (:func:`hyflow.training.optimizer.wrap_ddp` turns the fusion on where it is available).
+* Megatron's MoE token dispatcher moves its all-to-all split sizes to the host "as numpy"
+  only when they are CUDA tensors; on CPU they stay tensors, which ``all_to_all_single`` refuses.
+  Here CPU tensors asked for as numpy become numpy arrays too.
+
+One repair applies with or without CUDA (:func:`install_without_te`, which
+:func:`maybe_activate` always runs): Megatron-Core 0.16's MoE router reads
+``te_general_gemm`` even when Transformer Engine is absent (the name is then undefined); it is
+set to None, the value Megatron's own code tests for.
 """
 
 from __future__ import annotations
@@ -233,6 +241,32 @@ def _install_wgrad_accumulation() -> None:
         _patch(layers, "_grad_accum_fusion_available", True)
 
 
+def _numpy_split_sizes(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
+def _install_moe_dispatcher() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu",
+           _numpy_split_sizes(token_dispatcher.maybe_move_tensor_to_cpu))
+
+
+def install_without_te() -> None:
+    """Megatron-Core's MoE utilities without Transformer Engine (GPU or CPU): define the
+    ``te_general_gemm`` name its router tests (None: torch's matmul path)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def activate() -> None:
     """Install every redirection. Raises :class:`CpuCompatError` if CUDA is available."""
     global _ACTIVE
@@ -258,6 +292,8 @@ def activate() -> None:
     _install_device_queries()
     _install_rng()
     _install_wgrad_accumulation()
+    _install_moe_dispatcher()
+    install_without_te()
     _ACTIVE = True
     _LOG.debug("hyflow CPU compatibility layer active")
 
@@ -282,6 +318,7 @@ def maybe_activate() -> bool:
     ``HYFLOW_CPU_COMPAT=0`` disables it (Megatron will then fail on CPU with its
     own errors). Returns whether the layer is active.
     """
+    install_without_te()
     if os.environ.get("HYFLOW_CPU_COMPAT", "1") == "0" or _cuda_really_available():
         return False
     activate()
