@@ -51,9 +51,11 @@ class GenerationGroups:
     pp_merge_ranks: list[int]
 
 
-def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = None) -> GenerationGroups:
+def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = None,
+                            experts: bool = False) -> GenerationGroups:
     """Create every generation group of ``plan`` (collective: every rank of the world calls it,
-    in the same order) and return ``rank``'s."""
+    in the same order) and return ``rank``'s. ``experts``: also the groups a mixture-of-experts
+    generation model reads (EP_g = 1: :func:`hyflow.parallel.groups.build_groups`)."""
     import torch.distributed as dist
 
     from hyflow.monitor import comm
@@ -69,6 +71,6 @@ def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = N
     split = plan.gen_split if plan.train.stage_layers is not None else None  # merged training stages
     layout = build_groups(Layout(tp=plan.gen.tp, pp=plan.gen.pp, dp=plan.gen_dp_size, stage_layers=split),
                           {k: sorted(sorted(g) for g in enums[k]) for k in MEGATRON_KINDS},
-                          coords={"tp": tg, "cp": 0, "dp": dg, "pp": pg})
+                          coords={"tp": tg, "cp": 0, "dp": dg, "pp": pg}, experts=experts)
     return GenerationGroups(layout, tp_merge, list(plan.tp_merge_ranks(rank)),
                             pp_merge, list(plan.pp_merge_ranks(rank)))
