@@ -39,6 +39,9 @@ Redirections (each has a test in ``tests/test_cpu_compat.py``):
 * Megatron's MoE token dispatcher moves its all-to-all split sizes to the host "as numpy"
   only when they are CUDA tensors; on CPU they stay tensors, which ``all_to_all_single`` refuses.
   Here CPU tensors asked for as numpy become numpy arrays too.
+* Under expert tensor parallelism the dispatcher all-gathers and reduce-scatters token blocks of
+  *different* sizes per rank (NCCL's uneven collectives); gloo's collectives need equal sizes, so
+  on CPU the blocks are padded to the largest, exchanged, and trimmed (same values).
 
 One repair applies with or without CUDA (:func:`install_without_te`, which
 :func:`maybe_activate` always runs): Megatron-Core 0.16's MoE router reads
@@ -251,11 +254,48 @@ def _numpy_split_sizes(original: Callable) -> Callable:
     return maybe_move_tensor_to_cpu
 
 
+def _uneven_gather(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes),) + tuple(input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    return gather
+
+
+def _uneven_reduce_scatter(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        longest = max(sizes)
+        blocks = torch.split(input_, sizes, dim=0)
+        padded = input_.new_zeros((len(sizes) * longest,) + tuple(input_.shape[1:]))
+        for i, block in enumerate(blocks):
+            padded[i * longest:i * longest + block.shape[0]] = block
+        out = input_.new_empty((longest,) + tuple(input_.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(out, padded, group=group)
+        return out[:sizes[group.rank()]]
+
+    return reduce_scatter
+
+
 def _install_moe_dispatcher() -> None:
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import token_dispatcher
 
     _patch(token_dispatcher, "maybe_move_tensor_to_cpu",
            _numpy_split_sizes(token_dispatcher.maybe_move_tensor_to_cpu))
+    _patch(mappings, "_gather_along_first_dim", _uneven_gather(mappings._gather_along_first_dim))
+    _patch(mappings, "_reduce_scatter_along_first_dim",
+           _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim))
 
 
 def install_without_te() -> None:

@@ -42,7 +42,7 @@ def is_expert_param(name: str) -> bool:
 
 def expert_offset(desc: ModelDescription, groups: ParallelGroups) -> int:
     """Global index of this rank's first routed expert (0 for a dense model)."""
-    if desc.moe is None:
+    if getattr(desc, "moe", None) is None:
         return 0
     return groups.ep_rank * (desc.moe.num_experts // groups.layout.ep)
 
@@ -190,7 +190,7 @@ def gather_full_state_dict(model: torch.nn.Module, desc: ModelDescription, group
         if _is_vocab(key) and full.dim() == 2:
             full = full[: desc.vocab_size]
         local[key] = full.clone()
-    if desc.moe is not None and groups.layout.ep > 1:  # every EP rank's experts
+    if getattr(desc, "moe", None) is not None and groups.layout.ep > 1:  # every EP rank's experts
         parts: list = [None] * groups.layout.ep
         dist.all_gather_object(parts, {k: v for k, v in local.items() if is_expert_param(k)}, group=groups.pgs.ep)
         for part in parts:
