@@ -121,8 +121,9 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
                           in_place=not cfg.rollout.force_staleness)
     sample_vocab = min(desc.vocab_size, tokenizer.vocab_size)
     eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
-    dispatcher = RolloutDispatcher(hybrid, groups, GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
-                                   desc, sample_vocab, eos)
+    record = cfg.rollout.routing_replay or cfg.rollout.record_routing  # R3 replays what the rollout recorded
+    dispatcher = RolloutDispatcher(hybrid, groups, GenerationConfig.from_job(
+        cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0, record_routing=record), desc, sample_vocab, eos)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), hybrid=hybrid,
                       dispatcher=dispatcher, sample_vocab=sample_vocab)
     build_other_roles(cfg, models, actor, tokenizer)

@@ -17,6 +17,7 @@ prompt + response) and frees it on return, so the memory goes back to training.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Optional, Sequence as Seq
@@ -24,6 +25,7 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from hyflow.config import ConfigError
+from hyflow.models.routing_replay import recording
 from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.request import GenerationRequest, RolloutResult, RolloutStats, SampleOutput, as_requests
 from hyflow.rollout.runner import ModelRunner
@@ -158,9 +160,12 @@ class GenerationEngine:
                              prompt_tokens=sum(len(s.prompt) for s in seqs))
         if seqs:
             cache = self.runner.new_cache(min(self.config.max_concurrent, len(seqs)), capacity_needed(seqs))
-            scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats)
-            with torch.inference_mode(), self.runner.attach(cache, self.config.cpu_weight_packing):
+            record = recording(self.runner.model) if self.config.record_routing else contextlib.nullcontext()
+            with torch.inference_mode(), self.runner.attach(cache, self.config.cpu_weight_packing), record as hooks:
+                scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats, routing_hooks=hooks)
                 scheduler.run(seqs)
+            for s in seqs:
+                s.finish_routing()
             del cache, scheduler
         stats.generated_tokens = sum(len(s.out.token_ids) for s in seqs)
         stats.seconds = time.perf_counter() - start
