@@ -406,9 +406,6 @@ class RLJobConfig:
         if self.model.moe is None:
             raise ConfigError(f"{key} records the experts of a mixture-of-experts model; model.family="
                               f"{self.model.family} is dense (drop {key})")
-        if gen.pp > 1:
-            raise ConfigError(f"{key} with rollout.layout.pp={gen.pp}: each generation stage sees only its layers' "
-                              "routers; record with rollout.layout.pp=1")
         if train.cp > 1:
             raise ConfigError(f"{key} with actor.layout.cp={train.cp}: the recorded experts are not split over "
                               "context-parallel ranks yet; use cp=1")

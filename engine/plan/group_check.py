@@ -114,14 +114,26 @@ def _megatron_groups() -> dict[str, list[int]]:
     return out
 
 
+def _megatron_expert_groups() -> dict[str, list[int]]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    getters = {"ep": ps.get_expert_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group,
+               "edp": ps.get_expert_data_parallel_group, "tp_ep": ps.get_expert_tensor_and_model_parallel_group,
+               "tp_ep_pp": ps.get_expert_tensor_model_pipeline_parallel_group}
+    return {kind: sorted(dist.get_process_group_ranks(get())) for kind, get in getters.items()}
+
+
 def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
-                train_enums: Optional[dict] = None, gen_enums: Optional[dict] = None) -> RankCheck:
+                train_enums: Optional[dict] = None, gen_enums: Optional[dict] = None,
+                experts: bool = False) -> RankCheck:
     """Create, in a fake world, every group ``rank`` would create and compare.
 
     Training: Megatron's ``initialize_model_parallel`` (as :func:`init_training_groups` calls
     it; gloo side groups off since the fake backend cannot host them). Generation (when
     ``plan`` is given): :func:`hyflow.hybrid.generation_groups.build_generation_groups`, the function
-    the hybrid engine calls.
+    the hybrid engine calls. ``experts``: a mixture-of-experts model (its expert groups are
+    compared with :meth:`Layout.expert_groups`, and the generation groups include the MoE ones).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -133,10 +145,15 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
         ps.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
-            expert_model_parallel_size=layout.ep, order="tp-cp-ep-dp-pp",
-            create_gloo_process_groups=False)
+            expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
+            order="tp-cp-ep-dp-pp", create_gloo_process_groups=False)
         check.megatron_groups_created = _group_count() - before
         check.megatron = _megatron_groups()
+        if experts:
+            expert = _megatron_expert_groups()
+            for kind, ranks in expert.items():
+                check.megatron["expert_" + kind] = ranks
+                train_enums = dict(train_enums, **{"expert_" + kind: layout.expert_groups(kind)})
         for kind, ranks in check.megatron.items():
             mine = [g for g in train_enums[kind] if rank in g]
             if mine != [ranks]:
@@ -144,7 +161,7 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
                     f"rank {rank}: Megatron's {kind} group {ranks} != layout's {mine}")
         if plan is not None:
             before = _group_count()
-            created = build_generation_groups(plan, rank, gen_enums)  # exactly as the engine does
+            created = build_generation_groups(plan, rank, gen_enums, experts=experts)  # exactly as the engine does
             check.generation_groups_created = _group_count() - before
             for kind in ("tp", "pp", "dp"):
                 check.generation[kind] = sorted(dist.get_process_group_ranks(getattr(created.layout.pgs, kind)))
