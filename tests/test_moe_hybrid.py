@@ -142,3 +142,59 @@ def test_expert_exchange_plan_at_1024_ranks():
         assert x.gen_bytes(rank) == layers * 128 * 3 * 4096 * (1536 // 4) * 2
         own = x.train_bytes(rank) // 4  # the quarter of its (full-width) experts that it keeps
         assert x.recv_bytes(rank) == x.gen_bytes(rank) - own, rank
+
+
+@pytest.mark.parametrize("src,dst", [
+    (dict(tp=1, pp=1, dp=2, ep=2), dict(tp=1, pp=1, dp=2)),
+    (dict(tp=2, pp=2, dp=2, ep=4, etp=1), dict(tp=2, pp=1, dp=2)),
+    (dict(tp=2, pp=1, dp=2, ep=2, etp=2), dict(tp=4, pp=2, dp=1)),
+], ids=["ep2-to-tp1", "tp2pp2ep4etp1-to-tp2", "tp2ep2etp2-to-tp4pp2"])
+def test_weight_sync_plans_every_expert_of_every_replica(src, dst):
+    """One-step-off pools: the weight sync gives each generation rank every expert's columns of its
+    TP shard, each element from exactly one piece, read from the expert grid's holder."""
+    from hyflow.hybrid.param_specs import expert_param_specs
+    from hyflow.models.description import tiny_moe
+    from hyflow.placement.sync_planner import ModelLayout, plan_weight_sync
+
+    desc = tiny_moe(moe=dict(num_experts=8, ffn_hidden_size=32))
+    specs = expert_param_specs(desc, 4)
+    s, d = ModelLayout(0, **src), ModelLayout(100, **dst)
+    plan = plan_weight_sync([], s, d, desc.num_layers, experts=specs, num_experts=8, bucket_bytes=4096)
+    gen = torch.Generator().manual_seed(0)
+    full = {x.name: torch.randn(x.global_shape, generator=gen) for x in specs}
+    per, F = 8 // s.ep, 32
+    held = {}  # (rank, local name) -> the source shard, sliced independently of the planner
+    for x in specs:
+        q = x.layer // (desc.num_layers // s.pp)
+        local = f"decoder.layers.{x.layer % (desc.num_layers // s.pp)}.mlp.experts.local_experts.{x.expert % per}." \
+                f"linear_{x.kind}.weight"
+        w = F // s.expert_tp
+        for a in range(s.expert_tp):
+            block = full[x.name]
+            shard = torch.cat([block[a * w:(a + 1) * w], block[F + a * w:F + (a + 1) * w]]) if x.kind == "fc1" \
+                else block[:, a * w:(a + 1) * w]
+            for edp in range(s.expert_dp):
+                held[(s.expert_rank(a, x.expert // per, edp, q), local)] = shard
+    got, hits = {}, {}
+    for b in plan.buckets:
+        for p in b.pieces:
+            src_t = held[(p.src_rank, p.src_name)].narrow(p.dim, p.src_offset, p.length)
+            x = next(x for x in specs if x.name == p.name)
+            w = F // d.tp
+            shape = (2 * w, x.hidden) if x.kind == "fc1" else (x.hidden, w)
+            key = (p.dst_rank, p.dst_name)
+            got.setdefault(key, torch.full(shape, float("nan")))
+            hits.setdefault(key, torch.zeros(shape, dtype=torch.long))
+            got[key].narrow(p.dim, p.dst_offset, p.length).copy_(src_t)
+            hits[key].narrow(p.dim, p.dst_offset, p.length).add_(1)
+    assert len(got) == d.dp * d.tp * len(specs)  # every rank: its stage's layers, every expert
+    for (rank, name), value in got.items():
+        t, qd, _ = d.coords(rank)
+        layer = qd * (desc.num_layers // d.pp) + int(name.split(".")[2])
+        expert, kind = int(name.split(".")[6]), name.split(".")[7][len("linear_"):]
+        block, w = full[f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_{kind}.weight"], F // d.tp
+        want = torch.cat([block[t * w:(t + 1) * w], block[F + t * w:F + (t + 1) * w]]) if kind == "fc1" \
+            else block[:, t * w:(t + 1) * w]
+        assert torch.equal(value, want), (rank, name)
+        assert bool((hits[(rank, name)] == 1).all())
+    assert sum(plan.shard_bytes.values()) == d.dp * sum(x.nbytes for x in specs)

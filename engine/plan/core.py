@@ -362,7 +362,7 @@ def _project(cfg: Any, model: ModelDescription, world: int, opts: PlanOptions, r
     import dataclasses
 
     from hyflow.placement.config import resolve_placement
-    from hyflow.placement.sync_planner import ModelLayout, model_specs, plan_weight_sync
+    from hyflow.placement.sync_planner import ModelLayout, model_experts, model_specs, plan_weight_sync
     from hyflow.plan.throughput import project
 
     if opts.device != "gpu":
@@ -389,8 +389,13 @@ def _project(cfg: Any, model: ModelDescription, world: int, opts: PlanOptions, r
         actor, gen = off.roles["actor"], off.roles["rollout"]
         sync_plan = plan_weight_sync(model_specs(model, mem.padded_vocab(model, actor.layout.tp), pbytes),
                                      ModelLayout.of(actor.pool.start, actor.layout),
-                                     ModelLayout.of(gen.pool.start, gen.layout), model.num_layers)
-    result.throughput = project(cfg, model, world, max(reshard.bytes_recv) if reshard else None, sync_plan, off)
+                                     ModelLayout.of(gen.pool.start, gen.layout), model.num_layers,
+                                     **model_experts(model, pbytes))
+    recv = max(reshard.bytes_recv) if reshard else None
+    exchange = (result.experts or {}).get("exchange")
+    if recv is not None and exchange:  # a mixture-of-experts actor's experts travel too
+        recv += exchange["recv_bytes_max"]
+    result.throughput = project(cfg, model, world, recv, sync_plan, off)
 
 
 def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) -> PlanResult:
