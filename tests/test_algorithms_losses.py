@@ -1,5 +1,6 @@
 """Parity tests for hyflow.algorithms' losses (aggregation modes, PPO with dual clip, value,
-entropy, DPO, KTO) against independent float64 references.
+DPO, KTO) against independent float64 references. PPO and the value loss are aggregated as the
+step aggregates them: per-token losses times the per-token weights of ``aggregation_weights``.
 
 Every reference below is written straight from the formula with Python loops / numpy; none
 calls the function under test.
@@ -14,14 +15,14 @@ import torch
 
 from hyflow.algorithms import (
     LOSS_AGG_MODES,
-    aggregate_loss,
+    aggregation_weights,
     dpo_loss,
-    entropy_bonus,
-    entropy_from_logits,
     kto_loss,
-    ppo_policy_loss,
-    value_loss,
+    masked_mean,
+    value_token_loss,
+    vanilla_policy_loss,
 )
+from hyflow.testing.references import aggregate_loss
 
 from algorithms_reference import (
     B,
@@ -70,18 +71,39 @@ def test_seq_mean_token_sum_norm_needs_a_constant_normaliser():
     """Dr. GRPO divides each sequence's token sum by a constant of the run; the padded width of a
     batch is not one (it changes from step to step), so it is never used as a default."""
     lm = rand(B, T, seed=18)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        aggregate_loss(lm, mask_t(), "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="max_new_tokens"):  # the step's weights
+        aggregation_weights(mask_t(F64), "seq-mean-token-sum-norm")
     # extra padding columns (a longer sequence elsewhere in the step) change nothing
     wide = torch.cat([lm, rand(B, 5, seed=99)], dim=1)
     wide_mask = torch.cat([mask_t(), torch.zeros(B, 5, dtype=torch.bool)], dim=1)
-    assert aggregate_loss(wide, wide_mask, "seq-mean-token-sum-norm", 64).item() == \
-        aggregate_loss(lm, mask_t(), "seq-mean-token-sum-norm", 64).item()
+    assert aggregated(wide, wide_mask, "seq-mean-token-sum-norm", 64).item() == \
+        pytest.approx(aggregated(lm, mask_t(), "seq-mean-token-sum-norm", 64).item(), rel=1e-14)
 
 
 def test_aggregate_loss_rejects_unknown_mode():
     with pytest.raises(ValueError):
         aggregate_loss(rand(2, 3), torch.ones(2, 3), "seq-sum")
+
+
+def aggregated(loss_mat, mask, mode, norm_length=None):
+    """One batch's loss as the step aggregates it on one rank: sum(w * x) / d."""
+    w, d = aggregation_weights(mask.to(F64), mode, norm_length)
+    return (w * loss_mat).sum() / d
+
+
+def ppo_policy_loss(logp, old, adv, mask, lo, hi=None, clip_ratio_c=None, agg_mode="token-mean", norm_length=None):
+    """vanilla_policy_loss aggregated over the batch, with its statistics' masked means."""
+    tok, st = vanilla_policy_loss(logp, old, adv, mask, clip_ratio_low=lo, clip_ratio_high=hi,
+                                  clip_ratio_c=clip_ratio_c)
+    stats = {"clip_frac": st["clip_frac"], "clip_frac_lower": st["clip_frac_lower"], "approx_kl": st["approx_kl"],
+             "ratio_mean": st["ratio"]}
+    return aggregated(tok, mask, agg_mode, norm_length), {k: masked_mean(v, mask) for k, v in stats.items()}
+
+
+def value_loss(v, old, ret, mask, clip, agg_mode="token-mean"):
+    """value_token_loss aggregated over the batch, with its clip fraction's masked mean."""
+    tok, st = value_token_loss(v, old, ret, mask, clip)
+    return aggregated(tok, mask, agg_mode), {"vf_clipfrac": masked_mean(st["vf_clipfrac"], mask)}
 
 
 # One row, every PPO branch: eps_low=0.2, eps_high=0.28, c=3.
@@ -200,30 +222,6 @@ def test_value_loss(clip):
         for t in range(T):
             if not MASK_ROWS[b][t]:
                 assert v.grad[b, t].item() == 0.0
-
-
-def test_entropy_from_logits():
-    logits = rand(3, 4, 11, seed=25, scale=3.0)
-    logits[0, 0] += 1e4  # shift invariance / stability
-    logits[1, 1, :5] = float("-inf")
-    ref = np.zeros((3, 4))
-    for i in range(3):
-        for j in range(4):
-            z = [x for x in logits[i, j].tolist() if x != float("-inf")]
-            mx = max(z)
-            p = [math.exp(x - mx) for x in z]
-            s = sum(p)
-            ref[i][j] = -sum((q / s) * math.log(q / s) for q in p if q > 0)
-    lg = logits.clone().requires_grad_(True)
-    h = entropy_from_logits(lg)
-    close(h, ref, atol=1e-9, rtol=1e-9)
-    h.sum().backward()
-    assert torch.isfinite(lg.grad).all()
-    uniform = torch.zeros(2, 8, dtype=F64)
-    close(entropy_from_logits(uniform), [math.log(8)] * 2)
-    m = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
-    exp = 0.01 * (ref[0][0] + ref[0][1] + ref[1][0]) / 3
-    close(entropy_bonus(h, m, coef=0.01), exp, atol=1e-9, rtol=1e-9)
 
 
 @pytest.mark.parametrize("kind,ls", [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0)])

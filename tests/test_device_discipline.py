@@ -181,7 +181,7 @@ def _sp_parity():
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
     from hyflow.rl.batch import MicroBatching, make_micro_batches
-    from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer, loss_weights
+    from hyflow.rl.step_losses import PolicyLoss, forward_score, logprob_scorer, loss_weights
     from hyflow.training.optimizer import wrap_ddp
     from hyflow.training.step import forward_backward
 

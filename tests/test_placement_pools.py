@@ -80,11 +80,13 @@ def test_pooled_runs_refuse_what_they_cannot_do(extra, key):
     from hyflow.config import ConfigError
     from hyflow.jobs.one_step_off import check_supported
     from hyflow.jobs.registry import load_job_config
+    from hyflow.jobs.rl_preflight import check_role_capabilities
     from hyflow.testing.rl import QUICKSTART
 
     cfg = load_job_config(QUICKSTART, [*SMALL, *POOLS, *extra])
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError) as e:  # what pools cannot do yet, or what their roles do not declare
         check_supported(cfg)
+        check_role_capabilities(cfg)
     assert e.value.key == key
 
 

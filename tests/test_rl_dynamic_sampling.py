@@ -75,12 +75,12 @@ def _dynamic(overrides, steps):
 
     torch.set_num_threads(1)
     cfg, state, job = rl_setup(BASE + overrides)
-    dispatcher = state.models.dispatcher
+    dispatcher = state.models.rollouts
     original, calls = dispatcher.generate, []
 
-    def counting(gen_model, prompts, n, **kwargs):
+    def counting(prompts, n, **kwargs):
         calls.append(len(prompts))
-        return original(gen_model, prompts, n, **kwargs)
+        return original(prompts, n, **kwargs)
 
     dispatcher.generate = counting
     out = []

@@ -55,7 +55,7 @@ def _stale_tis(cap):
     import torch
 
     from hyflow.rl.batch import make_micro_batches, plan_fixed
-    from hyflow.rl.losses import forward_score, logprob_scorer
+    from hyflow.rl.step_losses import forward_score, logprob_scorer
     from hyflow.testing.rl import rl_setup, rl_step
 
     torch.set_num_threads(1)

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from hyflow.algorithms import aggregate_loss
+from hyflow.testing.references import aggregate_loss
 from hyflow.rl.batch import (MicroBatching, equalize, make_micro_batches, packed_attention_mask, plan_cost, plan_fixed,
                              plan_packed, plan_sorted, plan_token_budget, scatter_rows)
-from hyflow.rl.losses import loss_weights
+from hyflow.rl.step_losses import loss_weights
 from hyflow.rl.update import minibatch_assignment
 from hyflow.testing import run_on_ranks
 
@@ -110,7 +110,7 @@ def _parity(tp, pp):
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
     from hyflow.rl.batch import MicroBatching
-    from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer
+    from hyflow.rl.step_losses import PolicyLoss, forward_score, logprob_scorer
     from hyflow.testing.rl import random_policy_batch
     from hyflow.training.optimizer import wrap_ddp
     from hyflow.training.step import forward_backward

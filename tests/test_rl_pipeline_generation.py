@@ -34,9 +34,9 @@ def _steps(overrides: list, steps: int = 2):
     torch.set_num_threads(1)
     cfg, state, job = rl_setup(OVERRIDES + ["data.seed=3"] + overrides)
     models = state.models
-    plan = models.hybrid.plan
+    plan = models.weights.plan
     generated = []
-    original = models.dispatcher.generate
+    original = models.rollouts.generate
 
     def capture(*args, **kwargs):
         result = original(*args, **kwargs)
@@ -44,7 +44,7 @@ def _steps(overrides: list, steps: int = 2):
                            s.finish_reason) for s in result.samples.to_outputs()])
         return result
 
-    models.dispatcher.generate = capture
+    models.rollouts.generate = capture
     old_vs_sampled = []
     for _ in range(steps):
         _, data = rl_step(cfg, state, job)

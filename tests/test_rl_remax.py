@@ -63,7 +63,7 @@ def _remax_steps():
     import hyflow.jobs.rl as rl
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.rewards.rules import exact_match
-    from hyflow.rl.losses import logprob_scorer
+    from hyflow.rl.step_losses import logprob_scorer
     from hyflow.testing.rl import rl_setup, score_rows
 
     cfg, state, job = rl_setup(OVERRIDES)
@@ -71,16 +71,16 @@ def _remax_steps():
     models, tok = state.models, job.tokenizer
     rl.sft_warmup(cfg, state, tok)
     calls = []
-    generate = models.dispatcher.generate
+    generate = models.rollouts.generate
     timers = PhaseTimers()
 
-    def spy(gen_model, prompts, n, **kwargs):
-        result = generate(gen_model, prompts, n, **kwargs)
+    def spy(prompts, n, **kwargs):
+        result = generate(prompts, n, **kwargs)
         calls.append((n, kwargs.get("greedy", False), result, "gen" in timers._open))  # timed as generation?
         return result
 
-    models.dispatcher.generate = spy
-    stops = set(models.dispatcher.eos) | set(cfg.rollout.stop_token_ids)
+    models.rollouts.generate = spy
+    stops = set(models.rollouts.eos) | set(cfg.rollout.stop_token_ids)
     n = cfg.rollout.n
     out = {"greedy_ref": [], "greedy_used": [], "adv_error": [], "greedy_mean": [], "greedy_mean_ref": [],
            "pos": [], "neg": [], "calls": [], "rows": []}

@@ -35,7 +35,7 @@ def _old_vs_rollout_logprobs(temperature: float, old_logprobs: str = "recompute"
     torch.set_num_threads(1)
     cfg, state, job = rl_setup(OVERRIDES + ["data.seed=3", f"rollout.temperature={temperature}",
                                             f"actor.old_logprobs={old_logprobs}"])
-    assert state.models.hybrid.plan.micro_dp_size == 2
+    assert state.models.weights.plan.micro_dp_size == 2
     batches = []
     original = rl.build_rollout_batch
 

@@ -29,12 +29,17 @@ def _signal(overrides):
     import torch.distributed as dist
 
     import hyflow.jobs.rl as rl
-    from hyflow.algorithms import value_loss
-    from hyflow.rl.losses import logprob_scorer, value_scorer
+    from hyflow.algorithms import value_token_loss
+    from hyflow.testing.references import aggregate_loss
+    from hyflow.rl.step_losses import logprob_scorer, value_scorer
+    from hyflow.roles import Critic, Rollouts, WeightPath
     from hyflow.testing.rl import rl_setup, rl_step, score_rows
 
     cfg, state, job = rl_setup(BASE + ["data.seed=3"] + overrides)
     models = state.models
+    # the colocated roles, built for real, are what their protocols declare (hyflow.roles)
+    assert isinstance(models.weights, WeightPath) and isinstance(models.rollouts, Rollouts)
+    assert models.critic is None or (isinstance(models.critic, Critic) and models.critic.model is not None)
     rl.sft_warmup(cfg, state, job.tokenizer)
     pos, neg, surrogate, value_before, value_after, metrics = [], [], [], [], [], []
     for _ in range(3):
@@ -50,8 +55,9 @@ def _signal(overrides):
         # first-order change of the policy-gradient objective: sum of A_t * (log p_new - log p_old)
         surrogate.append(float((data["advantages"] * (new - data["old_logp"]) * mask).sum()))
         if models.critic is not None:
-            values = score_rows(models.critic.chunks, models.groups, data["tokens"], value_scorer())
-            loss = lambda v: value_loss(v, data["values"], data["returns"], mask, None)[0].item()  # noqa: E731
+            values = score_rows(models.critic.model.chunks, models.groups, data["tokens"], value_scorer())
+            loss = lambda v: aggregate_loss(value_token_loss(v, data["values"], data["returns"], mask)[0],  # noqa: E731
+                                            mask).item()
             value_before.append(loss(data["values"]))
             value_after.append(loss(values))
     if dist.get_rank() != 0:

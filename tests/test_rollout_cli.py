@@ -39,12 +39,11 @@ def test_rollout_config_errors_and_job_mapping():
     with pytest.raises(ConfigError):
         GenerationConfig(prefill_chunk_size=-1).validate()
 
-    class JobRollout:  # the RL job's rollout section uses the same field names
-        n, max_new_tokens, temperature, top_k, top_p = 4, 32, 0.7, 20, 0.9
-        stop_token_ids, truncate_long_prompts, prefill_chunk_size, max_concurrent = [7], True, 16, 8
-        layout = object()
+    from hyflow.jobs.rl_config import RolloutConfig  # the RL job's section: the generation settings and more
 
-    cfg = GenerationConfig.from_job(JobRollout(), pad_token_id=3)
+    job = RolloutConfig(n=4, max_new_tokens=32, temperature=0.7, top_k=20, top_p=0.9, stop_token_ids=[7],
+                        truncate_long_prompts=True, prefill_chunk_size=16, max_concurrent=8)
+    cfg = GenerationConfig.from_settings(job, pad_token_id=3)
     assert (cfg.sampling.n, cfg.sampling.top_k, cfg.sampling.stop_token_ids) == (4, 20, [7])
     assert (cfg.max_concurrent, cfg.prefill_chunk_size, cfg.truncate_long_prompts, cfg.pad_token_id) == \
         (8, 16, True, 3)

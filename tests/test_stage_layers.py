@@ -106,7 +106,7 @@ def _parity(tp, pp, split):
         random_full_state_dict
     from hyflow.parallel.groups import init_training_groups
     from hyflow.rl.batch import MicroBatching, make_micro_batches
-    from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer
+    from hyflow.rl.step_losses import PolicyLoss, forward_score, logprob_scorer
     from hyflow.testing.rl import random_policy_batch
     from hyflow.training.optimizer import wrap_ddp
     from hyflow.training.step import forward_backward

@@ -1,10 +1,15 @@
 """The package's shape, read with ``ast`` (nothing is imported):
 
+* the **layer rules** (:data:`LAYERS`): every library package sits in one layer and imports only
+  packages of lower layers; command-line code sits on top and no library module imports it;
 * no import cycle between modules, and none between library packages (``hyflow.X``);
-* no library module imports command-line code: ``hyflow.cli``, ``hyflow.cli_support``, any
-  ``*.cli`` module, ``hyflow.launch`` or ``hyflow.tools``;
-* no two public classes share a name;
-* no Python file over 500 lines (engine, launch, tools, kernels, tests).
+* no two public classes or module-level type aliases share a name (two ``KLKind = Literal[...]``
+  drift apart);
+* imports inside functions stay a small share of all imports (:data:`MAX_FUNCTION_IMPORTS`), and in
+  the modules listed in :data:`JUSTIFIED` each one says why in a comment (an optional heavy
+  dependency, a cycle): a module's dependencies are read at its top;
+* files over :data:`WARN_LINES` lines get a printed warning, not a failure: modules are split by
+  concept, never by a line count.
 
 What counts as an import: every ``import`` / ``from ... import`` that runs, at module level *or*
 inside a function (a lazy import still ties the two modules together: a cycle through one only
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import os
+import warnings
 from collections import defaultdict
 
 import pytest
@@ -22,7 +28,34 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: folder -> import name (as setup.py maps them)
 FOLDERS = {"engine": "hyflow", "kernels": "hyflow.kernels", "launch": "hyflow.launch", "tools": "hyflow.tools"}
-MAX_LINES = 500
+WARN_LINES = 800
+
+#: The dependency order of the library, bottom to top: a package may import the packages of the
+#: layers *below* its own, nothing of its own layer or above. Command-line code (``hyflow.cli``,
+#: ``hyflow.cli_support``, every ``*.cli`` module, ``hyflow.launch``, ``hyflow.tools``) is above all.
+#: Read as rules: algorithms sit below rl and training; hybrid, placement and rl never import jobs;
+#: models never import rl, jobs or placement; the library never imports the command line.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("foundations: declared names and roles, config, CPU shims, kernels, monitoring",
+     ("hyflow", "hyflow.choices", "hyflow.roles", "hyflow.config", "hyflow.compat", "hyflow.kernels",
+      "hyflow.monitor")),
+    ("process groups and layouts", ("hyflow.parallel",)),
+    ("pure math, models, data, rewards", ("hyflow.algorithms", "hyflow.models", "hyflow.data", "hyflow.rewards")),
+    ("the training step", ("hyflow.training",)),
+    ("checkpoints", ("hyflow.checkpoint",)),
+    ("generation and the hybrid engine", ("hyflow.rollout", "hyflow.hybrid")),
+    ("the RL step's parts", ("hyflow.rl",)),
+    ("placement pools", ("hyflow.placement",)),
+    ("jobs", ("hyflow.jobs",)),
+    ("planning, diagnostics, test helpers", ("hyflow.plan", "hyflow.doctor", "hyflow.testing")),
+)
+#: imports inside functions / all imports, engine + launch + tools + kernels (31.0% on 2026-11-28
+#: before issue 32's first moves, 27.7% after them; the target is <= 10%)
+MAX_FUNCTION_IMPORTS = 0.28
+#: modules whose every import inside a function carries a comment saying why (one line: an optional
+#: heavy dependency, a cycle, the preflight staying light); grows as modules are cleaned
+JUSTIFIED = ("hyflow.rl.", "hyflow.placement.pool_models", "hyflow.jobs.rl", "hyflow.rollout.config",
+             "hyflow.roles")
 
 
 def _modules() -> dict[str, str]:
@@ -172,24 +205,179 @@ def test_library_never_imports_command_line_modules():
     assert bad == []
 
 
-def test_no_two_public_classes_share_a_name():
+def layer_of(package: str) -> int:
+    for i, (_, members) in enumerate(LAYERS):
+        if package in members:
+            return i
+    raise KeyError(f"package {package} is in no layer of tests/test_structure.py LAYERS: add it to the layer "
+                   "its imports put it in")
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of ``graph`` (module -> modules) that breaks the layer rules, as readable lines."""
+    bad = []
+    for name, targets in sorted(graph.items()):
+        for t in sorted(targets):
+            if is_command_line(t) and not is_command_line(name):
+                bad.append(f"{name} imports command-line module {t}")
+                continue
+            if is_command_line(name):
+                continue
+            a, b = package_of(name), package_of(t)
+            if a != b and layer_of(b) >= layer_of(a):
+                bad.append(f"{name} imports {t}: {b} ({LAYERS[layer_of(b)][0]}) is not below "
+                           f"{a} ({LAYERS[layer_of(a)][0]})")
+    return bad
+
+
+def test_every_library_package_has_a_layer():
+    packages = {package_of(n) for n in MODULES if not is_command_line(n)}
+    missing = []
+    for p in sorted(packages):
+        try:
+            layer_of(p)
+        except KeyError:
+            missing.append(p)
+    assert missing == []
+    listed = [p for _, members in LAYERS for p in members]
+    assert len(listed) == len(set(listed))  # one layer each
+
+
+def test_layer_rules_hold():
+    assert layer_violations(GRAPH) == []
+
+
+def test_layer_rules_report_a_forbidden_edge():
+    """A deliberately broken copy: the real graph plus a models -> rl edge, a hybrid -> jobs edge,
+    a same-layer edge and a library -> command-line edge, each read from source text."""
+    assert layer_violations({"hyflow.models.a": {"hyflow.parallel.b"}}) == []  # downwards: fine
+    broken = {k: set(v) for k, v in GRAPH.items()}
+    src = "import hyflow.rl.models\n\ndef f():\n    from hyflow.jobs import rl\n"
+    mods = set(MODULES) | {"hyflow.models.broken"}
+    broken["hyflow.models.broken"] = imports_of("hyflow.models.broken", "engine/models/broken.py", ast.parse(src), mods)
+    broken["hyflow.hybrid.executor"].add("hyflow.jobs.rl")
+    broken["hyflow.rollout.engine"].add("hyflow.hybrid.executor")  # same layer
+    broken["hyflow.rl.dispatch"].add("hyflow.cli")
+    found = layer_violations(broken)
+    assert len(found) == 5, found
+    assert any(line.startswith("hyflow.models.broken imports hyflow.rl.models: hyflow.rl") for line in found)
+    assert any(line.startswith("hyflow.models.broken imports hyflow.jobs.rl") for line in found)  # lazy counts
+    assert any(line.startswith("hyflow.hybrid.executor imports hyflow.jobs.rl") for line in found)
+    assert any(line.startswith("hyflow.rollout.engine imports hyflow.hybrid.executor") for line in found)
+    assert "hyflow.rl.dispatch imports command-line module hyflow.cli" in found
+
+
+def public_names(trees: dict[str, ast.AST]) -> dict[str, list[str]]:
+    """Public classes and module-level type aliases (``X = Literal[...]``, ``Y = Callable[...]``,
+    ``Z: TypeAlias = ...``) -> the modules that declare them."""
     seen = defaultdict(list)
-    for name, tree in TREES.items():
+    for name, tree in trees.items():
         for node in tree.body:
-            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
-                seen[node.name].append(name)
+            declared = None
+            if isinstance(node, ast.ClassDef):
+                declared = node.name
+            elif (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                  and _is_type_expression(node.value)):
+                declared = node.targets[0].id
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                    ast.unparse(node.annotation).endswith("TypeAlias"):
+                declared = node.target.id
+            if declared and not declared.startswith("_"):
+                seen[declared].append(name)
+    return seen
+
+
+TYPE_FORMS = {"Literal", "Union", "Optional", "Callable", "Annotated", "Type", "Tuple", "Dict", "List"}
+
+
+def _is_type_expression(value: ast.AST) -> bool:
+    """``Literal[...]``, ``typing.Callable[...]`` and friends (a type alias, not a constant)."""
+    if not isinstance(value, ast.Subscript):
+        return False
+    base = value.value
+    name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+    return name in TYPE_FORMS
+
+
+def test_no_two_public_classes_or_type_aliases_share_a_name():
+    seen = public_names(TREES)
     assert {k: v for k, v in seen.items() if len(v) > 1} == {}
 
 
-@pytest.mark.parametrize("folder", sorted(FOLDERS) + ["tests"])
-def test_no_file_over_500_lines(folder):
+def test_duplicate_type_aliases_are_reported():
+    trees = {"hyflow.a": ast.parse('KLKind = Literal["k1", "k2"]\nK = 3\n'),
+             "hyflow.b": ast.parse('from typing import Literal\nKLKind = Literal["k1"]\nclass K: pass\n'),
+             "hyflow.c": ast.parse('Fn: TypeAlias = int\nclass Fn: pass\n_P = Literal["x"]\n')}
+    seen = public_names(trees)
+    assert seen["KLKind"] == ["hyflow.a", "hyflow.b"]  # the twin
+    assert seen["K"] == ["hyflow.b"]  # a constant is not a type alias
+    assert seen["Fn"] == ["hyflow.c", "hyflow.c"] and "_P" not in seen
+
+
+def function_imports(tree: ast.AST) -> tuple[int, list[ast.AST]]:
+    """(all imports that can run, those inside a function body)."""
+    total, inside = 0, []
+
+    def walk(node: ast.AST, in_function: bool) -> None:
+        nonlocal total
+        for child in ast.iter_child_nodes(node):
+            if _is_type_checking(child):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                total += 1
+                if in_function:
+                    inside.append(child)
+            walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    walk(tree, False)
+    return total, inside
+
+
+def test_imports_inside_functions_stay_few():
+    total = inside = 0
+    for tree in TREES.values():
+        t, found = function_imports(tree)
+        total, inside = total + t, inside + len(found)
+    share = inside / total
+    print(f"[structure] imports inside functions: {inside} of {total} ({share:.1%}; limit {MAX_FUNCTION_IMPORTS:.0%})")
+    assert share <= MAX_FUNCTION_IMPORTS, f"{inside}/{total} imports sit inside functions: move them to the top"
+
+
+def unjustified_imports(name: str, source: str) -> list[str]:
+    """Imports inside functions of ``source`` with no comment on their line or the line above."""
+    lines = source.splitlines()
+    _, found = function_imports(ast.parse(source))
+    out = []
+    for node in found:
+        here = lines[node.lineno - 1:node.end_lineno]
+        above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+        if not any("#" in line for line in here) and not above.startswith("#"):
+            out.append(f"{name}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return out
+
+
+def test_imports_inside_functions_say_why():
+    bad = []
+    for name, path in MODULES.items():
+        if name in JUSTIFIED or any(j.endswith(".") and (name + ".").startswith(j) for j in JUSTIFIED):
+            bad += unjustified_imports(name, open(path).read())
+    assert bad == []
+    assert unjustified_imports("x", "def f():\n    import os\n") == ["x:2: import os"]
+    assert unjustified_imports("x", "def f():\n    # optional heavy dependency\n    import vllm\n") == []
+
+
+def test_size_is_a_warning_only():
+    """Modules are split by concept: a long file is printed as a warning, never a failure."""
     long = {}
-    for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, folder)):
-        dirnames[:] = [d for d in dirnames if not d.startswith((".", "__"))]
-        for f in filenames:
-            if f.endswith(".py"):
-                path = os.path.join(dirpath, f)
-                n = sum(1 for _ in open(path))
-                if n > MAX_LINES:
-                    long[os.path.relpath(path, ROOT)] = n
-    assert long == {}
+    for folder in sorted(FOLDERS) + ["tests"]:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, folder)):
+            dirnames[:] = [d for d in dirnames if not d.startswith((".", "__"))]
+            for f in filenames:
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    n = sum(1 for _ in open(path))
+                    if n > WARN_LINES:
+                        long[os.path.relpath(path, ROOT)] = n
+    for path, n in sorted(long.items()):
+        print(f"[structure] warning: {path} has {n} lines (> {WARN_LINES}): one concept? split it by concept if not")
+        warnings.warn(f"{path} has {n} lines", UserWarning)

@@ -3,8 +3,7 @@
 * :mod:`.masked` -- masked reductions and whitening shared by everything else;
 * :mod:`.advantages` -- GAE, GRPO / Dr. GRPO, GRPO pass@k, RLOO, REINFORCE++ (+ baseline), ReMax;
 * :mod:`.kl` -- per-token KL estimators, KL coefficient controllers, KL reward penalty;
-* :mod:`.losses` -- loss aggregation (reference and per-rank weights), PPO policy / value losses,
-  entropy, DPO / IPO / hinge, KTO;
+* :mod:`.losses` -- loss aggregation (per-rank weights), the value loss, DPO / IPO / hinge, KTO;
 * :mod:`.policy_losses` -- per-token policy losses: vanilla PPO, GSPO, CISPO;
 * :mod:`.rollout_correction` -- IS weights / masks for the sampler-trainer gap (TIS, MIS, IcePop);
 * :mod:`.mismatch` -- sampler vs trainer log-prob mismatch metrics;
@@ -43,14 +42,9 @@ from hyflow.algorithms.dapo import groups_with_signal, overlong_penalty
 from hyflow.algorithms.losses import (
     DPO_KINDS,
     LOSS_AGG_MODES,
-    aggregate_loss,
     aggregation_weights,
     dpo_loss,
-    entropy_bonus,
-    entropy_from_logits,
     kto_loss,
-    ppo_policy_loss,
-    value_loss,
     value_token_loss,
 )
 from hyflow.algorithms.masked import (
@@ -114,10 +108,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "apply_kl_penalty",
-    "aggregate_loss",
     "aggregation_weights",
-    "ppo_policy_loss",
-    "value_loss",
     "value_token_loss",
     "get_policy_loss",
     "vanilla_policy_loss",
@@ -132,8 +123,6 @@ __all__ = [
     "unpack_row_stats",
     "groups_with_signal",
     "overlong_penalty",
-    "entropy_from_logits",
-    "entropy_bonus",
     "DPO_KINDS",
     "dpo_loss",
     "kto_loss",

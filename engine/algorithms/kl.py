@@ -13,14 +13,13 @@ Per-token estimators of :math:`\mathrm{KL}(\pi\,\|\,\pi_{\text{ref}})` from samp
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import torch
 
 from hyflow.algorithms.masked import scatter_to_last_token
+from hyflow.choices import KL_ESTIMATORS, KLKind
 
-KLKind = Literal["k1", "k2", "k3", "abs", "low_var_kl"]
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs", "low_var_kl")
 
 __all__ = [
     "KLKind",

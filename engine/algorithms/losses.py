@@ -1,9 +1,10 @@
-r"""Policy, value, entropy and preference losses.
+r"""Loss aggregation, the value loss and the preference losses (pure math).
 
-Token-level losses are ``[B, T]`` matrices reduced by :func:`aggregate_loss` under a
-``response_mask``; padding (mask ``0``) never contributes, even when it holds NaN/inf.
-The per-token policy losses (vanilla PPO, GSPO, CISPO) live in :mod:`.policy_losses`;
-:func:`ppo_policy_loss` is the vanilla one aggregated over a single batch.
+Token-level losses are ``[B, T]`` matrices reduced under a ``response_mask`` by the per-token
+weights of :func:`aggregation_weights` (``sum(w * x) / d``, with ``d`` summed over data-parallel
+ranks); padding (mask ``0``) never contributes, even when it holds NaN/inf. The per-token policy
+losses (vanilla PPO, GSPO, CISPO) live in :mod:`.policy_losses`; the RL step's loss objects that
+apply them to model outputs in :mod:`hyflow.rl.step_losses`.
 """
 from __future__ import annotations
 
@@ -12,69 +13,18 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from hyflow.algorithms.masked import masked_mean, masked_sum
-from hyflow.algorithms.policy_losses import vanilla_policy_loss
+from hyflow.choices import LOSS_AGG_MODES, AggMode
 
-AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
 
 __all__ = [
     "AggMode",
     "LOSS_AGG_MODES",
-    "aggregate_loss",
     "aggregation_weights",
-    "ppo_policy_loss",
-    "value_loss",
     "value_token_loss",
-    "entropy_from_logits",
-    "entropy_bonus",
     "DPO_KINDS",
     "dpo_loss",
     "kto_loss",
 ]
-
-
-def aggregate_loss(
-    loss_mat: torch.Tensor,
-    mask: torch.Tensor,
-    mode: AggMode = "token-mean",
-    norm_length: Optional[float] = None,
-) -> torch.Tensor:
-    r"""Reduce a ``[B, T]`` token loss to a scalar (the reference aggregation). With
-    :math:`m_{b,t}` the mask, :math:`S = \{b : \sum_t m_{b,t} > 0\}` the non-empty sequences and
-    :math:`L` = ``norm_length``:
-
-    * ``token-mean``: :math:`\sum_{b,t} m_{b,t}\ell_{b,t} / \sum_{b,t} m_{b,t}`
-    * ``seq-mean-token-sum``: :math:`\frac{1}{|S|}\sum_{b\in S}\sum_t m_{b,t}\ell_{b,t}`
-    * ``seq-mean-token-mean``: :math:`\frac{1}{|S|}\sum_{b\in S}
-      \frac{\sum_t m_{b,t}\ell_{b,t}}{\sum_t m_{b,t}}`
-    * ``seq-mean-token-sum-norm`` (Dr. GRPO): :math:`\frac{1}{|S|}\sum_{b\in S}
-      \frac{1}{L}\sum_t m_{b,t}\ell_{b,t}`
-
-    ``norm_length`` is required by ``seq-mean-token-sum-norm`` and must be a constant of the
-    run (the RL job passes ``rollout.max_new_tokens`` or ``actor.loss_scale_factor``): a
-    normaliser taken from the padded width of a batch would change the loss scale from step
-    to step. Sequences with no valid token (e.g. filler rows) are left out of the sequence
-    mean. An all-empty mask gives ``0``. Across data-parallel ranks, use
-    :func:`aggregation_weights` with a global denominator instead.
-    """
-    if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
-    nonempty = (mask != 0).any(dim=-1)
-    if mode == "seq-mean-token-sum":
-        per_seq = masked_sum(loss_mat, mask, dim=-1)
-    elif mode == "seq-mean-token-mean":
-        per_seq = masked_mean(loss_mat, mask, dim=-1)
-    else:
-        per_seq = masked_sum(loss_mat, mask, dim=-1) / _norm_length(norm_length)
-    return masked_mean(per_seq, nonempty)
 
 
 def _norm_length(norm_length: Optional[float]) -> float:
@@ -91,7 +41,7 @@ def aggregation_weights(
     norm_length: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Per-token weights ``w [B, T]`` and this batch's denominator ``d`` (a scalar) such that
-    ``aggregate_loss(x, mask, mode, norm_length) == (w * x).sum() / d`` (``0`` when ``d = 0``).
+    the mask-aware aggregation of ``x`` is ``(w * x).sum() / d`` (``0`` when ``d = 0``).
 
     Over data-parallel ranks (or micro-batches) the aggregation of the whole batch is
     :math:`\sum_{\text{ranks}}\sum w\,x / \sum_{\text{ranks}} d`: ``w`` depends only on each
@@ -114,42 +64,6 @@ def aggregation_weights(
         row = m.sum(dim=-1, keepdim=True)
         return m / torch.where(row != 0, row, torch.ones_like(row)), count
     return m / _norm_length(norm_length), count
-
-
-def ppo_policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: Optional[float] = None,
-    clip_ratio_c: Optional[float] = None,
-    agg_mode: AggMode = "token-mean",
-    norm_length: Optional[float] = None,
-    is_weights: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    r"""PPO clipped surrogate aggregated over one batch: the per-token loss of
-    :func:`hyflow.algorithms.policy_losses.vanilla_policy_loss` (clip-higher, optional dual clip
-    with ``clip_ratio_c > 1``, optional rollout-correction ``is_weights``) reduced by
-    ``aggregate_loss(ell, mask, agg_mode, norm_length)``.
-
-    Stats (detached scalars, masked token means):
-
-    * ``clip_frac``: fraction of tokens where the clipped branch was strictly larger, i.e. taken;
-    * ``clip_frac_lower``: fraction of tokens where the dual-clip bound :math:`-Ac` was taken;
-    * ``approx_kl``: :math:`\mathrm{mean}(\log\pi_{\text{old}} - \log\pi)` (k1);
-    * ``ratio_mean``: :math:`\mathrm{mean}(\rho)`.
-    """
-    loss_mat, token_stats = vanilla_policy_loss(
-        logp, old_logp, advantages, mask, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c, is_weights=is_weights)
-    loss = aggregate_loss(loss_mat, mask, agg_mode, norm_length)
-    with torch.no_grad():
-        stats = {"clip_frac": masked_mean(token_stats["clip_frac"], mask),
-                 "clip_frac_lower": masked_mean(token_stats["clip_frac_lower"], mask),
-                 "approx_kl": masked_mean(token_stats["approx_kl"], mask),
-                 "ratio_mean": masked_mean(token_stats["ratio"], mask)}
-    return loss, stats
 
 
 def value_token_loss(
@@ -182,49 +96,6 @@ def value_token_loss(
         loss_mat = torch.maximum(unclipped, clipped)
         clip_taken = clipped > unclipped
     return 0.5 * loss_mat, {"vf_clipfrac": (clip_taken & keep).to(values.dtype)}
-
-
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    clip_range_value: Optional[float] = None,
-    agg_mode: AggMode = "token-mean",
-    norm_length: Optional[float] = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    r""":func:`value_token_loss` aggregated over one batch by :func:`aggregate_loss`. Stats:
-    ``vf_clipfrac``, the fraction of valid tokens where the clipped error was strictly larger."""
-    loss_mat, token_stats = value_token_loss(values, old_values, returns, mask, clip_range_value)
-    loss = aggregate_loss(loss_mat, mask, agg_mode, norm_length)
-    with torch.no_grad():
-        stats = {"vf_clipfrac": masked_mean(token_stats["vf_clipfrac"], mask)}
-    return loss, stats
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    r"""Entropy of the softmax over the last dim, :math:`H = \log\sum_j e^{z_j} - \sum_j p_j z_j`.
-
-    Computed in at least float32 (cast back to ``logits.dtype``); ``-inf`` logits (masked
-    vocabulary entries) contribute nothing and yield no NaN, in value or gradient.
-    """
-    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    p = torch.exp(z - lse)
-    z_finite = torch.where(torch.isneginf(z), torch.zeros((), dtype=z.dtype, device=z.device), z)
-    return (lse.squeeze(-1) - (p * z_finite).sum(dim=-1)).to(logits.dtype)
-
-
-def entropy_bonus(
-    entropy: torch.Tensor,
-    mask: torch.Tensor,
-    coef: float = 1.0,
-    agg_mode: AggMode = "token-mean",
-    norm_length: Optional[float] = None,
-) -> torch.Tensor:
-    r"""Aggregated entropy term :math:`c\cdot\operatorname{agg}(H)`; subtract it from the loss to
-    reward exploration (``loss = pg_loss - entropy_bonus(H, mask, c)``)."""
-    return coef * aggregate_loss(entropy, mask, agg_mode, norm_length)
 
 
 def _reduce(x: torch.Tensor, reduction: str) -> torch.Tensor:

@@ -7,8 +7,7 @@ Every function here has one signature (see :data:`POLICY_LOSSES`)::
 
 * inputs are ``[B, S]`` with one sequence per row; ``response_mask`` marks its response tokens;
 * ``loss`` is the **per-token** loss, ``0`` on masked positions (even where the inputs hold
-  NaN/inf there, in value and gradient). It is not aggregated: the caller reduces it, e.g.
-  with :func:`hyflow.algorithms.losses.aggregate_loss` on one rank, or with
+  NaN/inf there, in value and gradient). It is not aggregated: the caller reduces it with
   :func:`hyflow.algorithms.losses.aggregation_weights` and a denominator summed over every
   data-parallel rank;
 * ``stats`` are detached per-token tensors ``[B, S]`` (``0`` on masked positions), to be reduced

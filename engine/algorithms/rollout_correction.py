@@ -22,14 +22,13 @@ totals into ``rollout_corr/*`` metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from hyflow.choices import CORRECTION_MODES, CorrectionMode
+
 __all__ = ["CORRECTION_MODES", "RolloutCorrection", "rollout_correction", "rollout_correction_metrics"]
 
-CorrectionMode = Literal["off", "token_tis", "seq_tis", "seq_mis", "icepop"]
-CORRECTION_MODES: tuple[str, ...] = ("off", "token_tis", "seq_tis", "seq_mis", "icepop")
 _LOG_CLAMP = 20.0
 
 

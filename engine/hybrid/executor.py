@@ -59,6 +59,7 @@ from hyflow.models.weights import is_expert_param
 from hyflow.monitor import comm
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
+from hyflow.roles import WeightPathCapabilities
 
 
 @dataclass
@@ -72,12 +73,32 @@ class ReshardStats:
     history: list = field(default_factory=list)
 
 
+def exact_generation_forward(train_tp: int, sequence_parallel: bool, gen_tp: int) -> bool:
+    """Whether a generation-layout forward reproduces the training forward bit for bit: the
+    generation TP equals the training TP (pipeline and micro-DP changes do not matter: stages pass
+    hidden states unchanged) and the training forward does not use sequence parallelism (its
+    reduce-scatter / all-gather pairs replace the generation model's all-reduces: another
+    summation order beyond two ranks)."""
+    return gen_tp == train_tp and (train_tp == 1 or not sequence_parallel)
+
+
 class HybridEngine:
-    """Reshards one actor (a single model chunk) between two layouts on the same ranks.
+    """Reshards one actor (a single model chunk) between two layouts on the same ranks: the
+    colocated :class:`~hyflow.roles.WeightPath`.
 
     ``table`` replaces this rank's reshard table (default: the plan's); the engine checks that
     it describes the two models and then follows it.
     """
+
+    @classmethod
+    def capabilities_for(cls, cfg) -> WeightPathCapabilities:
+        """What the engine :func:`hyflow.rl.models.build_rl_models` builds for the RL config
+        ``cfg`` can do (with ``rollout.force_staleness`` it is built with a buffer of its own)."""
+        train = cfg.actor.layout
+        return WeightPathCapabilities(
+            generation_model=True, stale_weights=True,
+            exact_in_generation_layout=exact_generation_forward(train.tp, train.sequence_parallel,
+                                                                cfg.rollout.layout.tp))
 
     def __init__(self, train_model: torch.nn.Module, desc: ModelDescription,
                  train_groups: ParallelGroups, generation: tuple[int, int] | GenerationShape, *,
@@ -176,6 +197,20 @@ class HybridEngine:
         self._unmapped: dict[str, torch.Tensor] = {}
         self.stats = ReshardStats()
         self.in_generation = False
+        self.capabilities = WeightPathCapabilities(
+            generation_model=True, stale_weights=not self.in_place,
+            exact_in_generation_layout=exact_generation_forward(layout.tp, layout.sequence_parallel,
+                                                                self.gen_shape.tp))
+
+    def describe(self) -> str:
+        """One line: the two layouts and the micro-DP replicas per model copy."""
+        return (f"actor training {self.train_groups.layout.describe()} -> generation tp={self.gen_shape.tp} "
+                f"pp={self.gen_shape.pp} with {self.plan.micro_dp_size} micro-DP replicas per model copy")
+
+    def generation_weights(self) -> Optional[torch.Tensor]:
+        """The flat buffer the generation model's parameters view (None when they alias the
+        training weights: identical layouts built ``in_place``)."""
+        return None if self.in_place else self.buffer.tensor
 
     def _experts(self, desc: ModelDescription, layout, gen_experts: dict, in_place: bool):
         """(exchange, buffer) for the routed experts: none when the generation model shares the

@@ -10,17 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hyflow.choices import CorrectionMode, KLKind
 from hyflow.config import ConfigError
 from hyflow.config.checks import check_finite, check_positive
 
 AdvEstimator = Literal["gae", "grpo", "dr_grpo", "grpo_passk", "rloo", "reinforce_plus_plus",
                        "reinforce_plus_plus_baseline", "remax"]
-PolicyLoss = Literal["vanilla", "gspo", "cispo"]
-CorrectionMode = Literal["off", "token_tis", "seq_tis", "seq_mis", "icepop"]
 #: estimators that compare the responses within a prompt's group (they need rollout.n >= 2)
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline")
-LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLKind = Literal["k1", "k2", "k3", "abs", "low_var_kl"]
 
 
 @dataclass

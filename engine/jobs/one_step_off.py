@@ -41,16 +41,15 @@ from hyflow.jobs.rl_config import RLJobConfig
 
 
 def check_supported(cfg: RLJobConfig) -> None:
-    """What this mode does not run yet, named before any rank starts (called by the preflight)."""
+    """What this mode does not run yet, named before any rank starts (called by the preflight; what
+    the pooled roles cannot do is their declared capabilities':
+    :func:`hyflow.jobs.rl_preflight.check_role_capabilities`)."""
     placement = cfg.resolved_placement()
     if placement.colocated:
         return
     from hyflow.placement.remote_critic import check_remote_roles
 
     check_remote_roles(cfg, placement)  # roles on a pool apart from the actor's: the critic only
-    if cfg.algorithm.adv_estimator == "remax":
-        raise ConfigError("the generation pool does not generate ReMax's greedy baselines: run ReMax colocated "
-                          "(trainer.mode=sync, placement.pools empty)", key="algorithm.adv_estimator")
     actor = placement.roles["actor"].pool
     if actor.start != 0:  # Megatron's dist_checkpointing writes the models' common part from rank 0
         raise ConfigError(f"checkpoints of placement pools need the actor's pool to start at rank 0 (it is "
@@ -205,7 +204,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     from hyflow.monitor.progress import Progress
     from hyflow.monitor.timers import PhaseTimers
     from hyflow.placement.inflight import Control, control
-    from hyflow.placement.pool_models import build_training_models
+    from hyflow.placement.pool_models import RemoteRollouts, WeightSender, build_training_models
     from hyflow.rewards.manager import RewardManager
     from hyflow.rl.state import RLState
     from hyflow.training.supervisor import StepSupervisor
@@ -213,6 +212,9 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     rank = dist.get_rank()
     tokenizer, dataset, loader = _setup_data(cfg)
     models = build_training_models(cfg, tokenizer, placement, groups, sync_group, pool_group=train_group)
+    # this loop drives the pooled roles' own parts: the weight send and the received rows' record
+    sender, received = models.weights, models.rollouts
+    assert isinstance(sender, WeightSender) and isinstance(received, RemoteRollouts)
     reward = RewardManager.from_config(cfg.reward, model_fn=models.reward_model)
     reward.check_records(list(dataset))
     kl_ctrl = make_kl_controller(cfg.algorithm)
@@ -235,7 +237,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
         dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
         print(format_config(cfg), flush=True)
         print(f"[hyflow] trainer.mode={cfg.trainer.mode} on pools: {placement.describe()}; {job.dataset_size} prompts; "
-              f"{models.hybrid.sync.plan.summary()}", flush=True)
+              f"{models.weights.describe()}", flush=True)
     writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if lead else None
     if cfg.actor.sft_warmup_steps and not start:
         sft_warmup(cfg, state, tokenizer)
@@ -245,7 +247,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     go = start < cfg.trainer.total_steps
     control(Control(go=go), placement, rank, groups.device)
     if go:
-        models.hybrid.send()  # w_0, or w_start after a resume
+        sender.send()  # w_0, or w_start after a resume
     comm.install()
     try:
         for step in range(start + 1, cfg.trainer.total_steps + 1):
@@ -255,13 +257,13 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
             metrics, _ = rl_step(cfg, state, records, job, timers)
             outcome = supervisor.end_step(metrics, step)
             state.step = step
-            rows = models.dispatcher.last
+            rows = received.last
             go = not outcome.stop and step < cfg.trainer.total_steps
             t1 = time.perf_counter()
             due = saves and ends.save_due(step, outcome)  # the generation pool joins the save (in-flight batch)
             control(Control(go=go, save=due, step=step, models=saved_models if due else ()), placement, rank,
                     groups.device)
-            sent = models.hybrid.send() if go else None
+            sent = sender.send() if go else None
             step_seconds = time.perf_counter() - t0
             metrics.update(timers.step_summary())
             metrics.update(comm.step_summary(), **memory_summary(groups.device, train_group))

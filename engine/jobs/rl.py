@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from hyflow.algorithms.advantages import compute_advantages
 from hyflow.algorithms.dapo import overlong_penalty
@@ -29,34 +30,37 @@ from hyflow.algorithms.mismatch import mismatch_metrics, mismatch_row_stats
 from hyflow.algorithms.rollout_correction import rollout_correction, rollout_correction_metrics
 from hyflow.checkpoint.checkpointer import Checkpointer
 from hyflow.config import dump_yaml, format_config
+from hyflow.data.dataset import build_dataset, reference_response_ids
+from hyflow.data.loader import PromptLoader
+from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
 from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.jobs.step_end import StepEnd
 from hyflow.models.routing_replay import mismatch_counts, reset_mismatch
+from hyflow.monitor import comm
+from hyflow.monitor.memory import memory_summary
+from hyflow.monitor.metrics import PHASE_KEYS, MetricsWriter, read_metrics
+from hyflow.monitor.plot import plot_metrics
+from hyflow.monitor.progress import Progress
+from hyflow.monitor.timers import PhaseTimers
+from hyflow.rewards.manager import RewardManager
 from hyflow.rl.batch import MicroBatching, RolloutBatch, batching_for, build_rollout_batch, pad_multiple
-from hyflow.rl.losses import PolicyLoss, forward_score, logprob_scorer
-from hyflow.rl.metrics import BatchStats, all_gather_strings, score_metrics
-from hyflow.rl.critic import critic_values, update_critic
 from hyflow.rl.dispatch import sampling_seed
 from hyflow.rl.dynamic_sampling import Round, collect_groups
-from hyflow.rl.exact_logprobs import (exact_in_generation_layout, rescore_in_generation_layout,
-                                      rescore_in_training_layout)
+from hyflow.rl.exact_logprobs import rescore_in_training_layout
+from hyflow.rl.metrics import BatchStats, all_gather_strings, score_metrics
 from hyflow.rl.models import RLModels, build_rl_models, check_actor_checkpoint
-from hyflow.rl.state import RLState
 from hyflow.rl.staleness import StaleWeights
+from hyflow.rl.state import RLState
+from hyflow.rl.step_losses import PolicyLoss, forward_score, logprob_scorer
 from hyflow.rl.update import update_model
 from hyflow.rollout.dp import SampleTensors
-from hyflow.training.step import token_mean_weights, train_step
+from hyflow.training.step import data_group, lm_loss, token_mean_weights, train_step
 from hyflow.training.supervisor import StepSupervisor
 
 
 def setup(cfg: RLJobConfig) -> tuple[RLState, "StepJob"]:
     """Everything a run steps with: its state (models, data position, KL controller, supervisor;
     the supervisor's signal handlers are not installed yet) and the step's helpers."""
-    from hyflow.data.dataset import build_dataset
-    from hyflow.data.loader import PromptLoader
-    from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.rewards.manager import RewardManager
-
     if cfg.actor.checkpoint:  # before the tokenizer, which usually lives in the checkpoint's folder
         check_actor_checkpoint(cfg.actor.checkpoint)
     tokenizer = load_data_tokenizer(cfg.data)
@@ -74,13 +78,6 @@ def setup(cfg: RLJobConfig) -> tuple[RLState, "StepJob"]:
 
 def run(cfg: RLJobConfig) -> list[dict]:
     """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
-    from hyflow.data.tasks import tokenizer_spec_for
-    from hyflow.monitor import comm
-    from hyflow.monitor.memory import memory_summary
-    from hyflow.monitor.metrics import MetricsWriter
-    from hyflow.monitor.progress import Progress
-    from hyflow.monitor.timers import PhaseTimers
-
     rank = dist.get_rank()
     state, job = setup(cfg)
     models, supervisor = state.models, state.supervisor
@@ -93,9 +90,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
         print(format_config(cfg), flush=True)
-        print(f"[hyflow] actor training {models.groups.layout.describe()} -> generation tp={cfg.rollout.layout.tp} "
-              f"pp={cfg.rollout.layout.pp} with {models.hybrid.plan.micro_dp_size} micro-DP replicas per "
-              f"model copy; {job.dataset_size} prompts", flush=True)
+        print(f"[hyflow] {models.weights.describe()}; {job.dataset_size} prompts", flush=True)
     writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if rank == 0 else None
     if cfg.actor.sft_warmup_steps and not start:
         sft_warmup(cfg, state, job.tokenizer)
@@ -135,7 +130,6 @@ def run(cfg: RLJobConfig) -> list[dict]:
 
 class StepJob:
     """What a step uses besides the state: the tokenizer, the reward manager, the data sources."""
-
     def __init__(self, tokenizer, reward, sources, dataset_size: int = 0) -> None:
         self.tokenizer, self.reward, self.sources = tokenizer, reward, list(sources)
         self.dataset_size = dataset_size
@@ -151,7 +145,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     models, step = state.models, state.step + 1
     groups, n = models.groups, cfg.rollout.n
     dp_group, device = groups.pgs.dp, groups.device
-    first, stop = models.dispatcher.shard(len(records))
+    first, stop = models.rollouts.shard(len(records))
     mine = records[first:stop]
     stats = BatchStats(device)
     # 1-2. generate this shard's samples in the generation layout, then score them
@@ -198,7 +192,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     values = None
     if models.critic is not None:
         with timers.phase("values"):
-            values = critic_values(cfg, models.critic, groups, columns, lengths, shape, job.pad_id)
+            values = models.critic.values(columns, lengths, shape)
     # 4. advantages (batch-wide statistics: sums over the DP group)
     with timers.phase("adv"):
         adv = compute_advantages(cfg.algorithm, scores, batch.group_ids, batch.response_mask, old_logp, ref_logp,
@@ -229,7 +223,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     if models.critic is not None:
         with timers.phase("update_critic"):
             critic_train = dict(columns, old_values=values, returns=adv.returns)
-            critic = update_critic(cfg, models.critic, groups, critic_train, lengths, job.pad_id, **common)
+            critic = models.critic.update(critic_train, lengths, **common)
     # 6. the KL controller and the step's metrics over the whole batch
     if cfg.algorithm.use_kl_in_reward:  # the controller's horizon counts responses
         state.kl_ctrl.update(adv.kl, len(records) * n)
@@ -255,34 +249,38 @@ def _without_routing(micro_batch: dict) -> dict:
 def generate_round(cfg: RLJobConfig, state: RLState, job: "StepJob", shard, first: int, seed: int,
                    timers) -> Round:
     """Steps 1-2 of a step for this rank's ``shard`` of prompts (global indices from ``first``):
-    reshard to the generation layout, generate (``rollout.n`` samples; ReMax adds its greedy
-    baseline), re-score them there in exact mode, reshard back and compute the rewards."""
+    the weights to generation, generate (``rollout.n`` samples; ReMax adds its greedy baseline),
+    re-score them there in exact mode, the weights back to training, then the rewards. The roles'
+    declared capabilities say where exact mode re-scores (:mod:`hyflow.roles`)."""
     models = state.models
+    weights, rollouts = models.weights, models.rollouts
     device = models.groups.device
     stale = _stale_weights(cfg, state)
+    exact = cfg.rollout.exact_logprobs  # report the training forward's log-probs (hyflow.rl.exact_logprobs)
+    scoring = batching_for(cfg, "reference", models.groups, job.pad_id)
     with timers.phase("reshard"):
-        gen_model = models.hybrid.to_generation()
+        weights.to_generation()
     with timers.phase("gen"):
         if stale is not None:  # rollout.force_staleness: sample with older weights (tests, benchmarks)
-            stale.swap_in(models.hybrid)
+            stale.swap_in(weights)
+        rollouts.prepare_for_generation()
         prompts = [r.prompt_ids for r in shard]
-        rollout = models.dispatcher.generate(gen_model, prompts, cfg.rollout.n, seed=seed, request_offset=first)
+        rollout = rollouts.generate(prompts, cfg.rollout.n, seed=seed, request_offset=first)
         # ReMax: one greedy response per prompt, a baseline only (scored, never trained on)
-        greedy = models.dispatcher.generate(gen_model, prompts, 1, seed=seed, request_offset=first, greedy=True) \
+        greedy = rollouts.generate(prompts, 1, seed=seed, request_offset=first, greedy=True) \
             if cfg.algorithm.adv_estimator == "remax" else None
         samples = rollout.samples
-        exact = cfg.rollout.exact_logprobs  # report the training forward's log-probs (hyflow.rl.exact_logprobs)
-        scoring = batching_for(cfg, "reference", models.groups, job.pad_id)
-        if exact and exact_in_generation_layout(models.hybrid):
-            samples = _with_logprobs(samples, job.pad_id, lambda batch: rescore_in_generation_layout(
-                models.hybrid, models.dispatcher.micro_dp_group, batch, scoring, models.sample_vocab,
-                cfg.rollout.temperature, reference_module=models.actor.chunks[0], fused=cfg.actor.fused_output_layer))
+        if exact and rollouts.capabilities.exact_rescore:
+            samples = _with_logprobs(samples, job.pad_id, lambda batch: rollouts.rescore(
+                batch, scoring, temperature=cfg.rollout.temperature, fused=cfg.actor.fused_output_layer,
+                train_mode=models.actor.chunks[0].training))
             exact = False
+        rollouts.finish_generation()
         if stale is not None:
-            stale.swap_out(models.hybrid)
+            stale.swap_out(weights)
     with timers.phase("reshard"):
-        models.hybrid.to_training()
-    if exact:  # a smaller generation TP sums in another order: re-score in the training layout
+        weights.to_training()
+    if exact:  # sampled with the current weights: the training layout re-scores them exactly
         with timers.phase("gen"):
             samples = _with_logprobs(samples, job.pad_id, lambda batch: rescore_in_training_layout(
                 models.actor.chunks, models.groups, batch, scoring, models.sample_vocab, cfg.rollout.temperature,
@@ -380,19 +378,14 @@ def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, 
             out.update({k: v for k, v in means.items() if k.startswith("moe/")})
         out[f"{prefix}/grad_norm"] = means.get("grad_norm", float("nan"))
         out[f"{prefix}/lr"] = means.get("lr", 0.0)
-    out["reshard/bytes_received"] = models.hybrid.stats.bytes_received
-    out["reshard/seconds"] = models.hybrid.stats.seconds
+    out["reshard/bytes_received"] = models.weights.stats.bytes_received
+    out["reshard/seconds"] = models.weights.stats.seconds
     return out
 
 
 def sft_warmup(cfg: RLJobConfig, state: RLState, tokenizer) -> None:
     """Supervised steps on the reference answers (``extra_info.answer``) before RL; each DP rank
     trains on its own prompts, the loss is the token mean over all of them."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from hyflow.data.dataset import reference_response_ids
-    from hyflow.training.step import data_group, lm_loss
-
     models = state.models
     groups, actor = models.groups, models.actor
     rank = dist.get_rank()
@@ -407,7 +400,7 @@ def sft_warmup(cfg: RLJobConfig, state: RLState, tokenizer) -> None:
         wd_incr_steps=cfg.actor.sft_warmup_steps, wd_incr_style="constant")
     for step in range(1, cfg.actor.sft_warmup_steps + 1):
         records = state.loader.next_batch()
-        first, stop = models.dispatcher.shard(len(records))
+        first, stop = models.rollouts.shard(len(records))
         rows = []
         for r in records[first:stop]:
             answer = reference_response_ids(r, tokenizer)
@@ -472,8 +465,6 @@ def cpu_max_over_ranks(metrics: dict, device: torch.device) -> dict[str, float]:
     """``cpu_s_max/<phase>``: the largest ``cpu_s/<phase>`` of any rank (one all-reduce of a few
     scalars). Rank 0's CPU seconds miss the busiest pipeline stage; the slowest stage's work is
     what sets a pipelined phase's pace (the stage balance of ``actor.layout.stage_layers``)."""
-    from hyflow.monitor.metrics import PHASE_KEYS
-
     values = torch.tensor([float(metrics.get(f"cpu_s/{p}", 0.0)) for p in PHASE_KEYS], dtype=torch.float64,
                           device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -482,9 +473,6 @@ def cpu_max_over_ranks(metrics: dict, device: torch.device) -> dict[str, float]:
 
 def _finish(cfg: RLJobConfig, metrics_path: str) -> None:
     """Rank 0: plot the whole run's metrics (resumed parts included) and print a summary."""
-    from hyflow.monitor.metrics import read_metrics
-    from hyflow.monitor.plot import plot_metrics
-
     rows = read_metrics(metrics_path)
     if not rows:
         return

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from hyflow.choices import AggMode, KLKind, PolicyLossName
 from hyflow.config import ConfigError
 from hyflow.config.checks import check_finite, check_positive
-from hyflow.jobs.algorithm_config import (GROUP_ESTIMATORS, AlgorithmConfig, KLKind, LossAgg, PolicyLoss,
-                                          RolloutCorrectionConfig)
+from hyflow.jobs.algorithm_config import GROUP_ESTIMATORS, AlgorithmConfig, RolloutCorrectionConfig
 from hyflow.models.description import ModelDescription, tiny_llama
 from hyflow.parallel.layout import Layout
-from hyflow.rollout.config import GenerationConfig
+from hyflow.rollout.config import GenerationSettings, redefault
 from hyflow.placement.config import PlacementConfig
 from hyflow.training.optim_config import OptimConfig
 
@@ -35,24 +35,16 @@ class GenerationLayout:
 
 
 @dataclass
-class RolloutConfig:
-    """How the actor generates responses (the job's section; the generation engine's
-    :class:`~hyflow.rollout.config.GenerationConfig` takes these fields by name and owns their
-    checks)."""
+class RolloutConfig(GenerationSettings):
+    """How the actor generates responses: the generation settings (sampling, lengths, chunking,
+    concurrency: :class:`~hyflow.rollout.config.GenerationSettings`, which own their checks) and
+    the job's own keys (layouts, offloading, exact mode)."""
 
     layout: GenerationLayout = field(default_factory=GenerationLayout)
-    n: int = field(default=4, metadata={"help": "responses sampled per prompt (the GRPO group size)"})
-    max_prompt_length: int = field(default=128, metadata={"help": "longest prompt in tokens"})
-    max_new_tokens: int = field(default=64, metadata={"help": "longest response in tokens"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0 = greedy)"})
-    top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens (0 = off)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
-    stop_token_ids: list[int] = field(default_factory=list,
-                                      metadata={"help": "extra stop ids besides the tokenizer's EOS"})
-    truncate_long_prompts: bool = field(default=False, metadata={
-        "help": "left-truncate prompts over max_prompt_length instead of dropping them"})
-    prefill_chunk_size: int = field(default=0, metadata={"help": "chunked prefill size (0 = whole prompt)"})
-    max_concurrent: int = field(default=64, metadata={"help": "sequences decoded at once per replica"})
+    # the job's defaults for three settings (the engine alone: 1 response, 256 tokens, no prompt limit)
+    n: int = redefault(GenerationSettings, "n", 4)
+    max_new_tokens: int = redefault(GenerationSettings, "max_new_tokens", 64)
+    max_prompt_length: int = redefault(GenerationSettings, "max_prompt_length", 128)
     offload_grad_buffers: bool = field(default=False, metadata={
         "help": "free the actor's gradient buffers while generating (memory for the KV cache)"})
     offload_optimizer: bool = field(default=False, metadata={
@@ -77,8 +69,7 @@ class RolloutConfig:
         check_finite(self, "temperature", "top_p")
         if self.force_staleness < 0:
             raise ConfigError(f"must be >= 0, got {self.force_staleness}", key="force_staleness")
-        # sampling, lengths, chunking, concurrency: the generation engine's own checks
-        GenerationConfig.from_job(self)
+        super().validate()  # sampling, lengths, chunking, concurrency: the generation engine's own checks
 
 
 @dataclass
@@ -136,12 +127,12 @@ class ActorConfig(TrainedModelConfig):
         "help": "PPO clip: ratios above 1 + clip_ratio_high are clipped "
                 "(DAPO's clip-higher when larger than clip_ratio_low)"})
     clip_ratio_c: Optional[float] = field(default=None, metadata={"help": "dual-clip constant (> 1) or null"})
-    policy_loss: PolicyLoss = field(default="vanilla", metadata={
+    policy_loss: PolicyLossName = field(default="vanilla", metadata={
         "help": "vanilla (PPO clip) | gspo (sequence-level ratio, geometric mean over the response; "
                 "needs loss_agg_mode=seq-mean-token-mean; the paper clips at 3e-4 / 4e-4) | cispo "
                 "(clipped IS weight with stop-gradient times log-prob; the clip ratios bound the weight, "
                 "clip_ratio_low >= 1 removes the lower bound as in the paper)"})
-    loss_agg_mode: LossAgg = field(default="token-mean", metadata={
+    loss_agg_mode: AggMode = field(default="token-mean", metadata={
         "help": "how per-token losses become one number: mean over tokens, or per sequence then over sequences"})
     loss_scale_factor: Optional[int] = field(default=None, metadata={
         "help": "constant normaliser of loss_agg_mode=seq-mean-token-sum-norm (Dr. GRPO's MAX_TOKENS); "
@@ -473,10 +464,6 @@ class RLJobConfig:
             raise ConfigError(f"algorithm.dynamic_sampling keeps groups whose rewards differ: it needs a group "
                               f"estimator ({', '.join(sorted(GROUP_ESTIMATORS))}), not "
                               f"adv_estimator={self.algorithm.adv_estimator}")
-        if self.rollout.force_staleness and self.rollout.exact_logprobs and gen.tp < train.tp:
-            raise ConfigError("rollout.force_staleness with exact_logprobs needs rollout.layout.tp equal to the actor's "
-                              f"tp={train.tp}: a smaller generation TP re-scores in the training layout, with the "
-                              "current weights instead of the stale ones that sampled")
         buffer = self.algorithm.overlong_buffer
         if buffer.enable and buffer.length > self.rollout.max_new_tokens:
             raise ConfigError(f"algorithm.overlong_buffer.length={buffer.length} exceeds the response budget "

@@ -39,6 +39,7 @@ def _preflight(cfg: Any) -> None:
     from hyflow.jobs.one_step_off import check_supported
 
     check_supported(cfg)  # placement pools and trainer.mode=one_step_off: what runs today
+    check_role_capabilities(cfg)
     _check_context_parallel(cfg)
     _check_task(cfg.data)
     vocab = _check_tokenizer(cfg)
@@ -53,6 +54,51 @@ def _preflight(cfg: Any) -> None:
                                        "use a model / tokenizer pair that match")
     _check_resume(cfg.trainer.resume)
     _check_output_dir(cfg.trainer.output_dir)
+
+
+def role_classes(cfg: Any) -> tuple[type, type]:
+    """The weight path and rollouts classes (:mod:`hyflow.roles`) the ranks build for ``cfg``:
+    :func:`hyflow.rl.models.build_rl_models` colocated, :func:`hyflow.placement.pool_models.build_training_models`
+    on placement pools. Each declares what it can do for a config (``capabilities_for(cfg)``)."""
+    # imported here: torch and Megatron, seconds the preflight pays only when a capability is needed
+    if cfg.resolved_placement().colocated:
+        from hyflow.rl.dispatch import RolloutDispatcher
+        from hyflow.hybrid.executor import HybridEngine
+
+        return HybridEngine, RolloutDispatcher
+    from hyflow.placement.pool_models import RemoteRollouts, WeightSender
+
+    return WeightSender, RemoteRollouts
+
+
+#: config values that need a role's capability: (key, needed(cfg), role, has(capabilities), what, remedy)
+REQUIREMENTS = (
+    ("algorithm.adv_estimator", lambda cfg: cfg.algorithm.adv_estimator == "remax", "rollouts",
+     lambda caps: caps.greedy, "ReMax's greedy baselines",
+     "run ReMax colocated (trainer.mode=sync, placement.pools empty)"),
+    ("rollout.exact_logprobs", lambda cfg: cfg.rollout.exact_logprobs, "rollouts",
+     lambda caps: caps.exact_logprobs, "the training forward's log-probs of the policy that sampled (it samples "
+     "with older weights and holds no generation model to re-score with)",
+     "set rollout.exact_logprobs=false, or trainer.mode=sync"),
+    ("rollout.force_staleness", lambda cfg: cfg.rollout.force_staleness > 0, "weights",
+     lambda caps: caps.stale_weights, "sampling with older weights (it holds no generation weights of its own)",
+     "set rollout.force_staleness=0, or run colocated"),
+)
+
+
+def check_role_capabilities(cfg: Any) -> None:
+    """A config that needs a capability its roles do not declare is refused here, naming the key:
+    the requirements (:data:`REQUIREMENTS`) against the classes' declared capabilities, no list of
+    combinations."""
+    needed = [r for r in REQUIREMENTS if r[1](cfg)]
+    if not needed:
+        return
+    classes = dict(zip(("weights", "rollouts"), role_classes(cfg)))
+    for key, _, role, has, what, remedy in needed:
+        cls = classes[role]
+        if not has(cls.capabilities_for(cfg)):
+            raise _error(key, f"{cls.__name__} (the {role} role of this placement, trainer.mode={cfg.trainer.mode}) "
+                              f"cannot give {what}: {remedy}")
 
 
 def _check_context_parallel(cfg: Any) -> None:

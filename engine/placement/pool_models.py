@@ -5,9 +5,9 @@
   job (:func:`hyflow.rl.models.build_rl_models`), but instead of the hybrid engine and its
   dispatcher it holds a :class:`WeightSender` (the actor's shards out to the generation pool) and a
   :class:`RemoteRollouts` (this rank's rows in from it), and a critic on a pool of its own is a
-  :class:`~hyflow.placement.remote_critic.RemoteCritic`. All keep the colocated objects' call
-  shapes, so :func:`hyflow.jobs.rl.rl_step` runs unchanged: its phase 1 receives rows instead of
-  generating them.
+  :class:`~hyflow.placement.remote_critic.RemoteCritic`. They implement the same roles
+  (:mod:`hyflow.roles`), so :func:`hyflow.jobs.rl.rl_step` runs unchanged: its phase 1 receives
+  rows instead of generating them.
 * On the **generation pool**: :class:`GenerationSide`, the actor in the generation layout (its
   slice only, filled by the weight sync) and the generation engine.
 """
@@ -15,16 +15,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from hyflow.checkpoint.trained_model import TrainedModel
+from hyflow.models.builder import build_gpt_model, resolve_spec
+from hyflow.models.description import ModelDescription
+from hyflow.parallel.layout import pad_vocab_size
 from hyflow.placement.groups import optimizer_agreement_on
+from hyflow.placement.remote_critic import RemoteCritic
 from hyflow.placement.rows import ReceivedRows, recv_rows, row_routes
+from hyflow.placement.sync_planner import plan_actor_sync
 from hyflow.placement.weight_sync import SyncStats, WeightSync
+from hyflow.rl.batch import MicroBatching, RolloutBatch
 from hyflow.rl.dispatch import sampling_seed, shard_range
-from hyflow.rollout.dp import GatheredRollout
+from hyflow.rl.models import RLModels, build_actor, build_other_roles
+from hyflow.roles import RolloutCapabilities, WeightPathCapabilities
+from hyflow.rollout.config import GenerationConfig
+from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
+from hyflow.rollout.engine import GenerationEngine
 from hyflow.rollout.request import RolloutStats
 
 
@@ -35,19 +46,35 @@ class _Stats:
 
 
 class WeightSender:
-    """Stands where the colocated job's hybrid engine stands: training never leaves its layout
-    (``to_generation`` gives no model), and :meth:`sync` sends the actor's shards."""
+    """The training pool's :class:`~hyflow.roles.WeightPath`: training never leaves its layout
+    (the transitions move nothing here), and :meth:`send` sends the actor's shards to the
+    generation pool (the pooled loop calls it after each update)."""
+
+    #: generation runs on the other pool: no generation model here to re-score or swap
+    CAPABILITIES = WeightPathCapabilities(generation_model=False, exact_in_generation_layout=False,
+                                          stale_weights=False)
+
+    @classmethod
+    def capabilities_for(cls, cfg) -> WeightPathCapabilities:
+        return cls.CAPABILITIES
 
     def __init__(self, sync: WeightSync) -> None:
         self.sync = sync
+        self.capabilities = self.CAPABILITIES
         self.stats = _Stats()  # the colocated metrics' reshard/* read it (nothing received here)
         self.last: SyncStats = SyncStats()
 
-    def to_generation(self):
-        return None
+    def to_generation(self) -> None:
+        """Nothing: the generation pool holds the weights of the last :meth:`send`."""
 
     def to_training(self) -> None:
-        pass
+        """Nothing: the actor never left its training layout."""
+
+    def generation_weights(self) -> Optional[torch.Tensor]:
+        return None
+
+    def describe(self) -> str:
+        return self.sync.plan.summary()
 
     def send(self) -> SyncStats:
         self.last = self.sync.run()
@@ -57,22 +84,39 @@ class WeightSender:
 
 @dataclass
 class RemoteRollouts:
-    """Stands where the colocated dispatcher stands: ``generate`` receives this rank's rows of the
-    step from the generation pool (generated one update earlier) instead of generating them."""
+    """The training pool's :class:`~hyflow.roles.Rollouts`: ``generate`` receives this rank's rows
+    of the step from the generation pool instead of generating them. ``current_weights``: the
+    generation pool sampled them with the weights this pool holds (``trainer.mode=sync``; one
+    update behind in ``one_step_off``)."""
 
     groups: object
     rollout_config: object
     placement: object
     group: object = None
+    current_weights: bool = True
     last: ReceivedRows | None = field(default=None)
+
+    @classmethod
+    def capabilities_for(cls, cfg) -> RolloutCapabilities:
+        return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=cfg.trainer.mode == "sync")
+
+    @property
+    def capabilities(self) -> RolloutCapabilities:
+        return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=self.current_weights)
 
     def shard(self, count: int) -> tuple[int, int]:
         return shard_range(count, self.groups.layout.dp, self.groups.dp_rank)
 
-    def generate(self, gen_model, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
-                 greedy: bool = False, **_) -> GatheredRollout:
-        if greedy:
-            raise RuntimeError("trainer.mode=one_step_off does not generate greedy baselines (remax)")
+    def prepare_for_generation(self) -> None:
+        """Nothing: the generation pool generated these rows already."""
+
+    def finish_generation(self) -> None:
+        """Nothing held here."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
+                 greedy: bool = False, max_new_tokens: Optional[int] = None) -> GatheredRollout:
+        if greedy:  # the preflight refuses it (capabilities.greedy)
+            raise RuntimeError("the generation pool does not generate greedy baselines (remax)")
         total = len(prompts) * self.groups.layout.dp
         routes = row_routes(total, self.placement.roles["rollout"], self.placement.roles["actor"])
         got = recv_rows(routes, dist.get_rank(), self.groups.device, self.group)
@@ -85,31 +129,27 @@ class RemoteRollouts:
         self.last = got
         return GatheredRollout(samples=got.samples, stats=RolloutStats(samples=len(got.samples)))
 
+    def rescore(self, batch: RolloutBatch, batching: MicroBatching, *, temperature: float, fused: bool,
+                train_mode: bool) -> torch.Tensor:
+        raise RuntimeError("the training pool holds no generation model: re-score in the training layout "
+                           "(capabilities.exact_rescore is False)")
 
-def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_group=None, pool_group=None):
+
+def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_group=None, pool_group=None) -> RLModels:
     """The training pool's :class:`~hyflow.rl.models.RLModels` (see the module docstring)."""
-    from hyflow.checkpoint.checkpointer import TrainedModel
-    from hyflow.models.builder import resolve_spec
-    from hyflow.models.description import ModelDescription
-    from hyflow.placement.sync_planner import plan_actor_sync
-    from hyflow.rl.models import RLModels, build_actor, build_other_roles
-    from hyflow.rollout.config import GenerationConfig
-
     desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
     actor, chunks, optimizer, scheduler = build_actor(cfg, desc, groups, optimizer_scope=optimizer_agreement_on(pool_group))
     plan = plan_actor_sync(placement, desc, actor.config.params_dtype.itemsize,
                            fused_norms=resolve_spec(cfg.actor.spec) == "te")
     sender = WeightSender(WeightSync(plan, actor, sync_group))
-    rollouts = RemoteRollouts(groups, GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
-                              placement, row_group)
-    models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), hybrid=sender,
-                      dispatcher=rollouts, sample_vocab=min(desc.vocab_size, tokenizer.vocab_size))
+    rollouts = RemoteRollouts(groups, GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
+                              placement, row_group, current_weights=cfg.trainer.mode == "sync")
+    models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=sender,
+                      rollouts=rollouts, sample_vocab=min(desc.vocab_size, tokenizer.vocab_size))
     here = tuple(r for r in ("reference", "critic", "reward") if r not in placement.roles
                  or placement.same_pool("actor", r))
     build_other_roles(cfg, models, actor, tokenizer, optimizer_scope=optimizer_agreement_on(pool_group), roles=here)
     if "critic" not in here:  # on a pool of its own (hyflow.placement.remote_critic serves it there)
-        from hyflow.placement.remote_critic import RemoteCritic
-
         models.critic = RemoteCritic(cfg, placement, groups)
     return models
 
@@ -119,13 +159,6 @@ class GenerationSide:
     and the generation engine of this rank's replica."""
 
     def __init__(self, cfg, tokenizer, placement, groups, sync_group) -> None:
-        from hyflow.models.builder import build_gpt_model, resolve_spec
-        from hyflow.models.description import ModelDescription
-        from hyflow.parallel.layout import pad_vocab_size
-        from hyflow.placement.sync_planner import plan_actor_sync
-        from hyflow.rollout.config import GenerationConfig
-        from hyflow.rollout.engine import GenerationEngine
-
         desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
         self.placement, self.groups, self.desc = placement, groups, desc
         actor = placement.roles["actor"]
@@ -137,7 +170,7 @@ class GenerationSide:
         plan = plan_actor_sync(placement, desc, self.model.config.params_dtype.itemsize,
                                fused_norms=resolve_spec(cfg.actor.spec) == "te")
         self.sync = WeightSync(plan, self.model, sync_group)
-        self.rollout_config = GenerationConfig.from_job(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
+        self.rollout_config = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
         self.trainer_seed = cfg.trainer.seed
         eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
         self.engine = GenerationEngine(self.model, self.rollout_config, vocab_size=min(desc.vocab_size,
@@ -152,8 +185,6 @@ class GenerationSide:
     def generate(self, records, step: int, n: int):
         """This replica's samples of ``records`` (the step's prompts) with the seeds the colocated
         job uses for ``step`` (keyed by the global prompt index), sorted."""
-        from hyflow.rollout.dp import generate_data_parallel
-
         first, stop = shard_range(len(records), self.groups.layout.dp, self.replica)
         seed = sampling_seed(self.trainer_seed, step)
         sampling = self.rollout_config.sampling.replace(n=n, seed=seed)

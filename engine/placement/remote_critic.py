@@ -1,10 +1,10 @@
 """The critic on a pool of its own, in its own layout.
 
 The training pool's :func:`hyflow.jobs.rl.rl_step` runs unchanged: ``models.critic`` is a
-:class:`RemoteCritic` there (like :class:`~hyflow.placement.pool_models.RemoteRollouts` stands
-for the dispatcher), and the critic pool runs :func:`serve_critic`, which answers it step by step
-with the same two functions the colocated critic runs (:func:`hyflow.rl.critic.critic_values`,
-:func:`hyflow.rl.critic.update_critic`) on the rows its DP ranks own. Per step::
+:class:`RemoteCritic` there (the :class:`~hyflow.roles.Critic` role, as
+:class:`~hyflow.placement.pool_models.RemoteRollouts` is the rollouts'), and the critic pool runs
+:func:`serve_critic`, which answers it step by step with the colocated critic itself
+(:class:`hyflow.rl.critic.LocalCritic`) on the rows its DP ranks own. Per step::
 
     training pool (DP rank d)                      critic pool (DP rank c)
     phase 3  rows (tokens, response mask, lengths) ──► forward: values
@@ -25,14 +25,24 @@ DAPO's dropped and refilled groups), and what the critic scores must be what the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from hyflow.checkpoint.discovery import checkpoints_root, latest_checkpoint
+from hyflow.checkpoint.trained_model import TrainedModel
+from hyflow.config import ConfigError
+from hyflow.data.tasks import load_data_tokenizer
+from hyflow.models.description import ModelDescription
+from hyflow.placement.groups import optimizer_agreement_on
 from hyflow.placement.rows import RowRoute, row_routes
+from hyflow.rl.critic import LocalCritic
 from hyflow.rl.dispatch import shard_range
-from hyflow.rl.losses import ValueLoss
+from hyflow.rl.models import build_critic
+from hyflow.rl.step_losses import ValueLoss
 from hyflow.rl.update import UpdateStats
+from hyflow.training.supervisor import StepSupervisor
 
 #: the critic update's statistics, in message order (the update's means, then token counts)
 STATS = ValueLoss.names + ("grad_norm", "update_ok", "lr")
@@ -61,13 +71,12 @@ def _replies(cfg, placement) -> list[RowRoute]:
 
 @dataclass
 class RemoteCritic:
-    """Stands where the colocated critic (a ``TrainedModel``) stands on the training pool; rl_step
-    calls it through :func:`~hyflow.rl.critic.critic_values` and :func:`~hyflow.rl.critic.update_critic`."""
+    """The training pool's :class:`~hyflow.roles.Critic` when the critic has a pool of its own:
+    :meth:`values` and :meth:`update` exchange this rank's rows with the critic pool."""
 
     cfg: object
     placement: object
     groups: object
-    remote = True
 
     def __post_init__(self) -> None:
         self.rank, self.n = dist.get_rank(), self.cfg.rollout.n
@@ -78,7 +87,12 @@ class RemoteCritic:
     def _rows(self, r: RowRoute) -> slice:
         return slice((r.first - self.first) * self.n, (r.stop - self.first) * self.n)
 
-    def values(self, columns: dict, lengths, shape: tuple[int, int]) -> torch.Tensor:
+    @property
+    def model(self) -> Optional[TrainedModel]:
+        """None: the critic's model lives (and is checkpointed) on its own pool."""
+        return None
+
+    def values(self, columns: dict, lengths: Sequence[int], shape: tuple[int, int]) -> torch.Tensor:
         """This rank's rows' values: rows out to the critic owners, their values back."""
         device = self.groups.device
         rows = torch.tensor(lengths, dtype=torch.long, device=device)
@@ -98,7 +112,8 @@ class RemoteCritic:
             out[self._rows(r)] = buf
         return out
 
-    def update(self, columns: dict, lengths, *, step: int, **_) -> UpdateStats:
+    def update(self, columns: dict, lengths: Sequence[int], *, seed: int, step: int, row_offset: int,
+               agg_mode: str, norm_length: float) -> UpdateStats:
         """Returns (and the step, which keys the mini-batches) out to the critic owners; their update's
         statistics back (the critic's token counts on this DP group's rank 0 only, so the DP sums of
         the padding ratio count them once). The critic pool knows the rest of the update's
@@ -120,19 +135,13 @@ class RemoteCritic:
 
 def serve_critic(cfg, placement, groups, pool_group, go) -> None:
     """The critic pool's loop: build the critic, then answer each step until ``go()`` says stop."""
-    from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.rl.critic import critic_values, update_critic
-    from hyflow.models.description import ModelDescription
-    from hyflow.placement.groups import optimizer_agreement_on
-    from hyflow.rl.models import build_critic
-    from hyflow.training.supervisor import StepSupervisor
-
     rank, n, device = dist.get_rank(), cfg.rollout.n, groups.device
     pad_id = load_data_tokenizer(cfg.data).pad_token_id or 0
     desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
-    critic = build_critic(cfg, desc, groups, None, optimizer_scope=optimizer_agreement_on(pool_group))
+    critic = LocalCritic(build_critic(cfg, desc, groups, None, optimizer_scope=optimizer_agreement_on(pool_group)),
+                         cfg, groups, pad_id)
     # NaN / inf gradients skip the critic's update here as on the training pool
-    guard = StepSupervisor(cfg.trainer.max_bad_steps, [critic.optimizer], signals=(), group=pool_group,
+    guard = StepSupervisor(cfg.trainer.max_bad_steps, [critic.trained.optimizer], signals=(), group=pool_group,
                            device=device)
     guard.install()
     first = shard_range(cfg.data.train_batch_size, groups.layout.dp, groups.dp_rank)[0]
@@ -157,7 +166,7 @@ def serve_critic(cfg, placement, groups, pool_group, go) -> None:
                        "response_mask": torch.cat([pad(p[1], 0.0) for p in parts])}
             lengths = torch.cat([p[2] for p in parts]).tolist()
             shape = tuple(columns["tokens"].shape)
-            values = critic_values(cfg, critic, groups, columns, lengths, shape, pad_id)
+            values = critic.values(columns, lengths, shape)
             # each training owner gets its rows' values at its own width (rows arrive in (first) order)
             by_src = {r.src: (i, b, w) for i, ((b, w), r) in enumerate(zip(sizes, recvs))}
             offsets = [sum(b for b, _ in sizes[:i]) for i in range(len(sizes))]
@@ -171,9 +180,9 @@ def serve_critic(cfg, placement, groups, pool_group, go) -> None:
             _exchange(ops)
             returns = torch.cat([pad(t, 0.0) for t in returns])
             step = int(steps[0])
-            stats = update_critic(cfg, critic, groups, dict(columns, old_values=values, returns=returns), lengths,
-                                  pad_id, seed=cfg.trainer.seed, step=step, row_offset=first * n,
-                                  agg_mode=cfg.actor.loss_agg_mode, norm_length=float(cfg.loss_norm_length))
+            stats = critic.update(dict(columns, old_values=values, returns=returns), lengths, seed=cfg.trainer.seed,
+                                  step=step, row_offset=first * n, agg_mode=cfg.actor.loss_agg_mode,
+                                  norm_length=float(cfg.loss_norm_length))
             tokens = torch.tensor([stats.processed_tokens, stats.real_tokens], dtype=torch.float64, device=device)
             if groups.pgs.dp.size() > 1:  # the pool's totals (two scalars)
                 dist.all_reduce(tokens, group=groups.pgs.dp)
@@ -196,8 +205,6 @@ def _slice(values: torch.Tensor, offsets, sizes, by_src, placement, reply: RowRo
 
 def check_remote_roles(cfg, placement) -> None:
     """What a role on a pool apart from the actor's cannot do yet, named before any rank starts."""
-    from hyflow.config import ConfigError
-
     actor = placement.roles["actor"].pool
     for role in ("reference", "reward"):
         if role in placement.roles and placement.roles[role].pool != actor:
@@ -213,8 +220,6 @@ def check_remote_roles(cfg, placement) -> None:
                           "checkpoints yet: set trainer.resume=never, or placement.critic=null",
                           key="trainer.resume")
     if has_remote_critic(placement) and cfg.trainer.resume == "auto":
-        from hyflow.checkpoint.discovery import checkpoints_root, latest_checkpoint
-
         found = latest_checkpoint(checkpoints_root(cfg.trainer.output_dir), lambda _: None)
         if found is not None:  # resume=auto would start over beside it, silently
             raise ConfigError(f"{cfg.trainer.output_dir} holds checkpoint {found.path}, and a run with the critic on "

@@ -278,7 +278,7 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     capacity = seq
     # the engine sizes its cache for min(max_concurrent, the samples of its replica)
     per_replica = -(-cfg.data.train_batch_size * cfg.rollout.n // plan.gen_dp_size)
-    engine = GenerationConfig.from_job(cfg.rollout)  # what the generation engine will run with
+    engine = GenerationConfig.from_settings(cfg.rollout)  # what the generation engine will run with
     slots = min(engine.max_concurrent, per_replica)
     # a prompt is prefilled once for its n samples (the engine's share_prompt_prefill)
     prompts = -(-slots // cfg.rollout.n) if engine.share_prompt_prefill else slots

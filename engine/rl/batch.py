@@ -20,7 +20,7 @@ Every plan can be stretched to a common micro-batch count (:func:`equalize`) so 
 ranks run the same number of micro-batches. :func:`make_micro_batches` builds the tensors,
 :func:`scatter_rows` puts per-micro-batch outputs back in row order. Loss normalisation does not
 depend on the grouping: losses are weighted per token with global denominators
-(:mod:`hyflow.rl.losses`).
+(:mod:`hyflow.rl.step_losses`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
+
+from hyflow.models.builder import resolve_spec
+from hyflow.models.context_parallel import sequence_bounds, shard_micro_batch
 
 Plan = list[list[int]]  # rows of each micro-batch
 
@@ -50,7 +53,6 @@ class RolloutBatch:
         routing: mixture-of-experts rollouts that recorded it: [B, S, layers, top_k] (uint8 / int32), each
             token's experts (id + 1, 0 = none; :mod:`hyflow.models.routing_replay`), else None.
     """
-
     tokens: torch.Tensor
     response_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
@@ -246,7 +248,6 @@ def make_micro_batches(columns: dict[str, torch.Tensor], lengths: Sequence[int],
             mb["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32, device=device)
             mb["max_seqlen"] = max(b - a for a, b in zip(bounds, bounds[1:]))
         elif bounds:
-            from hyflow.models.context_parallel import sequence_bounds
 
             mb["attention_mask"] = sequence_bounds(seq_lengths, width, device)
         else:
@@ -289,7 +290,6 @@ class MicroBatching:
     TE's THD attention; ``cp_group``: each micro-batch becomes this context-parallel rank's
     label-aligned share (:func:`hyflow.models.context_parallel.shard_micro_batch`); planning
     (token budgets, packing) counts whole sequences."""
-
     micro_batch_size: int
     max_tokens: Optional[int] = None
     packed: bool = False
@@ -309,7 +309,6 @@ class MicroBatching:
                                    pad_multiple=self.pad_multiple, pad_id=self.pad_id, thd=self.thd,
                                    bounds=self.bounds)
         if self.cp_size > 1:
-            from hyflow.models.context_parallel import shard_micro_batch
 
             micro = [shard_micro_batch(mb, self.cp_group) for mb in micro]
         return micro
@@ -333,8 +332,6 @@ def pad_multiple(groups) -> int:
 
 def _thd(cfg) -> bool:
     """Packed rows go to Transformer Engine's THD attention when the model uses the TE spec."""
-    from hyflow.models.builder import resolve_spec
-
     return cfg.actor.pack_sequences and resolve_spec(cfg.actor.spec) == "te"
 
 
@@ -349,7 +346,6 @@ def batching_for(cfg, role: str, groups, pad_id: int) -> MicroBatching:
     elif role == "critic":
         size, budget = cfg.critic.micro_batch_size, cfg.critic.max_tokens_per_micro_batch or budget
     cp_group = groups.pgs.cp if groups.layout.cp > 1 else None
-    from hyflow.models.builder import resolve_spec
 
     return MicroBatching(size, budget, actor.pack_sequences, pad_multiple=pad_multiple(groups), pad_id=pad_id,
                          thd=_thd(cfg), cp_group=cp_group, bounds=resolve_spec(actor.spec) == "sdpa")

@@ -23,10 +23,18 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
+from hyflow.hybrid.executor import HybridEngine
 from hyflow.hybrid.generation_groups import generation_enumerations
+from hyflow.monitor import comm
+from hyflow.rl.batch import MicroBatching, RolloutBatch
+from hyflow.rl.exact_logprobs import rescore_in_generation_layout
+from hyflow.roles import RolloutCapabilities
+from hyflow.rollout.config import GenerationConfig
 from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
+from hyflow.rollout.engine import GenerationEngine
 
 
 def sampling_seed(trainer_seed: int, step: int) -> int:
@@ -61,22 +69,33 @@ def cp_micro_dp(plan, cp: int) -> list[list[int]]:
 
 
 class RolloutDispatcher:
-    """Generates a DP shard's samples on the micro-DP replicas of the hybrid engine's layout.
+    """Generates a DP shard's samples on the micro-DP replicas of the hybrid engine's layout, with
+    hyflow's KV-cache engine over the engine's generation model: the colocated
+    :class:`~hyflow.roles.Rollouts`.
 
     Built once by every rank (it creates the micro-DP process groups).
     """
 
-    def __init__(self, hybrid, train_groups, rollout_config, desc, vocab_size: int, eos_token_ids: Sequence[int]):
+    @classmethod
+    def capabilities_for(cls, cfg) -> RolloutCapabilities:
+        """What the dispatcher :func:`hyflow.rl.models.build_rl_models` builds for ``cfg`` can do."""
+        return RolloutCapabilities(greedy=True,
+                                   exact_rescore=HybridEngine.capabilities_for(cfg).exact_in_generation_layout,
+                                   current_weights=not cfg.rollout.force_staleness)
+
+    def __init__(self, hybrid: HybridEngine, train_groups, rollout_config: GenerationConfig, desc, vocab_size: int,
+                 eos_token_ids: Sequence[int], *, current_weights: bool = True):
         self.hybrid, self.groups = hybrid, train_groups
         self.rollout_config = rollout_config
         self.desc, self.vocab_size, self.eos = desc, vocab_size, list(eos_token_ids)
         micro = cp_micro_dp(hybrid.plan, train_groups.layout.cp)
         # One group per (training dp, generation tp, generation pp); its order is the replica index.
         self.micro_dp_group, _ = dist.new_subgroups_by_enumeration(micro)
-        from hyflow.monitor import comm
-
         comm.register_group(self.micro_dp_group, "data")  # the data plane's sample exchange
-        self._engine = None
+        self.capabilities = RolloutCapabilities(
+            greedy=True, exact_rescore=hybrid.capabilities.exact_in_generation_layout,
+            current_weights=current_weights)
+        self._engine: Optional[GenerationEngine] = None
 
     @property
     def dp(self) -> int:
@@ -90,17 +109,24 @@ class RolloutDispatcher:
         """This rank's prompts of a step of ``count`` prompts."""
         return shard_range(count, self.dp, self.dp_rank)
 
-    def engine(self, gen_model):
-        from hyflow.rollout.engine import GenerationEngine
-
+    @property
+    def engine(self) -> GenerationEngine:
+        """The KV-cache engine over the hybrid engine's generation model (built at first use; its
+        parameters are the generation buffer's views, refilled by every ``to_generation``)."""
         if self._engine is None:
             gen = self.hybrid.gen_groups
-            self._engine = GenerationEngine(gen_model, self.rollout_config, vocab_size=self.vocab_size,
+            self._engine = GenerationEngine(self.hybrid.gen_model, self.rollout_config, vocab_size=self.vocab_size,
                                             eos_token_ids=self.eos, tp_group=gen.pgs.tp, pp_group=gen.pgs.pp,
                                             max_position_embeddings=self.desc.max_position_embeddings)
         return self._engine
 
-    def generate(self, gen_model, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
+    def prepare_for_generation(self) -> None:
+        """Nothing to load: the engine's model reads the hybrid engine's generation buffer."""
+
+    def finish_generation(self) -> None:
+        """Nothing to release: the hybrid engine's ``to_training`` gives the buffer back."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
                  greedy: bool = False, max_new_tokens: Optional[int] = None) -> GatheredRollout:
         """``n`` samples of each of this DP shard's ``prompts`` (global indices from
         ``request_offset``), gathered on every rank of the shard's model-parallel group.
@@ -110,5 +136,16 @@ class RolloutDispatcher:
             sampling = sampling.replace(temperature=0.0)
         if max_new_tokens is not None:
             sampling = sampling.replace(max_new_tokens=max_new_tokens)
-        return generate_data_parallel(self.engine(gen_model), [list(p) for p in prompts], self.micro_dp_group,
+        return generate_data_parallel(self.engine, [list(p) for p in prompts], self.micro_dp_group,
                                       sampling, request_offset=request_offset, device=self.groups.device)
+
+    def rescore(self, batch: RolloutBatch, batching: MicroBatching, *, temperature: float, fused: bool,
+                train_mode: bool) -> torch.Tensor:
+        """Exact mode's re-score by the generation-layout model, spread over the micro-DP replicas
+        (:func:`hyflow.rl.exact_logprobs.rescore_in_generation_layout`)."""
+        if not self.capabilities.exact_rescore:
+            raise RuntimeError("the generation layout does not reproduce the training forward (another TP or "
+                               "sequence parallelism): re-score in the training layout")
+        return rescore_in_generation_layout(self.hybrid.gen_model, self.hybrid.gen_groups.pgs, self.micro_dp_group,
+                                            batch, batching, self.vocab_size, temperature, train_mode=train_mode,
+                                            fused=fused)

@@ -5,14 +5,14 @@ the cache, matrix products of other shapes than the training forward's. In exact
 equal the training-layout log-probs; in floating point they differ by ~1e-5 (fp32). Exact mode
 removes the gap after sampling: while the actor is still in its generation layout, the finished
 sequences are scored again by a full-sequence forward that reproduces the training scoring
-(:func:`hyflow.rl.losses.forward_score`) operation for operation:
+(:func:`hyflow.rl.step_losses.forward_score`) operation for operation:
 
 * the same micro-batches: the rows, order and padded widths the old-log-prob forward cuts with
   ``batching_for(cfg, "reference", ...)``, since a row's result may depend on the shapes it is
   computed in (matrix-product blocking, attention over the padded width);
 * the same modules: the generation model is the training ``GPTModel`` (the runner's cache
   attention is detached outside :meth:`ModelRunner.attach`), driven by Megatron's schedule;
-* the same scorer (:class:`hyflow.rl.losses.logprob_scorer`: the fused output head at the
+* the same scorer (:class:`hyflow.rl.step_losses.logprob_scorer`: the fused output head at the
   response positions, or the full logits' log-softmax with ``actor.fused_output_layer=false``).
 
 What changes is only where the layers run. Pipeline stages pass hidden states unchanged, so a
@@ -22,7 +22,10 @@ and the vocabulary normaliser sum partial results over the training TP ranks, a 
 one rank does not reproduce (a generation-layout re-score stays at the sampler's ~5e-7 on the
 tiny model; BENCHMARKS.md). There exact mode re-scores in the training layout instead, after
 the reshard back (:func:`rescore_in_training_layout`): exact too, at the cost of the training
-forward that ``actor.old_logprobs=rollout`` then saves.
+forward that ``actor.old_logprobs=rollout`` then saves. Which of the two a run takes is the
+rollouts' declared capability (:class:`hyflow.roles.RolloutCapabilities`: ``exact_rescore`` in
+the generation layout, else ``current_weights`` for the training layout; a pooled ``sync`` run,
+whose generation pool samples with the weights the training pool holds, takes the second).
 
 The micro-batches are dealt round-robin over the micro-DP replicas of the rank's training
 data-parallel group (each replica scores ``1/R`` of them) and the per-row results summed over
@@ -35,22 +38,20 @@ import torch
 import torch.distributed as dist
 
 from hyflow.rl.batch import MicroBatching, RolloutBatch, scatter_rows
-from hyflow.rl.losses import forward_score, logprob_scorer
+from hyflow.rl.step_losses import forward_score, logprob_scorer
 from hyflow.training.step import forward_backward
 
 
 @torch.no_grad()
-def rescore_in_generation_layout(hybrid, micro_dp_group, batch: RolloutBatch, batching: MicroBatching,
-                                 vocab_size: int, temperature: float, reference_module=None,
-                                 fused: bool = True) -> torch.Tensor:
-    """``[B, S]`` log-probs of ``batch``'s response tokens from the generation-layout model of
-    ``hybrid`` (a :class:`~hyflow.hybrid.executor.HybridEngine` in generation), cut into the
-    micro-batches of ``batching`` (the training scoring's); 0 outside responses. Collective over
-    the generation pipeline group and ``micro_dp_group``. ``reference_module``: the training model,
-    whose train/eval mode the generation model takes for the forward. ``fused``: score as the
-    training forward does with ``actor.fused_output_layer``."""
-    gen = hybrid.gen_groups
-    model = hybrid.gen_model
+def rescore_in_generation_layout(model: torch.nn.Module, pgs, micro_dp_group, batch: RolloutBatch,
+                                 batching: MicroBatching, vocab_size: int, temperature: float, *,
+                                 train_mode: bool = False, fused: bool = True) -> torch.Tensor:
+    """``[B, S]`` log-probs of ``batch``'s response tokens from the generation-layout ``model``
+    (the hybrid engine's, in generation; ``pgs``: its process groups), cut into the micro-batches
+    of ``batching`` (the training scoring's); 0 outside responses. Collective over the generation
+    pipeline group and ``micro_dp_group``. ``train_mode``: the training model's train/eval mode,
+    which the generation model takes for the forward. ``fused``: score as the training forward
+    does with ``actor.fused_output_layer``."""
     columns = {"tokens": batch.tokens, "response_mask": batch.response_mask}
     micro = batching.cut(columns, batch.row_lengths())
     replicas = micro_dp_group.size() if micro_dp_group is not None else 1
@@ -58,10 +59,9 @@ def rescore_in_generation_layout(hybrid, micro_dp_group, batch: RolloutBatch, ba
     mine = micro[replica::replicas]
     shape = tuple(batch.tokens.shape)
     result = torch.zeros(shape, dtype=torch.float32, device=batch.device)
-    tp_group = gen.pgs.tp
     captured: list[torch.Tensor] = []
 
-    score = logprob_scorer(vocab_size, tp_group, temperature, fused)  # the training scoring's own scorer
+    score = logprob_scorer(vocab_size, pgs.tp, temperature, fused)  # the training scoring's own scorer
 
     def keep(output, mb):
         captured.append(score(output, mb).float())
@@ -70,30 +70,20 @@ def rescore_in_generation_layout(hybrid, micro_dp_group, batch: RolloutBatch, ba
     keep.hidden_states = score.hidden_states
 
     was_training = model.training
-    if reference_module is not None:
-        model.train(reference_module.training)
+    model.train(train_mode)
     try:
         if mine:  # every rank of a replica (all its stages and TP ranks) has the same micro-batches
-            forward_backward([model], mine, loss_fn=keep, with_labels=False, forward_only=True, pgs=gen.pgs)
+            forward_backward([model], mine, loss_fn=keep, with_labels=False, forward_only=True, pgs=pgs)
     finally:
         model.train(was_training)
     if captured:
         result = scatter_rows(captured, mine, shape)
-    pp = gen.pgs.pp
+    pp = pgs.pp
     if pp.size() > 1:  # the last stage has the log-probs
         dist.broadcast(result, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
     if replicas > 1:
         dist.all_reduce(result, group=micro_dp_group)
     return torch.where(batch.response_mask > 0, result, torch.zeros((), dtype=result.dtype, device=result.device))
-
-
-def exact_in_generation_layout(hybrid) -> bool:
-    """Whether a generation-layout re-score reproduces the training forward bit for bit: the
-    generation TP equals the training TP (pipeline and micro-DP changes do not matter) and the
-    training forward does not use sequence parallelism (its reduce-scatter / all-gather pairs
-    replace the generation model's all-reduces: another summation order beyond two ranks)."""
-    layout = hybrid.train_groups.layout
-    return hybrid.gen_shape.tp == layout.tp and (layout.tp == 1 or not layout.sequence_parallel)
 
 
 @torch.no_grad()

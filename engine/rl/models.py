@@ -1,45 +1,54 @@
-"""The models of an RL run and how they are built: the actor (with its optimizer, the hybrid engine
-that reshards it for generation and the dispatcher that generates with it), the frozen reference,
-the critic and the reward model. Every model is built for the rank's device
-(``ParallelGroups.device``) in the actor's training layout.
+"""The models of an RL run and how they are built: the actor (with its optimizer, its weight path
+to generation and the rollouts that generate with it), the frozen reference, the critic and the
+reward model. Every model is built for the rank's device (``ParallelGroups.device``) in the actor's
+training layout. The roles the step calls are typed with their declared interfaces
+(:mod:`hyflow.roles`); this module builds the colocated ones, :mod:`hyflow.placement.pool_models`
+the pooled ones.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 
-from hyflow.checkpoint.checkpointer import TrainedModel
+from hyflow.checkpoint.model import CheckpointError, load_model_checkpoint, read_checkpoint_info
+from hyflow.checkpoint.trained_model import TrainedModel
 from hyflow.hybrid.executor import HybridEngine
 from hyflow.models.builder import build_gpt_model
 from hyflow.models.description import ModelDescription
 from hyflow.models.weights import load_full_state_dict, random_full_state_dict
 from hyflow.parallel.groups import ParallelGroups, init_training_groups
+from hyflow.rl.critic import LocalCritic
 from hyflow.rl.dispatch import RolloutDispatcher
+from hyflow.rl.reward_model import RewardModel, build_reward_model, check_reward_model_checkpoint
+from hyflow.roles import Critic, Rollouts, WeightPath
+from hyflow.rollout.config import GenerationConfig
 from hyflow.training.optimizer import build_optimizer, wrap_ddp
 
 
 @dataclass
 class RLModels:
-    """Built models, optimizers and engines of one rank."""
+    """Built models, optimizers and roles of one rank (the roles: :mod:`hyflow.roles`)."""
 
     desc: ModelDescription
     groups: ParallelGroups
     actor: TrainedModel
-    hybrid: HybridEngine
-    dispatcher: RolloutDispatcher
+    weights: WeightPath  # the actor's weights to generation and back
+    rollouts: Rollouts  # generates (or receives) this rank's samples
     sample_vocab: int  # ids the tokenizer can decode; the generator never samples beyond
     reference: Optional[torch.nn.Module] = None
-    critic: Any = None  # a TrainedModel; on a pool of its own, hyflow.placement.remote_critic.RemoteCritic
-    reward_model: Any = None  # hyflow.rl.reward_model.RewardModel when reward.model_checkpoint is set
+    critic: Optional[Critic] = None
+    reward_model: Optional[RewardModel] = None  # when reward.model_checkpoint is set
 
     def trained(self) -> dict[str, TrainedModel]:
-        """The models every checkpoint holds, with their optimizers and LR schedulers."""
-        local = self.critic is not None and not getattr(self.critic, "remote", False)  # not on a pool of its own
-        return {"actor": self.actor} | ({"critic": self.critic} if local else {})
+        """The models every checkpoint holds, with their optimizers and LR schedulers (a critic
+        on a pool of its own holds its model there: ``critic.model`` is None here)."""
+        critic = self.critic.model if self.critic is not None else None
+        return {"actor": self.actor} | ({"critic": critic} if critic is not None else {})
 
     @torch.no_grad()
     def reset_reference(self) -> None:
@@ -51,8 +60,6 @@ class RLModels:
 def check_actor_checkpoint(path: str) -> None:
     """A missing or incomplete ``actor.checkpoint`` fails with one error naming the command that
     creates it. Reads files only (no process group needed)."""
-    from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info
-
     try:
         read_checkpoint_info(path)
     except CheckpointError as e:
@@ -89,22 +96,15 @@ def _init_value_head(model: torch.nn.Module, std: float, seed: int) -> None:
 
 def _initial_state(cfg, desc: ModelDescription, model, groups: ParallelGroups, checkpoint: Optional[str]):
     if checkpoint:
-        from hyflow.checkpoint.model import load_model_checkpoint
-
         load_model_checkpoint(model, checkpoint, groups)
     else:
         load_full_state_dict(model, random_full_state_dict(desc, cfg.trainer.seed), desc, groups)
 
 
 def build_rl_models(cfg, tokenizer) -> RLModels:
-    """Groups, actor (+ optimizer, hybrid engine, dispatcher), reference, critic and reward model."""
-    import torch.distributed as dist
-
-    from hyflow.rollout.config import GenerationConfig
-
+    """Groups, actor (+ optimizer, hybrid engine as the weight path, dispatcher as the rollouts), reference,
+    critic and reward model."""
     if cfg.reward.model_checkpoint:  # a bad path fails here, before any model is built
-        from hyflow.rl.reward_model import check_reward_model_checkpoint
-
         check_reward_model_checkpoint(cfg.reward.model_checkpoint)
     layout = cfg.actor_layout(dist.get_world_size())
     groups = init_training_groups(layout, seed=cfg.trainer.seed)
@@ -122,10 +122,12 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
     sample_vocab = min(desc.vocab_size, tokenizer.vocab_size)
     eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
     record = cfg.rollout.routing_replay or cfg.rollout.record_routing  # R3 replays what the rollout recorded
-    dispatcher = RolloutDispatcher(hybrid, groups, GenerationConfig.from_job(
-        cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0, record_routing=record), desc, sample_vocab, eos)
-    models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), hybrid=hybrid,
-                      dispatcher=dispatcher, sample_vocab=sample_vocab)
+    generation = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0,
+                                                record_routing=record)
+    dispatcher = RolloutDispatcher(hybrid, groups, generation, desc, sample_vocab, eos,
+                                   current_weights=not cfg.rollout.force_staleness)
+    models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=hybrid,
+                      rollouts=dispatcher, sample_vocab=sample_vocab)
     build_other_roles(cfg, models, actor, tokenizer)
     return models
 
@@ -164,10 +166,9 @@ def build_other_roles(cfg, models: RLModels, actor, tokenizer, optimizer_scope=N
         models.reference = reference
         models.reset_reference()
     if cfg.critic.enable and "critic" in roles:
-        models.critic = build_critic(cfg, desc, groups, actor, optimizer_scope)
+        models.critic = LocalCritic(build_critic(cfg, desc, groups, actor, optimizer_scope), cfg, groups,
+                                    tokenizer.pad_token_id or 0)
     if cfg.reward.model_checkpoint and "reward" in roles:  # frozen, eval, in the actor's training layout
-        from hyflow.rl.reward_model import build_reward_model
-
         models.reward_model = build_reward_model(cfg, groups, models.sample_vocab, tokenizer.pad_token_id or 0)
 
 

@@ -7,18 +7,25 @@ token, after reading ``prompt + response``:
 :meth:`RewardModel.__call__` is the :data:`hyflow.rewards.manager.RewardModelFn` handed to the
 :class:`~hyflow.rewards.manager.RewardManager` (it scores the token ids passed as ``sequences``,
 so nothing is re-tokenized). The forward runs through the same pipeline schedule as the
-critic's values (:func:`hyflow.rl.losses.forward_score`), on the rank's DP shard only.
+critic's values (:func:`hyflow.rl.step_losses.forward_score`), on the rank's DP shard only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Sequence
 
 import torch
 
+from hyflow.checkpoint.model import CheckpointError, load_model_checkpoint, read_checkpoint_info, read_description
+from hyflow.checkpoint.trust import read_dcp_index
 from hyflow.config import ConfigError
+from hyflow.models.builder import build_gpt_model
 from hyflow.models.description import ModelDescription
+from hyflow.models.stage_split import resolve_stage_layers
+from hyflow.rl.batch import batching_for
+from hyflow.rl.step_losses import forward_score
 
 KEY = "reward.model_checkpoint"
 _HINT = ("set reward.model_checkpoint to a hyflow checkpoint directory of a reward model: a GPTModel with a "
@@ -30,8 +37,6 @@ def check_reward_model_checkpoint(path: str) -> ModelDescription:
     """The reward model's description after checking ``path`` is a complete hyflow checkpoint with a
     scalar value head; else one :class:`~hyflow.config.ConfigError` naming the key and the fix.
     Reads files only (no process group needed)."""
-    from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info, read_description
-
     if not path or not os.path.isdir(path):
         raise ConfigError(f"{KEY}={path!r} is not a directory; {_HINT}", key=KEY)
     try:
@@ -49,7 +54,6 @@ def check_reward_model_checkpoint(path: str) -> ModelDescription:
 
 
 def _saved_shape(path: str, name: str) -> Optional[tuple]:
-    from hyflow.checkpoint.trust import read_dcp_index  # the index read without running any code
 
     meta = read_dcp_index(path).state_dict_metadata.get(name)
     size = getattr(meta, "size", None)
@@ -58,7 +62,6 @@ def _saved_shape(path: str, name: str) -> Optional[tuple]:
 
 class RewardModel:
     """Scores ``prompt + response`` token sequences with a frozen value-head model."""
-
     def __init__(self, model: torch.nn.Module, desc: ModelDescription, groups, batching,
                  pad_id: int = 0) -> None:
         self.model, self.desc, self.groups = model, desc, groups
@@ -74,8 +77,6 @@ class RewardModel:
     def score(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """[N] float32: the value head at the last token of each sequence (collective over the
         model's TP x PP ranks, which must pass the same sequences: a DP shard)."""
-        from hyflow.rl.losses import forward_score
-
         lengths = [len(s) for s in sequences]
         if not lengths or min(lengths) < 1:
             raise ValueError("the reward model needs non-empty sequences")
@@ -95,9 +96,6 @@ class RewardModel:
 
 def build_reward_model(cfg, groups, sample_vocab: int, pad_id: int = 0) -> RewardModel:
     """Load ``cfg.reward.model_checkpoint`` into a frozen value-head model in ``groups``' layout."""
-    from hyflow.models.builder import build_gpt_model
-    from hyflow.checkpoint.model import CheckpointError, load_model_checkpoint
-
     path = cfg.reward.model_checkpoint
     desc = check_reward_model_checkpoint(path)
     if desc.vocab_size < sample_vocab:
@@ -111,9 +109,7 @@ def build_reward_model(cfg, groups, sample_vocab: int, pad_id: int = 0) -> Rewar
     if split is not None and sum(split) != desc.num_layers:
         # The actor's stage split counts the actor's layers; a reward model of another depth gets
         # its own (a scalar head: balanced is even where it divides), on the same ranks and groups.
-        import dataclasses
 
-        from hyflow.models.stage_split import resolve_stage_layers
 
         own = resolve_stage_layers(dataclasses.replace(groups.layout, stage_layers=None), desc, 0.0)
         groups = dataclasses.replace(groups, layout=own)
@@ -129,6 +125,5 @@ def build_reward_model(cfg, groups, sample_vocab: int, pad_id: int = 0) -> Rewar
         raise ConfigError(f"{KEY}={path!r}: {e}; {_HINT}", key=KEY) from None
     model.requires_grad_(False)
     model.eval()
-    from hyflow.rl.batch import batching_for
 
     return RewardModel(model, desc, groups, batching_for(cfg, "reference", groups, pad_id), pad_id)

@@ -19,7 +19,7 @@ class RLState:
     """The state of one rank's RL run.
 
     Attributes:
-        models: actor (+ hybrid engine, dispatcher), reference, critic, reward model.
+        models: actor (+ its weight path and rollouts), reference, critic, reward model.
         loader: the prompt loader (its position is checkpointed).
         kl_ctrl: the KL coefficient controller (fixed or adaptive).
         supervisor: preemption flags and NaN/inf guard (:class:`hyflow.training.supervisor.StepSupervisor`).

@@ -6,7 +6,7 @@ global rows: inside each block a random permutation (keyed by seed, step, epoch 
 global index) hands one row to every mini-batch. A DP rank's rows are a contiguous run of whole
 blocks (``R / DP`` rows, a multiple of ``M``), so each rank contributes ``mini_batch_size / DP`` rows
 to every mini-batch without moving data, and mini-batch ``k`` holds the same rows at any DP size:
-with the loss weights of :mod:`hyflow.rl.losses` the update equals the one-rank update up to
+with the loss weights of :mod:`hyflow.rl.step_losses` the update equals the one-rank update up to
 floating-point rounding.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from hyflow.rl.balance import balance_rows
 from hyflow.rl.batch import MicroBatching
-from hyflow.rl.losses import loss_weights, minibatch_counts
+from hyflow.rl.step_losses import loss_weights, minibatch_counts
 from hyflow.rollout.sampler import stream_seed
 from hyflow.training.step import train_step
 

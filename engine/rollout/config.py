@@ -1,12 +1,18 @@
 """Configuration of the rollout engine (light module: no torch import).
 
-:class:`SamplingConfig` says *how one response is drawn* (temperature, top-k,
-top-p, stop tokens, length, seed); :class:`GenerationConfig` says *how the engine
-runs* (concurrent sequences, context limit, chunked prefill, batching policy).
-Field names follow the ``rollout`` section of the RL job config
-(:mod:`hyflow.jobs.rl_config`), so :meth:`GenerationConfig.from_job` maps it 1:1.
+Each setting is declared once:
 
-Both validate themselves and raise :class:`hyflow.config.ConfigError` naming the key.
+* :class:`ResponseSettings`: *how one response is drawn* (temperature, top-k, top-p, n, length,
+  stop tokens); :class:`SamplingConfig`, a request's settings, adds its seed, EOS ids and flags;
+* :class:`EngineSettings`: *how the engine admits and batches prompts* (prompt length, chunked
+  prefill, concurrent sequences); :class:`GenerationConfig`, the engine's settings, adds the
+  context limit, batching policy, layer implementation and the default request;
+* :class:`GenerationSettings`, both halves: what a user sets, the RL job's ``rollout`` section
+  (:class:`hyflow.jobs.rl_config.RolloutConfig` extends it with the job's own keys and defaults).
+  :meth:`GenerationConfig.from_settings` splits it into the engine's two halves by the fields
+  declared here.
+
+All validate themselves and raise :class:`hyflow.config.ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -21,7 +27,37 @@ BatchingPolicy = Literal["continuous", "static"]
 
 
 @dataclass
-class SamplingConfig:
+class ResponseSettings:
+    """How each response is drawn (the keys a user sets; a request adds its own, :class:`SamplingConfig`)."""
+
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0 = greedy)"})
+    top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens (0 = off)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
+    n: int = field(default=1, metadata={"help": "responses sampled per prompt"})
+    max_new_tokens: int = field(default=256, metadata={"help": "longest response in tokens"})
+    stop_token_ids: list[int] = field(default_factory=list,
+                                      metadata={"help": "extra stop ids besides the EOS ids"})
+
+
+@dataclass
+class EngineSettings:
+    """How the engine admits and batches prompts (the keys a user sets; the engine adds its own,
+    :class:`GenerationConfig`)."""
+
+    max_prompt_length: Optional[int] = field(default=None, metadata={
+        "help": "longest prompt in tokens (None = max_seq_len - 1); longer prompts are an error "
+                "unless truncate_long_prompts"})
+    truncate_long_prompts: bool = field(default=False, metadata={
+        "help": "keep the last max_prompt_length tokens of longer prompts instead of refusing them "
+                "(the RL dataset drops them otherwise; the count is logged)"})
+    prefill_chunk_size: int = field(default=0, metadata={
+        "help": "prefill long prompts in chunks of this many tokens (0 = whole prompt)"})
+    max_concurrent: int = field(default=64, metadata={
+        "help": "sequences decoded at once per replica (KV-cache slots)"})
+
+
+@dataclass
+class SamplingConfig(ResponseSettings):
     """How responses are sampled; also usable per request (see ``GenerationRequest``).
 
     The processing order is the one of Hugging Face ``generate``: logits are divided
@@ -37,17 +73,10 @@ class SamplingConfig:
     temperature, so the rollout's values can serve as the old log-probs.
     """
 
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0 = greedy)"})
-    top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens (0 = off)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
-    n: int = field(default=1, metadata={"help": "responses sampled per prompt"})
-    max_new_tokens: int = field(default=256, metadata={"help": "longest response in tokens"})
     seed: int = field(default=0, metadata={
         "help": "base seed; request i sample j draws from a stream keyed by (seed, i, j)"})
     eos_token_ids: Optional[list[int]] = field(default=None, metadata={
         "help": "end-of-sequence ids (None = the model description's)"})
-    stop_token_ids: list[int] = field(default_factory=list,
-                                      metadata={"help": "extra stop ids besides EOS"})
     ignore_eos: bool = field(default=False, metadata={
         "help": "never stop on EOS / stop ids (benchmarks: always max_new_tokens)"})
     include_stop_token: bool = field(default=True, metadata={
@@ -83,7 +112,7 @@ class SamplingConfig:
 
 
 @dataclass
-class GenerationConfig:
+class GenerationConfig(EngineSettings):
     """How the engine runs a batch of requests on one generation replica.
 
     Continuous batching keeps ``max_concurrent`` sequences in flight: a finished
@@ -94,18 +123,9 @@ class GenerationConfig:
     """
 
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    max_concurrent: int = field(default=64, metadata={
-        "help": "sequences decoded at once (KV-cache slots)"})
     max_seq_len: Optional[int] = field(default=None, metadata={
         "help": "context limit prompt + response (None = the model's context length: "
                 "max_position_embeddings, extended by its RoPE scaling)"})
-    max_prompt_length: Optional[int] = field(default=None, metadata={
-        "help": "longest prompt (None = max_seq_len - 1); longer prompts are an error "
-                "unless truncate_long_prompts"})
-    truncate_long_prompts: bool = field(default=False, metadata={
-        "help": "keep the last max_prompt_length tokens of longer prompts (count is logged)"})
-    prefill_chunk_size: int = field(default=0, metadata={
-        "help": "prefill long prompts in chunks of this many tokens (0 = whole prompt)"})
     max_prefill_tokens: int = field(default=8192, metadata={
         "help": "padded prompt tokens per prefill forward (bounds activation memory)"})
     batching: BatchingPolicy = field(default="continuous", metadata={
@@ -148,13 +168,28 @@ class GenerationConfig:
                               key="batching")
 
     @classmethod
-    def from_job(cls, rollout: Any, **overrides: Any) -> "GenerationConfig":
-        """Build from the RL job's ``rollout`` section (same field names), then validate."""
-        sampling_names = {f.name for f in dataclasses.fields(SamplingConfig)}
-        engine_names = {f.name for f in dataclasses.fields(cls)} - {"sampling"}
-        sampling = {k: getattr(rollout, k) for k in sampling_names if hasattr(rollout, k)}
-        engine = {k: getattr(rollout, k) for k in engine_names if hasattr(rollout, k)}
-        engine.update(overrides)
-        cfg = cls(sampling=SamplingConfig(**sampling), **engine)
+    def from_settings(cls, settings: "GenerationSettings", **overrides: Any) -> "GenerationConfig":
+        """The engine's config for a user's ``settings`` (the RL job's ``rollout`` section): its
+        response fields into the default request, its engine fields here; ``overrides``: engine
+        fields the caller knows (``pad_token_id``). Validated."""
+        sampling = {f.name: getattr(settings, f.name) for f in dataclasses.fields(ResponseSettings)}
+        engine = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EngineSettings)}
+        cfg = cls(sampling=SamplingConfig(**sampling), **engine, **overrides)
         cfg.validate()
         return cfg
+
+
+def redefault(settings: type, name: str, default: Any) -> Any:
+    """The field ``name`` of ``settings`` (its help) with another default, for a section that
+    extends the settings and starts elsewhere (the RL job's ``rollout``)."""
+    return field(default=default, metadata=settings.__dataclass_fields__[name].metadata)
+
+
+@dataclass
+class GenerationSettings(ResponseSettings, EngineSettings):
+    """The generation settings a user sets, each declared once: how responses are drawn
+    (:class:`ResponseSettings`) and how the engine admits and batches prompts
+    (:class:`EngineSettings`). The RL job's ``rollout`` section extends it."""
+
+    def validate(self) -> None:
+        GenerationConfig.from_settings(self)  # the engine's own checks, naming the key

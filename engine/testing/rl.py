@@ -38,7 +38,7 @@ def score_rows(chunks, groups, tokens: torch.Tensor, scorer: Callable,
     """``scorer(output, micro-batch)`` over all rows of ``tokens`` [B, S] in one micro-batch, as
     [B, S] on every rank of the model's pipeline."""
     from hyflow.rl.batch import make_micro_batches, plan_fixed
-    from hyflow.rl.losses import forward_score
+    from hyflow.rl.step_losses import forward_score
 
     B, S = tokens.shape
     lengths = list(lengths) if lengths is not None else [S] * B
@@ -50,10 +50,10 @@ def random_policy_batch(lengths: Sequence[int], vocab: int, seed: int = 4, promp
     """``(columns, loss config)`` of a PPO update over rows of ``lengths`` (random tokens below
     ``vocab``, responses after ``prompt`` tokens, random old log-probs and advantages, token-mean
     weights): the columns :func:`hyflow.rl.batch.make_micro_batches` cuts, the config
-    :class:`hyflow.rl.losses.PolicyLoss` reads."""
+    :class:`hyflow.rl.step_losses.PolicyLoss` reads."""
     from types import SimpleNamespace
 
-    from hyflow.rl.losses import loss_weights
+    from hyflow.rl.step_losses import loss_weights
 
     gen = torch.Generator().manual_seed(seed)
     B, S = len(lengths), max(lengths)

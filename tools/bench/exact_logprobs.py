@@ -44,28 +44,28 @@ def _measure(config: str, overrides: Sequence[str], repeats: int):
 
     from hyflow.jobs.rl import _rollout_batch
     from hyflow.rl.batch import batching_for
-    from hyflow.rl.exact_logprobs import rescore_in_generation_layout, rescore_in_training_layout
+    from hyflow.rl.exact_logprobs import rescore_in_training_layout
     from hyflow.testing.rl import rl_setup
 
     torch.set_num_threads(1)
     cfg, state, job = rl_setup(list(overrides), config=config)
     models = state.models
     records = state.loader.next_batch()
-    first, stop = models.dispatcher.shard(len(records))
+    first, stop = models.rollouts.shard(len(records))
     prompts = [r.prompt_ids for r in records[first:stop]]
     scoring = batching_for(cfg, "reference", models.groups, job.pad_id)
     vocab, temp = models.sample_vocab, cfg.rollout.temperature
     rows = []
     for r in range(repeats):
-        gen_model = models.hybrid.to_generation()
+        models.weights.to_generation()
         t0 = time.perf_counter()
-        rollout = models.dispatcher.generate(gen_model, prompts, cfg.rollout.n, seed=1000 + r, request_offset=first)
+        rollout = models.rollouts.generate(prompts, cfg.rollout.n, seed=1000 + r, request_offset=first)
         t1 = time.perf_counter()
         batch = _rollout_batch(rollout.samples, job.pad_id)
-        exact = rescore_in_generation_layout(models.hybrid, models.dispatcher.micro_dp_group, batch, scoring, vocab,
-                                             temp, reference_module=models.actor.chunks[0])
+        exact = models.rollouts.rescore(batch, scoring, temperature=temp, fused=True,
+                                        train_mode=models.actor.chunks[0].training)
         t2 = time.perf_counter()
-        models.hybrid.to_training()
+        models.weights.to_training()
         t3 = time.perf_counter()
         train = rescore_in_training_layout(models.actor.chunks, models.groups, batch, scoring, vocab, temp)
         t4 = time.perf_counter()

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
     from hyflow.rl.batch import MicroBatching, make_micro_batches, plan_fixed
-    from hyflow.rl.losses import PolicyLoss, loss_weights
+    from hyflow.rl.step_losses import PolicyLoss, loss_weights
     from hyflow.training.optimizer import wrap_ddp
     from hyflow.training.step import forward_backward
 

@@ -1,4 +1,5 @@
-"""Per-micro-batch losses and forward-only scoring for the RL job's actor and critic.
+"""The RL step's loss objects (the actor's :class:`PolicyLoss`, the critic's :class:`ValueLoss`) and forward-only
+scoring, per micro-batch; the math they apply is :mod:`hyflow.algorithms` (policy losses, aggregation).
 
 The losses are callables handed to :func:`hyflow.training.step.train_step` (Megatron's pipeline
 schedule), so the same code runs at any TP x PP. Logits stay vocab-parallel: log-probs and entropy
