@@ -24,7 +24,8 @@ DENSE = os.path.join(REPO, "configs", "quickstart.yaml")
                   "actor.layout.ep=3"], "layout.ep=3 does not divide the 8 experts"),
     (QUICKSTART, ["actor.layout.ep=1", "actor.layout.tp=2"], "needs layout.sequence_parallel=true"),
     (QUICKSTART, ["rollout.routing_replay=true", "actor.recompute=full"], "actor.recompute=full"),
-    (QUICKSTART, ["rollout.record_routing=true", "actor.old_logprobs=rollout"], "actor.old_logprobs=recompute"),
+    (QUICKSTART, ["rollout.routing_replay=false", "rollout.record_routing=true", "actor.old_logprobs=rollout"],
+     "actor.old_logprobs=recompute"),
 ])
 def test_bad_moe_configs_fail_with_one_line(config, overrides, needle):
     with pytest.raises(ConfigError) as err:

@@ -76,7 +76,8 @@ def _tampered_step(mode: str):
     from hyflow.rollout.dp import SampleTensors
     from hyflow.testing.rl import rl_setup, rl_step
 
-    cfg, state, job = rl_setup(BASE + ["trainer.nproc=1", "actor.layout.ep=1", f"rollout.{mode}=true",
+    cfg, state, job = rl_setup(BASE + ["trainer.nproc=1", "actor.layout.ep=1", "rollout.routing_replay=false",
+                                       f"rollout.{mode}=true",
                                        "actor.mini_batch_size=16"],  # one update: its forward precedes any change
                                config=_config())
     experts = cfg.model.moe.num_experts
