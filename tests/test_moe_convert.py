@@ -11,7 +11,6 @@ must be bit-identical and load in transformers.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -107,18 +106,8 @@ def test_four_rank_layout_matches_transformers(sources, checkpoints) -> None:
     _check(per_rank, ckpts, sources, "pp2 ep2")
 
 
-def _read_all(path: str) -> Dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: Dict[str, torch.Tensor] = {}
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, f)))
-    return out
-
-
 def test_round_trip_through_expert_parallel_checkpoint_is_bit_identical(sources, checkpoints, tmp_path) -> None:
-    from transformers import AutoModelForCausalLM
+    from test_convert_parity import check_round_trip
 
     from hyflow.tools.convert.mcore2hf import prepare_export
 
@@ -127,15 +116,7 @@ def test_round_trip_through_expert_parallel_checkpoint_is_bit_identical(sources,
         outs[name] = str(tmp_path / name)
         jobs.append(prepare_export(checkpoints[(name, "pp2ep2")], outs[name], log=lambda *_: None)[1])
     run_on_ranks(_export_all, 1, jobs, timeout=600)
-    tokens = torch.tensor(sources["tokens"])
-    for name in FAMILIES:
-        src, back = _read_all(sources["path"][name]), _read_all(outs[name])
-        assert sorted(src) == sorted(back), name
-        for key in src:
-            assert src[key].dtype == back[key].dtype and torch.equal(src[key], back[key]), (name, key)
-        model = AutoModelForCausalLM.from_pretrained(outs[name]).eval()
-        with torch.no_grad():
-            assert torch.equal(model(tokens).logits.float(), sources["logits"][name]), name
+    check_round_trip(sources, outs)
 
 
 def test_hf_config_round_trip_and_refusals() -> None:

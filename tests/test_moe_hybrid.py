@@ -32,16 +32,12 @@ def _logits(chunk, pgs, tokens):
 def _scenario(tp, pp, ep, etp, tp_g, pp_g):
     import torch.distributed as dist
 
-    from test_hybrid_engine import _greedy, _optimizer_state
+    from test_hybrid_engine import _greedy, _optimizer_state, trained_once
 
     from hyflow.hybrid.executor import HybridEngine
-    from hyflow.jobs.lm import arith_batch
-    from hyflow.models.builder import build_gpt_model
     from hyflow.models.description import tiny_moe
-    from hyflow.models.weights import load_full_state_dict, random_full_state_dict
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
     from hyflow.training.step import train_step
 
     world = dist.get_world_size()
@@ -49,14 +45,7 @@ def _scenario(tp, pp, ep, etp, tp_g, pp_g):
     groups = init_training_groups(layout, seed=3)
     desc = tiny_moe(vocab_size=200, num_attention_heads=8, num_query_groups=4,
                     moe=dict(shared_expert_ffn_hidden_size=48, shared_expert_gate=True))
-    model = build_gpt_model(desc, groups)
-    load_full_state_dict(model, random_full_state_dict(desc, seed=1), desc, groups)
-    chunks = wrap_ddp([model], groups, distributed_optimizer=False)
-    optimizer, scheduler = build_optimizer(chunks, OptimConfig(lr=1e-3), 10)
-    gen = torch.Generator().manual_seed(0)
-    batch = [arith_batch(desc.vocab_size, 2, SEQ, 5, gen)]
-    train_step(chunks, optimizer, scheduler, batch, groups=groups)  # non-trivial Adam state
-
+    model, chunks, optimizer, scheduler, batch = trained_once(desc, groups)
     engine = HybridEngine(chunks[0], desc, groups, (tp_g, pp_g))
     tokens = torch.randint(0, desc.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(5))
     want = _logits(model, groups.pgs, tokens)
