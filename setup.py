@@ -40,6 +40,7 @@ setup(
         "megatron-core==0.16.*",
         "numpy",
         "pyyaml",
+        "omegaconf",  # Hydra's ${...} interpolation on the command line (verl users write it)
         "safetensors",
         "psutil",
     ],

@@ -13,13 +13,15 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from hyflow.cli_support import RANK_ARGV_ENV
 from hyflow.jobs.registry import job_runner, job_schema, load_job_config
 
 #: Modules that add subcommands: each defines ``register(subparsers)`` and sets
 #: ``func`` on its parsers. Imported lazily only to build the parser (keep their
 #: top-level imports light: no torch / Megatron at import time).
 COMMAND_MODULES: tuple[str, ...] = ("hyflow.launch.cli", "hyflow.plan.cli", "hyflow.doctor.cli", "hyflow.tools.convert.cli",
-                                     "hyflow.tools.convert.export", "hyflow.rollout.cli", "hyflow.data.cli", "hyflow.tools.bench")
+                                     "hyflow.tools.convert.export", "hyflow.rollout.cli", "hyflow.validation.cli", "hyflow.data.cli",
+                                     "hyflow.tools.bench")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -30,6 +32,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     # hyflow.parallel.distributed.launched_by_torchrun's test, without importing torch (seconds)
     # before the pre-flight checks
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if "=" in args.config and not os.path.exists(args.config):  # no file: `hyflow train k=v ...` (verl's form)
+        args.config, args.overrides = None, [args.config, *args.overrides]
+        if not any(o.startswith("job=") for o in args.overrides):
+            args.overrides.insert(0, "job=rl")
     if getattr(args, "no_verify", False):
         from hyflow.checkpoint.manifest import NO_VERIFY_ENV
 
@@ -40,7 +46,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             return _run_rank(cfg)
         from hyflow.launch.local import Target, check_before_launch
 
-        target = Target(command="train", config=os.path.abspath(args.config), args=list(args.overrides),
+        target = Target(command="train", config=args.config and os.path.abspath(args.config),
+                        args=list(args.overrides),
                         job=cfg.job, output_dir=os.path.abspath(cfg.trainer.output_dir), cfg=cfg)
         check_before_launch(target)  # files, reward function, checkpoints: before any rank starts
     except ConfigError as e:
@@ -62,10 +69,12 @@ def _run_rank(cfg) -> int:
     the launcher (:mod:`hyflow.launch.rank_report`), the exit code says how it ended."""
     import torch.distributed as dist
 
+    from hyflow.compat.warnings import quiet_known_warnings
     from hyflow.launch.rank_report import run_reporting
-    from hyflow.parallel.distributed import init_distributed, shutdown
+    from hyflow.parallel.distributed import DEFAULT_TIMEOUT_S, init_distributed, shutdown
 
-    init_distributed()
+    quiet_known_warnings()  # Megatron's and torch's messages that every run would print
+    init_distributed(getattr(cfg.trainer, "collective_timeout_s", DEFAULT_TIMEOUT_S))
     try:
         return run_reporting(lambda: job_runner(cfg.job)(cfg), dist.get_rank())
     finally:
@@ -194,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     from hyflow.cli_support import make_intermixed
 
     train = make_intermixed(sub.add_parser("train", help="run a training job from a YAML config"))
-    train.add_argument("config", help="YAML config file (see configs/)")
+    train.add_argument("config", help="YAML config file (see configs/); without one, the RL job from the "
+                                      "overrides alone (verl's keys work: docs/verl.md)")
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     train.add_argument("--no-verify", action="store_true",
                        help="skip checkpoint checksums when resuming / loading (sizes and pickles are still checked)")
@@ -220,10 +230,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Set by a launcher that starts ranks through torchrun: the ranks' hyflow arguments as a JSON
-# list. torchrun's own parser would otherwise read options after ``-m hyflow.cli`` as its own
-# (``--n`` is an ambiguous prefix of ``--nnodes`` / ``--nproc-per-node``) and stop with an error.
-RANK_ARGV_ENV = "HYFLOW_RANK_ARGV"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

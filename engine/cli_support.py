@@ -12,6 +12,10 @@ options reach ``hyflow doctor`` through the launchers).
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 from typing import Any, Optional, Sequence
 
 
@@ -40,3 +44,22 @@ def make_intermixed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Turn a parser returned by ``subparsers.add_parser`` into an :class:`IntermixedParser`."""
     parser.__class__ = IntermixedParser
     return parser
+
+# Set by a launcher that starts ranks through torchrun: the ranks' hyflow arguments as a JSON
+# list. torchrun's own parser would otherwise read options after ``-m hyflow.cli`` as its own
+# (``--n`` is an ambiguous prefix of ``--nnodes`` / ``--nproc-per-node``) and stop with an error.
+RANK_ARGV_ENV = "HYFLOW_RANK_ARGV"
+
+
+def run_ranks_here(command: str, world: int) -> int:
+    """Run this ``hyflow COMMAND ...`` command line again as ``world`` ranks on this machine through
+    torchrun (a command whose ``--tp``/``--pp``/``--dp`` ask for several ranks); its exit code.
+    Only from the command line: the ranks re-read ``sys.argv``."""
+    if sys.argv[1:2] != [command]:
+        print(f"hyflow: run `hyflow {command} ...` from the command line for several ranks", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "hyflow.cli"]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env[RANK_ARGV_ENV] = json.dumps(sys.argv[1:])  # not on torchrun's command line: see RANK_ARGV_ENV
+    return subprocess.call(cmd, env=env)

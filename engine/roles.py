@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # annotations only: the protocols stay import-free
     from hyflow.checkpoint.trained_model import TrainedModel
     from hyflow.rl.batch import MicroBatching, RolloutBatch
     from hyflow.rl.update import UpdateStats
+    from hyflow.rollout.config import SamplingConfig
     from hyflow.rollout.dp import GatheredRollout
 
 
@@ -147,12 +148,14 @@ class Rollouts(Protocol):
         ...
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
-                 greedy: bool = False, max_new_tokens: Optional[int] = None) -> GatheredRollout:
+                 greedy: bool = False, max_new_tokens: Optional[int] = None,
+                 sampling: Optional[SamplingConfig] = None) -> GatheredRollout:
         """``n`` samples of each of this DP shard's ``prompts`` (global prompt indices from
         ``request_offset``; ``seed``: the step's base seed), in (prompt, sample) order: token ids,
         sampled-token log-probs, finish reasons (:class:`~hyflow.rollout.dp.SampleTensors`).
         ``greedy``: argmax decoding (needs ``capabilities.greedy``); ``max_new_tokens``: overrides
-        the configured length."""
+        the configured length; ``sampling``: another phase's sampling (validation's
+        ``rollout.val_kwargs``: temperature, top-k, top-p) instead of the rollout's."""
         ...
 
     def rescore(self, batch: RolloutBatch, batching: MicroBatching, *, temperature: float, fused: bool,

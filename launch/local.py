@@ -161,6 +161,9 @@ def launch_local(target: Target, nproc: int, dry_run: bool = False) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     from hyflow.launch.torchrun import run
+    from hyflow.parallel.distributed import set_rank_env
+
+    set_rank_env()  # CUDA_DEVICE_MAX_CONNECTIONS=1, as the Slurm launcher sets it
 
     return run(cmd[3:], log_dir=log_dir, run_dir=target.output_dir)
 

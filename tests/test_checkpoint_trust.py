@@ -282,8 +282,8 @@ def test_generate_takes_a_run_directory_and_refuses_a_damaged_checkpoint(run, tm
     from hyflow.rollout import cli as generate_cli
 
     monkeypatch.delenv("HYFLOW_NO_VERIFY", raising=False)
-    assert generate_cli._model_dir(str(run)) == str(_step(run, 2) / "actor")  # as export --ckpt
-    assert generate_cli._model_dir(str(_step(run, 1))) == str(_step(run, 1) / "actor")
+    assert generate_cli.resolve_model_dir(str(run)) == str(_step(run, 2) / "actor")  # as export --ckpt
+    assert generate_cli.resolve_model_dir(str(_step(run, 1))) == str(_step(run, 1) / "actor")
     _flip_byte(_step(run, 2) / "actor" / "__0_0.distcp")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2, 3]}\n')

@@ -18,11 +18,11 @@ from hyflow.models.description import ModelDescription
 from hyflow.models.hf_mapping import (description_from_hf_config, hf_config_from_description,
                                       hf_parameter_shapes, hf_to_megatron, name_map)
 from hyflow.models.weights import _tp_slice
-from hyflow.tools.convert.errors import ConversionError
-from hyflow.tools.convert.gguf_source import unpermute_rotary_rows
+from hyflow.models.sources.errors import ConversionError
+from hyflow.models.sources.gguf_source import unpermute_rotary_rows
 from hyflow.tools.convert.preflight import plan_hf2mcore, plan_mcore2hf
-from hyflow.tools.convert.shard_reader import fill_shard
-from hyflow.tools.convert.source import WeightSource
+from hyflow.models.sources.shard_reader import fill_shard
+from hyflow.models.sources.source import WeightSource
 
 
 
@@ -45,7 +45,7 @@ SMOLLM2 = _smollm2()
 def tiny(tmp_path_factory) -> Dict[str, str]:
     """Pristine tiny models on disk: safetensors llama3, sharded qwen2, .bin llama_tied."""
     pytest.importorskip("transformers")
-    from hyflow.tools.convert.tiny_models import make_tiny_hf_model
+    from hyflow.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("tiny_src")
     out = {}
@@ -301,7 +301,7 @@ def test_hf_config_round_trip(name: str) -> None:
     """description -> config.json -> transformers -> to_dict (rope_parameters) -> same description."""
     transformers = pytest.importorskip("transformers")
 
-    from hyflow.tools.convert.tiny_models import tiny_hf_config
+    from hyflow.testing.tiny_models import tiny_hf_config
 
     desc = description_from_hf_config(tiny_hf_config(name).to_dict())
     written = hf_config_from_description(desc)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hyflow.models.hf_mapping import description_from_hf_config
-from hyflow.tools.convert.gguf_source import _LAYER_TENSORS, GGUFSource
+from hyflow.models.sources.gguf_source import _LAYER_TENSORS, GGUFSource
 from hyflow.tools.convert.preflight import plan_hf2mcore
 
 gguf = pytest.importorskip("gguf")
@@ -70,7 +70,7 @@ def _write_gguf(model, path: str, arch: str) -> None:
 def test_gguf_source_returns_the_hf_tensors(name: str, arch: str, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from hyflow.tools.convert.tiny_models import make_tiny_hf_model
+    from hyflow.testing.tiny_models import make_tiny_hf_model
 
     model = make_tiny_hf_model(str(tmp_path / "hf"), name)
     path = str(tmp_path / f"{name}.gguf")

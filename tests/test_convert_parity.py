@@ -120,7 +120,7 @@ def _load_into_other_model(ckpt: str) -> str:
 def sources(tmp_path_factory) -> Dict[str, Any]:
     """Tiny HF models on disk and their reference logits on fixed tokens."""
     pytest.importorskip("transformers")
-    from hyflow.tools.convert.tiny_models import make_tiny_hf_model
+    from hyflow.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("hf_src")
     tokens = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(0))
@@ -229,7 +229,7 @@ def test_bf16_round_trip(tmp_path) -> None:
     """bf16 weights stay bf16 (dtype auto) and come back bit-identical through TP=2."""
     from hyflow.checkpoint.model import read_checkpoint_info
     from hyflow.tools.convert.mcore2hf import prepare_export
-    from hyflow.tools.convert.tiny_models import make_tiny_hf_model
+    from hyflow.testing.tiny_models import make_tiny_hf_model
 
     make_tiny_hf_model(str(tmp_path / "src"), "qwen2", dtype=torch.bfloat16)
     jobs, dirs = _plan_jobs({"qwen2": str(tmp_path / "src")}, tmp_path, 2, 1)
@@ -252,7 +252,7 @@ def test_tensor_parallel_attributes_match_megatron_init() -> None:
 
 
 def test_checkpoint_errors(checkpoints, tmp_path) -> None:
-    from hyflow.tools.convert.errors import ConversionError
+    from hyflow.models.sources.errors import ConversionError
     from hyflow.tools.convert.preflight import plan_mcore2hf
 
     ckpt = checkpoints[("llama3", (2, 2))]

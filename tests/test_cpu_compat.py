@@ -185,7 +185,7 @@ def test_device_context_still_sees_wrapped_factories():
     code = """
 import torch, tempfile
 from hyflow.compat import cpu
-from hyflow.tools.convert.tiny_models import make_tiny_hf_model
+from hyflow.testing.tiny_models import make_tiny_hf_model
 path = tempfile.mkdtemp()
 ref = make_tiny_hf_model(path, "llama3", weights_format="safetensors").model.rotary_emb.inv_freq
 cpu.activate()

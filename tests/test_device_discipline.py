@@ -10,7 +10,8 @@ per-step host round trip on CUDA. These tests hold the GPU path on CPU:
 (b) every role's model (actor, reference, critic, reward model, the generation model's builder) is
     built for a target device and every parameter and buffer lands there;
 (c) an AST scan of the step's packages flags tensor factories without ``device=``;
-(d) sequence parallelism at TP=2 with sequence lengths not divisible by 2 equals TP=2 without it.
+(d) sequence parallelism at TP=2 with sequence lengths not divisible by 2 equals TP=2 without it,
+    for the actor and for the critic's value head (whose gradients were x TP under SP).
 
 Allowed host-side call sites carry their reason.
 """
@@ -222,3 +223,61 @@ def test_sequence_parallel_with_odd_lengths_equals_tp_without_it():
         assert (lp0 - lp1).abs().max() <= 1e-6
         assert abs(loss0 - loss1) <= 1e-6 * max(1.0, abs(loss0))
         assert (g0 - g1).abs().max() <= 1e-5 * float(g0.abs().max()) and g0.abs().max() > 0
+
+
+def _critic_sp_grads():
+    from types import SimpleNamespace
+
+    from hyflow.models.builder import build_gpt_model
+    from hyflow.models.description import tiny_llama
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.rl.batch import MicroBatching, make_micro_batches
+    from hyflow.rl.step_losses import ValueLoss, loss_weights
+    from hyflow.training.optimizer import wrap_ddp
+    from hyflow.training.step import forward_backward
+
+    desc = tiny_llama(vocab_size=96, num_attention_heads=4, num_query_groups=2, num_layers=2)
+    lengths = [9, 4, 13, 7]
+    gen = torch.Generator().manual_seed(5)
+    B, S = len(lengths), max(lengths)
+    mask = torch.zeros(B, S)
+    for i, n in enumerate(lengths):
+        mask[i, 2:n] = 1.0
+    cols = {"tokens": torch.randint(0, 96, (B, S), generator=gen), "response_mask": mask,
+            "old_values": torch.randn(B, S, generator=gen), "returns": torch.randn(B, S, generator=gen)}
+    cols["loss_weight"] = cols["token_weight"] = loss_weights(mask, "token-mean", mask.sum(), (mask.sum(-1) > 0).sum())
+    out = {}
+    for sp in (False, True):
+        groups = init_training_groups(Layout(tp=2, sequence_parallel=sp), seed=3)
+        model = build_gpt_model(desc, groups, value_head=True, seed=11)  # Megatron's full-size init: same weights
+        chunks = wrap_ddp([model], groups, distributed_optimizer=False)
+        micro = make_micro_batches(cols, lengths, MicroBatching(2).plan(lengths), pad_multiple=2 if sp else 1)
+        chunks[0].zero_grad_buffer()
+        stats = forward_backward(chunks, micro, loss_fn=ValueLoss(SimpleNamespace(cliprange_value=0.5)),
+                                 with_labels=False)
+        # (the schedule ran finalize_model_grads: SP-marked gradients summed over TP)
+        head = dict(model.named_parameters())["output_layer.weight"]
+        grad = lambda p: p.main_grad if getattr(p, "main_grad", None) is not None else p.grad  # noqa: E731
+        out[sp] = (sum(float(s["critic/vf_loss"]) for s in stats), grad(head).detach().clone(),
+                   torch.cat([b.grad_data.detach().clone().flatten() for b in chunks[0].buffers]))
+    return out
+
+
+@pytest.mark.multirank
+def test_critic_sequence_parallel_gradients_equal_tp_without_it():
+    """The value head under SP at TP=2: same loss, same head and trunk gradients as without SP
+    (before the fix: head gradient norm 2x, trunk gradients 2x)."""
+    for result in run_on_ranks(_critic_sp_grads, 2, timeout=600):
+        (loss0, head0, g0), (loss1, head1, g1) = result[False], result[True]
+        assert abs(loss0 - loss1) <= 1e-6 * max(1.0, abs(loss0))
+        assert float(head0.norm()) > 0
+        assert float(head1.norm()) == pytest.approx(float(head0.norm()), rel=1e-5)
+        assert (g0 - g1).abs().max() <= 1e-5 * float(g0.abs().max()) and g0.abs().max() > 0
+
+
+def test_bench_reshard_builds_its_buffers_on_the_model_device():
+    """The naive all-gather baseline of ``hyflow bench reshard`` on a host buffer went through gloo on
+    a GPU machine while hyflow's reshard used NCCL: the speed-up compared NCCL with gloo."""
+    path = os.path.join(REPO, "tools", "bench", "reshard.py")
+    assert list(_implicit_factories(path)) == []

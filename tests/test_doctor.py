@@ -22,14 +22,19 @@ def _json_tail(stdout: str) -> dict:
 
 def test_single_process_reports_versions_and_points_to_the_launcher():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    out = subprocess.run([sys.executable, "-m", "hyflow.cli", "doctor"], capture_output=True,
+    plain = subprocess.run([sys.executable, "-m", "hyflow.cli", "doctor"], capture_output=True,
+                           text=True, timeout=120, cwd=REPO, env=env)
+    assert plain.returncode == 0, plain.stderr
+    assert "{" not in plain.stdout and "hyflow launch local doctor --nproc N" in plain.stdout  # a table only
+    out = subprocess.run([sys.executable, "-m", "hyflow.cli", "doctor", "--json"], capture_output=True,
                          text=True, timeout=120, cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr
+    assert len(out.stdout.strip().splitlines()) == 1
     report = _json_tail(out.stdout)
     assert report["world_size"] == 1 and report["bandwidth"] == [] and report["status"] == "pass"
     for key in ("torch", "megatron-core", "transformer-engine", "triton", "nccl", "cuda available"):
         assert key in report["versions"]
-    assert "hyflow launch local doctor --nproc N" in out.stdout
+    assert "hyflow launch local doctor --nproc N" in out.stderr
 
 
 @pytest.mark.multirank
@@ -38,7 +43,7 @@ def test_doctor_under_launch_local_measures_bandwidth_and_strict_fails_on_a_warn
     out = subprocess.run(
         [sys.executable, "-m", "hyflow.cli", "launch", "local", "doctor", "--nproc", "2", "--",
          "configs/quickstart.yaml", "--max-size", "4MB", "--iters", "2", "--warmup", "1",
-         "--threshold", "cpu=1000", "--strict"],
+         "--threshold", "cpu=1000", "--strict", "--json"],
         capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode != 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
@@ -60,7 +65,7 @@ def test_doctor_under_launch_local_measures_bandwidth_and_strict_fails_on_a_warn
     assert {v["name"] for v in report["nccl_env"]} >= {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_IB_DISABLE",
                                                          "NCCL_SOCKET_IFNAME"}
     for heading in ("Collective bandwidth", "busbw", "Rank pairs", "NCCL environment", "warning: ranks 0<->1"):
-        assert heading in out.stdout
+        assert heading in out.stderr
 
 
 def test_nccl_environment_verdicts():

@@ -131,3 +131,56 @@ def test_policy_loss_fused_head_equals_full_logits(tp, pp, tied):
         assert float(st0[1]) > 0  # the entropy is really measured
         assert (g1 - g0).abs().max() <= 1e-6 * max(1.0, float(g0.abs().max()))
         assert g0.abs().max() > 0
+
+
+def _host_syncs(fn) -> int:
+    """aten ops that wait for the device (nonzero's output size, a tensor's value) while ``fn`` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.nonzero, torch.ops.aten._local_scalar_dense):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+@pytest.mark.parametrize("rows_per_block", [3, 11])
+def test_fused_head_syncs_once_per_micro_batch_whatever_its_blocks(rows_per_block):
+    """The label's logit is gathered with a mask, not located with ``nonzero`` (a host sync on a
+    GPU) in every block: the response positions are selected once per micro-batch."""
+    from hyflow.training.output_head import Hidden, response_logprobs_entropy
+
+    hidden, weight, labels, w, u = _head_data()
+    states = hidden.view(1, 11, H).requires_grad_(True)
+    tokens = torch.cat([labels[:1], labels]).view(1, 12)[:, :11]
+    scored = torch.ones(1, 11, dtype=torch.bool)
+    scored[0, :2] = False
+
+    def step():
+        from hyflow.training import logprobs
+
+        saved = logprobs.block_shape
+        logprobs.block_shape = lambda *a, **k: (rows_per_block, 48)  # 4 row chunks x 5 vocabulary blocks
+        try:
+            lp, ent = response_logprobs_entropy(Hidden(states, weight.clone().requires_grad_(True)), tokens, scored,
+                                                VOCAB)
+            (lp.sum() + ent.sum()).backward()
+        finally:
+            logprobs.block_shape = saved
+
+    assert _host_syncs(step) <= 1
+
+
+def test_gpu_blocks_span_thousands_of_rows():
+    from hyflow.training.logprobs import block_shape
+
+    for vocab_shard in (151936, 128256, 151936 // 8, 49152):
+        rows, columns = block_shape(torch.device("cuda"), vocab_shard)
+        assert rows >= 2048 and rows * columns * 4 <= 64 * 2 ** 20  # a block of float32 logits <= 64 MiB
+    assert block_shape(torch.device("cpu"), 49152) == (4096, 1024)  # the CPU's tuned shape is kept

@@ -48,7 +48,7 @@ def _export_all(jobs) -> list:
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> Dict[str, Any]:
     pytest.importorskip("transformers")
-    from hyflow.tools.convert.tiny_models import make_tiny_hf_model
+    from hyflow.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("hf_moe")
     tokens = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(0))
@@ -123,7 +123,7 @@ def test_hf_config_round_trip_and_refusals() -> None:
     from hyflow.models.description import ModelDescriptionError
     from hyflow.models.hf_mapping import (description_from_hf_config, hf_config_from_description,
                                           hf_parameter_shapes)
-    from hyflow.tools.convert.tiny_models import tiny_hf_config
+    from hyflow.testing.tiny_models import tiny_hf_config
 
     for name in FAMILIES:
         cfg = tiny_hf_config(name).to_dict()

@@ -25,7 +25,7 @@ def _models(tmp: str):
     from hyflow.models.weights import load_full_state_dict
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.tools.convert.tiny_models import make_tiny_hf_model
+    from hyflow.testing.tiny_models import make_tiny_hf_model
 
     hf = make_tiny_hf_model(tmp, "qwen3_moe")
     desc = description_from_hf_config(hf.config.to_dict())

@@ -60,7 +60,7 @@ def test_metrics_rows_and_value_conversion(tmp_path, caplog):
 
 
 def test_required_keys_use_verl_names():
-    for key in ("step", "critic/score/mean", "actor/reward_kl_penalty", "actor/pg_clipfrac", "actor/entropy",
+    for key in ("step", "critic/score/mean", "actor/pg_clipfrac", "actor/entropy",
                 "actor/grad_norm", "response_length/mean", "perf/throughput", "timing_s/gen", "timing_s/update_actor"):
         assert key in REQUIRED_KEYS
     assert PHASE_KEYS == ("gen", "reshard", "reward", "old_log_prob", "ref", "values", "adv", "update_actor",

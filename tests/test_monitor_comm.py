@@ -161,3 +161,67 @@ def test_quickstart_reshard_and_dp_bytes(tmp_path):
             extra = m["comm/dp/bytes"] - grad_bytes * 2 * (32 * 8 // 64)
             assert 0 <= extra < 2048 and extra % 8 == 0, (m["comm/dp/bytes"], grad_bytes)
             assert m["comm/reshard/bytes"] == 0
+
+
+def _event_timing():
+    """The monitor as on CUDA (a fake device test and fake timing events, 1 ms each): a TP=2 decode
+    loop's all-reduces are counted without events; 100 all-reduces outside it get at most
+    EVENTS_PER_STEP events and are charged their mean."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hyflow.monitor import comm
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.rollout import GenerationConfig, GenerationEngine, SamplingConfig
+    from hyflow.rollout.loading import megatron_from_hf
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1.0
+
+    groups = init_training_groups(Layout(tp=2))
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)).eval()
+    model, desc = megatron_from_hf(hf, groups)
+    engine = GenerationEngine.from_description(model, desc, GenerationConfig(max_concurrent=4), tp_group=groups.pgs.tp)
+    saved = comm._cuda_tensor, comm._new_events
+    comm._cuda_tensor = lambda args: args[0] if args and isinstance(args[0], torch.Tensor) else None
+    comm._new_events = lambda: (Event(), Event())
+    comm.install()
+    try:
+        engine.generate([[5, 9, 100], [17, 3]], SamplingConfig(temperature=0, max_new_tokens=8, ignore_eos=True))
+        decode = comm.step_summary()
+        decode_events = Event.made
+        for _ in range(100):
+            dist.all_reduce(torch.ones(4), group=groups.pgs.tp)
+        loop = comm.totals()[("all_reduce", "tp")]
+    finally:
+        comm.uninstall()
+        comm._cuda_tensor, comm._new_events = saved
+    return decode, decode_events, loop, Event.made - decode_events
+
+
+def test_cuda_events_per_group_and_step_not_per_call():
+    for decode, decode_events, (calls, seconds, nbytes), loop_events in run_on_ranks(_event_timing, 2):
+        assert decode["comm/calls"] >= 2 * 2 * 8 and decode["comm/tp/bytes"] > 0  # counted: 2 per layer per token
+        assert decode_events == 0  # ... without a CUDA event
+        from hyflow.monitor.comm import EVENTS_PER_STEP
+
+        assert calls == 100 and nbytes == 100 * 16
+        assert loop_events == 2 * EVENTS_PER_STEP  # a start and an end event for the first 16 calls only
+        assert seconds == pytest.approx(100 * 1e-3)  # the others charged the timed calls' mean

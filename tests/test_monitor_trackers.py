@@ -2,10 +2,7 @@
 run and an MLflow file store (each skipped when its package is absent); the config names a
 missing tracker before any rank starts."""
 
-import glob
-import json
 import os
-import struct
 import subprocess
 import sys
 
@@ -14,6 +11,7 @@ import pytest
 from hyflow.jobs.registry import load_job_config
 from hyflow.config import ConfigError
 from hyflow.monitor.metrics import MetricsWriter, read_metrics
+from hyflow.testing.trackers import mlflow_metrics, wandb_history
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
@@ -23,48 +21,6 @@ def _available(name):
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
-
-
-def _mlflow_metrics(run_dir):
-    from mlflow.tracking import MlflowClient
-
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient(tracking_uri="file:" + os.path.join(run_dir, "mlruns"))
-    with open(os.path.join(run_dir, "mlflow_run_id")) as f:
-        run_id = f.read().strip()
-    run = client.get_run(run_id)
-    history = {k: [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in run.data.metrics}
-    config = open(client.download_artifacts(run_id, "config.resolved.yaml", os.path.join(run_dir, "dl"))).read()
-    return run, history, config
-
-
-def _wandb_history(run_dir):
-    """Rows logged to the offline run, read back from its .wandb file: LevelDB's log format (a
-    7-byte file header, 32 KiB blocks of records with a 7-byte header each) of protobuf Records."""
-    from wandb.proto import wandb_internal_pb2
-
-    (path,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
-    data = open(path, "rb").read()
-    assert data[:4] == b":W&B"
-    pos, chunks, partial = 7, [], b""
-    while pos + 7 <= len(data):
-        space = 32768 - pos % 32768
-        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
-        if space < 7 or (length == 0 and kind == 0):  # block trailer / padding
-            pos += space
-            continue
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        partial = chunk if kind in (1, 2) else partial + chunk
-        if kind in (1, 4):  # a whole record, or the last piece of one
-            chunks.append(partial)
-    rows = []
-    for chunk in chunks:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(chunk)
-        if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
-    return rows, os.path.dirname(path)
 
 
 @pytest.mark.multirank
@@ -82,13 +38,13 @@ def test_quickstart_logs_to_wandb_offline_and_mlflow(tmp_path):
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     if "mlflow" in loggers:
-        run, history, config = _mlflow_metrics(run_dir)
+        run, history, config = mlflow_metrics(run_dir)
         assert run.info.run_name == "q3" and run.info.status == "FINISHED"
-        for key in ("critic/score/mean", "actor/reward_kl_penalty", "comm/bytes", "timing_s/step"):
+        for key in ("critic/score/mean", "actor/pg_loss", "comm/bytes", "timing_s/step"):
             assert history[key] == [(r["step"], pytest.approx(r[key])) for r in rows], key
         assert "adv_estimator: grpo" in config and run.data.params["trainer.total_steps"] == "3"
     if "wandb" in loggers:
-        logged, files = _wandb_history(run_dir)
+        logged, files = wandb_history(run_dir)
         assert [r["_step"] for r in logged] == [1, 2, 3]
         for row, got in zip(rows, logged):
             assert got["critic/score/mean"] == pytest.approx(row["critic/score/mean"])

@@ -5,7 +5,10 @@
 * the run (training TP=2 on ranks 0-1, generation TP_g=1 x 2 on ranks 2-3): step 1 is sampled with
   the initial weights (staleness 0), so its metrics equal a ``sync`` run's step 1 on 2 ranks
   (seeds are keyed by step and prompt); step 2 was sampled one update behind (staleness 1) and
-  the token-level TIS weights are no longer all 1.
+  the token-level TIS weights are no longer all 1. Both runs use the distributed optimizer, whose
+  gradient norm (and clipping) must cover the training pool's TP ranks as the colocated run's does;
+* NCCL's first-operation rule on every group of the pooled run (:mod:`hyflow.testing.nccl_rules`):
+  a training pool of 2 ranks, whose lead alone sends the control messages.
 """
 
 import math
@@ -57,22 +60,37 @@ def _run(overrides, out):
     import torch.distributed as dist
 
     from hyflow.jobs.registry import job_runner, load_job_config
+    from hyflow.testing.nccl_rules import FirstOps
     from hyflow.testing.rl import QUICKSTART
 
     cfg = load_job_config(QUICKSTART, [*SMALL, f"trainer.output_dir={out}", *overrides])
-    history = job_runner("rl")(cfg)  # the RL job in its trainer.mode, as `hyflow train` runs it
-    return history if dist.get_rank() == 0 else None
+    with FirstOps() as ops:
+        history = job_runner("rl")(cfg)  # the RL job in its trainer.mode, as `hyflow train` runs it
+    return history if dist.get_rank() == 0 else None, ops.first
 
 
 COMPARED = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac",
             "response_length/mean", "critic/score/mean", "critic/advantages/mean", "critic/advantages/max")
 
 
+#: the distributed optimizer, and an entropy bonus so that step 1's gradient is not zero (every
+#: reward of the warmed-up tiny model is equal: GRPO's advantages are 0)
+DIST_OPT = ["actor.optim.distributed_optimizer=true", "actor.entropy_coeff=0.01"]
+
+
 @pytest.mark.multirank
 def test_one_step_off_step_one_equals_sync_then_corrects(tmp_path):
-    sync = run_on_ranks(_run, 2, ["trainer.nproc=2"], str(tmp_path / "sync"))[0]
-    off = run_on_ranks(_run, 4, ["trainer.nproc=4", "trainer.mode=one_step_off"], str(tmp_path / "off"))[0]
+    from hyflow.testing.nccl_rules import first_op_problems
+
+    sync = run_on_ranks(_run, 2, ["trainer.nproc=2", *DIST_OPT], str(tmp_path / "sync"))[0][0]
+    ranks = run_on_ranks(_run, 4, ["trainer.nproc=4", "trainer.mode=one_step_off", *DIST_OPT], str(tmp_path / "off"))
+    # every group's communicator could be created on NCCL (a hang there, before the fix)
+    assert first_op_problems([first for _, first in ranks]) == []
+    off = ranks[0][0]
     assert len(off) == 2
+    # the distributed optimizer's gradient norm covers both TP ranks (not only this rank's shard)
+    assert sync[0]["actor/grad_norm"] > 0
+    assert off[0]["actor/grad_norm"] == pytest.approx(sync[0]["actor/grad_norm"], rel=1e-5)
     first, second = off
     for key in COMPARED:
         a, b = sync[0][key], first[key]

@@ -45,9 +45,12 @@ def _run(overrides, out):
     from hyflow.jobs.registry import job_runner, load_job_config
     from hyflow.testing.rl import QUICKSTART
 
+    from hyflow.testing.nccl_rules import FirstOps
+
     cfg = load_job_config(QUICKSTART, [*SMALL, f"trainer.output_dir={out}", *overrides])
-    history = job_runner("rl")(cfg)  # as `hyflow train` runs it: pools go to the pooled loops
-    return history if dist.get_rank() == 0 else None
+    with FirstOps() as ops:
+        history = job_runner("rl")(cfg)  # as `hyflow train` runs it: pools go to the pooled loops
+    return history if dist.get_rank() == 0 else None, ops.first
 
 
 def test_pooled_sync_resolves_with_the_critic_apart():
@@ -96,8 +99,13 @@ def test_pooled_runs_refuse_what_they_cannot_do(extra, key):
     (1, ["trainer.nproc=1", "actor.layout.tp=1"], WIDER_CRITIC),
 ], ids=["critic-tp1", "critic-dp2"])
 def test_critic_on_its_own_pool_equals_colocated_sync(tmp_path, ranks, colocated_overrides, pooled_overrides):
-    colocated = run_on_ranks(_run, ranks, colocated_overrides, str(tmp_path / "colocated"))[0]
-    pooled = run_on_ranks(_run, 4, pooled_overrides, str(tmp_path / "pooled"))[0]
+    from hyflow.testing.nccl_rules import first_op_problems
+
+    colocated = run_on_ranks(_run, ranks, colocated_overrides, str(tmp_path / "colocated"))[0][0]
+    results = run_on_ranks(_run, 4, pooled_overrides, str(tmp_path / "pooled"))
+    # NCCL's first-operation rule on every group (critic-tp1: a training pool of 2 ranks)
+    assert first_op_problems([first for _, first in results]) == []
+    pooled = results[0][0]
     assert len(pooled) == len(colocated) == 3
     compared, wrong = 0, []
     for step, (a, b) in enumerate(zip(colocated, pooled), start=1):

@@ -225,3 +225,16 @@ def test_packed_rows_for_transformer_engine_carry_sequence_bounds():
     params = packed_seq_params(mb)
     assert params.qkv_format == "thd" and params.cu_seqlens_q is mb["cu_seqlens"] and params.max_seqlen_kv == 5
     assert packed_seq_params(make_micro_batches({"tokens": tokens}, [5, 2, 3], [[0, 1, 2]], packed=True)[0]) is None
+
+
+def test_packed_sequence_bounds_stay_on_the_host_whatever_the_device():
+    """The SDPA spec's attention reads a packed row's sequence bounds as a list in every layer: built
+    on the batch's device they cost one device-to-host wait per layer (and again in recompute).
+    Micro-batches built for another device (meta here) keep them on the host (the attention's reads:
+    ``test_rollout_fused_attention.py::test_packed_sdpa_reads_only_its_host_bounds``)."""
+    lengths = [5, 3, 7]
+    cols = {"tokens": torch.zeros(3, 7, dtype=torch.long, device="meta")}
+    micro = make_micro_batches(cols, lengths, plan_packed(lengths, 16), packed=True, bounds=True)
+    assert [mb["tokens"].device.type for mb in micro] == ["meta"]
+    assert [mb["attention_mask"].device.type for mb in micro] == ["cpu"]
+    assert micro[0]["attention_mask"].tolist()[-1] == 15  # the packed row's bounds, read without a device

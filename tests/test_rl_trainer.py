@@ -65,7 +65,7 @@ def _signal(overrides):
     return torch.cat(pos), torch.cat(neg), surrogate, value_before, value_after, metrics
 
 
-REQUIRED = ("critic/score/mean", "actor/reward_kl_penalty", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm",
+REQUIRED = ("critic/score/mean", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm",
             "response_length/mean", "rollout/tokens_per_s", "perf/padding_ratio")
 
 

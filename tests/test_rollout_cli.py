@@ -120,7 +120,7 @@ def test_generate_reads_rl_rows_and_scores_responses_against_ground_truth(tmp_pa
     from types import SimpleNamespace
 
     from hyflow.data.tokenizer import load_tokenizer
-    from hyflow.rollout.cli import read_ground_truths, read_prompts, rule_scores
+    from hyflow.rollout.cli import read_ground_truths, read_prompts, reward_manager, reward_scores
     from hyflow.testing.fixtures import write_tiny_hf_tokenizer
 
     tok = load_tokenizer(write_tiny_hf_tokenizer(str(tmp_path / "tok")))
@@ -135,7 +135,15 @@ def test_generate_reads_rl_rows_and_scores_responses_against_ground_truth(tmp_pa
     assert truths == [("5", {}), (2, {"k": 1}), ("3", {})]
     samples = [SimpleNamespace(request_index=i) for i in (0, 0, 1, 2)]    # n=2 for the first prompt
     texts = ["The answer is 5.", "6", "2.0", "three"]
-    assert rule_scores(samples, texts, truths, "numeric_match") == [1.0, 0.0, 1.0, 0.0]
+    assert reward_scores(samples, texts, truths, reward_manager("numeric_match")) == [1.0, 0.0, 1.0, 0.0]
+    # verl's compute_score file, with the rows' data sources
+    fn = tmp_path / "score.py"
+    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    return float(data_source == 'src' and str(ground_truth) in solution_str)\n")
+    assert reward_scores(samples, texts, truths, reward_manager(str(fn)), ["src", "other", "src"]) == \
+        [1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        reward_manager("nope")
     path.write_text(json.dumps({"prompt": "what is 2"}) + "\n")
     with pytest.raises(ValueError, match="row 0 has no reward_model.ground_truth"):
         read_ground_truths(str(path))

@@ -234,22 +234,28 @@ def test_sdpa_attention_never_repeats_kv(sq, sk, explicit):
         assert has_mask and mask_dtype == torch.float32 and q_heads == 2  # folded, additive mask
 
 
-def _sdpa_packed_bounds():
+def _sdpa_attention():
+    """The SDPA spec's core attention: 6 query heads, 2 key/value groups, head size 8, one rank."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from hyflow.models.context_parallel import sequence_bounds
     from hyflow.models.sdpa_attention import SDPAttention
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.rl.batch import packed_attention_mask
 
     init_training_groups(Layout())
     cfg = TransformerConfig(num_layers=1, hidden_size=48, num_attention_heads=6, num_query_groups=2,
                             kv_channels=8, attention_dropout=0.0, use_cpu_initialization=True)
-    attn = SDPAttention(cfg, 1, AttnMaskType.causal, "self",
+    return SDPAttention(cfg, 1, AttnMaskType.causal, "self",
                         pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp"]))
+
+
+def _sdpa_packed_bounds():
+    from hyflow.models.context_parallel import sequence_bounds
+    from hyflow.rl.batch import packed_attention_mask
+
+    attn = _sdpa_attention()
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(12, 1, 6, 8, generator=g), torch.randn(12, 1, 2, 8, generator=g), \
         torch.randn(12, 1, 2, 8, generator=g)
@@ -420,3 +426,37 @@ def test_cuda_device_uniforms_equal_the_host_reference():
     got = device_uniforms(torch.tensor([_signed(s) for s in streams], device="cuda"),
                           torch.tensor(steps, device="cuda"))
     assert torch.equal(got.cpu(), uniforms(streams, steps))
+
+
+def _packed_sdpa_reads():
+    """Synchronising tensor methods called in a packed SDPA forward + backward: (name, on the bounds?)."""
+    from hyflow.models.context_parallel import sequence_bounds
+
+    attn = _sdpa_attention()
+    bounds = sequence_bounds([5, 3, 7], 16)
+    q = torch.randn(16, 1, 6, 8, requires_grad=True)
+    k, v = torch.randn(16, 1, 2, 8, requires_grad=True), torch.randn(16, 1, 2, 8, requires_grad=True)
+    calls = []
+    originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
+
+    def counting(name):
+        def method(self, *args, **kwargs):
+            calls.append((name, self is bounds))
+            return originals[name](self, *args, **kwargs)
+        return method
+
+    try:
+        for name in originals:
+            setattr(torch.Tensor, name, counting(name))
+        attn(q, k, v, bounds).sum().backward()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return calls, bounds.device.type
+
+
+def test_packed_sdpa_reads_only_its_host_bounds():
+    """A packed row's attention reads its sequence bounds as a list (on the host: no device wait per
+    layer) and nothing else from a tensor, forward and backward."""
+    calls, device = run_on_ranks(_packed_sdpa_reads, 1)[0]
+    assert calls == [("tolist", True)] and device == "cpu"

@@ -72,7 +72,7 @@ def test_frequencies_bit_identical_to_transformers(params, length):
 @pytest.mark.parametrize("spelling", ["type", "rope_type"])
 def test_hf_config_round_trip_keeps_the_scaling(name, spelling):
     from hyflow.models.hf_mapping import description_from_hf_config, hf_config_from_description
-    from hyflow.tools.convert.tiny_models import TINY_MODELS, tiny_hf_config
+    from hyflow.testing.tiny_models import TINY_MODELS, tiny_hf_config
 
     scaling = dict(TINY_MODELS[name][1]["rope_scaling"])
     kind = scaling.pop("type", None) or scaling.pop("rope_type")
@@ -93,7 +93,7 @@ def test_hf_config_round_trip_keeps_the_scaling(name, spelling):
 def test_unsupported_or_incomplete_scaling_is_named():
     from hyflow.models.description import ModelDescriptionError, tiny_llama
     from hyflow.models.hf_mapping import description_from_hf_config
-    from hyflow.tools.convert.tiny_models import tiny_hf_config
+    from hyflow.testing.tiny_models import tiny_hf_config
 
     cfg = tiny_hf_config("llama_dynamic").to_dict()
     cfg["rope_parameters"] = None
@@ -132,7 +132,7 @@ def _export_all(jobs) -> list:
 def converted(tmp_path_factory) -> Dict[str, Any]:
     """Tiny long-context HF models, their logits on a short and a long batch, converted at TP=2."""
     from hyflow.tools.convert.hf2mcore import prepare_conversion
-    from hyflow.tools.convert.tiny_models import make_tiny_hf_model
+    from hyflow.testing.tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("rope")
     gen = torch.Generator().manual_seed(0)
@@ -201,7 +201,7 @@ def _generation(names) -> dict:
     from hyflow.rollout import GenerationEngine, GenerationConfig, SamplingConfig
     from hyflow.rollout.loading import megatron_from_hf
     from hyflow.testing.references import hf_response_logprobs
-    from hyflow.tools.convert.tiny_models import tiny_hf_config
+    from hyflow.testing.tiny_models import tiny_hf_config
 
     groups = init_training_groups(Layout())
     gen = torch.Generator().manual_seed(3)

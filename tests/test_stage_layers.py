@@ -192,7 +192,7 @@ def test_hf_to_megatron_at_uneven_pp_and_back_round_trips(tmp_path):
 
     from hyflow.tools.convert.hf2mcore import prepare_conversion
     from hyflow.tools.convert.mcore2hf import prepare_export
-    from hyflow.tools.convert.tiny_models import make_tiny_hf_model
+    from hyflow.testing.tiny_models import make_tiny_hf_model
 
     src = str(tmp_path / "hf")
     hf = make_tiny_hf_model(src, "llama3", weights_format="safetensors")  # 4 layers

@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checkpoints", ("hyflow.checkpoint",)),
     ("generation and the hybrid engine", ("hyflow.rollout", "hyflow.hybrid")),
     ("the RL step's parts", ("hyflow.rl",)),
+    ("validation on held-out data", ("hyflow.validation",)),
     ("placement pools", ("hyflow.placement",)),
     ("jobs", ("hyflow.jobs",)),
     ("planning, diagnostics, test helpers", ("hyflow.plan", "hyflow.doctor", "hyflow.testing")),

@@ -19,7 +19,15 @@ from hyflow.models.description import DESCRIPTION_FILE, ModelDescription, ModelD
 
 def read_checkpoint_architecture(ckpt_dir: str) -> Optional[ModelDescription]:
     """``ckpt_dir``'s ``model.json`` (its relative tokenizer path made absolute), or None when
-    the checkpoint is not on this machine. A malformed one raises :class:`ModelDescriptionError`."""
+    the checkpoint is not on this machine. A malformed one raises :class:`ModelDescriptionError`.
+    An HF model directory or ``.gguf`` file gives the architecture of its config."""
+    from hyflow.models.sources.model_source import hf_description, is_hf_model  # light: no torch to validate
+
+    if is_hf_model(ckpt_dir):
+        try:
+            return hf_description(ckpt_dir)
+        except ValueError as e:  # ConversionError: a config hyflow cannot run
+            raise ModelDescriptionError(str(e)) from None
     if not os.path.isfile(os.path.join(ckpt_dir, DESCRIPTION_FILE)):
         return None
     desc = ModelDescription.load(ckpt_dir)
@@ -39,6 +47,20 @@ def differences(config_model: ModelDescription, ckpt_model: ModelDescription) ->
         if a != b:
             out.append(f"{f.name}: config {a!r}, checkpoint {b!r}")
     return out
+
+
+def adopt_model_tokenizer(data, model: ModelDescription) -> Optional[str]:
+    """Without ``data.tokenizer`` (and a task that brings its own), the model's: sets it and returns
+    a note, else None (verl's ``data.tokenizer: null`` takes the model path's tokenizer too)."""
+    if data.tokenizer or not model.tokenizer:
+        return None
+    if getattr(data, "task", None):
+        from hyflow.data.tasks import task_info
+
+        if task_info(data.task).tokenizer:
+            return None
+    data.tokenizer = model.tokenizer
+    return f"data.tokenizer: the model's ({model.tokenizer})"
 
 
 def adopt_checkpoint_architecture(ckpt_dir: str, model: ModelDescription,

@@ -9,9 +9,9 @@ from hyflow.config.core import (
     load_config,
     to_dict,
 )
-from hyflow.config.describe import describe
+from hyflow.config.describe import describe, format_changes
 
 __all__ = [
-    "ConfigError", "apply_overrides", "config_keys", "describe", "dump_yaml", "format_config",
+    "ConfigError", "apply_overrides", "config_keys", "describe", "dump_yaml", "format_changes", "format_config",
     "from_dict", "load_config", "to_dict",
 ]

@@ -15,6 +15,7 @@ YAML is read with PyYAML's safe loader extended so that exponent floats without 
 """
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import difflib
@@ -29,7 +30,7 @@ import yaml
 
 __all__ = [
     "ConfigError", "from_dict", "apply_overrides", "load_config", "to_dict", "dump_yaml",
-    "format_config", "config_keys",
+    "format_config", "config_keys", "parse_override",
 ]
 
 T = TypeVar("T")
@@ -48,6 +49,34 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.message = message
         self.key = key
+        self.errors: list[ConfigError] = [self]  # several, when one command had several problems
+
+    @classmethod
+    def combine(cls, errors: Sequence["ConfigError"]) -> "ConfigError":
+        """One error listing ``errors`` (the error itself when there is one)."""
+        flat = [e for error in errors for e in error.errors]
+        if len(flat) == 1:
+            return flat[0]
+        out = cls(f"{len(flat)} config errors:\n  " + "\n  ".join(str(e) for e in flat), flat[0].key)
+        out.errors = flat
+        return out
+
+
+#: While a config is built, the errors found so far (every problem of one command is reported at once).
+_COLLECTED: contextvars.ContextVar[list[ConfigError] | None] = contextvars.ContextVar("_COLLECTED", default=None)
+
+
+class _Failed(ConfigError):
+    """A section that could not be built; its errors are collected already."""
+
+
+def _collect(exc: ConfigError) -> None:
+    """Record ``exc`` when errors are being collected, else raise it."""
+    errors = _COLLECTED.get()
+    if errors is None:
+        raise exc
+    if not isinstance(exc, _Failed):
+        errors.append(exc)
 
 
 # --------------------------------------------------------------------------- YAML dialect
@@ -238,11 +267,15 @@ def _convert(tp: Any, value: Any, path: str, root: type, root_path: str) -> Any:
                 if exc.key != path:  # the problem is deeper inside; keep its precise message
                     raise
                 raise _type_error(path, tp, value, exc.hint) from None
-        for option in options:
-            try:
-                return _convert(option, value, path, root, root_path)
-            except ConfigError:
-                continue
+        token = _COLLECTED.set(None)  # a failed option is no error of the config
+        try:
+            for option in options:
+                try:
+                    return _convert(option, value, path, root, root_path)
+                except ConfigError:
+                    continue
+        finally:
+            _COLLECTED.reset(token)
         raise _type_error(path, tp, value)
     if origin is Literal:
         if any(value == a and type(value) is type(a) for a in args):
@@ -262,8 +295,10 @@ def _convert(tp: Any, value: Any, path: str, root: type, root_path: str) -> Any:
             raise _type_error(path, tp, value, " (a section needs a mapping of keys)")
         return _build(section, value, path, root, root_path)
     if origin is list or tp is list:
+        if isinstance(value, str):  # `data.train_files=x.parquet`: a list of one, as Hydra users write it
+            value = [value]
         if not isinstance(value, (list, tuple)):
-            raise _type_error(path, tp, value)
+            raise _type_error(path, tp, value, f" (a list: write [{_short(value)}])")
         item = args[0] if args else Any
         return [_convert(item, v, f"{path}[{i}]", root, root_path) for i, v in enumerate(value)]
     if origin is dict or tp is dict:
@@ -322,43 +357,72 @@ def _build(cls: type[T], data: Mapping, path: str, root: type, root_path: str) -
     """Construct one dataclass level, recursing into sections, then run its ``validate``."""
     hints = _hints(cls)
     names = {f.name for f in _fields(cls)}
+    failed = False
     for key in data:
         if key not in names:
-            raise _unknown_key(cls, path, str(key), root, root_path)
+            _collect(_unknown_key(cls, path, str(key), root, root_path))
+            failed = True
     kwargs: dict[str, Any] = {}
     missing: list[str] = []
     for f in _fields(cls):
         key = _join(path, f.name)
         has_default = (f.default is not dataclasses.MISSING
                        or f.default_factory is not dataclasses.MISSING)
-        if f.name in data:
-            kwargs[f.name] = _convert(hints[f.name], data[f.name], key, root, root_path)
-        elif not has_default:
-            tp = hints[f.name]
-            if _section_type(tp) is not None and not _is_union(tp):
-                kwargs[f.name] = _build(_section_type(tp), {}, key, root, root_path)
-            else:
-                missing.append(key)
+        try:
+            if f.name in data:
+                kwargs[f.name] = _convert(hints[f.name], data[f.name], key, root, root_path)
+            elif not has_default:
+                tp = hints[f.name]
+                if _section_type(tp) is not None and not _is_union(tp):
+                    kwargs[f.name] = _build(_section_type(tp), {}, key, root, root_path)
+                else:
+                    missing.append(key)
+        except ConfigError as exc:  # the other keys are still checked (every error reported at once)
+            _collect(exc)
+            failed = True
     if missing:
         listed = ", ".join(f"'{k}'" for k in missing)
-        raise ConfigError(f"missing required config key(s) {listed}; set them in the config "
-                          f"file or pass e.g. {missing[0]}=<value>", missing[0])
+        _collect(ConfigError(f"missing required config key(s) {listed}; set them in the config "
+                             f"file or pass e.g. {missing[0]}=<value>", missing[0]))
+        failed = True
+    if failed:
+        raise _Failed(f"config section '{path}' has errors", path or None)
     obj = _call_checked(cls, path, **kwargs)
     for f in _fields(cls):  # sections left at their defaults are validated too
         value = getattr(obj, f.name)
         if f.name not in data and dataclasses.is_dataclass(value) and not isinstance(value, type):
-            _validate_tree(value, _join(path, f.name))
+            try:
+                _validate_tree(value, _join(path, f.name))
+            except ConfigError as exc:
+                _collect(exc)
+                failed = True
+    if failed:
+        raise _Failed(f"config section '{path}' has errors", path or None)
     _run_validate(obj, path)
     return obj
 
 
-def from_dict(cls: type[T], data: Mapping, path: str = "") -> T:
-    """Build dataclass ``cls`` from ``data``; ``path`` is the dotted prefix used in messages."""
+def from_dict(cls: type[T], data: Mapping, path: str = "", prior_errors: Sequence[ConfigError] = ()) -> T:
+    """Build dataclass ``cls`` from ``data``; ``path`` is the dotted prefix used in messages.
+    Every problem is found before one :class:`ConfigError` lists them all (with ``prior_errors``,
+    e.g. the overrides' unknown keys)."""
     if not isinstance(data, Mapping):
         where = f"config section '{path}'" if path else "config"
         raise ConfigError(f"{where} must be a mapping, got {_short(data)}", path or None)
     _hints(cls)
-    return _build(cls, data, path, cls, path)
+    errors: list[ConfigError] = list(prior_errors)
+    token = _COLLECTED.set(errors)
+    try:
+        obj = _build(cls, data, path, cls, path)
+    except _Failed:
+        obj = None
+    except ConfigError as exc:
+        errors.append(exc)
+    finally:
+        _COLLECTED.reset(token)
+    if errors:
+        raise ConfigError.combine(errors)
+    return obj
 
 
 # --------------------------------------------------------------------------- overrides
@@ -381,50 +445,130 @@ def _check_override_key(schema: type, key: str) -> None:
         section = sub if sub is not None else section
 
 
-def apply_overrides(data: Mapping, overrides: Sequence[str], schema: type | None = None) -> dict:
-    """Return a deep copy of ``data`` with ``key.sub=value`` overrides applied.
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """``(op, key, value)`` of a command-line override: ``key=value`` and Hydra's ``+key=value``
+    (add), ``++key=value`` (add or override) set the key (op ``set``); ``~key`` and ``~key=value``
+    remove it, back to its default (op ``del``). Values are YAML; an empty value is the empty string."""
+    op = "del" if item.startswith("~") else "set"
+    body = item[1:] if op == "del" else item[2:] if item.startswith("++") else item[1:] if item.startswith("+") \
+        else item
+    key, sep, raw = body.partition("=")
+    key = key.strip()
+    if (not sep and op == "set") or not all(p.strip() for p in key.split(".")):
+        raise ConfigError(f"malformed override {item!r}: expected key=value (or Hydra's +key=value, "
+                          "++key=value, ~key), e.g. trainer.total_steps=100")
+    try:
+        value = yaml_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: value is not valid YAML ({exc}); "
+                          "quote it to pass a string", key) from exc
+    return op, key, value
 
-    Values are parsed as YAML (``3``, ``1e-4``, ``true``, ``[1, 2]``, ``null``); an empty value
-    is the empty string. Everything after the first ``=`` is the value. When ``schema`` is given,
-    every key is checked against it before anything is applied. Missing (or null) intermediate
-    sections are created as empty mappings; a mapping value replaces the whole section.
+
+def has_key(schema: type, key: str) -> bool:
+    """Whether dotted ``key`` names a key of ``schema`` (an override of it would be accepted)."""
+    try:
+        _check_override_key(schema, key)
+    except ConfigError:
+        return False
+    return True
+
+
+def apply_overrides(data: Mapping, overrides: Sequence[str], schema: type | None = None,
+                    errors: list[ConfigError] | None = None) -> dict:
+    """Return a deep copy of ``data`` with the overrides applied (:func:`parse_override`).
+
+    Everything after the first ``=`` is the value. When ``schema`` is given, every key is checked
+    against it before anything is applied. Missing (or null) intermediate sections are created as
+    empty mappings; a mapping value replaces the whole section. With ``errors``, a bad override is
+    appended there and skipped (so one command reports every problem), else raised.
     """
-    parsed: list[tuple[list[str], Any]] = []
+    parsed: list[tuple[str, list[str], Any]] = []
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        parts = key.split(".")
-        if not sep or not all(p.strip() for p in parts):
-            raise ConfigError(f"malformed override {item!r}: expected key=value, "
-                              "e.g. trainer.total_steps=100")
         try:
-            value = yaml_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({exc}); "
-                              "quote it to pass a string", key) from exc
-        if schema is not None:
-            _check_override_key(schema, key)
-        parsed.append(([p.strip() for p in parts], value))
+            op, key, value = parse_override(item)
+            if schema is not None:
+                _check_override_key(schema, key)
+        except ConfigError as exc:
+            if errors is None:
+                raise
+            errors.append(exc)
+            continue
+        parsed.append((op, [p.strip() for p in key.split(".")], value))
     out = copy.deepcopy(dict(data))
-    for parts, value in parsed:
+    for op, parts, value in parsed:
         node = out
         for depth, part in enumerate(parts[:-1]):
             child = node.get(part)
             if child is None:
+                if op == "del":
+                    break
                 child = node[part] = {}
             elif not isinstance(child, dict):
                 prefix = ".".join(parts[: depth + 1])
                 raise ConfigError(f"cannot set '{'.'.join(parts)}': '{prefix}' is "
                                   f"{_short(child)}, not a mapping", prefix)
             node = child
-        node[parts[-1]] = value
+        else:
+            if op == "del":
+                node.pop(parts[-1], None)
+            else:
+                node[parts[-1]] = value
     return out
+
+
+def _has_interpolation(data: Any) -> bool:
+    if isinstance(data, str):
+        return "${" in data
+    if isinstance(data, Mapping):
+        return any(_has_interpolation(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return any(_has_interpolation(v) for v in data)
+    return False
+
+
+def _overlay(base: Any, data: Any) -> Any:
+    """``data`` over ``base`` (mappings merged key by key)."""
+    if isinstance(base, Mapping) and isinstance(data, Mapping):
+        return {**base, **{k: _overlay(base.get(k), v) for k, v in data.items()}}
+    return data
+
+
+def _pick(resolved: Any, data: Any) -> Any:
+    """The keys of ``data`` from ``resolved``."""
+    if isinstance(data, Mapping) and isinstance(resolved, Mapping):
+        return {k: _pick(resolved.get(k), v) for k, v in data.items()}
+    return resolved
+
+
+def resolve_interpolations(cls: type, data: dict) -> dict:
+    """``data`` with Hydra / OmegaConf ``${...}`` interpolations resolved (``${data.max_prompt_length}``,
+    ``${oc.env:HOME}``); a reference may name any key of the schema, set or left at its default."""
+    if not _has_interpolation(data):
+        return data
+    from omegaconf import OmegaConf  # only a config with ${...} needs it
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        defaults = to_dict(cls())
+    except Exception:  # noqa: BLE001 - required keys: references to what the config sets only
+        defaults = {}
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(_overlay(defaults, data)), resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        raise ConfigError(f"cannot resolve the interpolation of config key '{key}': "
+                          f"{str(exc.msg).splitlines()[0]}", key) from None
+    return _pick(resolved, data)
 
 
 # --------------------------------------------------------------------------- files
 
-def load_config(cls: type[T], yaml_path: str | None, overrides: Sequence[str] = ()) -> T:
-    """Read ``yaml_path`` (or start empty when None), apply ``overrides``, build ``cls``."""
+def load_config(cls: type[T], yaml_path: str | None, overrides: Sequence[str] = (), *,
+                finalize: Any = None, errors: Sequence[ConfigError] = ()) -> T:
+    """Read ``yaml_path`` (or start empty when None), apply ``overrides``, build ``cls``.
+    ``finalize(data, errors) -> data`` runs on the merged mapping before it is built (the verl keys'
+    conversions); ``errors`` found earlier are reported with the config's own, in one error."""
     data: Any = {}
     if yaml_path is not None:
         try:
@@ -445,8 +589,12 @@ def load_config(cls: type[T], yaml_path: str | None, overrides: Sequence[str] = 
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{yaml_path}' must contain a mapping of keys at the "
                               f"top level, got {type(data).__name__}")
-    data = apply_overrides(data, list(overrides), schema=cls)
-    return from_dict(cls, data)
+    found: list[ConfigError] = list(errors)
+    data = apply_overrides(data, list(overrides), schema=cls, errors=found)
+    data = resolve_interpolations(cls, data)
+    if finalize is not None:
+        data = finalize(data, found)
+    return from_dict(cls, data, prior_errors=found)
 
 
 def to_dict(obj: Any) -> Any:

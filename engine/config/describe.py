@@ -1,5 +1,6 @@
-"""``hyflow config --describe``: every key of a schema with its type, effective default and one
-line of help, and a loaded config's values where they differ.
+"""``hyflow config --describe``: every key of a schema with its type, effective default, unit (a
+size's ``field(metadata={"unit": ...})``: what it counts, over which ranks) and one line of help, and
+a loaded config's values where they differ.
 
 Help comes from a field's ``field(metadata={"help": ...})``, else from its entry in the class
 docstring's ``Attributes:`` section, else (for a section) the first line of the section class's
@@ -16,7 +17,7 @@ import yaml
 
 from hyflow.config.core import _Dumper, _hints, _is_union, _iter_keys, _section_type, _type_name, to_dict
 
-__all__ = ["describe", "field_help", "plain_text"]
+__all__ = ["describe", "field_help", "format_changes", "plain_text"]
 
 
 def _show(value: Any) -> str:
@@ -104,6 +105,8 @@ def describe(cls: type, config: Any = None) -> str:
                 elif f.default_factory is not dataclasses.MISSING:
                     found, default = True, f.default_factory()
             entry = f"{key}: {_type_name(tp)}" + (f" = {_show(default)}" if found else " (required)")
+            if f.metadata.get("unit"):
+                entry += f"  [{f.metadata['unit']}]"
             if config is not None:
                 has, value = _lookup(config, key)
                 if has and (not found or to_dict(value) != to_dict(default)):
@@ -121,3 +124,31 @@ def _hints_for_key(cls: type, key: str) -> Any:
         section = _section_type(tp)
         tp = _hints(section)[part]
     return tp
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict) and data:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(_flatten(value, f"{prefix}.{key}" if prefix else key))
+        return out
+    return {prefix: data}
+
+
+def format_changes(config: Any) -> str:
+    """The keys of ``config`` whose values differ from its schema's defaults, as YAML (what a log
+    needs; the whole config goes to ``config.resolved.yaml``)."""
+    try:
+        defaults = _flatten(to_dict(type(config)()))
+    except Exception:  # noqa: BLE001 - required keys: every key is a change
+        defaults = {}
+    nested: dict[str, Any] = {}
+    for key, value in _flatten(to_dict(config)).items():
+        if key in defaults and defaults[key] == value:
+            continue
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return yaml.dump(nested, Dumper=_Dumper, sort_keys=False, default_flow_style=None, allow_unicode=True)

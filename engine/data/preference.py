@@ -365,14 +365,16 @@ def build_preference_dataset(data: Any, tokenizer: Tokenizer, kind: PreferenceKi
 
 
 def sequence_tensors(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, device: Any,
-                     length: Optional[int] = None) -> dict:
-    """``prompt + completion`` rows right-padded to ``length`` (default: the longest), as
+                     length: Optional[int] = None, multiple: int = 1) -> dict:
+    """``prompt + completion`` rows right-padded to ``length`` (default: the longest) rounded up to a
+    ``multiple`` (sequence parallelism splits the width over TP: ``hyflow.rl.batch.pad_multiple``), as
     ``tokens`` [n, S], ``position_ids`` and ``completion_mask`` (1 on completion tokens, aligned
     like :func:`hyflow.training.logprobs.shifted_token_logprobs`: position j scores token j).
     Built on the host, then moved to ``device`` in one copy per tensor."""
     import torch
 
     S = max(len(p) + len(c) for p, c in sequences) if length is None else length
+    S = -(-S // multiple) * multiple
     tokens = torch.full((len(sequences), S), pad_id, dtype=torch.long, device="cpu")
     mask = torch.zeros(len(sequences), S, dtype=torch.float32, device="cpu")
     for i, (p, c) in enumerate(sequences):

@@ -12,7 +12,7 @@ thresholds (bus bandwidth, GB/s: NVLink 100 within a GPU node, InfiniBand 10 bet
 pair is also measured on its own, so a slow link is named by its two ranks. The NCCL variables
 that decide how a large job fails or communicates get a one-line verdict each.
 
-Rank 0 prints a table, then one JSON line. Exit code 1 when a collective returned wrong
+Rank 0 prints a table (with --json: the report as one JSON object on stdout, the table on stderr). Exit code 1 when a collective returned wrong
 results, or with --strict when anything warns.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any, Optional
 
 from hyflow.cli_support import make_intermixed
@@ -208,7 +209,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     report["warnings"] = warnings_of(report)
     report["status"] = "error" if bad else ("warn" if report["warnings"] else "pass")
     if int(os.environ.get("RANK", "0")) == 0:
-        print(format_report(report) + "\n\n" + json.dumps(report, separators=(",", ":")), flush=True)
+        if args.json:  # for scripts: the report as one JSON object on stdout, the table on stderr
+            print(format_report(report), file=sys.stderr, flush=True)
+            print(json.dumps(report, separators=(",", ":")), flush=True)
+        else:
+            print(format_report(report), flush=True)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -235,4 +240,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--pair-size", type=parse_size, default=None,
                    help="message of the rank-pair measurement (default: the largest size)")
     p.add_argument("--strict", action="store_true", help="exit 1 when anything warns (default: warnings only print)")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as one JSON object on stdout (the table goes to stderr)")
     p.set_defaults(func=cmd_doctor)

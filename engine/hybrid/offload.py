@@ -6,6 +6,12 @@ until the next update. :class:`OptimizerStateOffload` copies them to host memory
 on CUDA) and frees their device storage; :meth:`restore` brings them back bit for bit
 into the *same* tensor objects, so the optimizer and anything viewing them stay valid.
 
+On CUDA both copies are asynchronous (pinned host memory) on the current stream: the caching
+allocator hands a freed block only to work queued after the copy that reads it, and the restore
+is queued after the offload. The freed blocks stay in PyTorch's cache (no ``empty_cache()`` per
+transition, which would return them to the driver and make the next ``cudaMalloc`` of the
+generation's KV cache and of the restore pay for it again).
+
 Megatron-Core's ``MegatronOptimizer.offload_to_cpu`` does a similar move but rebinds
 ``p.data`` of every optimizer parameter, which for fp32 training are the model's own
 weights (here: released or resharded during generation), so it is not used.
@@ -57,12 +63,10 @@ class OptimizerStateOffload:
             storage = t.untyped_storage()
             whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=t.is_cuda)
-            host.copy_(whole)
+            host.copy_(whole, non_blocking=t.is_cuda)
             freed += storage.nbytes()
             storage.resize_(0)
             self._saved.append((t, host))
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
         return freed
 
     @torch.no_grad()
@@ -71,7 +75,7 @@ class OptimizerStateOffload:
         for t, host in self._saved:
             storage = t.untyped_storage()
             storage.resize_(host.numel())
-            torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).copy_(host)
+            torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).copy_(host, non_blocking=t.is_cuda)
         self._saved = []
 
     @property

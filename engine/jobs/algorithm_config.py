@@ -68,7 +68,8 @@ class OverlongBufferConfig:
     the last ``length`` tokens of the response budget (rollout.max_new_tokens)."""
 
     enable: bool = field(default=False, metadata={"help": "add the overlong penalty to every response's reward"})
-    length: int = field(default=16, metadata={"help": "buffer length in tokens (<= rollout.max_new_tokens)"})
+    length: int = field(default=16, metadata={
+        "unit": "tokens", "help": "buffer length in tokens (<= rollout.max_new_tokens)"})
     penalty_factor: float = field(default=1.0, metadata={"help": "penalty of a response that uses the whole budget"})
 
     def validate(self) -> None:

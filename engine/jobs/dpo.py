@@ -32,13 +32,16 @@ import torch.distributed as dist
 
 from hyflow.algorithms import dpo_loss, kto_loss
 from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
-from hyflow.config import dump_yaml, format_config
+from hyflow.config import format_config
 from hyflow.data.preference import sequence_tensors
 from hyflow.jobs.preference_config import DPOJobConfig, KTOJobConfig, PreferenceJobConfig
 from hyflow.jobs.preference_losses import (chosen_nll, completion_tokens, dpo_loss_fn, from_last_stage, kto_loss_fn,
                                           loss_scale, score_sequences)
 from hyflow.jobs.preference_models import CACHE_FILE, Policy, ReferenceLogps, build_policy, micro_batches
+from hyflow.jobs.preference_validation import PreferenceValidation
+from hyflow.jobs.run_config import record_config
 from hyflow.jobs.step_end import StepEnd
+from hyflow.rl.batch import pad_multiple
 from hyflow.training.step import train_step
 from hyflow.training.supervisor import StepSupervisor
 
@@ -70,18 +73,19 @@ def run(cfg: PreferenceJobConfig) -> list[dict]:
     loader = PromptLoader(dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     policy = build_policy(cfg, tokenizer)
     # SIGTERM / SIGUSR1 flags and the NaN/inf guard, before the long set-up so no signal is lost
-    supervisor = StepSupervisor(cfg.trainer.max_bad_steps, [policy.optimizer]).install()
+    supervisor = StepSupervisor(cfg.trainer.max_bad_steps, [policy.optimizer], device=policy.groups.device).install()
     ckpt = Checkpointer(cfg.trainer.output_dir, policy.groups, policy.desc, cfg.trainer.keep_last,
                         tokenizer=tokenizer_spec_for(cfg.data))
     if rank == 0:
-        os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-        dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
-        print(format_config(cfg), flush=True)
         print(f"[hyflow] {cfg.job}: actor {policy.groups.layout.describe()}; {dataset.describe()}", flush=True)
         if cfg.job == "kto":
             _check_kto_balance(cfg, dataset)
     reference = ReferenceLogps.build(cfg, policy, dataset, ckpt.root, ckpt.log)
+    validation = PreferenceValidation.build(cfg, policy, tokenizer, reference, ckpt.log)
+    val_metrics = functools.partial(validation_metrics, cfg, policy)
     start = _resume(cfg, ckpt, policy, loader, supervisor)  # the checkpoint's step; 0: fresh run
+    if rank == 0:
+        record_config(cfg, start)
     keys = DPO_KEYS if cfg.job == "dpo" else KTO_KEYS
     writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if rank == 0 else None
     if writer is not None:
@@ -93,6 +97,12 @@ def run(cfg: PreferenceJobConfig) -> list[dict]:
     step_fn = dpo_step if cfg.job == "dpo" else kto_step
     ends = StepEnd(cfg.trainer, ckpt, supervisor, writer, progress)  # metrics, checkpoints, stop / divergence
     save = functools.partial(_save, cfg, ckpt, policy, loader, supervisor, reference)  # save(step)
+    if validation is not None and validation.before_train and not start:
+        before = validation.run(cfg, policy, val_metrics)
+        if rank == 0:
+            progress.write(validation.summary(0, before))
+        if writer is not None:
+            writer.log(0, before, check_required=False)
     try:
         for step in range(start + 1, cfg.trainer.total_steps + 1):
             records = loader.next_batch()
@@ -102,6 +112,10 @@ def run(cfg: PreferenceJobConfig) -> list[dict]:
             metrics.update({k.replace("timing_s/", "time/"): v for k, v in timers.step_summary().items()})
             metrics["tokens_per_s"] = batch_tokens(records, cfg.job) / max(metrics["time/step"], 1e-9)
             metrics["epoch"] = loader.sampler.epoch + loader.sampler.index / len(dataset)
+            if validation is not None and not outcome.stop and validation.due(step, cfg.trainer.total_steps):
+                metrics.update(validation.run(cfg, policy, val_metrics))
+                if rank == 0:
+                    progress.write(validation.summary(step, metrics))
             if ends.finish(step, metrics, outcome, save):
                 break
         ckpt.wait()
@@ -132,7 +146,7 @@ def dpo_step(cfg: DPOJobConfig, policy: Policy, reference: ReferenceLogps, pairs
     mine = _my_slice(pairs, policy)
     # 1. this rank's pairs as rows c0 r0 c1 r1 ..., padded to the global batch's longest sequence
     length = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs)
-    batch = sequence_tensors([s for p in mine for s in p.sequences()], PAD_ID, g.device, length)
+    batch = sequence_tensors([s for p in mine for s in p.sequences()], PAD_ID, g.device, length, pad_multiple(g))
     rows = list(range(2 * len(mine)))
     # 2. reference log-probs of every row (zeros when reference-free)
     with timers.phase("ref"):
@@ -157,9 +171,11 @@ def kto_step(cfg: KTOJobConfig, policy: Policy, reference: ReferenceLogps, examp
     mine = _my_slice(examples, policy)
     # 1. this rank's completions, and its KL pairs (each prompt with another example's completion)
     length = max(len(e.prompt_ids) + max(len(e.completion_ids), len(e.kl_completion_ids)) for e in examples)
-    batch = sequence_tensors([(e.prompt_ids, e.completion_ids) for e in mine], PAD_ID, g.device, length)
+    batch = sequence_tensors([(e.prompt_ids, e.completion_ids) for e in mine], PAD_ID, g.device, length,
+                             pad_multiple(g))
     batch["label"] = torch.tensor([float(e.label) for e in mine], dtype=torch.float32, device=g.device)
-    kl_batch = sequence_tensors([(e.prompt_ids, e.kl_completion_ids) for e in mine], PAD_ID, g.device, length)
+    kl_batch = sequence_tensors([(e.prompt_ids, e.kl_completion_ids) for e in mine], PAD_ID, g.device, length,
+                                pad_multiple(g))
     rows = list(range(len(mine)))
     # 2. reference log-probs of both
     with timers.phase("ref"):
@@ -226,6 +242,20 @@ def kto_metrics(policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor
            "count/chosen": n_d, "count/rejected": n_u}
     out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
     return out
+
+
+def validation_metrics(cfg: PreferenceJobConfig, policy: Policy, records: list, logps: torch.Tensor,
+                       ref: torch.Tensor, total: int) -> dict:
+    """The step's metrics on held-out rows: this DP rank's ``records`` with their [n, 2] policy and
+    reference log-probs (DPO: chosen, rejected; KTO: completion, KL pair) of a set of ``total``."""
+    g = policy.groups
+    if cfg.job == "dpo":
+        tokens = torch.tensor([len(r.chosen_ids) for r in records], dtype=torch.float32, device=g.device)
+        return dpo_metrics(logps, ref, tokens, cfg.algorithm, g, total)
+    kl = _dp_sum([logps[:, 1] - ref[:, 1]], g)[0]  # the KL reference point over the whole set
+    z0 = torch.clamp(torch.tensor(kl / total, device=g.device), min=0.0).float()
+    desirable = torch.tensor([bool(r.label) for r in records], dtype=torch.bool, device=g.device)
+    return kto_metrics(logps[:, 0], ref[:, 0], desirable, z0, cfg.algorithm, g, total)
 
 
 def _update_stats(stats: dict) -> dict:
@@ -296,7 +326,10 @@ def _finish(cfg: PreferenceJobConfig, metrics_path: str) -> None:
         return
     keys = ("rewards/accuracies", "rewards/margins", "loss") if cfg.job == "dpo" else \
         ("rewards/margins", "kl", "loss")
-    plot_metrics(rows, os.path.join(cfg.trainer.output_dir, PLOT_FILE), keys=keys, title=f"hyflow {cfg.job}")
+    held_out = ("eval_rewards/accuracies",) if cfg.job == "dpo" else ("eval_rewards/margins",)
+    plot = keys + (held_out if any(held_out[0] in row for row in rows) else ())
+    plot_metrics(rows, os.path.join(cfg.trainer.output_dir, PLOT_FILE), keys=plot, title=f"hyflow {cfg.job}")
     fmt = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731 - NaN rows are written as null
-    summary = ", ".join(f"{k} {fmt(rows[0].get(k))} -> {fmt(rows[-1].get(k))}" for k in keys)
+    trained = [row for row in rows if "loss" in row] or rows  # not the validation row of step 0
+    summary = ", ".join(f"{k} {fmt(trained[0].get(k))} -> {fmt(trained[-1].get(k))}" for k in keys)
     print(f"[hyflow] done: {summary}; run directory {cfg.trainer.output_dir}", flush=True)

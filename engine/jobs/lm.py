@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hyflow.config import dump_yaml, format_config
+from hyflow.jobs.run_config import record_config
 from hyflow.jobs.lm_config import LMJobConfig
 from hyflow.models.builder import build_model_chunks, recompute_overrides
 from hyflow.models.context_parallel import split_for_cp
@@ -49,9 +49,7 @@ def run(cfg: LMJobConfig) -> list[dict]:
     groups = init_training_groups(layout, seed=cfg.trainer.seed)
     out_dir = cfg.trainer.output_dir
     if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        dump_yaml(cfg, os.path.join(out_dir, "config.resolved.yaml"))
-        print(format_config(cfg), flush=True)
+        record_config(cfg, 0)
         print(f"[hyflow] layout {layout.describe()}", flush=True)
 
     models = build_model_chunks(cfg.model, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,

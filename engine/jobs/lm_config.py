@@ -18,9 +18,11 @@ class LMDataConfig:
     task: Literal["arith_sequences"] = field(
         default="arith_sequences",
         metadata={"help": "arith_sequences: x_t = a + t*d mod vocab, random a and d per row"})
-    seq_length: int = field(default=32, metadata={"help": "tokens per sequence"})
-    micro_batch_size: int = field(default=4, metadata={"help": "sequences per micro-batch"})
-    global_batch_size: int = field(default=16, metadata={"help": "sequences per optimizer step"})
+    seq_length: int = field(default=32, metadata={"unit": "tokens", "help": "tokens per sequence"})
+    micro_batch_size: int = field(default=4, metadata={
+        "unit": "sequences per DP rank", "help": "sequences per micro-batch"})
+    global_batch_size: int = field(default=16, metadata={
+        "unit": "sequences, all DP ranks", "help": "sequences per optimizer step"})
     max_step_size: int = field(default=7, metadata={"help": "largest progression step d"})
 
     def validate(self) -> None:

@@ -36,7 +36,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from hyflow.config import ConfigError, dump_yaml, format_config
+from hyflow.config import ConfigError
+from hyflow.jobs.run_config import record_config
 from hyflow.jobs.rl_config import RLJobConfig
 
 
@@ -50,6 +51,9 @@ def check_supported(cfg: RLJobConfig) -> None:
     from hyflow.placement.remote_critic import check_remote_roles
 
     check_remote_roles(cfg, placement)  # roles on a pool apart from the actor's: the critic only
+    if cfg.data.val_files:
+        raise ConfigError("validation (data.val_files) runs colocated only for now: drop data.val_files with "
+                          "placement pools, or validate the checkpoints with `hyflow eval`", key="data.val_files")
     actor = placement.roles["actor"].pool
     if actor.start != 0:  # Megatron's dist_checkpointing writes the models' common part from rank 0
         raise ConfigError(f"checkpoints of placement pools need the actor's pool to start at rank 0 (it is "
@@ -71,6 +75,7 @@ def _setup_data(cfg: RLJobConfig):
 def run(cfg: RLJobConfig) -> list[dict]:
     """Both pools' loops; the training pool's rank 0 writes the metrics."""
     from hyflow.placement.groups import build_pool_groups, build_sync_group
+    from hyflow.placement.remote_critic import has_remote_critic
 
     check_supported(cfg)
     placement = cfg.resolved_placement(dist.get_world_size())
@@ -78,19 +83,19 @@ def run(cfg: RLJobConfig) -> list[dict]:
     groups = build_pool_groups(placement)
     actor, gen = placement.roles["actor"], placement.roles["rollout"]
     sync_group = build_sync_group(actor.pool, gen.pool)
-    train_group = dist.new_group(ranks=list(actor.pool.ranks))  # the supervisor's flags, set-up agreements
-    critic_group = _critic_pool_group(placement)
-    if critic_group is not None and rank in placement.roles["critic"].pool:
+    # this rank's pool: the supervisor's flags, set-up agreements, the distributed optimizer's instance
+    pool_group = groups.pool_group
+    if has_remote_critic(placement) and rank in placement.roles["critic"].pool:
         from hyflow.placement.inflight import Control, control
         from hyflow.placement.remote_critic import serve_critic
 
-        serve_critic(cfg, placement, groups, critic_group,
+        serve_critic(cfg, placement, groups, pool_group,
                      lambda: control(Control(go=False), placement, rank, groups.device).go)
         return []
     if rank in gen.pool:
         _generation_loop(cfg, placement, groups, sync_group)
         return []
-    return _training_loop(cfg, placement, groups, sync_group, train_group)
+    return _training_loop(cfg, placement, groups, sync_group, pool_group)
 
 
 def checkpointing(placement) -> bool:
@@ -122,15 +127,6 @@ class _NoCheckpoints:
 
     def close(self, abort: bool = False) -> None:
         pass
-
-
-def _critic_pool_group(placement):
-    """The critic pool's group when the critic has a pool of its own (collective: every rank calls it)."""
-    from hyflow.placement.remote_critic import has_remote_critic
-
-    if not has_remote_critic(placement):
-        return None
-    return dist.new_group(ranks=list(placement.roles["critic"].pool.ranks))
 
 
 def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
@@ -233,9 +229,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     saved_models = (*models.trained(), *(_frozen_models(cfg, models) or {}))
     start = _resume(cfg, ckpt, state) if saves else 0  # collective with the generation pool's resume
     if lead:
-        os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-        dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
-        print(format_config(cfg), flush=True)
+        record_config(cfg, start)
         print(f"[hyflow] trainer.mode={cfg.trainer.mode} on pools: {placement.describe()}; {job.dataset_size} prompts; "
               f"{models.weights.describe()}", flush=True)
     writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if lead else None

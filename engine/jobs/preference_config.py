@@ -26,9 +26,11 @@ class PolicyConfig(TrainedModelConfig):
     """The trained policy; the reference is a frozen copy of its starting weights."""
 
     micro_batch_size: int = field(default=4, metadata={
+        "unit": "pairs (dpo) / examples (kto) per DP rank",
         "help": "pairs (dpo: chosen + rejected, 2 sequences each) or examples (kto) per forward/backward"})
 
     def validate(self) -> None:
+        self.resolve_dtype()
         check_positive(self, "micro_batch_size")
         if self.layout.cp > 1:
             raise ConfigError("context parallelism (cp > 1) is not supported by the preference jobs; "
@@ -102,16 +104,23 @@ class PreferenceDataConfig:
     from files or a built-in synthetic task."""
 
     train_files: list[str] = field(default_factory=list, metadata={"help": "parquet or jsonl files"})
+    val_files: list[str] = field(default_factory=list, metadata={
+        "help": "held-out rows in the same format, scored every trainer.val_every steps (eval_rewards/accuracies, "
+                "eval_rewards/margins, eval_loss, ...); empty = no validation"})
     task: Optional[str] = field(default=None, metadata={
         "help": "built-in preference task generated locally instead of files (hyflow make-task --list)"})
-    task_size: int = field(default=2000, metadata={"help": "problems generated for a synthetic task"})
+    task_size: int = field(default=2000, metadata={
+        "unit": "problems", "help": "problems generated for a synthetic task"})
     task_options: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "options of the synthetic task's generator, e.g. {ops: '+-', max_operand: 20}"})
     tokenizer: Optional[str] = field(default=None, metadata={"help": "HF tokenizer dir / sentencepiece model"})
     train_batch_size: int = field(default=32, metadata={
+        "unit": "pairs (dpo) / examples (kto), all DP ranks",
         "help": "pairs (dpo) or examples (kto) per optimizer step, all data-parallel ranks together"})
-    max_prompt_length: int = field(default=128, metadata={"help": "longest prompt in tokens (after the chat template)"})
-    max_completion_length: int = field(default=128, metadata={"help": "longest completion in tokens"})
+    max_prompt_length: int = field(default=128, metadata={
+        "unit": "tokens", "help": "longest prompt in tokens (after the chat template)"})
+    max_completion_length: int = field(default=128, metadata={
+        "unit": "tokens", "help": "longest completion in tokens"})
     truncate_long: bool = field(default=False, metadata={
         "help": "truncate over-long rows (prompts from the left, completions from the right) instead of "
                 "dropping them"})
@@ -134,6 +143,11 @@ class PreferenceTrainerConfig(TrainerConfig):
 
 
 def _validate_job(cfg: "PreferenceJobConfig") -> None:
+    if cfg.actor.checkpoint:  # the architecture and (without data.tokenizer) the tokenizer are the checkpoint's
+        from hyflow.checkpoint.architecture import adopt_checkpoint_architecture, adopt_model_tokenizer
+
+        cfg.model, _ = adopt_checkpoint_architecture(cfg.actor.checkpoint, cfg.model, tiny_llama())
+        adopt_model_tokenizer(cfg.data, cfg.model)
     world = cfg.trainer.nproc
     layout = cfg.actor_layout(world)
     layout.check_model(cfg.model)

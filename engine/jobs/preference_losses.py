@@ -1,8 +1,10 @@
 """Sequence log-probs and the per-micro-batch DPO / KTO losses of the preference jobs.
 
 Each loss is a closure handed to :func:`hyflow.training.step.train_step` (Megatron's pipeline
-schedule), so the same code runs at any TP x PP; logits stay vocab-parallel and sequence
-log-probs come from :mod:`hyflow.training.logprobs`. A DPO micro-batch holds whole pairs, the
+schedule), so the same code runs at any TP x PP. The closures take the model's last hidden states
+(:mod:`hyflow.training.output_head`, ``hidden_states = True``) and apply the output layer to the
+completion positions only, in blocks (no ``[b, s, V/tp]`` logits nor their float32 copy); sequence
+log-probs are the sums of those token log-probs. A DPO micro-batch holds whole pairs, the
 chosen and rejected rows of a pair side by side (rows ``c0 r0 c1 r1 ...``), so both go through
 one forward.
 
@@ -22,13 +24,25 @@ import torch.distributed as dist
 
 from hyflow.algorithms import dpo_loss, kto_loss, masked_sum
 from hyflow.training.logprobs import shifted_token_logprobs
+from hyflow.training.output_head import Hidden, response_logprobs_entropy
 from hyflow.training.step import Batch, forward_backward
 
 
-def sequence_logprobs(logits: torch.Tensor, batch: Batch, vocab_size: int, tp_group) -> torch.Tensor:
-    """[rows] sum of log p(token) over each row's completion tokens (``completion_mask``)."""
-    logp = shifted_token_logprobs(logits, batch["tokens"], vocab_size, tp_group)
-    return masked_sum(logp, batch["completion_mask"], dim=-1)
+def sequence_logprobs(output, batch: Batch, vocab_size: int, tp_group) -> torch.Tensor:
+    """[rows] sum of log p(token) over each row's completion tokens (``completion_mask``), from the
+    last hidden states (:class:`Hidden`: the fused output head) or from full logits."""
+    mask = batch["completion_mask"]
+    if isinstance(output, Hidden):
+        logp, _ = response_logprobs_entropy(output, batch["tokens"], mask > 0, vocab_size, tp_group)
+    else:
+        logp = shifted_token_logprobs(output, batch["tokens"], vocab_size, tp_group)
+    return masked_sum(logp, mask, dim=-1)
+
+
+def _on_hidden_states(loss):
+    """Mark a loss closure as taking :class:`Hidden` (the schedule then skips the output layer)."""
+    loss.hidden_states = True
+    return loss
 
 
 def loss_scale(global_count: int) -> float:
@@ -55,8 +69,8 @@ def dpo_loss_fn(algo, vocab_size: int, tp_group, scale: float):
     (a per-pair term, so the sum * ``scale`` stays its exact share of the global-batch mean)."""
     captured: list[torch.Tensor] = []
 
-    def loss(logits: torch.Tensor, batch: Batch):
-        seq = sequence_logprobs(logits, batch, vocab_size, tp_group)
+    def loss(output, batch: Batch):
+        seq = sequence_logprobs(output, batch, vocab_size, tp_group)
         policy, ref = seq.view(-1, 2), batch["ref_logps"].view(-1, 2)
         losses, _, _ = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta=algo.beta,
                                 label_smoothing=algo.label_smoothing, kind=algo.loss_type, reduction="none")
@@ -65,22 +79,22 @@ def dpo_loss_fn(algo, vocab_size: int, tp_group, scale: float):
         captured.append(seq.detach().float())
         return losses.sum() * scale, {}
 
-    return loss, captured
+    return _on_hidden_states(loss), captured
 
 
 def kto_loss_fn(algo, vocab_size: int, tp_group, scale: float, kl_ref_point: torch.Tensor):
     """(loss closure, list of each micro-batch's [b] policy log-probs); ``kl_ref_point`` is z0."""
     captured: list[torch.Tensor] = []
 
-    def loss(logits: torch.Tensor, batch: Batch):
-        seq = sequence_logprobs(logits, batch, vocab_size, tp_group)
+    def loss(output, batch: Batch):
+        seq = sequence_logprobs(output, batch, vocab_size, tp_group)
         losses = kto_loss(seq, batch["ref_logps"], batch["label"], kl_ref_point, beta=algo.beta,
                           desirable_weight=algo.desirable_weight, undesirable_weight=algo.undesirable_weight,
                           reduction="none")
         captured.append(seq.detach().float())
         return losses.sum() * scale, {}
 
-    return loss, captured
+    return _on_hidden_states(loss), captured
 
 
 def from_last_stage(captured: Sequence[torch.Tensor], n_rows: int, groups) -> torch.Tensor:
@@ -98,9 +112,10 @@ def score_sequences(chunks: Sequence[torch.nn.Module], micro: Sequence[Batch], v
     captured: list[torch.Tensor] = []
     tp_group = groups.pgs.tp
 
-    def keep(logits: torch.Tensor, batch: Batch):
-        captured.append(sequence_logprobs(logits, batch, vocab_size, tp_group).float())
-        return logits.new_zeros(()), {}
+    @_on_hidden_states
+    def keep(output, batch: Batch):
+        captured.append(sequence_logprobs(output, batch, vocab_size, tp_group).float())
+        return torch.zeros((), device=batch["tokens"].device), {}
 
     with torch.no_grad():
         forward_backward(chunks, micro, loss_fn=keep, with_labels=False, forward_only=True)

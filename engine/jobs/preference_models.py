@@ -25,12 +25,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hyflow.checkpoint.starting_weights import starting_description
 from hyflow.data.preference import PreferenceDataset, sequence_tensors
 from hyflow.jobs.preference_losses import score_sequences
 from hyflow.models.builder import build_gpt_model
 from hyflow.models.description import ModelDescription
 from hyflow.models.weights import load_full_state_dict, random_full_state_dict
 from hyflow.parallel.groups import ParallelGroups, init_training_groups
+from hyflow.rl.batch import pad_multiple
 from hyflow.training.optimizer import build_optimizer, wrap_ddp
 
 CACHE_FILE = "reference_logps.pt"
@@ -70,12 +72,14 @@ def _recompute(kind: str) -> dict:
     return {}
 
 
-def _load_initial(cfg, model: torch.nn.Module, desc: ModelDescription, groups: ParallelGroups) -> None:
-    """The starting weights: ``actor.checkpoint``, or ``model``'s random init with ``trainer.seed``."""
+def _load_initial(cfg, model: torch.nn.Module, desc: ModelDescription, groups: ParallelGroups,
+                  write_cache: bool = True) -> None:
+    """The starting weights: ``actor.checkpoint`` (a hyflow checkpoint or an HF model), or ``model``'s
+    random init with ``trainer.seed``."""
     if cfg.actor.checkpoint:
-        from hyflow.checkpoint.model import load_model_checkpoint
+        from hyflow.checkpoint.starting_weights import load_starting_weights
 
-        load_model_checkpoint(model, cfg.actor.checkpoint, groups)
+        load_starting_weights(model, cfg.actor.checkpoint, groups, desc, cfg.actor.checkpoint_cache, write_cache)
     else:
         load_full_state_dict(model, random_full_state_dict(desc, cfg.trainer.seed), desc, groups)
 
@@ -84,7 +88,7 @@ def build_policy(cfg, tokenizer) -> Policy:
     """Groups, the actor at its starting weights, its optimizer and LR schedule."""
     layout = cfg.actor_layout(dist.get_world_size())
     groups = init_training_groups(layout, seed=cfg.trainer.seed)
-    desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
+    desc = starting_description(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
     if desc.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"the model's vocabulary ({desc.vocab_size}) is smaller than the tokenizer's "
                          f"({tokenizer.vocab_size}); use a model/tokenizer pair that match")
@@ -101,7 +105,7 @@ def build_reference_model(cfg, policy: Policy) -> torch.nn.Module:
     """A frozen, eval-mode copy of the starting actor in the actor's layout."""
     model = build_gpt_model(policy.desc, policy.groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
                             config_overrides={"perform_initialization": False})
-    _load_initial(cfg, model, policy.desc, policy.groups)
+    _load_initial(cfg, model, policy.desc, policy.groups, write_cache=False)
     model.requires_grad_(False)
     model.eval()
     return model
@@ -211,9 +215,9 @@ def precompute(model: torch.nn.Module, dataset: PreferenceDataset, policy: Polic
     start, last_report = time.perf_counter(), 0.0
     for b in range(0, per, block):
         ks = order[b:b + block]
-        ks = ks + ks[:(-len(ks)) % micro_size]  # whole micro-batches (repeats are scored twice)
+        ks = ks + [ks[i % len(ks)] for i in range((-len(ks)) % micro_size)]  # whole micro-batches (repeats scored twice)
         rows = [s for k in ks for s in record_sequences(dataset[mine[k]], dataset.kind)]
-        tensors = sequence_tensors(rows, 0, groups.device)  # right padding: any id
+        tensors = sequence_tensors(rows, 0, groups.device, multiple=pad_multiple(groups))  # right padding: any id
         micro = micro_batches(tensors, list(range(len(rows))), 2 * micro_size)
         scores = score_sequences([model], micro, policy.vocab_size, groups).view(-1, 2)
         local[torch.tensor(ks, dtype=torch.long, device=groups.device)] = scores

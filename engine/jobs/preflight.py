@@ -13,6 +13,9 @@ PREFLIGHT = {"rl": "hyflow.jobs.rl_preflight"}
 
 def preflight(cfg: Any) -> None:
     """Run the job's pre-flight checks; raises :class:`~hyflow.config.ConfigError`."""
+    from hyflow.jobs.run_config import check_run_reuse
+
+    check_run_reuse(cfg)  # the run directory's own run is not continued with another config
     module = PREFLIGHT.get(getattr(cfg, "job", ""))
     if module:
         importlib.import_module(module).preflight(cfg)

@@ -52,9 +52,18 @@ def job_schema(yaml_path: Optional[str], overrides: Sequence[str]) -> tuple[type
 
 
 def load_job_config(yaml_path: Optional[str], overrides: Sequence[str]) -> Any:
-    """Parse and validate a job config; raises ConfigError with a clear message."""
-    schema, _ = job_schema(yaml_path, overrides)
-    return load_config(schema, yaml_path, list(overrides))
+    """Parse and validate a job config; raises one ConfigError listing every problem. The RL job
+    also takes verl's keys (:mod:`hyflow.jobs.verl_keys`); the config's ``notes`` say what they became."""
+    schema, job = job_schema(yaml_path, overrides)
+    if job != "rl":
+        return load_config(schema, yaml_path, list(overrides))
+    from hyflow.config.core import has_key
+    from hyflow.jobs.verl_keys import translate
+
+    verl = translate(overrides, lambda key: has_key(schema, key))
+    cfg = load_config(schema, yaml_path, verl.overrides, finalize=verl.finalize, errors=verl.errors)
+    cfg.notes.extend(note for note in verl.notes if note not in cfg.notes)
+    return cfg
 
 
 def job_runner(job: str) -> Callable[[Any], Any]:

@@ -29,18 +29,20 @@ from hyflow.algorithms.kl import make_kl_controller
 from hyflow.algorithms.mismatch import mismatch_metrics, mismatch_row_stats
 from hyflow.algorithms.rollout_correction import rollout_correction, rollout_correction_metrics
 from hyflow.checkpoint.checkpointer import Checkpointer
-from hyflow.config import dump_yaml, format_config
+from hyflow.config import format_config
 from hyflow.data.dataset import build_dataset, reference_response_ids
 from hyflow.data.loader import PromptLoader
 from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
 from hyflow.jobs.rl_config import RLJobConfig
+from hyflow.jobs.run_config import record_config
 from hyflow.jobs.step_end import StepEnd
 from hyflow.models.routing_replay import mismatch_counts, reset_mismatch
 from hyflow.monitor import comm
 from hyflow.monitor.memory import memory_summary
 from hyflow.monitor.metrics import PHASE_KEYS, MetricsWriter, read_metrics
-from hyflow.monitor.plot import plot_metrics
+from hyflow.monitor.plot import plot_metrics, rl_plot_keys
 from hyflow.monitor.progress import Progress
+from hyflow.monitor.samples import print_samples
 from hyflow.monitor.timers import PhaseTimers
 from hyflow.rewards.manager import RewardManager
 from hyflow.rl.batch import MicroBatching, RolloutBatch, batching_for, build_rollout_batch, pad_multiple
@@ -53,9 +55,11 @@ from hyflow.rl.staleness import StaleWeights
 from hyflow.rl.state import RLState
 from hyflow.rl.step_losses import PolicyLoss, forward_score, logprob_scorer
 from hyflow.rl.update import update_model
+from hyflow.rollout.config import GenerationConfig
 from hyflow.rollout.dp import SampleTensors
 from hyflow.training.step import data_group, lm_loss, token_mean_weights, train_step
 from hyflow.training.supervisor import StepSupervisor
+from hyflow.validation.rl import Validation, summary_line, validate_actor
 
 
 def setup(cfg: RLJobConfig) -> tuple[RLState, "StepJob"]:
@@ -87,14 +91,16 @@ def run(cfg: RLJobConfig) -> list[dict]:
                         tokenizer=tokenizer_spec_for(cfg.data))
     start = _resume(cfg, ckpt, state)  # the checkpoint's step; 0: fresh run
     if rank == 0:
-        os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-        dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.resolved.yaml"))
-        print(format_config(cfg), flush=True)
+        record_config(cfg, start)
         print(f"[hyflow] {models.weights.describe()}; {job.dataset_size} prompts", flush=True)
     writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if rank == 0 else None
     if cfg.actor.sft_warmup_steps and not start:
         sft_warmup(cfg, state, job.tokenizer)
     progress = Progress.from_config(cfg.trainer, initial=start, enabled=rank == 0)
+    sampling = GenerationConfig.from_settings(cfg.rollout).sampling  # the rollout's stop tokens and length
+    validation = Validation.from_config(cfg, job.tokenizer, job.reward, sampling)
+    if validation is not None and validation.before_train and not start:  # logged as step 0
+        _validate(validation, models, 0, writer, progress)
     sync = torch.cuda.synchronize if models.groups.device.type == "cuda" else None
     timers = PhaseTimers(sync=sync)  # phases charged with the device work they launched
     ends = StepEnd(cfg.trainer, ckpt, supervisor, writer, progress)  # metrics, checkpoints, stop / divergence
@@ -103,7 +109,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
         for step in range(start + 1, cfg.trainer.total_steps + 1):
             records = state.loader.next_batch()
             supervisor.begin_step()
-            metrics, _ = rl_step(cfg, state, records, job, timers)
+            metrics, data = rl_step(cfg, state, records, job, timers)
             outcome = supervisor.end_step(metrics, step)  # collective: agrees on stop signals and NaN/inf
             state.step = step
             metrics.update(timers.cpu_summary())
@@ -111,6 +117,10 @@ def run(cfg: RLJobConfig) -> list[dict]:
             metrics.update(timers.step_summary())
             metrics.update(comm.step_summary(), **memory_summary(models.groups.device))
             metrics["perf/time_per_step"] = metrics["timing_s/step"]
+            if cfg.trainer.log_samples and rank == 0:  # trainer.log_samples lines every log_every steps
+                print_samples(progress, cfg.trainer, step, start, records, data, job.tokenizer, cfg.rollout.n)
+            if validation is not None and not outcome.stop and validation.due(step, cfg.trainer.total_steps):
+                metrics.update(_validate(validation, models, step, None, progress))
             # verl's definition: prompt + response tokens per second per rank
             metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (
                 metrics["timing_s/step"] * dist.get_world_size())
@@ -126,6 +136,16 @@ def run(cfg: RLJobConfig) -> list[dict]:
         writer.close()
         _finish(cfg, writer.path)
     return ends.history
+
+
+def _validate(validation: Validation, models: RLModels, step: int, writer, progress) -> dict:
+    """Validate the actor after ``step``; ``writer``: log the metrics as a row of their own."""
+    metrics = validate_actor(validation, models)
+    if dist.get_rank() == 0:
+        progress.write(summary_line(step, metrics, validation.n))
+    if writer is not None:
+        writer.log(step, metrics, check_required=False)
+    return metrics
 
 
 class StepJob:
@@ -228,7 +248,9 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     if cfg.algorithm.use_kl_in_reward:  # the controller's horizon counts responses
         state.kl_ctrl.update(adv.kl, len(records) * n)
     out = _metrics(cfg, stats, job, batch, scored, scores, adv, values, rnd.samples, actor, critic, models, timers)
-    out.update({"actor/reward_kl_penalty": adv.kl, "actor/reward_kl_penalty_coeff": state.kl_ctrl.value}, **refill)
+    if cfg.algorithm.use_kl_in_reward:  # as verl: the penalty's metrics only when it is applied
+        out.update({"actor/reward_kl_penalty": adv.kl, "actor/reward_kl_penalty_coeff": state.kl_ctrl.value})
+    out.update(refill)
     data = dict(train, ref_logp=ref_logp, scores=scores, values=values, returns=adv.returns,
                 greedy_scores=greedy_scores, rows=torch.arange(first * n, stop * n, device=device))
     return out, data
@@ -476,7 +498,8 @@ def _finish(cfg: RLJobConfig, metrics_path: str) -> None:
     rows = read_metrics(metrics_path)
     if not rows:
         return
-    plot_metrics(rows, os.path.join(cfg.trainer.output_dir, "reward_kl.png"))
-    first, last = rows[0].get("critic/score/mean"), rows[-1].get("critic/score/mean")
+    plot_metrics(rows, os.path.join(cfg.trainer.output_dir, "reward_kl.png"), keys=rl_plot_keys(cfg, rows))
+    scores = [row["critic/score/mean"] for row in rows if "critic/score/mean" in row] or [None]  # not step 0's
+    first, last = scores[0], scores[-1]  # (a validation row)
     fmt = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731 - NaN rows are written as null
     print(f"[hyflow] done: reward {fmt(first)} -> {fmt(last)}; run directory {cfg.trainer.output_dir}", flush=True)

@@ -16,10 +16,12 @@ from hyflow.config import ConfigError
 from hyflow.config.checks import check_finite, check_positive
 from hyflow.jobs.algorithm_config import GROUP_ESTIMATORS, AlgorithmConfig, RolloutCorrectionConfig
 from hyflow.models.description import ModelDescription, tiny_llama
+from hyflow.parallel.distributed import default_dtype
 from hyflow.parallel.layout import Layout
 from hyflow.rollout.config import GenerationSettings, redefault
 from hyflow.placement.config import PlacementConfig
 from hyflow.training.optim_config import OptimConfig
+from hyflow.validation.config import ValKwargs
 
 
 
@@ -64,6 +66,7 @@ class RolloutConfig(GenerationSettings):
     force_staleness: int = field(default=0, metadata={
         "help": "tests and benchmarks only: generate with the actor's weights of this many steps ago (a forced "
                 "off-policy lag; the update still starts from the current weights)"})
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
     def validate(self) -> None:
         check_finite(self, "temperature", "top_p")
@@ -78,10 +81,15 @@ class TrainedModelConfig:
     come from, its layout, precision, layer spec, recomputation and optimizer."""
 
     checkpoint: Optional[str] = field(default=None, metadata={
-        "help": "converted checkpoint directory (hyflow convert hf2mcore); null = random init of `model`"})
+        "help": "starting weights: an HF model directory or .gguf file (read directly, each rank its own shards), "
+                "or a hyflow checkpoint (hyflow convert hf2mcore); null = random init of `model`"})
+    checkpoint_cache: Optional[str] = field(default=None, metadata={
+        "help": "with an HF checkpoint: convert it once into this directory (a hyflow checkpoint; later starts "
+                "load it instead of reading the HF files, until they change); null = read the HF files"})
     layout: Layout = field(default_factory=Layout, metadata={"help": "training layout; dp is derived"})
-    dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={
-        "help": "parameter and compute dtype of the trained models (and their frozen copies)"})
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = field(default="auto", metadata={
+        "help": "parameter and compute dtype of the trained models (and their frozen copies); auto: bf16 on GPU, "
+                "fp32 on CPU"})
     spec: Literal["auto", "local", "sdpa", "te"] = field(default="auto", metadata={
         "help": "Megatron layer spec: local (plain torch), sdpa, te (Transformer Engine); "
                 "auto picks te on GPU when installed"})
@@ -90,14 +98,25 @@ class TrainedModelConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
 
 
+    def resolve_dtype(self) -> None:
+        """``dtype: auto``: bf16 where this process runs on CUDA, fp32 on the CPU."""
+        if self.dtype == "auto":
+            self.dtype = default_dtype()
+
+    def validate(self) -> None:
+        self.resolve_dtype()
+
+
 @dataclass
 class ActorConfig(TrainedModelConfig):
     """The policy: trained in ``layout``, generating in ``rollout.layout``."""
 
     micro_batch_size: int = field(default=4, metadata={
+        "unit": "sequences per DP rank (verl: per GPU)",
         "help": "sequences per forward/backward (when max_tokens_per_micro_batch is null); rows of similar "
                 "length go together, each micro-batch padded to its own longest row"})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
+        "unit": "tokens per DP rank",
         "help": "token budget of a micro-batch instead of a fixed row count (verl's use_dynamic_bsz): rows "
                 "grouped by length, each micro-batch padded to its own longest row (packed: total tokens); "
                 "at least max_prompt_length + max_new_tokens; null = micro_batch_size rows"})
@@ -106,6 +125,7 @@ class ActorConfig(TrainedModelConfig):
                 "causal attention): no padding tokens; up to max_tokens_per_micro_batch tokens, or "
                 "micro_batch_size sequences without a budget"})
     mini_batch_size: int = field(default=16, metadata={
+        "unit": "responses, all DP ranks (verl's prompts x rollout.n)",
         "help": "sequences per optimizer step (all data-parallel ranks together)"})
     balance_batch: bool = field(default=True, metadata={
         "help": "before each epoch, move rows between data-parallel ranks inside each mini-batch so every "
@@ -135,6 +155,7 @@ class ActorConfig(TrainedModelConfig):
     loss_agg_mode: AggMode = field(default="token-mean", metadata={
         "help": "how per-token losses become one number: mean over tokens, or per sequence then over sequences"})
     loss_scale_factor: Optional[int] = field(default=None, metadata={
+        "unit": "tokens",
         "help": "constant normaliser of loss_agg_mode=seq-mean-token-sum-norm (Dr. GRPO's MAX_TOKENS); "
                 "null = rollout.max_new_tokens"})
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
@@ -149,6 +170,7 @@ class ActorConfig(TrainedModelConfig):
     sft_lr: float = field(default=1e-3, metadata={"help": "constant learning rate of the SFT warm-up"})
 
     def validate(self) -> None:
+        self.resolve_dtype()
         check_positive(self, "micro_batch_size", "mini_batch_size", "ppo_epochs")
         if self.max_tokens_per_micro_batch is not None:
             check_positive(self, "max_tokens_per_micro_batch")
@@ -189,10 +211,13 @@ class CriticConfig:
         "help": "null = the actor's layout; another layout needs the critic on a pool of its own (placement); "
                 "the trunk starts from the actor's initial weights"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    micro_batch_size: int = field(default=4, metadata={"help": "sequences per critic forward/backward"})
+    micro_batch_size: int = field(default=4, metadata={
+        "unit": "sequences per DP rank (verl: per GPU)", "help": "sequences per critic forward/backward"})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
+        "unit": "tokens per DP rank",
         "help": "token budget of a micro-batch (values and update); null = micro_batch_size rows"})
     mini_batch_size: Optional[int] = field(default=None, metadata={
+        "unit": "responses, all DP ranks (verl's prompts x rollout.n)",
         "help": "sequences per critic optimizer step (all data-parallel ranks); null = actor.mini_batch_size"})
     ppo_epochs: Optional[int] = field(default=None, metadata={
         "help": "passes of the critic over each rollout batch; null = actor.ppo_epochs"})
@@ -217,8 +242,10 @@ class ReferenceConfig:
         "help": "null = the actor's training layout; another layout needs placement pools (colocated roles share "
                 "the actor's layout)"})
     micro_batch_size: Optional[int] = field(default=None, metadata={
+        "unit": "sequences per DP rank (verl: per GPU)",
         "help": "sequences per forward when scoring old / reference log-probs; null = actor.micro_batch_size"})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={
+        "unit": "tokens per DP rank",
         "help": "token budget of a scoring micro-batch (forward only: can exceed the actor's); "
                 "null = actor.max_tokens_per_micro_batch"})
 
@@ -247,7 +274,7 @@ class RewardConfig:
     function_path: Optional[str] = field(default=None, metadata={
         "help": "python file defining compute_score(data_source, solution_str, ground_truth, extra_info=None)"})
     function_name: str = field(default="compute_score", metadata={
-        "help": "name of the scoring function in reward.function_file"})
+        "help": "name of the scoring function in reward.function_path"})
     model_checkpoint: Optional[str] = field(default=None, metadata={
         "help": "reward model: hyflow checkpoint directory of a GPTModel with a scalar value head (same "
                 "tokenizer as the actor), run frozen in the actor's training layout; needed by kind=model, "
@@ -272,14 +299,19 @@ class DataConfig:
     """Prompts: files in verl's format, or a built-in synthetic task."""
 
     train_files: list[str] = field(default_factory=list, metadata={"help": "parquet or jsonl files"})
+    val_files: list[str] = field(default_factory=list, metadata={
+        "help": "held-out parquet / jsonl files in the same format, generated and scored every trainer.val_every "
+                "steps (logged as val-core/<data_source>/reward/mean@N); empty = no validation"})
     task: Optional[str] = field(default=None, metadata={
         "help": "built-in synthetic task generated locally instead of files"})
-    task_size: int = field(default=2000, metadata={"help": "prompts generated for a synthetic task"})
+    task_size: int = field(default=2000, metadata={
+        "unit": "prompts", "help": "prompts generated for a synthetic task"})
     task_options: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "options of the synthetic task's generator, e.g. {min_digits: 2, max_digits: 4}"})
     tokenizer: Optional[str] = field(default=None, metadata={"help": "HF tokenizer dir / sentencepiece model"})
     prompt_key: str = field(default="prompt", metadata={"help": "column of the dataset rows that holds the prompt"})
-    train_batch_size: int = field(default=8, metadata={"help": "prompts per RL step"})
+    train_batch_size: int = field(default=8, metadata={
+        "unit": "prompts, all DP ranks (as verl)", "help": "prompts per RL step"})
     shuffle: bool = field(default=True, metadata={"help": "shuffle the prompts every epoch"})
     seed: int = field(default=1, metadata={"help": "seed of the shuffle"})
 
@@ -298,10 +330,22 @@ class TrainerConfig:
     nproc: int = field(default=1, metadata={"help": "ranks to launch on this machine"})
     seed: int = field(default=1234, metadata={"help": "seed of initialisation, sampling and mini-batch order"})
     log_every: int = field(default=1, metadata={"help": "print a progress line every N steps (when not on a terminal)"})
+    log_samples: int = field(default=0, metadata={
+        "help": "print this many prompt / response / ground truth / score lines of the step's batch every "
+                "log_every steps (verl's trainer.log_val_generations; 0 = none)"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
+    val_every: int = field(default=0, metadata={
+        "help": "validate on data.val_files every N steps and after the last step (verl's trainer.test_freq; "
+                "0 = only after the last step)"})
+    val_before_train: bool = field(default=True, metadata={
+        "help": "validate the starting weights before the first step (logged as step 0; with data.val_files)"})
     keep_last: int = field(default=2, metadata={"help": "complete checkpoints kept"})
     resume: str = field(default="auto", metadata={"help": "auto | never | path of a checkpoint"})
     max_bad_steps: int = field(default=3, metadata={"help": "consecutive NaN/inf steps before stopping"})
+    collective_timeout_s: float = field(default=3600.0, metadata={
+        "help": "longest wait of one collective or receive (NCCL's watchdog aborts the run after it); placement "
+                "pools wait in a receive for the other pool's whole generation or update, so it must exceed the "
+                "longest phase"})
     mode: Literal["sync", "one_step_off"] = field(default="sync", metadata={
         "help": "sync: generate, then train on it (with placement.pools: the generation pool samples step t+1 "
                 "after receiving the weights of step t); one_step_off: the generation pool samples step t+1 with the "
@@ -318,9 +362,10 @@ class TrainerConfig:
         "help": "W&B / MLflow run name (null: the output_dir's name)"})
 
     def validate(self) -> None:
-        check_positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps")
-        if self.save_every < 0:
-            raise ConfigError(f"must be >= 0, got {self.save_every}", key="save_every")
+        check_positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps", "collective_timeout_s")
+        for name in ("save_every", "val_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"must be >= 0, got {getattr(self, name)}", key=name)
         from hyflow.monitor.trackers import check_available
 
         missing = check_available(self.loggers)
@@ -409,11 +454,12 @@ class RLJobConfig:
 
     def validate(self) -> None:
         if self.actor.checkpoint:  # the run's architecture is the checkpoint's model.json (when here)
-            from hyflow.checkpoint.architecture import adopt_checkpoint_architecture
+            from hyflow.checkpoint.architecture import adopt_checkpoint_architecture, adopt_model_tokenizer
 
             self.model, note = adopt_checkpoint_architecture(self.actor.checkpoint, self.model, tiny_llama())
-            if note and note not in self.notes:
-                self.notes.append(note)
+            for line in (note, adopt_model_tokenizer(self.data, self.model)):
+                if line and line not in self.notes:
+                    self.notes.append(line)
         world = self.trainer.nproc
         placement = self.resolved_placement(world)
         train = self.actor_layout(world)

@@ -172,13 +172,13 @@ def _tokenizer_json_vocab(path: str) -> Optional[int]:
 
 
 def _check_data_files(cfg: Any) -> None:
-    if cfg.data.task:
-        return
     from hyflow.data.dataset import DatasetError, read_rows, validate_row
 
     needs_truth = cfg.reward.kind != "model"
-    for i, path in enumerate(cfg.data.train_files):
-        key = f"data.train_files[{i}]"
+    files = [] if cfg.data.task else [(f"data.train_files[{i}]", p) for i, p in enumerate(cfg.data.train_files)]
+    files += [(f"data.val_files[{i}]", p) for i, p in enumerate(cfg.data.val_files)]
+    tokenizer = None
+    for key, path in files:
         if not os.path.isfile(path):
             raise _error(key, f"data file {path} does not exist")
         try:
@@ -187,12 +187,30 @@ def _check_data_files(cfg: Any) -> None:
             raise _error(key, str(e)) from None
         if not rows:
             raise _error(key, f"{path} has no rows")
+        prompts = []
         for row, item in enumerate(rows):
             try:
-                validate_row(item, cfg.data.prompt_key, needs_truth)
+                prompts.append(validate_row(item, cfg.data.prompt_key, needs_truth)[0])
             except Exception as e:  # noqa: BLE001 - the dataset's row error: key and message
                 where = f", key '{e.key}'" if getattr(e, "key", None) else ""
                 raise _error(key, f"{path}: row {row}{where}: {getattr(e, 'message', e)}") from None
+        if not cfg.rollout.truncate_long_prompts:
+            if tokenizer is None:
+                from hyflow.data.tasks import load_data_tokenizer
+
+                tokenizer = load_data_tokenizer(cfg.data)  # seconds here, not a launch that ends with no prompt
+            _check_prompt_lengths(key, path, prompts, tokenizer, cfg.rollout.max_prompt_length)
+
+
+def _check_prompt_lengths(key: str, path: str, prompts: list, tokenizer: Any, limit: int) -> None:
+    """Every previewed prompt longer than ``limit`` tokens (after the chat template): the ranks would
+    drop them all and stop with no data, after minutes of start-up."""
+    lengths = [len(ids) for ids in tokenizer.encode_prompt_texts([tokenizer.apply_chat_template(m) for m in prompts])]
+    if lengths and min(lengths) > limit:
+        raise _error(key, f"{path}: all {len(lengths)} prompts read here are longer than rollout.max_prompt_length="
+                          f"{limit} tokens (after the chat template; the shortest has {min(lengths)}), so every one "
+                          f"would be dropped: raise rollout.max_prompt_length (verl: data.max_prompt_length) to at "
+                          f"least {min(lengths)}, or set rollout.truncate_long_prompts=true")
 
 
 def _check_reward(reward: Any) -> None:
@@ -214,7 +232,14 @@ def _check_reward(reward: Any) -> None:
 def _check_model_checkpoint(key: str, path: str) -> None:
     from hyflow.checkpoint.errors import CheckpointError
     from hyflow.checkpoint.model import read_checkpoint_info
+    from hyflow.checkpoint.starting_weights import check_starting_weights, is_hf_model
 
+    if is_hf_model(path):  # read directly: its config and every tensor's header
+        try:
+            check_starting_weights(path, key)
+        except CheckpointError as e:
+            raise _error(key, str(e)) from None
+        return
     if not os.path.isdir(path):
         raise _error(key, f"checkpoint directory {path} does not exist; convert the model into it first: "
                           f"`hyflow convert hf2mcore --hf <HF model dir or .gguf file> --out {path}`")

@@ -97,6 +97,7 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
         raise ValueError(f"dtype {dtype!r} not supported; one of {sorted(DTYPES)}")
     layout = groups.layout
     layout.check_model(desc, training=False)  # also generation copies: no SP
+    fused = groups.device.type == "cuda" and bool(fusion_backends())
     kwargs = dict(
         num_layers=desc.num_layers,
         hidden_size=desc.hidden_size,
@@ -125,15 +126,17 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
         # every layout starts from the same weights. Models whose weights are loaded afterwards
         # (perform_initialization=False: every job's) are allocated on the rank's device directly.
         use_cpu_initialization=groups.device.type == "cpu" or overrides.get("perform_initialization", True),
-        # Fusions need apex/TE kernels that are absent on CPU.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
+        # Megatron's fused SwiGLU (a TorchScript kernel) and fused masked softmax (TE/Apex kernels) on
+        # GPUs that have TE or Apex; the other fusions stay off: rotary (hyflow's own tables, packed
+        # positions), gradient accumulation (hyflow writes main_grad itself), persistent LayerNorm (RMSNorm here).
+        bias_activation_fusion=fused,
+        masked_softmax_fusion=fused,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         pipeline_dtype=DTYPES[dtype],
-        deallocate_pipeline_outputs=False,
+        deallocate_pipeline_outputs=True,  # a stage frees its output once sent (the backward needs only its grad_fn)
         # YaRN / LongRoPE attention factor: HF scales cos and sin (so q and k) by it.
         softmax_scale=rope_softmax_scale(desc),
         # An uneven pipeline split (layout.stage_layers): Megatron builds and numbers the layers.
@@ -169,6 +172,14 @@ def moe_config_kwargs(desc: ModelDescription, layout) -> dict:
     )
 
 
+def fusion_backends() -> tuple[str, ...]:
+    """The fused-kernel libraries Megatron can use here: ``te`` (Transformer Engine), ``apex``."""
+    import importlib.util
+
+    return tuple(name for name, module in (("te", "transformer_engine"), ("apex", "apex"))
+                 if importlib.util.find_spec(module) is not None)
+
+
 def recompute_overrides(kind: str) -> dict:
     """``TransformerConfig`` overrides for activation recomputation ``none`` / ``selective`` /
     ``full``: selective recomputes core attention in the backward (Megatron's default
@@ -187,8 +198,12 @@ class ValueHead(torch.nn.Module):
 
     Called like Megatron's output layer: ``(hidden [s, b, h]) -> (values [s, b, 1], None)``.
     The weight is replicated over TP ranks (hidden states are complete after the
-    last row-parallel all-reduce); under sequence parallelism the sequence is
-    gathered first.
+    last row-parallel all-reduce). Under sequence parallelism each TP rank scores its own
+    slice of the sequence and the values ([s/tp, b, 1], not the hidden states) are gathered.
+    The gather's backward hands each rank its slice of the (TP-identical) value gradient
+    without summing it (summing would multiply every gradient by TP), and the weight, which
+    then sees only its rank's tokens, is marked ``sequence_parallel`` so that Megatron's
+    ``finalize_model_grads`` sums its gradient over TP.
     """
 
     def __init__(self, config: TransformerConfig, tp_group):
@@ -197,14 +212,14 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.normal_(self.weight, std=config.init_method_std)
         self.sequence_parallel = config.sequence_parallel
         self.tp_group = tp_group
-        # Megatron DDP all-reduces grads of params it marks as "sequence parallel" over TP;
-        # with SP our head sees only a slice of tokens, so its grad must be summed likewise.
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        values = F.linear(hidden, self.weight)
         if self.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
-        return F.linear(hidden, self.weight), None
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False,
+                                                          group=self.tp_group)
+        return values, None
 
 
 def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: str = "fp32",

@@ -133,8 +133,7 @@ def shard_micro_batch(mb: Mapping, cp_group) -> dict:
     out = dict(mb)
     mask = mb.get("attention_mask")
     if mb.get("packed") and "segments" in mb and mask is not None and mask.dim() > 1:
-        out["attention_mask"] = sequence_bounds([n for _, _, n in mb["segments"]], mb["tokens"].shape[1],
-                                                mb["tokens"].device)
+        out["attention_mask"] = sequence_bounds([n for _, _, n in mb["segments"]], mb["tokens"].shape[1])
     tokens = out["tokens"]
     width = tokens.shape[1]
     if "labels" not in out:
@@ -149,16 +148,18 @@ def shard_micro_batch(mb: Mapping, cp_group) -> dict:
     return out
 
 
-def sequence_bounds(lengths: Iterable[int], width: int, device=None) -> torch.Tensor:
+def sequence_bounds(lengths: Iterable[int], width: int) -> torch.Tensor:
     """``[0, n1, n1 + n2, ..., width]`` int64: where the packed sequences of a row of ``width``
     tokens start and end (padding after them is one more sequence), the ``attention_mask`` form
-    :class:`hyflow.models.ulysses_attention.UlyssesAttention` runs per sequence."""
+    :class:`hyflow.models.ulysses_attention.UlyssesAttention` and the SDPA spec run per sequence.
+    A host tensor whatever the micro-batch's device: every attention layer reads it as a list
+    (``tolist`` of a device tensor would wait for the GPU once per layer, again in recompute)."""
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + int(n))
     if bounds[-1] < width:
         bounds.append(width)
-    return torch.tensor(bounds, dtype=torch.long, device=device)
+    return torch.tensor(bounds, dtype=torch.long, device="cpu")
 
 
 def to_token_aligned(local: torch.Tensor, cp_group, predicts_next: bool = True) -> torch.Tensor:

@@ -122,7 +122,7 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def _named_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def canonical_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(canonical name, parameter)`` of a (DDP-wrapped) model, whatever its layer spec."""
     module = getattr(model, "module", model)  # unwrap Megatron DDP
     for name, param in module.named_parameters():
@@ -142,7 +142,7 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
     experts = expert_offset(desc, groups)
     tp = groups.layout.tp
     missing = []
-    for name, param in _named_params(model):
+    for name, param in canonical_parameters(model):
         key = global_name(name, offset, experts)
         if key == "output_layer.weight" and key not in full and desc.tied_embeddings:
             key = "embedding.word_embeddings.weight"
@@ -181,7 +181,7 @@ def gather_full_state_dict(model: torch.nn.Module, desc: ModelDescription, group
     experts = expert_offset(desc, groups)
     pp_group = groups.pgs.pp
     local: dict[str, torch.Tensor] = {}
-    for name, param in _named_params(model):
+    for name, param in canonical_parameters(model):
         group = groups.pgs.expt_tp if is_expert_param(name) else groups.pgs.tp
         shards = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
         dist.all_gather(shards, param.detach().contiguous(), group=group)

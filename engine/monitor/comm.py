@@ -28,7 +28,11 @@ Seconds are the time the calling rank spends in the call (for ``async_op=True``,
 ``wait()`` of the returned handle; for Megatron's coalesced bucket reductions, in the
 coalescing manager's exit or its ``wait()``): the communication the step waits for, not
 communication hidden behind compute. On CUDA, synchronous calls are timed with CUDA events on
-the current stream, resolved at :func:`step_summary`.
+the current stream, resolved at :func:`step_summary`, but not every call: per step, the first
+:data:`EVENTS_PER_STEP` calls of each (op, group kind) get events and the others are charged the
+mean of those; inside :func:`untimed` (the generation's decode loop: two TP all-reduces per layer
+per token) calls are counted with their bytes and get no events at all (the phase's own timer
+has their time).
 
 Transfers that bypass ``torch.distributed`` (the hybrid engine's shared-memory transport)
 are charged with :func:`transfer`; collectives made inside it are not charged again.
@@ -50,8 +54,10 @@ from typing import Any, Callable, Iterator
 from hyflow.monitor.comm_groups import GROUP_KINDS, forget_groups, group_kind, register_collection, register_group
 
 __all__ = ["OPS", "GROUP_KINDS", "register_group", "register_collection", "forget_groups", "group_kind", "install",
-           "uninstall", "installed", "step_summary", "transfer", "totals", "wrapper_overhead"]
+           "uninstall", "installed", "step_summary", "transfer", "totals", "untimed", "wrapper_overhead"]
 
+#: CUDA-event-timed calls per (op, group kind) per step; the others are charged their mean
+EVENTS_PER_STEP = 16
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_to_all", "barrier")
 #: The ops every summary reports, even at zero (stable TensorBoard curves).
 MAIN_OPS = OPS[:5]
@@ -63,6 +69,9 @@ class _Stats:
     def __init__(self) -> None:
         self.table: dict[tuple[str, str], list] = {}
         self.pending_events: list = []   # (op, kind, start event, end event) on CUDA
+        self.events_used: dict[tuple[str, str], int] = {}  # CUDA-timed calls this step
+        self.event_seconds: dict[tuple[str, str], float] = {}
+        self.not_timed: dict[tuple[str, str], int] = {}  # CUDA calls beyond the budget, outside untimed()
         self.timeouts = 0
         self.kinds_seen: set[str] = set()
         self.sizes: dict[int, int] = {}  # id(group) -> size
@@ -91,6 +100,28 @@ def _depth() -> int:
 
 def _enter(step: int) -> None:
     _NESTING.depth = _depth() + step
+
+
+def _untimed_depth() -> int:
+    return getattr(_NESTING, "untimed", 0)
+
+
+@contextlib.contextmanager
+def untimed() -> Iterator[None]:
+    """Collectives in the block are counted (calls, bytes) but not timed on CUDA: no events for
+    the many small calls of a loop whose whole time a phase timer measures."""
+    _NESTING.untimed = _untimed_depth() + 1
+    try:
+        yield
+    finally:
+        _NESTING.untimed = _untimed_depth() - 1
+
+
+def _new_events() -> tuple:
+    """A (start, end) pair of timing CUDA events."""
+    import torch
+
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 _ACTIVE = [False]  # the wrappers charge calls only while installed
 _PATCHED: list[tuple[Any, str, Any]] = []   # (owner, attribute, original)
 
@@ -235,11 +266,12 @@ def _wrap(name: str, original: Callable) -> Callable:
             nbytes = 0
         cuda = _cuda_tensor(args) if name != "barrier" else None
         events = None
-        if cuda is not None:
-            import torch
-
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
+        if cuda is not None and not _untimed_depth():
+            used = stats.events_used.get((op, kind), 0)
+            if used < EVENTS_PER_STEP:
+                stats.events_used[(op, kind)] = used + 1
+                events = _new_events()
+                events[0].record()
         _enter(1)
         start = time.perf_counter()
         try:
@@ -263,6 +295,10 @@ def _wrap(name: str, original: Callable) -> Callable:
         if events is not None:
             events[1].record()
             stats.pending_events.append((op, kind, nbytes, events))
+        elif cuda is not None:  # counted; charged the timed calls' mean at the summary (none in untimed())
+            stats.add(op, kind, 0.0, nbytes)
+            if not _untimed_depth():
+                stats.not_timed[(op, kind)] = stats.not_timed.get((op, kind), 0) + 1
         else:
             stats.add(op, kind, seconds, nbytes)
         return result
@@ -305,6 +341,30 @@ def _wrap_coalescing(original: Callable) -> Callable:
     return manager
 
 
+def patch_everywhere(replacements: dict[int, Callable], skip: Any = None) -> list[tuple[Any, str, Any]]:
+    """Replace functions by their wrappers in every loaded module that holds them (``torch.distributed``,
+    ``distributed_c10d`` itself, and modules that imported one by name). ``replacements`` maps
+    ``id(original)`` to a wrapper carrying ``__hyflow_original__``; returns ``(module, attribute,
+    original)`` of each replacement, for :func:`unpatch`."""
+    patched = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict) or module is skip:
+            continue
+        for attr, value in list(namespace.items()):
+            new = replacements.get(id(value))
+            if new is not None and getattr(new, "__hyflow_original__", None) is value:
+                patched.append((module, attr, value))
+                setattr(module, attr, new)
+    return patched
+
+
+def unpatch(patched: list[tuple[Any, str, Any]]) -> None:
+    while patched:
+        owner, attr, original = patched.pop()
+        setattr(owner, attr, original)
+
+
 def installed() -> bool:
     """True while the collectives are wrapped."""
     return _ACTIVE[0]
@@ -326,15 +386,7 @@ def install() -> None:
     coalescing = getattr(c10d, "_coalescing_manager", None)
     if coalescing is not None:
         replacements[id(coalescing)] = _wrap_coalescing(coalescing)
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict) or module is sys.modules[__name__]:
-            continue
-        for attr, value in list(namespace.items()):
-            new = replacements.get(id(value))
-            if new is not None and getattr(new, "__hyflow_original__", None) is value:
-                _PATCHED.append((module, attr, value))
-                setattr(module, attr, new)
+    _PATCHED.extend(patch_everywhere(replacements, skip=sys.modules[__name__]))
     _STATS.__init__()
     _ACTIVE[0] = True
 
@@ -342,9 +394,7 @@ def install() -> None:
 def uninstall() -> None:
     """Put the original functions back."""
     _ACTIVE[0] = False
-    while _PATCHED:
-        owner, attr, original = _PATCHED.pop()
-        setattr(owner, attr, original)
+    unpatch(_PATCHED)
 
 
 @contextlib.contextmanager
@@ -374,7 +424,14 @@ def _resolve_events() -> None:
     pending, _STATS.pending_events = _STATS.pending_events, []
     for op, kind, nbytes, (start, end) in pending:
         end.synchronize()
-        _STATS.add(op, kind, start.elapsed_time(end) / 1e3, nbytes)
+        seconds = start.elapsed_time(end) / 1e3
+        _STATS.event_seconds[(op, kind)] = _STATS.event_seconds.get((op, kind), 0.0) + seconds
+        _STATS.add(op, kind, seconds, nbytes)
+    for key, n in _STATS.not_timed.items():  # calls beyond the event budget: the timed calls' mean
+        timed = _STATS.events_used.get(key, 0)
+        if timed:
+            _STATS.add(*key, n * _STATS.event_seconds.get(key, 0.0) / timed, 0, calls=0)
+    _STATS.not_timed = {}
 
 
 def totals() -> dict[tuple[str, str], tuple[int, float, int]]:
@@ -408,7 +465,7 @@ def step_summary(reset: bool = True) -> dict[str, float]:
     out["comm/calls"] = float(calls)
     out["comm/timeouts"] = float(_STATS.timeouts)
     if reset:
-        _STATS.table = {}
+        _STATS.table, _STATS.events_used, _STATS.event_seconds = {}, {}, {}
     return out
 
 

@@ -23,7 +23,7 @@ _LOG = logging.getLogger(__name__)
 #: Phases timed by :class:`hyflow.monitor.PhaseTimers` (``timing_s/<phase>`` keys, verl's names).
 PHASE_KEYS = ("gen", "reshard", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic")
 #: Keys every RL step row should carry; missing ones are warned about once.
-REQUIRED_KEYS = ("step", "critic/score/mean", "actor/reward_kl_penalty", "actor/pg_clipfrac", "actor/entropy",
+REQUIRED_KEYS = ("step", "critic/score/mean", "actor/pg_clipfrac", "actor/entropy",
                  "actor/grad_norm", "response_length/mean", "perf/throughput") + tuple(
                      f"timing_s/{p}" for p in ("gen", "reshard", "reward", "update_actor"))
 
@@ -113,8 +113,9 @@ class MetricsWriter:
 
         return any(isinstance(t, TensorBoardTracker) for t in self.trackers)
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> dict:
-        """Write the row for ``step`` (``step`` first, then the metrics in order); returns it."""
+    def log(self, step: int, metrics: Mapping[str, Any], check_required: bool = True) -> dict:
+        """Write the row for ``step`` (``step`` first, then the metrics in order); returns it.
+        ``check_required=False``: a row of other metrics (validation before training, step 0)."""
         if self.last_step is not None and step <= self.last_step:
             raise ValueError(f"metrics step {step} is not after the last logged step {self.last_step}")
         row: dict[str, Any] = {"step": int(step)}
@@ -130,7 +131,7 @@ class MetricsWriter:
                 raise TypeError(f"metric {key!r} = {value!r} is not a number") from exc
             if row[key] is None:
                 self.bad_values += 1
-        missing = [k for k in self.required_keys if k not in row and k not in self._warned_missing]
+        missing = [k for k in self.required_keys if check_required and k not in row and k not in self._warned_missing]
         if missing:
             self._warned_missing.update(missing)
             _LOG.warning("metrics row for step %d lacks %s", step, ", ".join(missing))

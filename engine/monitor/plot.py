@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from hyflow.monitor.metrics import read_metrics
 
-__all__ = ["plot_metrics", "trailing_mean", "auto_smooth_window", "DEFAULT_PLOT_KEYS", "PLOT_FILENAME"]
+__all__ = ["plot_metrics", "rl_plot_keys", "trailing_mean", "auto_smooth_window", "DEFAULT_PLOT_KEYS", "PLOT_FILENAME"]
 
 _LOG = logging.getLogger(__name__)
 DEFAULT_PLOT_KEYS = ("critic/score/mean", "actor/reward_kl_penalty")
@@ -109,3 +109,16 @@ def plot_metrics(source: Union[str, Sequence[Mapping[str, Any]]], out_path: Opti
         return None
     _draw(series, out_path, title, window)
     return out_path
+
+
+def rl_plot_keys(cfg: Any, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The RL job's panels: the reward, the KL term in use (none without one), the validation score
+    (the first data source's core ``mean@N`` of ``rows``)."""
+    keys = ["critic/score/mean"]
+    if cfg.algorithm.use_kl_in_reward:
+        keys.append("actor/reward_kl_penalty")
+    elif cfg.actor.use_kl_loss:
+        keys.append("actor/kl_loss")
+    n = cfg.rollout.val_kwargs.n
+    val = sorted({k for row in rows for k in row if k.startswith("val-core/") and k.endswith(f"/mean@{n}")})
+    return keys + val[:1]

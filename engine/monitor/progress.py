@@ -1,6 +1,6 @@
 """A progress display that works both in a terminal and in CI logs.
 
-On a TTY a tqdm bar is redrawn in place; while it is up, ``print`` output and log records go
+On a TTY a tqdm bar is redrawn in place (a terminal that reports 0 columns gets lines instead); while it is up, ``print`` output and log records go
 through ``tqdm.write``, so every later message starts on a line of its own and the bar is
 redrawn below it, and :meth:`Progress.close` ends the bar's line. Elsewhere (CI, files, pipes)
 or without tqdm, a full line is printed every ``every`` steps, on the first step and on the
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
@@ -22,7 +23,17 @@ __all__ = ["Progress", "format_duration", "DEFAULT_SHOWN"]
 
 #: (metric key, label) pairs shown by default.
 DEFAULT_SHOWN: tuple[tuple[str, str], ...] = (("critic/score/mean", "reward"), ("actor/reward_kl_penalty", "kl"),
+                                               ("actor/kl_loss", "kl_loss"),
                                                ("response_length/mean", "len"))
+
+
+def _columns(stream: Any) -> Optional[int]:
+    """The width the terminal behind ``stream`` reports (0 on some CI and IDE consoles, where a bar
+    would draw nothing), or None when it cannot tell."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def format_duration(seconds: float) -> str:
@@ -66,6 +77,8 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         isatty = getattr(self.stream, "isatty", None)
         self.tty = bool(isatty()) if tty is None and callable(isatty) else bool(tty)
+        if self.tty and tty is None and _columns(self.stream) == 0:  # a terminal that reports no width: lines
+            self.tty = False
         self.enabled, self.width, self.clock = enabled, width, clock
         self.initial = self.step = int(initial)
         self._start = clock()

@@ -108,6 +108,11 @@ class WandbTracker:
         self.run.finish()
 
 
+def mlflow_name(key: str) -> str:
+    """``key`` as MLflow stores it: ``@`` (not allowed there) spelled ``_at_``, as verl does."""
+    return key.replace("@", "_at_")
+
+
 class MlflowTracker:
     def __init__(self, output_dir: str, resume_step: Optional[int], config_text: Optional[str],
                  project: str, name: str) -> None:
@@ -138,7 +143,8 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, step) for k, v in row.items()]
+        # MLflow's names take no '@' (val-core/<source>/reward/mean@4): verl's spelling, '_at_'
+        metrics = [Metric(mlflow_name(k), v, now, step) for k, v in row.items()]
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 

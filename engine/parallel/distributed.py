@@ -5,6 +5,16 @@ torchrun / srun set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` an
 activated and the gloo backend used; with CUDA, one GPU per local rank
 (:func:`rank_device`) and the ``cpu:gloo,cuda:nccl`` backend: collectives on CUDA
 tensors go through NCCL, those on host tensors (set-up, pickled objects) through gloo.
+
+Two NCCL rules the rest of hyflow relies on, both handled here:
+
+* **timeouts**: every group (the default one and every ``new_group``, Megatron's included) waits
+  up to ``timeout_s`` in a collective (``trainer.collective_timeout_s``, default
+  :data:`DEFAULT_TIMEOUT_S`). Placement pools wait inside receives for the other pool's whole
+  generation or update, so the timeout bounds a phase, not a message;
+* **communicators**: NCCL creates a group's communicator on the group's first operation, which
+  every member must enter. Groups whose first use would be a batched send/receive or a control
+  message among some members only are initialised with :func:`eager_init` right after creation.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from hyflow.compat.cpu import maybe_activate
 
@@ -35,11 +46,63 @@ def rank_device() -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
-    """Initialise the default process group (idempotent). Returns (rank, world_size)."""
-    cpu = maybe_activate()
+#: seconds a collective may wait (a whole phase of the other pool, for placement pools)
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+def set_group_timeout(timeout_s: float) -> None:
+    """Make ``timeout_s`` the timeout of every process group created from now on without one.
+
+    ``init_process_group``'s timeout covers the default group only: ``new_group`` reads torch's
+    module defaults (10 min for NCCL, 30 for gloo), which are set here.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if isinstance(getattr(c10d, name, None), datetime.timedelta):
+            setattr(c10d, name, timeout)
+
+
+def group_timeout() -> datetime.timedelta:
+    """The timeout new process groups get (:func:`set_group_timeout`)."""
+    return c10d.default_pg_timeout
+
+
+def eager_init(group, device: torch.device) -> None:
+    """Create ``group``'s communicator now: one all-reduce of a scalar on ``device`` entered by every
+    member (NCCL creates a communicator on a group's first operation, and a first operation that
+    only some members enter -- a batched send/receive, a control message -- hangs). Call it on
+    every member, in the order the groups were created; ``None`` (not a member) does nothing."""
+    if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
+def default_dtype() -> str:
+    """The parameter dtype ``auto`` stands for: ``bf16`` where this process runs on CUDA, ``fp32`` on
+    the CPU (where bf16 matmuls are slow and the tests compare against float32 references)."""
+    return "bf16" if rank_device().type == "cuda" else "fp32"
+
+
+#: environment a rank needs before its CUDA context exists (launchers set it too)
+RANK_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # Megatron: TP/SP communication ordered with compute
+
+
+def set_rank_env() -> None:
+    """:data:`RANK_ENV` where the environment does not say otherwise."""
+    for key, value in RANK_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
+    """Initialise the default process group (idempotent). Returns (rank, world_size).
+
+    ``timeout_s`` bounds every collective of every group (:func:`set_group_timeout`)."""
+    maybe_activate()
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    set_rank_env()  # before torch.cuda.set_device creates the context
+    set_group_timeout(timeout_s)
     if not launched_by_torchrun():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")

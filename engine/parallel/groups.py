@@ -25,7 +25,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from hyflow.monitor import comm
-from hyflow.parallel.distributed import rank_device
+from hyflow.parallel.distributed import group_timeout, rank_device
 from hyflow.parallel.layout import Layout, LayoutError
 
 _KINDS = ("tp", "pp", "dp", "cp", "mp", "tp_cp", "dp_cp", "embd", "pos_embd")
@@ -109,6 +109,7 @@ def init_training_groups(layout: Layout, seed: int = 1234) -> ParallelGroups:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
         order="tp-cp-ep-dp-pp",
+        distributed_timeout_minutes=group_timeout().total_seconds() / 60,  # trainer.collective_timeout_s
     )
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     comm.register_collection(pgs)  # collectives over these groups are charged to dp / tp / pp / ...

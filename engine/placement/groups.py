@@ -4,11 +4,18 @@ Every pool runs one layout (the roles that share a pool share its tp/pp, checked
 :func:`pool_layouts`), so one set of rank partitions covers the world: per group kind, the
 groups of every pool's layout, shifted to its ranks. :func:`build_pool_groups` creates them
 (collectively, every rank in the same order) and returns this rank's
-:class:`~hyflow.parallel.groups.ParallelGroups` for its own pool; nothing is read from or
-written to Megatron's global ``parallel_state``.
+:class:`~hyflow.parallel.groups.ParallelGroups` for its own pool, with ``.pool_group``: all ranks
+of its pool (the distributed optimizer's instance, so gradient norms and clipping cover the
+pool's TP x PP x DP ranks; the supervisor's flags).
 
 :func:`build_sync_group` creates the group the weight sync runs over (the actor's pool and the
 generation pool), registered as ``reshard`` traffic with :mod:`hyflow.monitor.comm`.
+
+NCCL creates a communicator on a group's first operation and every member must enter it. The
+pools' first operations on the default group (the training lead's control message, rows to
+their owners), on the sync group (ranks without buckets skip a round) and on pipeline groups
+(point to point) involve some members only, so these groups are created eagerly
+(:func:`hyflow.parallel.distributed.eager_init`) where they are made.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from hyflow.config import ConfigError
+from hyflow.parallel.distributed import eager_init, rank_device
 from hyflow.parallel.layout import Layout
 from hyflow.placement.config import ROLES, Placement, Pool
 
@@ -62,22 +70,29 @@ def build_pool_groups(placement: Placement, backend: Optional[str] = None):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from hyflow.monitor import comm
-    from hyflow.parallel.distributed import rank_device
     from hyflow.parallel.groups import ParallelGroups
 
     if dist.get_world_size() != placement.world:
         raise ConfigError(f"the placement covers {placement.world} ranks but {dist.get_world_size()} were launched")
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), rank_device()
+    eager_init(dist.group.WORLD, device)  # control messages and rows: the lead and other pools only
     pgs = ProcessGroupCollection()
     for kind, ranks in pool_enumerations(placement).items():
         group, _ = dist.new_subgroups_by_enumeration(ranks, backend=backend)
         setattr(pgs, kind, group)
+        if kind == "pp":  # pipeline sends and receives between neighbouring stages
+            eager_init(group, device)
     pgs.intra_dp_cp = pgs.dp_cp
     # Dense models: Megatron's DDP and optimizer still ask for the expert groups (ep = 1: one rank each;
     # the others equal the dense ones).
     pgs.ep, _ = dist.new_subgroups_by_enumeration([[r] for r in range(placement.world)], backend=backend)
+    pool_group, _ = dist.new_subgroups_by_enumeration([list(p.ranks) for p in placement.pools], backend=backend)
+    eager_init(pool_group, device)
     pgs.expt_tp, pgs.tp_ep = pgs.tp, pgs.tp
-    pgs.expt_dp, pgs.intra_expt_dp, pgs.tp_ep_pp, pgs.intra_dist_opt = pgs.dp, pgs.dp, pgs.mp, pgs.dp
+    pgs.expt_dp, pgs.intra_expt_dp, pgs.tp_ep_pp = pgs.dp, pgs.dp, pgs.mp
+    # The distributed optimizer's instance is the whole pool: its gradient norm (hence clipping)
+    # is reduced over this group (Megatron's grad_stats_parallel_group), not over DP alone.
+    pgs.intra_dist_opt = pool_group
     comm.register_collection(pgs)
     _install_megatron_globals(pgs, pool_enumerations(placement), dist.get_rank())
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
@@ -87,8 +102,9 @@ def build_pool_groups(placement: Placement, backend: Optional[str] = None):
     pool = placement.pool_of(rank)
     layout = pool_layouts(placement)[pool.name]
     groups = ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=layout.coords(rank - pool.start),
-                            device=rank_device())
+                            device=device)
     groups.pool = pool  # type: ignore[attr-defined]
+    groups.pool_group = pool_group  # type: ignore[attr-defined]
     return groups
 
 
@@ -119,12 +135,14 @@ def _install_megatron_globals(pgs, enums: dict[str, list[list[int]]], rank: int)
 
 
 def build_sync_group(src: Pool, dst: Pool, backend: Optional[str] = None):
-    """The group of the weight sync from ``src`` to ``dst`` (collective: every rank calls it)."""
+    """The group of the weight sync from ``src`` to ``dst`` (collective: every rank calls it; its
+    communicator is created here, as ranks without buckets skip rounds of the sync)."""
     from hyflow.monitor import comm
 
     ranks = sorted(set(src.ranks) | set(dst.ranks))
     group = dist.new_group(ranks=ranks, backend=backend)
     if dist.get_rank() in ranks:
+        eager_init(group, rank_device())
         comm.register_group(group, "reshard")
     return group
 

@@ -33,7 +33,7 @@ from hyflow.rl.batch import MicroBatching, RolloutBatch
 from hyflow.rl.dispatch import sampling_seed, shard_range
 from hyflow.rl.models import RLModels, build_actor, build_other_roles
 from hyflow.roles import RolloutCapabilities, WeightPathCapabilities
-from hyflow.rollout.config import GenerationConfig
+from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
 from hyflow.rollout.engine import GenerationEngine
 from hyflow.rollout.request import RolloutStats
@@ -114,9 +114,12 @@ class RemoteRollouts:
         """Nothing held here."""
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
-                 greedy: bool = False, max_new_tokens: Optional[int] = None) -> GatheredRollout:
+                 greedy: bool = False, max_new_tokens: Optional[int] = None,
+                 sampling: Optional[SamplingConfig] = None) -> GatheredRollout:
         if greedy:  # the preflight refuses it (capabilities.greedy)
             raise RuntimeError("the generation pool does not generate greedy baselines (remax)")
+        if sampling is not None:  # the preflight refuses data.val_files with pools
+            raise RuntimeError("the generation pool samples with the rollout's settings only (no validation)")
         total = len(prompts) * self.groups.layout.dp
         routes = row_routes(total, self.placement.roles["rollout"], self.placement.roles["actor"])
         got = recv_rows(routes, dist.get_rank(), self.groups.device, self.group)

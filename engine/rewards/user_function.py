@@ -3,7 +3,7 @@
     def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float
 
 The function may also return a dict with a ``"score"`` key; its other numeric entries become
-per-sample extras (logged as ``reward/extra/<key>``). Functions are called with keyword
+per-sample extras (logged as ``reward_extra/<key>``). Functions are called with keyword
 arguments when their parameter names are verl's, positionally otherwise; ``extra_info`` is
 passed only if the function takes a fourth parameter.
 

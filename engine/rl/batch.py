@@ -249,7 +249,7 @@ def make_micro_batches(columns: dict[str, torch.Tensor], lengths: Sequence[int],
             mb["max_seqlen"] = max(b - a for a, b in zip(bounds, bounds[1:]))
         elif bounds:
 
-            mb["attention_mask"] = sequence_bounds(seq_lengths, width, device)
+            mb["attention_mask"] = sequence_bounds(seq_lengths, width)  # on the host
         else:
             mb["attention_mask"] = packed_attention_mask(seq_lengths, width, device)
         mb["rows"] = index

@@ -32,7 +32,7 @@ from hyflow.monitor import comm
 from hyflow.rl.batch import MicroBatching, RolloutBatch
 from hyflow.rl.exact_logprobs import rescore_in_generation_layout
 from hyflow.roles import RolloutCapabilities
-from hyflow.rollout.config import GenerationConfig
+from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
 from hyflow.rollout.engine import GenerationEngine
 
@@ -127,11 +127,13 @@ class RolloutDispatcher:
         """Nothing to release: the hybrid engine's ``to_training`` gives the buffer back."""
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
-                 greedy: bool = False, max_new_tokens: Optional[int] = None) -> GatheredRollout:
+                 greedy: bool = False, max_new_tokens: Optional[int] = None,
+                 sampling: Optional[SamplingConfig] = None) -> GatheredRollout:
         """``n`` samples of each of this DP shard's ``prompts`` (global indices from
         ``request_offset``), gathered on every rank of the shard's model-parallel group.
-        ``greedy``: argmax decoding (ReMax's baselines)."""
-        sampling = self.rollout_config.sampling.replace(n=n, seed=seed)
+        ``greedy``: argmax decoding (ReMax's baselines); ``sampling``: settings other than the
+        rollout's (validation's ``rollout.val_kwargs``)."""
+        sampling = (sampling or self.rollout_config.sampling).replace(n=n, seed=seed)
         if greedy:
             sampling = sampling.replace(temperature=0.0)
         if max_new_tokens is not None:

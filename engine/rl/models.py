@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hyflow.checkpoint.model import CheckpointError, load_model_checkpoint, read_checkpoint_info
+from hyflow.checkpoint.starting_weights import check_starting_weights, load_starting_weights, \
+    starting_description
 from hyflow.checkpoint.trained_model import TrainedModel
 from hyflow.hybrid.executor import HybridEngine
 from hyflow.models.builder import build_gpt_model
@@ -58,15 +59,9 @@ class RLModels:
 
 
 def check_actor_checkpoint(path: str) -> None:
-    """A missing or incomplete ``actor.checkpoint`` fails with one error naming the command that
-    creates it. Reads files only (no process group needed)."""
-    try:
-        read_checkpoint_info(path)
-    except CheckpointError as e:
-        raise CheckpointError(
-            f"actor.checkpoint={path!r}: {e}. Convert the model into it first: `hyflow convert hf2mcore "
-            f"--hf <HF model dir or .gguf file> --out {path}` (for configs/smollm2_arith.yaml, "
-            "`make smollm2` writes checkpoints/smollm2-135m)") from None
+    """A missing or incomplete ``actor.checkpoint`` (a hyflow checkpoint, an HF directory or a
+    ``.gguf`` file) fails with one error naming it. Reads files only (no process group needed)."""
+    check_starting_weights(path, "actor.checkpoint")
 
 
 @torch.no_grad()
@@ -94,9 +89,10 @@ def _init_value_head(model: torch.nn.Module, std: float, seed: int) -> None:
         head.copy_(torch.randn(head.shape, generator=gen, device=torch.device("cpu")) * std)
 
 
-def _initial_state(cfg, desc: ModelDescription, model, groups: ParallelGroups, checkpoint: Optional[str]):
-    if checkpoint:
-        load_model_checkpoint(model, checkpoint, groups)
+def _initial_state(cfg, desc: ModelDescription, model, groups: ParallelGroups, checkpoint: Optional[str],
+                   write_cache: bool = True):
+    if checkpoint:  # a hyflow checkpoint, or an HF model read directly (actor.checkpoint_cache: converted once)
+        load_starting_weights(model, checkpoint, groups, desc, cfg.actor.checkpoint_cache, write_cache)
     else:
         load_full_state_dict(model, random_full_state_dict(desc, cfg.trainer.seed), desc, groups)
 
@@ -108,7 +104,7 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
         check_reward_model_checkpoint(cfg.reward.model_checkpoint)
     layout = cfg.actor_layout(dist.get_world_size())
     groups = init_training_groups(layout, seed=cfg.trainer.seed)
-    desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
+    desc = starting_description(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
     if desc.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"the model's vocabulary ({desc.vocab_size}) is smaller than the tokenizer's "
                          f"({tokenizer.vocab_size}); use a model/tokenizer pair that match")
@@ -182,7 +178,7 @@ def build_critic(cfg, desc: ModelDescription, groups: ParallelGroups, trunk: Opt
     frozen = FROZEN_INIT
     if trunk is None:
         trunk = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, config_overrides=frozen)
-        _initial_state(cfg, desc, trunk, groups, cfg.actor.checkpoint)
+        _initial_state(cfg, desc, trunk, groups, cfg.actor.checkpoint, write_cache=False)
     critic = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, value_head=True,
                              config_overrides=dict(frozen, **_recompute(cfg.actor.recompute)))
     untouched = _copy_matching(trunk, critic, skip=("output_layer.weight",))

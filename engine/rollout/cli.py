@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from typing import Any, Optional
 
@@ -62,9 +61,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output", help="write one JSON line per sample here")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the checksums of the checkpoint's files (sizes and pickles are still checked)")
-    p.add_argument("--reward", choices=rule_names(), default=None,
-                   help="score each response with this rule against its row's reward_model.ground_truth "
-                        "and report the mean (prompts in the RL data format, e.g. from hyflow make-task)")
+    p.add_argument("--reward", default=None, metavar="RULE|FILE.py[:FUNCTION]",
+                   help=f"score each response against its row's reward_model.ground_truth and report the mean "
+                        f"(prompts in the RL data format, e.g. from hyflow make-task): a rule "
+                        f"({', '.join(rule_names())}) or a Python file defining verl's compute_score")
     p.set_defaults(func=cmd_generate)
 
 
@@ -137,22 +137,45 @@ def read_ground_truths(path: str) -> list[tuple[Any, dict]]:
     return out
 
 
-def rule_scores(samples: Any, texts: list[str], truths: list[tuple[Any, dict]], rule: str) -> list[float]:
-    """The reward rule's score of each sample's decoded text against its prompt's ground truth."""
-    from hyflow.rewards.rules import RULES
+def reward_scores(samples: Any, texts: list[str], truths: list[tuple[Any, dict]], reward: Any,
+                  sources: Optional[list[str]] = None) -> list[float]:
+    """The reward's (a :class:`~hyflow.rewards.manager.RewardManager`) score of each sample's decoded
+    text against its prompt's ground truth; ``sources``: each prompt's data_source."""
+    rows = [truths[s.request_index] for s in samples]
+    return reward.score(texts, [sources[s.request_index] if sources else "unknown" for s in samples],
+                        [gt for gt, _ in rows], [extra for _, extra in rows],
+                        where=[f"prompt {s.request_index} sample {getattr(s, 'sample_index', 0)}"
+                               for s in samples]).scores
 
-    return [float(RULES[rule](text, truths[s.request_index][0], extra_info=truths[s.request_index][1]))
-            for s, text in zip(samples, texts)]
+
+def reward_manager(spec: str) -> Any:
+    """The :class:`~hyflow.rewards.manager.RewardManager` of ``--reward`` (a rule or a function file)."""
+    from types import SimpleNamespace
+
+    from hyflow.rewards.manager import RewardManager
+    from hyflow.rewards.spec import reward_spec
+
+    keys = reward_spec(spec)
+    if keys["kind"] == "model":
+        raise ValueError("--reward model:... needs the reward model's layout: score with `hyflow eval` instead")
+    return RewardManager.from_config(SimpleNamespace(model_checkpoint=None, **keys))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from hyflow.config import ConfigError
     from hyflow.parallel.distributed import launched_by_torchrun
 
+    from hyflow.rewards.user_function import RewardError
+
     try:
         _configs(args)
+        if args.reward:
+            reward_manager(args.reward)  # a bad rule or function file fails here, before any rank starts
     except ConfigError as e:
         print(f"hyflow: config error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, RewardError) as e:
+        print(f"hyflow generate: --reward: {e}", file=sys.stderr)
         return 2
     if args.no_verify:
         from hyflow.checkpoint.manifest import NO_VERIFY_ENV
@@ -163,7 +186,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from hyflow.checkpoint.errors import CheckpointError
 
         try:  # one process verifies here, before anything starts; several ranks share the work later
-            args.ckpt = _model_dir(args.ckpt, verify=world == 1)
+            args.ckpt = resolve_model_dir(args.ckpt, verify=world == 1)
         except CheckpointError as e:
             print(f"hyflow generate: error: {e}", file=sys.stderr)
             return 2
@@ -171,17 +194,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("hyflow: --tp, --pp and --dp must be >= 1", file=sys.stderr)
         return 2
     if world > 1 and not launched_by_torchrun():
-        if sys.argv[1:2] != ["generate"]:
-            print("hyflow: run `hyflow generate ...` from the command line for --tp/--pp/--dp > 1",
-                  file=sys.stderr)
-            return 2
-        from hyflow.cli import RANK_ARGV_ENV
+        from hyflow.cli_support import run_ranks_here
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", "hyflow.cli"]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        env[RANK_ARGV_ENV] = json.dumps(sys.argv[1:])  # not on torchrun's command line: see RANK_ARGV_ENV
-        return subprocess.call(cmd, env=env)
+        return run_ranks_here("generate", world)
     from hyflow.parallel.distributed import init_distributed, shutdown
 
     init_distributed()
@@ -194,7 +209,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         shutdown()
 
 
-def _model_dir(path: str, verify: bool = False) -> str:
+def resolve_model_dir(path: str, verify: bool = False) -> str:
     """``--ckpt``: a model checkpoint, or the actor of a run's newest complete step checkpoint
     (as ``hyflow export --ckpt``). Its files are present with their sizes; ``verify`` checks
     them against the manifest here (one process; with several ranks each checks a share
@@ -246,6 +261,7 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"hyflow generate: no tokenizer ({e}); prompts must be token ids", file=sys.stderr)
     prompts = read_prompts(args.prompts, tokenizer, args.chat)
     truths = read_ground_truths(args.prompts) if args.reward else None
+    reward = reward_manager(args.reward) if args.reward else None
     if truths is not None and tokenizer is None:
         raise ValueError("--reward scores decoded text: it needs a tokenizer (--tokenizer)")
     eos = list(desc.eos_token_ids or [])
@@ -256,15 +272,21 @@ def _generate(args: argparse.Namespace) -> int:
                               pp_group=groups.pgs.pp)
     result = generate_data_parallel(engine, prompts, groups.pgs.dp, device=groups.device).to_result()
     if dist.get_rank() == 0:
-        _report(result, prompts, tokenizer, args.output, truths, args.reward)
+        _report(result, prompts, tokenizer, args.output, truths, reward, _data_sources(args.prompts))
     return 0
 
 
+def _data_sources(path: str) -> list[str]:
+    return [str(r.get("data_source", "unknown")) if isinstance(r, dict) else "unknown"
+            for r in read_prompt_rows(path)]
+
+
 def _report(result: Any, prompts: list[list[int]], tokenizer: Any, output: Optional[str],
-            truths: Optional[list[tuple[Any, dict]]] = None, rule: Optional[str] = None) -> None:
+            truths: Optional[list[tuple[Any, dict]]] = None, reward: Any = None,
+            sources: Optional[list[str]] = None) -> None:
     rows = []
     texts = [tokenizer.decode(s.token_ids) if tokenizer is not None else None for s in result.samples]
-    scores = rule_scores(result.samples, texts, truths, rule) if truths is not None else None
+    scores = reward_scores(result.samples, texts, truths, reward, sources) if truths is not None else None
     for k, (s, text) in enumerate(zip(result.samples, texts)):
         prompt = tokenizer.decode(s.prompt_ids) if tokenizer is not None else None
         rows.append({"index": s.request_index, "sample": s.sample_index, "prompt": prompt, "response": text,
@@ -283,7 +305,7 @@ def _report(result: Any, prompts: list[list[int]], tokenizer: Any, output: Optio
     if scores is not None:
         reasons = [s.finish_reason for s in result.samples]
         ended = ", ".join(f"{reasons.count(r)} {r}" for r in sorted(set(reasons)))
-        print(f"{rule}: mean score {sum(scores) / len(scores):.4f} over {len(scores)} samples "
+        print(f"{reward.name}: mean score {sum(scores) / len(scores):.4f} over {len(scores)} samples "
               f"of {len(prompts)} prompts (finish: {ended})")
     if output:
         with open(output, "w") as f:

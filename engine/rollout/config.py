@@ -33,8 +33,8 @@ class ResponseSettings:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0 = greedy)"})
     top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens (0 = off)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
-    n: int = field(default=1, metadata={"help": "responses sampled per prompt"})
-    max_new_tokens: int = field(default=256, metadata={"help": "longest response in tokens"})
+    n: int = field(default=1, metadata={"unit": "responses per prompt", "help": "responses sampled per prompt"})
+    max_new_tokens: int = field(default=256, metadata={"unit": "tokens", "help": "longest response in tokens"})
     stop_token_ids: list[int] = field(default_factory=list,
                                       metadata={"help": "extra stop ids besides the EOS ids"})
 
@@ -45,14 +45,17 @@ class EngineSettings:
     :class:`GenerationConfig`)."""
 
     max_prompt_length: Optional[int] = field(default=None, metadata={
+        "unit": "tokens",
         "help": "longest prompt in tokens (None = max_seq_len - 1); longer prompts are an error "
                 "unless truncate_long_prompts"})
     truncate_long_prompts: bool = field(default=False, metadata={
         "help": "keep the last max_prompt_length tokens of longer prompts instead of refusing them "
                 "(the RL dataset drops them otherwise; the count is logged)"})
     prefill_chunk_size: int = field(default=0, metadata={
+        "unit": "tokens",
         "help": "prefill long prompts in chunks of this many tokens (0 = whole prompt)"})
     max_concurrent: int = field(default=64, metadata={
+        "unit": "sequences per generation replica",
         "help": "sequences decoded at once per replica (KV-cache slots)"})
 
 

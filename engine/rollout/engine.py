@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from hyflow.config import ConfigError
 from hyflow.models.routing_replay import recording
+from hyflow.monitor import comm
 from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.request import GenerationRequest, RolloutResult, RolloutStats, SampleOutput, as_requests
 from hyflow.rollout.runner import ModelRunner
@@ -186,7 +187,9 @@ class GenerationEngine:
         if seqs:
             cache = self.runner.new_cache(min(self.config.max_concurrent, len(seqs)), capacity_needed(seqs))
             record = recording(self.runner.model) if self.config.record_routing else contextlib.nullcontext()
-            with torch.inference_mode(), self.runner.attach(cache, self.config.cpu_weight_packing), record as hooks:
+            # the decode loop's TP all-reduces (two per layer per token) are counted, not CUDA-timed
+            with torch.inference_mode(), self.runner.attach(cache, self.config.cpu_weight_packing), \
+                    comm.untimed(), record as hooks:
                 scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats, routing_hooks=hooks)
                 scheduler.run(seqs)
             for s in seqs:

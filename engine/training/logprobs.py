@@ -125,9 +125,13 @@ CHUNK_ELEMENTS = 1 << 22
 GPU_CHUNK_ELEMENTS = 1 << 24
 #: vocabulary columns per block on the CPU. Narrow blocks keep a block's weights and logits in
 #: cache: on the dev box a [132, 576] x [576, 1024] product runs at ~80 GFLOP/s where the whole
-#: 49152-column one runs at ~55, and the softmax passes stay in cache. A GPU takes the whole
-#: shard at once (fewer, larger kernels).
+#: 49152-column one runs at ~55, and the softmax passes stay in cache.
 VOCAB_BLOCK = 1024
+#: rows per block on a GPU. Every row chunk reads the whole vocabulary shard of the weight (and, in
+#: the backward, adds a weight-sized product into the fp32 gradient), so chunks of thousands of rows
+#: keep that traffic a small share of the GEMMs'; columns then follow from GPU_CHUNK_ELEMENTS
+#: (4096 x 4096: 64 MiB of float32 logits, GEMMs large enough to fill an H100).
+GPU_BLOCK_ROWS = 4096
 
 
 def _shard(weight: torch.Tensor, vocab_size: int, tp_group) -> tuple[int, int]:
@@ -157,6 +161,13 @@ def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out.addmm_(a, b)
     else:
         out.add_(a @ b)
+
+
+def _label_column(z: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """``z[i, col[i]]`` where ``0 <= col[i] < z.shape[1]``, else 0 (labels in other blocks / shards)."""
+    inside = (col >= 0) & (col < z.shape[1])
+    value = z.gather(1, col.clamp(0, z.shape[1] - 1).unsqueeze(-1)).squeeze(-1)
+    return torch.where(inside, value, torch.zeros_like(value))
 
 
 class _FusedHeadScores(torch.autograd.Function):
@@ -192,8 +203,7 @@ class _FusedHeadScores(torch.autograd.Function):
                 new_m = torch.maximum(m, z.max(dim=-1).values)
                 s, u = _rescale(m, s, u, new_m)
                 m = new_m
-                here = ((lab >= b) & (lab < b + z.shape[1])).nonzero().squeeze(-1)
-                picked[here] = z[here, lab[here] - b]
+                picked += _label_column(z, lab - b)  # a masked gather: no host sync
                 z.sub_(m.unsqueeze(-1))
                 e = torch.exp(z)
                 s += e.sum(dim=-1)
@@ -239,9 +249,11 @@ class _FusedHeadScores(torch.autograd.Function):
                     gz.add_(coef.unsqueeze(-1)).mul_(p).neg_()
                 else:
                     gz = p.mul_(-coef.unsqueeze(-1))
-                if g_logp is not None:
-                    here = ((lab >= b) & (lab < b + gz.shape[1])).nonzero().squeeze(-1)
-                    gz[here, lab[here] - b] += coef[here]
+                if g_logp is not None:  # + coef at each row's label column, where it lies in this block
+                    col = lab - b
+                    inside = (col >= 0) & (col < gz.shape[1])
+                    gz.scatter_add_(1, col.clamp(0, gz.shape[1] - 1).unsqueeze(-1),
+                                    torch.where(inside, coef, torch.zeros_like(coef)).unsqueeze(-1))
                 if scale != 1.0:
                     gz.div_(scale)
                 gz = gz.to(hidden.dtype)
@@ -255,12 +267,15 @@ class _FusedHeadScores(torch.autograd.Function):
 def block_shape(device: torch.device, width: int, chunk_elements: Optional[int] = None,
                 vocab_block: Optional[int] = None) -> tuple[int, int]:
     """(rows, columns) of the fused head's blocks of logits for a vocabulary shard of ``width``
-    rows on ``device``: :data:`CHUNK_ELEMENTS` x :data:`VOCAB_BLOCK` on the CPU, the whole shard
-    and :data:`GPU_CHUNK_ELEMENTS` elsewhere, unless given."""
+    rows on ``device``: :data:`CHUNK_ELEMENTS` / :data:`VOCAB_BLOCK` x :data:`VOCAB_BLOCK` on the CPU,
+    :data:`GPU_BLOCK_ROWS` x (:data:`GPU_CHUNK_ELEMENTS` / :data:`GPU_BLOCK_ROWS`) elsewhere (a
+    narrower shard gives its spare columns to more rows), unless given."""
     cpu = torch.device(device).type == "cpu"
     if chunk_elements is None:
         chunk_elements = CHUNK_ELEMENTS if cpu else GPU_CHUNK_ELEMENTS
-    columns = max(1, min(vocab_block or (VOCAB_BLOCK if cpu else width), width))
+    if vocab_block is None:
+        vocab_block = VOCAB_BLOCK if cpu else max(1, chunk_elements // GPU_BLOCK_ROWS)
+    columns = max(1, min(vocab_block, width))
     return max(1, chunk_elements // columns), columns
 
 

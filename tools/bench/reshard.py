@@ -183,7 +183,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         def naive():
             for i, width in enumerate(widths):
-                mine = torch.zeros(width, dtype=local[0].dtype)
+                mine = torch.zeros(width, dtype=local[0].dtype, device=local[0].device)  # NCCL on a GPU, as ours
                 if i < len(local):
                     mine[:local[i].numel()] = local[i]
                 out = [torch.empty_like(mine) for _ in range(world)]

@@ -34,8 +34,10 @@ CHAT_PROMPTS = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
-                   help="smollm2: SmolLM2-135M-Instruct (GGUF, dequantised); tiny: a random 4-layer Llama")
+    p.add_argument("--model", choices=("smollm2", "tiny", "qwen2.5-0.5b"), default="smollm2",
+                   help="smollm2: SmolLM2-135M-Instruct (GGUF, dequantised); tiny: a random 4-layer Llama; "
+                        "qwen2.5-0.5b: Qwen2.5-0.5B's architecture with random weights (nothing downloaded)")
+    p.add_argument("--no-hf", action="store_true", help="time hyflow's engine only (no transformers baseline)")
     p.add_argument("--batch", type=int, default=16, help="prompts generated together")
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (best is kept)")
@@ -56,6 +58,18 @@ def _tiny_hf(seed: int = 0) -> Any:
                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
                       tie_word_embeddings=False)
     return LlamaForCausalLM(cfg).eval()
+
+
+def _qwen_hf(seed: int = 0) -> Any:
+    """Qwen2.5-0.5B's architecture (its config.json's numbers), random weights."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg).eval()
 
 
 def _prompts(args: argparse.Namespace, tok: Any, vocab: int) -> list[list[int]]:
@@ -112,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model == "smollm2":
             hf, tok = load_hf(smollm2_gguf(), args.dtype)
         else:
-            hf, tok = _tiny_hf(), None
+            hf, tok = (_qwen_hf() if args.model == "qwen2.5-0.5b" else _tiny_hf()), None
             hf = hf.to(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
         hf.generation_config.eos_token_id = None
         model, desc = megatron_from_hf(hf, groups, dtype=args.dtype)
@@ -125,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
             model, desc, GenerationConfig(max_concurrent=args.batch, sampling=greedy))
         # Warm-up (allocator, first-call dispatch) on both sides.
         engine.generate(prompts[:2], greedy.replace(max_new_tokens=4))
-        _hf_generate(hf, prompts[:2], 4, pad_id)
+        if not args.no_hf:
+            _hf_generate(hf, prompts[:2], 4, pad_id)
         if args.profile:
             _profile(engine, hf, prompts, pad_id, args)
         ours_t, hf_t, ours_cpu, hf_cpu = [], [], [], []
@@ -136,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
             ours_cpu.append(time.process_time() - cpu)
             ours_t.append(res.stats.seconds)
             ours_out = [s.token_ids for s in res.samples]
-            seconds, cpu_s, hf_out = _hf_generate(hf, prompts, args.new_tokens, pad_id)
+            seconds, cpu_s, hf_out = _hf_generate(hf, prompts, args.new_tokens, pad_id) if not args.no_hf else \
+                (float("nan"), float("nan"), ours_out)
             hf_t.append(seconds)
             hf_cpu.append(cpu_s)
         tokens = args.batch * args.new_tokens
@@ -152,7 +168,9 @@ def run(args: argparse.Namespace) -> int:
             "tokens_per_s_median": round(tokens / med, 2), "hf_tokens_per_s_median": round(tokens / hf_med, 2),
             "speedup_median": round(hf_med / med, 3),
             "cpu_speedup": round(min(hf_cpu) / min(ours_cpu), 3),
-            "greedy_match": f"{match}/{args.batch}", "load_s": round(load_s, 1),
+            "greedy_match": f"{match}/{args.batch}" if not args.no_hf else None, "load_s": round(load_s, 1),
+            # what a decode step reads at least (every weight once), for the HBM roofline
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "runs_s": [round(t, 2) for t in ours_t], "hf_runs_s": [round(t, 2) for t in hf_t],
             "cpu_runs_s": [round(t, 2) for t in ours_cpu], "hf_cpu_runs_s": [round(t, 2) for t in hf_cpu],
         }

@@ -75,7 +75,7 @@ def register(subparsers) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     """Run one conversion; returns the process exit status."""
     from hyflow.config import ConfigError
-    from hyflow.tools.convert.errors import ConversionError
+    from hyflow.models.sources.errors import ConversionError
     from hyflow.tools.convert.launch import RankFailure
 
     def log(message: str) -> None:

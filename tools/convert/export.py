@@ -36,7 +36,7 @@ def find_model_checkpoint(path: str, role: str = ROLE) -> str:
 def cmd_export(args: argparse.Namespace) -> int:
     """Run the export; returns the process exit status."""
     from hyflow.checkpoint.model import CheckpointError
-    from hyflow.tools.convert.errors import ConversionError
+    from hyflow.models.sources.errors import ConversionError
     from hyflow.tools.convert.launch import RankFailure
     from hyflow.tools.convert.mcore2hf import mcore2hf
 

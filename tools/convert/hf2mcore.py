@@ -64,9 +64,9 @@ def convert_rank(job: RankJob) -> ProcessMemory:
     from hyflow.models.weights import expert_offset, global_name, layer_offset, split_of
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.tools.convert.model_source import open_model_source
+    from hyflow.models.sources.model_source import open_model_source
+    from hyflow.models.sources.shard_reader import fill_shard
     from hyflow.tools.convert.preflight import conversion_world
-    from hyflow.tools.convert.shard_reader import fill_shard
 
     with PeakMemory() as memory:
         desc = ModelDescription.from_dict(job.desc)
@@ -132,7 +132,7 @@ def hf2mcore(hf_path: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str
     """Convert ``hf_path`` into a checkpoint at ``out_dir`` laid out for ``tp`` x ``pp`` (the
     decoder layers per stage ``stage_layers``, default even; the checkpoint loads in any layout).
 
-    Raises :class:`~hyflow.tools.convert.errors.ConversionError` (before writing
+    Raises :class:`~hyflow.models.sources.errors.ConversionError` (before writing
     anything) for bad inputs. Returns the memory / time report.
     """
     from hyflow.tools.convert.launch import run_ranks

@@ -154,7 +154,7 @@ def mcore2hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, force: bo
              max_shard_bytes: int = DEFAULT_SHARD_BYTES, log=print) -> MemoryReport:
     """Export ``ckpt_dir`` as an HF directory at ``out_dir``; returns the memory / time report.
 
-    Raises :class:`~hyflow.tools.convert.errors.ConversionError` before writing
+    Raises :class:`~hyflow.models.sources.errors.ConversionError` before writing
     anything for a missing or incomplete checkpoint or a non-empty ``out_dir``.
     """
     from hyflow.tools.convert.launch import run_ranks

@@ -2,7 +2,7 @@
 
 :func:`plan_hf2mcore` and :func:`plan_mcore2hf` open the inputs (headers and
 metadata only), validate them and return a plan; any problem is a
-:class:`~hyflow.tools.convert.errors.ConversionError` whose message names the file,
+:class:`~hyflow.models.sources.errors.ConversionError` whose message names the file,
 tensor or number at fault: unsupported architecture, missing or truncated weight
 files, tensors whose shapes disagree with config.json, a TP that does not divide
 the heads or key/value groups, a PP that does not divide the layers, an output
@@ -17,10 +17,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from hyflow.tools.convert.errors import ConversionError
-from hyflow.tools.convert.model_source import ModelSource, open_model_source
+from hyflow.models.sources.errors import ConversionError
+from hyflow.models.sources.model_source import DTYPE_CHOICES, ModelSource, check_tensors, open_model_source, \
+    resolve_dtype
 
-DTYPE_CHOICES = ("auto", "fp32", "bf16")
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -38,50 +38,6 @@ def check_output_dir(out_dir: str, force: bool, inputs: tuple[str, ...] = ()) ->
         if os.listdir(out_dir) and not force:
             raise ConversionError(f"output directory {out_dir} exists and is not empty; "
                                   "pass --force to replace its contents")
-
-
-def check_tensors(source: ModelSource, desc) -> None:
-    """Every tensor the description needs exists with the right shape; nothing unexplained."""
-    from hyflow.models.hf_mapping import IGNORED_HF_TENSORS, hf_parameter_shapes
-
-    weights = source.weights
-    expected = hf_parameter_shapes(desc)
-    present = set(weights.names())
-    missing = [n for n in expected if n not in present]
-    if missing:
-        raise ConversionError(
-            f"{source.path}: {len(missing)} tensors that config.json implies are missing from the "
-            f"weights ({weights.kind}), e.g. {missing[:3]}; the files are incomplete or do not "
-            "match config.json")
-    for name, shape in expected.items():
-        got = weights.shape(name)
-        if got != shape:
-            raise ConversionError(
-                f"{source.path}: tensor {name} has shape {list(got)} but config.json implies "
-                f"{list(shape)}; the weights do not match the config")
-        dtype = weights.dtype(name)
-        if not dtype.is_floating_point:
-            raise ConversionError(f"{source.path}: tensor {name} has dtype {dtype}; only float "
-                                  "weights are converted (quantized HF checkpoints are not)")
-    allowed = set(expected) | ({"lm_head.weight"} if desc.tied_embeddings else set())
-    unexpected = sorted(n for n in present - allowed if not IGNORED_HF_TENSORS.match(n))
-    if unexpected:
-        raise ConversionError(
-            f"{source.path}: {len(unexpected)} tensors are not described by config.json, e.g. "
-            f"{unexpected[:3]}; the config and the weights disagree (or the model has parts "
-            "hyflow does not support)")
-
-
-def resolve_dtype(requested: str, source: ModelSource) -> str:
-    """``auto`` -> bf16 for bf16 weights, fp32 otherwise (fp16 widens exactly)."""
-    if requested not in DTYPE_CHOICES:
-        raise ConversionError(f"--dtype {requested!r} is not one of {', '.join(DTYPE_CHOICES)}")
-    if requested != "auto":
-        return requested
-    import torch
-
-    dtypes = {source.weights.dtype(n) for n in source.weights.names()}
-    return "bf16" if dtypes == {torch.bfloat16} else "fp32"
 
 
 @dataclass

@@ -18,8 +18,8 @@ import torch
 
 from hyflow.models.description import ModelDescription
 from hyflow.models.hf_mapping import hf_to_megatron_tensor
-from hyflow.tools.convert.errors import ConversionError
-from hyflow.tools.convert.source import WeightSource
+from hyflow.models.sources.errors import ConversionError
+from hyflow.models.sources.source import WeightSource
 
 BLOCK_BYTES = 16 * 1024 * 1024  #: rows read per block (float32 bytes)
 _SHIFT = 40

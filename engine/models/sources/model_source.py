@@ -13,14 +13,18 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hyflow.tools.convert.errors import ConversionError
-from hyflow.tools.convert.source import WeightSource
+from hyflow.config import ConfigError
+from hyflow.models.description import ModelDescription
+from hyflow.models.sources.errors import ConversionError
+from hyflow.models.sources.source import WeightSource
 
 #: Files of an HF tokenizer (whichever exist are copied next to the checkpoint).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json")
 GENERATION_CONFIG = "generation_config.json"
+DTYPE_CHOICES = ("auto", "fp32", "bf16")
+CHECKPOINT_INFO = "hyflow_checkpoint.json"  # a hyflow checkpoint's marker (hyflow.checkpoint.model)
 
 
 @dataclass
@@ -76,6 +80,31 @@ class ModelSource:
         return True
 
 
+def is_hf_model(path: str) -> bool:
+    """An HF model directory (``config.json``, not a hyflow checkpoint) or a ``.gguf`` file."""
+    if os.path.isfile(path):
+        return path.endswith(".gguf")
+    return os.path.isfile(os.path.join(path, "config.json")) and \
+        not os.path.isfile(os.path.join(path, CHECKPOINT_INFO))
+
+
+def hf_description(path: str) -> ModelDescription:
+    """The architecture of the HF model at ``path`` (config.json or GGUF metadata), its EOS ids and
+    its tokenizer (the directory itself, or the GGUF file). Reads headers only; raises
+    :class:`~hyflow.models.sources.errors.ConversionError` naming the problem."""
+    from hyflow.models.hf_mapping import description_from_hf_config  # torch: the config checks stay light
+
+    source = open_model_source(path)
+    try:
+        desc = description_from_hf_config(source.config)
+    except ConfigError as e:
+        raise ConversionError(f"{path}: {e}") from None
+    desc.eos_token_ids = source.eos_token_ids()
+    has_tokenizer = source.format == "gguf" or bool(source.tokenizer_files)
+    desc.tokenizer = os.path.abspath(path) if has_tokenizer else None
+    return desc
+
+
 def _read_json(path: str) -> dict[str, Any]:
     try:
         with open(path) as f:
@@ -88,8 +117,8 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _open_hf_directory(path: str) -> ModelSource:
-    from hyflow.tools.convert.safetensors_source import find_safetensors
-    from hyflow.tools.convert.torchbin_source import find_torch_bin
+    from hyflow.models.sources.safetensors_source import find_safetensors
+    from hyflow.models.sources.torchbin_source import find_torch_bin
 
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
@@ -112,7 +141,7 @@ def _open_hf_directory(path: str) -> ModelSource:
 
 def open_model_source(path: str) -> ModelSource:
     """Open ``path`` (HF directory or ``.gguf`` file) and check its files."""
-    from hyflow.tools.convert.gguf_source import GGUFSource, is_gguf
+    from hyflow.models.sources.gguf_source import GGUFSource, is_gguf
 
     if not os.path.exists(path):
         raise ConversionError(f"{path} does not exist")
@@ -122,3 +151,47 @@ def open_model_source(path: str) -> ModelSource:
         source = GGUFSource(path)
         return ModelSource(path=path, format="gguf", config=source.config, weights=source)
     raise ConversionError(f"{path} is neither an HF model directory nor a GGUF file")
+
+
+def check_tensors(source: ModelSource, desc) -> None:
+    """Every tensor the description needs exists with the right shape; nothing unexplained."""
+    from hyflow.models.hf_mapping import IGNORED_HF_TENSORS, hf_parameter_shapes
+
+    weights = source.weights
+    expected = hf_parameter_shapes(desc)
+    present = set(weights.names())
+    missing = [n for n in expected if n not in present]
+    if missing:
+        raise ConversionError(
+            f"{source.path}: {len(missing)} tensors that config.json implies are missing from the "
+            f"weights ({weights.kind}), e.g. {missing[:3]}; the files are incomplete or do not "
+            "match config.json")
+    for name, shape in expected.items():
+        got = weights.shape(name)
+        if got != shape:
+            raise ConversionError(
+                f"{source.path}: tensor {name} has shape {list(got)} but config.json implies "
+                f"{list(shape)}; the weights do not match the config")
+        dtype = weights.dtype(name)
+        if not dtype.is_floating_point:
+            raise ConversionError(f"{source.path}: tensor {name} has dtype {dtype}; only float "
+                                  "weights are converted (quantized HF checkpoints are not)")
+    allowed = set(expected) | ({"lm_head.weight"} if desc.tied_embeddings else set())
+    unexpected = sorted(n for n in present - allowed if not IGNORED_HF_TENSORS.match(n))
+    if unexpected:
+        raise ConversionError(
+            f"{source.path}: {len(unexpected)} tensors are not described by config.json, e.g. "
+            f"{unexpected[:3]}; the config and the weights disagree (or the model has parts "
+            "hyflow does not support)")
+
+
+def resolve_dtype(requested: str, source: ModelSource) -> str:
+    """``auto`` -> bf16 for bf16 weights, fp32 otherwise (fp16 widens exactly)."""
+    if requested not in DTYPE_CHOICES:
+        raise ConversionError(f"--dtype {requested!r} is not one of {', '.join(DTYPE_CHOICES)}")
+    if requested != "auto":
+        return requested
+    import torch
+
+    dtypes = {source.weights.dtype(n) for n in source.weights.names()}
+    return "bf16" if dtypes == {torch.bfloat16} else "fp32"

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from hyflow.tools.convert.errors import ConversionError
-from hyflow.tools.convert.source import WeightSource
+from hyflow.models.sources.errors import ConversionError
+from hyflow.models.sources.source import WeightSource
 
 _BLOCK_BYTES = 16 * 1024 * 1024  #: dequantize at most this much output at a time
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}

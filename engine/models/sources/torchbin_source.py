@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from hyflow.tools.convert.errors import ConversionError
-from hyflow.tools.convert.source import WeightSource
+from hyflow.models.sources.errors import ConversionError
+from hyflow.models.sources.source import WeightSource
 
 
 def _load(path: str) -> dict[str, torch.Tensor]:

@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 import torch
 
-from hyflow.tools.convert.errors import ConversionError
-from hyflow.tools.convert.source import WeightSource
+from hyflow.models.sources.errors import ConversionError
+from hyflow.models.sources.source import WeightSource
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
