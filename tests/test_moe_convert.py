@@ -17,8 +17,11 @@ import pytest
 import torch
 
 from hyflow.testing import run_on_ranks
+from hyflow.testing.multirank import default_timeout
 
 pytestmark = pytest.mark.multirank
+#: generous on a loaded box; HYFLOW_TEST_TIMEOUT raises it further
+TIMEOUT = max(900.0, default_timeout())
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 #: (tp, pp, ep, etp) written; the world each needs (tools.convert.preflight.conversion_world)
@@ -37,6 +40,27 @@ def _logits_all(ckpts: List[str], layout: Tuple[int, int, int, Optional[int]], t
 
     tp, pp, ep, etp = layout
     return [checkpoint_logits(ckpt, tp, pp, tokens, ep=ep, etp=etp) for ckpt in ckpts]
+
+
+def _hf_logits_all(paths: List[str], layout: Tuple[int, int, int, Optional[int]], tokens) -> list:
+    """``actor.checkpoint`` = an HF directory: each rank reads its experts' shards directly."""
+    from hyflow.checkpoint.model import build_model_for_loading
+    from hyflow.models.sources.hf_weights import load_hf_weights
+    from hyflow.models.sources.model_source import hf_description
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.tools.convert.preflight import conversion_world
+    from hyflow.tools.convert.verify import forward_logits
+
+    tp, pp, ep, etp = layout
+    groups = init_training_groups(Layout(tp=tp, pp=pp, ep=ep, etp=etp).with_dp_for(conversion_world(tp, pp, ep, etp)))
+    out = []
+    for path in paths:
+        desc = hf_description(path)
+        model = build_model_for_loading(desc, groups, dtype="fp32", spec="local")
+        load_hf_weights(model, path, desc, groups)
+        out.append(forward_logits(model.eval(), torch.tensor(tokens), desc.vocab_size, groups))
+    return out
 
 
 def _export_all(jobs) -> list:
@@ -74,7 +98,7 @@ def checkpoints(sources, tmp_path_factory) -> Dict[Tuple[str, str], str]:
                                            ep=ep, etp=etp)
             jobs.append(job)
             out[(name, label)] = job.out_dir
-        run_on_ranks(_convert_all, plan.world_size, jobs, timeout=600)
+        run_on_ranks(_convert_all, plan.world_size, jobs, timeout=TIMEOUT)
     return out
 
 
@@ -90,19 +114,25 @@ def _check(per_rank: list, ckpts: List[Tuple[str, str]], sources, loaded: str) -
 
 
 def test_two_rank_layouts_match_transformers(sources, checkpoints) -> None:
-    """TP=2 x EP=2 (ETP=1) and TP=2 x ETP=2 on 2 ranks, each loading both checkpoints."""
+    """TP=2 x EP=2 (ETP=1) and TP=2 x ETP=2 on 2 ranks, each loading both checkpoints and the HF
+    directories directly."""
     ckpts = [(n, label) for label in WRITTEN for n in FAMILIES]
     paths = [checkpoints[c] for c in ckpts]
     for layout in [(2, 1, 2, 1), (2, 1, 1, 2)]:
-        per_rank = run_on_ranks(_logits_all, 2, paths, layout, sources["tokens"], timeout=600)
+        per_rank = run_on_ranks(_logits_all, 2, paths, layout, sources["tokens"], timeout=TIMEOUT)
         _check(per_rank, ckpts, sources, f"tp{layout[0]} ep{layout[2]} etp{layout[3]}")
+    # the HF directories read directly (no conversion step), experts split by EP and by ETP
+    for layout in [(2, 1, 2, 1), (2, 1, 1, 2)]:
+        per_rank = run_on_ranks(_hf_logits_all, 2, [sources["path"][n] for n in FAMILIES], layout,
+                                sources["tokens"], timeout=TIMEOUT)
+        _check(per_rank, [(n, "hf") for n in FAMILIES], sources, f"hf tp{layout[0]} ep{layout[2]} etp{layout[3]}")
 
 
 def test_four_rank_layout_matches_transformers(sources, checkpoints) -> None:
     """PP=2 x EP=2 on 4 ranks, loading both checkpoints."""
     ckpts = [(n, label) for label in WRITTEN for n in FAMILIES]
     per_rank = run_on_ranks(_logits_all, 4, [checkpoints[c] for c in ckpts], (1, 2, 2, None),
-                            sources["tokens"], timeout=600)
+                            sources["tokens"], timeout=TIMEOUT)
     _check(per_rank, ckpts, sources, "pp2 ep2")
 
 
@@ -115,7 +145,7 @@ def test_round_trip_through_expert_parallel_checkpoint_is_bit_identical(sources,
     for name in FAMILIES:
         outs[name] = str(tmp_path / name)
         jobs.append(prepare_export(checkpoints[(name, "pp2ep2")], outs[name], log=lambda *_: None)[1])
-    run_on_ranks(_export_all, 1, jobs, timeout=600)
+    run_on_ranks(_export_all, 1, jobs, timeout=TIMEOUT)
     check_round_trip(sources, outs)
 
 

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from hyflow.testing import run_on_ranks
+from hyflow.testing.multirank import default_timeout
 
 pytestmark = pytest.mark.multirank
+#: generous on a loaded box; HYFLOW_TEST_TIMEOUT raises it further
+TIMEOUT = max(900.0, default_timeout())
 
 SEQ = 12
 
@@ -92,7 +95,7 @@ CASES = [
 @pytest.mark.parametrize("tp,pp,ep,etp,tp_g,pp_g,world", CASES,
                          ids=[f"tp{c[0]}pp{c[1]}ep{c[2]}etp{c[3] or c[0]}-to-tp{c[4]}pp{c[5]}-w{c[6]}" for c in CASES])
 def test_expert_reshard_round_trip(tp, pp, ep, etp, tp_g, pp_g, world):
-    results = run_on_ranks(_scenario, world, tp, pp, ep, etp, tp_g, pp_g, timeout=900)
+    results = run_on_ranks(_scenario, world, tp, pp, ep, etp, tp_g, pp_g, timeout=TIMEOUT)
     for rank, r in enumerate(results):
         want, got = r["logits"]
         assert got.shape == want.shape

@@ -17,8 +17,11 @@ import pytest
 import torch
 
 from hyflow.testing import run_on_ranks
+from hyflow.testing.multirank import default_timeout
 
 pytestmark = pytest.mark.multirank
+#: generous on a loaded box; HYFLOW_TEST_TIMEOUT raises it further
+TIMEOUT = max(900.0, default_timeout())
 
 BASE = [
     "data.task_size=200", "data.train_batch_size=4", "rollout.n=4", "rollout.max_new_tokens=5",
@@ -49,7 +52,7 @@ COMMON = ["rollout.routing_replay=true", "actor.micro_batch_size=1"]
 
 @pytest.fixture(scope="module")
 def one_rank():
-    return run_on_ranks(_steps, 1, COMMON + ["actor.layout.ep=1"], timeout=900)[0]
+    return run_on_ranks(_steps, 1, COMMON + ["actor.layout.ep=1"], timeout=TIMEOUT)[0]
 
 
 @pytest.mark.parametrize("layout", [["actor.layout.ep=2"], ["actor.layout.ep=1", "actor.layout.pp=2",
@@ -58,7 +61,7 @@ def test_expert_parallel_grpo_equals_one_rank(one_rank, layout):
     """EP=2 (DP=2), and PP=2 with generation PP_g=2 (each generation stage records its own layers'
     experts; the stages exchange them) both equal the one-rank run."""
     one = one_rank
-    two = run_on_ranks(_steps, 2, COMMON + layout, timeout=900)[0]
+    two = run_on_ranks(_steps, 2, COMMON + layout, timeout=TIMEOUT)[0]
     for step, (want, got) in enumerate(zip(one, two)):
         for key in KEYS:
             assert key in want and key in got, key
@@ -99,8 +102,8 @@ def _tampered_step(mode: str):
 
 
 def test_training_forwards_use_the_recorded_experts():
-    replay = run_on_ranks(_tampered_step, 1, "routing_replay", timeout=900)[0]
-    record = run_on_ranks(_tampered_step, 1, "record_routing", timeout=900)[0]
+    replay = run_on_ranks(_tampered_step, 1, "routing_replay", timeout=TIMEOUT)[0]
+    record = run_on_ranks(_tampered_step, 1, "record_routing", timeout=TIMEOUT)[0]
     # every recorded decision differs from the router's own (the shifted set is another set)
     assert replay["rollout/routing_mismatch"] == pytest.approx(1.0)
     assert record["rollout/routing_mismatch"] == pytest.approx(1.0)

@@ -33,6 +33,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -243,6 +244,11 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
     """
     desc.validate()
     cfg = transformer_config(desc, groups, dtype, **(config_overrides or {}))
+    if desc.moe is not None:
+        # Megatron's routers log their losses in one module-level tracker sized by the first
+        # model's num_layers; a model with more layers built later in this process would index
+        # past it. Entries are re-created at the next training forward.
+        get_moe_layer_wise_logging_tracker().clear()
     layout = groups.layout
     vpp = layout.vpp or 1
     chunk = vp_stage or 0

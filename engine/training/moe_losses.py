@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
 #: Megatron's tracker name -> hyflow's metric name.
 METRICS = {"load_balancing_loss": "moe/load_balancing_loss", "seq_load_balancing_loss": "moe/seq_load_balancing_loss",
@@ -47,6 +47,6 @@ def router_loss_stats(groups, num_micro_batches: int, num_moe_layers: int) -> di
     dp = getattr(groups.pgs, "dp_cp", None) or groups.pgs.dp
     if dp.size() > 1:
         dist.all_reduce(vec, group=dp)
-    clear_aux_losses_tracker()
+    tracker.clear()  # not only zeroed: the next step's model may have another number of layers
     micro = vec[-1].clamp(min=1) * max(num_moe_layers, 1)
     return {METRICS[n]: float(vec[i] / micro) for i, n in enumerate(names)}
