@@ -1,6 +1,6 @@
 # The two commands a newcomer runs on a fresh machine:
 #   make train   - the main job (configs/quickstart.yaml) on this machine's CPU ranks
-#   make test    - the whole test suite
+#   make test    - the linter (ruff.toml), then the whole test suite
 # Both create .venv on first use and install hyflow into it.
 
 PYTHON ?= python3
@@ -42,6 +42,7 @@ train: $(STAMP)
 	$(VENV)/bin/hyflow train configs/quickstart.yaml $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .  # ruff.toml: pyflakes, bugbear, syntax
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # The GPU check on a node without network, in two halves (tools/gpu_check.py):

@@ -48,7 +48,7 @@ setup(
         "hf": ["transformers", "tokenizers", "sentencepiece", "gguf", "accelerate"],
         "gpu": ["triton", "transformer-engine[pytorch]"],
         # triton runs the reshard kernels in interpreter mode on CPU in the tests.
-        "test": ["pytest", "pytest-timeout", "triton", "transformers", "tokenizers",
+        "test": ["pytest", "pytest-timeout", "ruff==0.17.6", "triton", "transformers", "tokenizers",
                  "sentencepiece", "gguf", "accelerate", "pyarrow", "tensorboard", "matplotlib"],
         "data": ["pyarrow"],
         "logging": ["tensorboard", "matplotlib", "tqdm"],

@@ -149,7 +149,7 @@ def make_groups():
     ids = ["solo"] + ["pair"] * 2 + ["five"] * 5 + ["same"] * 3
     rng.shuffle(ids)
     scores = []
-    for i, g in enumerate(ids):
+    for g in ids:
         scores.append(0.7 if g == "same" else rng.uniform(-2, 3))
     return ids, scores
 

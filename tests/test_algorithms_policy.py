@@ -30,7 +30,6 @@ from hyflow.algorithms import (
     rollout_correction,
     rollout_correction_metrics,
     unpack_row_stats,
-    vanilla_policy_loss,
 )
 from hyflow.testing.references import aggregate_loss
 

@@ -98,9 +98,9 @@ def test_megatrons_known_warnings_are_filtered_and_others_are_not():
         warnings.simplefilter("always")
         quiet_known_warnings()
         warnings.warn("When using async grad allreduce it is recommended to set the environment variable "
-                      "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning)
-        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning)
-        warnings.warn("something else", UserWarning)
+                      "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning, stacklevel=1)
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning, stacklevel=1)
+        warnings.warn("something else", UserWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["something else"]
 
 

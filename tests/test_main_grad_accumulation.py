@@ -5,7 +5,6 @@ autograd gives the same model outside DDP (``param.grad``, dense embedding gradi
 weight-gradient GEMMs), over several micro-batches, with tied and untied output weights."""
 
 import pytest
-import torch
 
 from hyflow.testing import run_on_ranks
 

@@ -151,7 +151,7 @@ def test_kill_9_after_a_save_then_resume_equals_the_straight_run(run_a, tmp_path
 
 def test_checkpoints_need_the_training_pool_at_rank_0():
     from hyflow.config import ConfigError
-    from hyflow.jobs.one_step_off import check_supported
+    from hyflow.jobs.rl_preflight import check_pooled_supported as check_supported
     from hyflow.jobs.registry import load_job_config
     from hyflow.testing.rl import QUICKSTART
 

@@ -81,7 +81,7 @@ def test_pooled_sync_resolves_with_the_critic_apart():
 ])
 def test_pooled_runs_refuse_what_they_cannot_do(extra, key):
     from hyflow.config import ConfigError
-    from hyflow.jobs.one_step_off import check_supported
+    from hyflow.jobs.rl_preflight import check_pooled_supported as check_supported
     from hyflow.jobs.registry import load_job_config
     from hyflow.jobs.rl_preflight import check_role_capabilities
     from hyflow.testing.rl import QUICKSTART

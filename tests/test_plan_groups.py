@@ -16,8 +16,8 @@ import pytest
 from hyflow.hybrid import gpt_param_specs, plan_reshard, rank_plan
 from hyflow.hybrid.reshard_plan import ParallelShape
 from hyflow.parallel.layout import Layout, pad_vocab_size
-from hyflow.plan.group_check import (check_partition, digest, generation_enumerations,
-                                layout_enumerations, verify_rank)
+from hyflow.hybrid.generation_groups import generation_enumerations
+from hyflow.plan.group_check import check_partition, digest, layout_enumerations, verify_rank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -53,7 +53,7 @@ def _steps(layouts, steps=3):
     for overrides in layouts:
         cfg, state, job = rl_setup(BASE + [f"trainer.nproc={dist.get_world_size()}", "data.seed=3"] + overrides)
         metrics, rows = [], []
-        for step in range(steps):
+        for _ in range(steps):
             m, data = rl_step(cfg, state, job)
             metrics.append(m)
             rows.append(data["rows"].tolist())
@@ -71,7 +71,7 @@ def test_dp2_and_tp2_equal_one_rank(algo):
     extra = ALGOS[algo]
     one = run_on_ranks(_steps, 1, [extra + ["actor.layout.tp=1"]], timeout=600)[0][0]
     dp2, tp2 = run_on_ranks(_steps, 2, [extra + ["actor.layout.tp=1"], extra + ["actor.layout.tp=2"]], timeout=900)[0]
-    for name, (metrics, rows) in (("dp2", dp2), ("tp2", tp2)):
+    for name, (metrics, _) in (("dp2", dp2), ("tp2", tp2)):
         for step, (want, got) in enumerate(zip(one[0], metrics)):
             for key in KEYS + LOOSE:
                 if key in want or key in got:

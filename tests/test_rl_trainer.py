@@ -56,7 +56,7 @@ def _signal(overrides):
         surrogate.append(float((data["advantages"] * (new - data["old_logp"]) * mask).sum()))
         if models.critic is not None:
             values = score_rows(models.critic.model.chunks, models.groups, data["tokens"], value_scorer())
-            loss = lambda v: aggregate_loss(value_token_loss(v, data["values"], data["returns"], mask)[0],  # noqa: E731
+            loss = lambda v, data=data, mask=mask: aggregate_loss(value_token_loss(v, data["values"], data["returns"], mask)[0],  # noqa: E731
                                             mask).item()
             value_before.append(loss(data["values"]))
             value_after.append(loss(values))

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hyflow.jobs.step_end import StepEnd
+from hyflow.jobs.step_end import StepEnd, save_due
 from hyflow.training.supervisor import DivergenceError, StepOutcome, StepSupervisor
 
 
@@ -53,8 +53,9 @@ def test_checkpoints_every_save_every_steps_at_the_last_and_before_stopping():
     assert ends.writer.rows == ends.progress.rows and ends.writer.rows[2] == (3, {"loss": 3.0, "step": 3})
     # save_every=0: only the last step, or a stop
     never = _ends(total=5, every=0)
-    assert [s for s in range(1, 6) if never.save_due(s, StepOutcome())] == [5]
-    assert never.save_due(2, StepOutcome(preempted=True)) and never.save_due(2, StepOutcome(diverged=True))
+    assert [s for s in range(1, 6) if save_due(never.trainer, s, StepOutcome())] == [5]
+    assert save_due(never.trainer, 2, StepOutcome(preempted=True))
+    assert save_due(never.trainer, 2, StepOutcome(diverged=True))
 
 
 def test_a_stop_signal_saves_and_ends_the_loop():

@@ -38,9 +38,11 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model  # Megatron DDP / Float16Module wrappers
 
+from hyflow.checkpoint.agree import any_rank
 from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError  # noqa: F401 - re-exported
 from hyflow.checkpoint.files import write_json
-from hyflow.checkpoint.manifest import MANIFEST_FILE, sizes_match, verify_manifest, write_manifest
+from hyflow.checkpoint.finite import check_finite
+from hyflow.checkpoint.manifest import MANIFEST_FILE, PARTS_DIR, sizes_match, verify_manifest, write_manifest
 from hyflow.checkpoint.megatron_io import quiet_dist_checkpointing
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription, ModelDescriptionError
 from hyflow.parallel.groups import ParallelGroups
@@ -157,7 +159,9 @@ def read_checkpoint_info(ckpt_dir: str) -> CheckpointInfo:
     info = CheckpointInfo(**{k: v for k, v in data.items() if k in known})
     _check_dcp_files(ckpt_dir)
     root, prefix = manifest_location(ckpt_dir)
-    sizes_match(root, prefix)  # every other file: presence and size (checksums: verify_model_checkpoint)
+    # every other file: path, presence and size (checksums: verify_model_checkpoint); the parts of the
+    # other ranks' files only without a process group (the ranks of a job read them collectively)
+    sizes_match(root, prefix, all_parts=not (dist.is_available() and dist.is_initialized()))
     return info
 
 
@@ -177,8 +181,9 @@ def verify_model_checkpoint(ckpt_dir: str, groups: Optional[ParallelGroups] = No
     """Check ``ckpt_dir`` before a load: every file against the manifest (collective over all
     ranks when a process group exists: each rank checks a share), and every pickle in it
     (:func:`hyflow.checkpoint.trust.check_dcp_pickles`). Raises :class:`CheckpointError`
-    (:class:`CheckpointDamaged` naming the file for damage). Returns False, after ``warn``
-    (default: a logged warning), when the checkpoint has no manifest (older hyflow)."""
+    (:class:`CheckpointDamaged` naming the file for damage, ``ManifestMissing`` without a
+    manifest). Returns False, after ``warn`` (default: a logged warning), when the checkpoint has
+    no manifest and verification is off (``--no-verify``)."""
     from hyflow.checkpoint.trust import check_dcp_pickles
 
     root, prefix = manifest_location(ckpt_dir)
@@ -186,8 +191,8 @@ def verify_model_checkpoint(ckpt_dir: str, groups: Optional[ParallelGroups] = No
     check_dcp_pickles(ckpt_dir)
     if manifest is None:
         (warn or logging.getLogger(__name__).warning)(
-            f"{ckpt_dir} has no {MANIFEST_FILE} (written by an older hyflow): its files cannot be checked "
-            "for damage")
+            f"{ckpt_dir} has no {MANIFEST_FILE}: its files cannot be checked for damage (loaded because "
+            "verification is off)")
         return False
     return True
 
@@ -279,6 +284,7 @@ def save_model_checkpoint(model: Optional[torch.nn.Module], ckpt_dir: str, group
 
     if model is None and dist.get_rank() == 0:
         raise CheckpointError("rank 0 must hold the model it saves")
+    check_finite({"model": model}, f"saving {ckpt_dir}", device=groups.device)
     info = CheckpointInfo(
         dtype=model_dtype_name(model) if model is not None else "", tp=groups.layout.tp, pp=groups.layout.pp,
         num_layers=desc.num_layers, vocab_size=desc.vocab_size,
@@ -293,14 +299,13 @@ def save_model_checkpoint(model: Optional[torch.nn.Module], ckpt_dir: str, group
                         f for f in os.listdir(ckpt_dir) if f.endswith(".distcp")]:
                     if os.path.exists(os.path.join(ckpt_dir, name)):
                         os.remove(os.path.join(ckpt_dir, name))
+                shutil.rmtree(os.path.join(ckpt_dir, PARTS_DIR), ignore_errors=True)
             else:
                 error = f"{ckpt_dir} already holds a checkpoint; pass overwrite=True to replace it"
         if error is None:
             os.makedirs(ckpt_dir, exist_ok=True)
-    errors = [error]
-    dist.broadcast_object_list(errors, src=0)
-    if errors[0]:
-        raise CheckpointError(errors[0])
+    if any_rank(error is not None, groups.device):
+        raise CheckpointError(error or f"{ckpt_dir} cannot be saved (see rank 0's error)")
     with quiet_dist_checkpointing():
         dist_checkpointing.save({} if model is None else unwrap_model(model).sharded_state_dict(), ckpt_dir)
     dist.barrier()
@@ -343,10 +348,10 @@ def load_model_checkpoint(model: Optional[torch.nn.Module], ckpt_dir: str, group
                                             strict=StrictHandling.RAISE_UNEXPECTED)
     except CheckpointingException as e:
         raise CheckpointError(f"cannot load {ckpt_dir} into this model: {e}") from None
-    if module is None:
-        return info
-    module.load_state_dict(state, strict=True)
-    zero_vocab_padding(module, ckpt_desc.vocab_size, groups)
+    if module is not None:
+        module.load_state_dict(state, strict=True)
+        zero_vocab_padding(module, ckpt_desc.vocab_size, groups)
+    check_finite({"model": module}, f"loading {ckpt_dir}", device=groups.device)
     return info
 
 

@@ -175,7 +175,7 @@ def _preference_rows(task: str, problems: list, seed: int, fmt: str, split: str 
     for i, (question, result, operands) in enumerate(problems):
         base = _row(task, i, question, str(result), "math", split)
         # equation: "14 + 20 = 34", the chosen and rejected texts differ only in the result
-        say = (lambda x: f"{operands[0]} {operands[1]} {operands[2]} = {x}") if answer == "equation" else str
+        say = (lambda x, o=operands: f"{o[0]} {o[1]} {o[2]} = {x}") if answer == "equation" else str
         right = [{"role": "assistant", "content": say(result)}]
         wrong = [{"role": "assistant", "content": say(_plausible_wrong(result, operands, rng))}]
         if fmt == "dpo":

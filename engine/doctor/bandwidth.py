@@ -191,7 +191,7 @@ def measure_pairs(size: int, *, iters: int, warmup: int, hosts: Sequence[str], o
             send = torch.ones(numel, dtype=torch.float32, device=device)
             recv = torch.empty(numel, dtype=torch.float32, device=device)
 
-            def exchange() -> None:
+            def exchange(send=send, recv=recv, peer=peer) -> None:
                 ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
                 for req in dist.batch_isend_irecv(ops):
                     req.wait()

@@ -24,9 +24,8 @@ in the same (layer, expert, fc1 / fc2) order, so the buffers carry no metadata.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

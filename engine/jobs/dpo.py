@@ -26,6 +26,7 @@ import functools
 import math
 import os
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -33,15 +34,20 @@ import torch.distributed as dist
 from hyflow.algorithms import dpo_loss, kto_loss
 from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 from hyflow.config import format_config
-from hyflow.data.preference import sequence_tensors
+from hyflow.data.loader import PromptLoader
+from hyflow.data.preference import build_preference_dataset, sequence_tensors
+from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
 from hyflow.jobs.preference_config import DPOJobConfig, KTOJobConfig, PreferenceJobConfig
 from hyflow.jobs.preference_losses import (chosen_nll, completion_tokens, dpo_loss_fn, from_last_stage, kto_loss_fn,
                                           loss_scale, score_sequences)
 from hyflow.jobs.preference_models import CACHE_FILE, Policy, ReferenceLogps, build_policy, micro_batches
 from hyflow.jobs.preference_validation import PreferenceValidation
-from hyflow.jobs.run_config import record_config
-from hyflow.jobs.step_end import StepEnd
+from hyflow.jobs.loop import Run, open_run, run_job
+from hyflow.monitor.metrics import read_metrics
+from hyflow.monitor.plot import plot_metrics
+from hyflow.monitor.timers import PhaseTimers
 from hyflow.rl.batch import pad_multiple
+from hyflow.rl.models import check_actor_checkpoint
 from hyflow.training.step import train_step
 from hyflow.training.supervisor import StepSupervisor
 
@@ -57,14 +63,6 @@ PLOT_FILE = "rewards.png"
 
 def run(cfg: PreferenceJobConfig) -> list[dict]:
     """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
-    from hyflow.data.preference import build_preference_dataset
-    from hyflow.data.loader import PromptLoader
-    from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
-    from hyflow.monitor.metrics import MetricsWriter
-    from hyflow.monitor.progress import Progress
-    from hyflow.monitor.timers import PhaseTimers
-    from hyflow.rl.models import check_actor_checkpoint
-
     rank = dist.get_rank()
     if cfg.actor.checkpoint:  # before the tokenizer, which usually lives in the checkpoint's folder
         check_actor_checkpoint(cfg.actor.checkpoint)
@@ -82,51 +80,101 @@ def run(cfg: PreferenceJobConfig) -> list[dict]:
             _check_kto_balance(cfg, dataset)
     reference = ReferenceLogps.build(cfg, policy, dataset, ckpt.root, ckpt.log)
     validation = PreferenceValidation.build(cfg, policy, tokenizer, reference, ckpt.log)
-    val_metrics = functools.partial(validation_metrics, cfg, policy)
-    start = _resume(cfg, ckpt, policy, loader, supervisor)  # the checkpoint's step; 0: fresh run
-    if rank == 0:
-        record_config(cfg, start)
+    steps = PreferenceSteps(cfg, policy, reference, validation, loader, supervisor, ckpt)
     keys = DPO_KEYS if cfg.job == "dpo" else KTO_KEYS
-    writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if rank == 0 else None
-    if writer is not None:
-        writer.required_keys = ("step", "grad_norm", "learning_rate", "tokens_per_s") + keys
     shown = (("loss", "loss"), ("rewards/accuracies", "acc"), ("rewards/margins", "margin")) if cfg.job == "dpo" \
         else (("loss", "loss"), ("kl", "kl"), ("rewards/margins", "margin"))
-    progress = Progress.from_config(cfg.trainer, initial=start, enabled=rank == 0, shown=shown)
-    timers = PhaseTimers(phases=("ref", "update") if cfg.job == "dpo" else ("ref", "kl", "update"))
-    step_fn = dpo_step if cfg.job == "dpo" else kto_step
-    ends = StepEnd(cfg.trainer, ckpt, supervisor, writer, progress)  # metrics, checkpoints, stop / divergence
-    save = functools.partial(_save, cfg, ckpt, policy, loader, supervisor, reference)  # save(step)
-    if validation is not None and validation.before_train and not start:
-        before = validation.run(cfg, policy, val_metrics)
-        if rank == 0:
-            progress.write(validation.summary(0, before))
-        if writer is not None:
-            writer.log(0, before, check_required=False)
-    try:
-        for step in range(start + 1, cfg.trainer.total_steps + 1):
-            records = loader.next_batch()
-            supervisor.begin_step()
-            metrics = step_fn(cfg, policy, reference, records, timers)
-            outcome = supervisor.end_step(metrics, step)  # collective: agrees on stop signals and NaN/inf
-            metrics.update({k.replace("timing_s/", "time/"): v for k, v in timers.step_summary().items()})
-            metrics["tokens_per_s"] = batch_tokens(records, cfg.job) / max(metrics["time/step"], 1e-9)
-            metrics["epoch"] = loader.sampler.epoch + loader.sampler.index / len(dataset)
-            if validation is not None and not outcome.stop and validation.due(step, cfg.trainer.total_steps):
-                metrics.update(validation.run(cfg, policy, val_metrics))
-                if rank == 0:
-                    progress.write(validation.summary(step, metrics))
-            if ends.finish(step, metrics, outcome, save):
-                break
-        ckpt.wait()
-    finally:
-        supervisor.uninstall()
-        ckpt.close(abort=True)  # no-op unless an error left a background save unfinished
-    progress.close()
-    if writer is not None:
-        writer.close()
-        _finish(cfg, writer.path)
-    return ends.history
+    run = open_run(cfg, ckpt, supervisor, steps.resume, lead=rank == 0,
+                   required_keys=("step", "grad_norm", "learning_rate", "tokens_per_s") + keys, progress_keys=shown)
+    steps.before_train(run)
+    return run_job(run, steps)
+
+
+class PreferenceSteps:
+    """The DPO / KTO job's steps as :func:`~hyflow.jobs.loop.run_job` calls them: one update on the
+    loader's next batch of records, its timers and throughput, validation when due; checkpoints of
+    the policy, the data position and the supervisor."""
+
+    def __init__(self, cfg: PreferenceJobConfig, policy: Policy, reference: ReferenceLogps,
+                 validation: Optional[PreferenceValidation], loader: PromptLoader, supervisor: StepSupervisor,
+                 ckpt: Checkpointer) -> None:
+        self.cfg, self.policy, self.reference, self.validation = cfg, policy, reference, validation
+        self.loader, self.supervisor, self.ckpt = loader, supervisor, ckpt
+        self.timers = PhaseTimers(phases=("ref", "update") if cfg.job == "dpo" else ("ref", "kl", "update"))
+        self.step_fn = dpo_step if cfg.job == "dpo" else kto_step
+        self.val_metrics = functools.partial(validation_metrics, cfg, policy)
+        self.records: list = []
+        self.progress = None
+
+    def resume(self) -> int:
+        """Load the checkpoint ``trainer.resume`` names (the newest that verifies, for ``auto``); returns its
+        step, 0 when the run starts fresh. Restores the random streams, so it runs last in the set-up."""
+        def warn(message: str) -> None:
+            print(f"[hyflow] warning: {message}", file=sys.stderr, flush=True)
+
+        path = self.ckpt.find_resume(self.cfg.trainer.resume, warn)  # verified; falls back past damaged ones
+        if path is None:
+            return 0
+        state = self.ckpt.load(path, self._trained_models())
+        self.loader.load_state_dict(state["job"]["data"])
+        self.supervisor.load_state_dict(state["job"]["supervisor"])
+        step = int(state["step"])
+        if step >= self.cfg.trainer.total_steps:
+            self.ckpt.log(f"[hyflow] the checkpoint is at step {step}: trainer.total_steps="
+                          f"{self.cfg.trainer.total_steps} is reached already, nothing to train")
+        return step
+
+    def before_train(self, run: Run) -> None:
+        """Validation of the starting weights on a fresh run (logged as step 0)."""
+        self.progress = run.progress
+        if self.validation is not None and self.validation.before_train and not run.start:
+            before = self.validation.run(self.cfg, self.policy, self.val_metrics)
+            if dist.get_rank() == 0:
+                run.progress.write(self.validation.summary(0, before))
+            if run.writer is not None:
+                run.writer.log(0, before, check_required=False)
+
+    def step(self, step: int) -> dict:
+        self.records = self.loader.next_batch()
+        return self.step_fn(self.cfg, self.policy, self.reference, self.records, self.timers)
+
+    def report(self, step: int, metrics: dict, outcome) -> bool:
+        cfg, loader = self.cfg, self.loader
+        metrics.update({k.replace("timing_s/", "time/"): v for k, v in self.timers.step_summary().items()})
+        metrics["tokens_per_s"] = batch_tokens(self.records, cfg.job) / max(metrics["time/step"], 1e-9)
+        metrics["epoch"] = loader.sampler.epoch + loader.sampler.index / len(loader.dataset)
+        if self.validation is not None and not outcome.stop and self.validation.due(step, cfg.trainer.total_steps):
+            metrics.update(self.validation.run(cfg, self.policy, self.val_metrics))
+            if dist.get_rank() == 0:
+                self.progress.write(self.validation.summary(step, metrics))
+        return True
+
+    def save(self, step: int) -> str:
+        """Checkpoint step ``step``; returns the checkpoint's directory."""
+        # The reference is rebuilt from the config (actor.checkpoint / the seeded init); a precomputed
+        # table is cached beside the checkpoints, found again by its fingerprint.
+        job = {"data": self.loader.state_dict(), "supervisor": self.supervisor.state_dict(),
+               "reference_logps": os.path.join("..", CACHE_FILE) if self.reference.table is not None else None}
+        return self.ckpt.save(step, self._trained_models(), job, config_text=format_config(self.cfg))
+
+    def summary(self, metrics_path: str) -> None:
+        """Rank 0: plot the whole run's metrics (resumed parts included) and print a summary."""
+        cfg = self.cfg
+        rows = read_metrics(metrics_path)
+        if not rows:
+            return
+        keys = ("rewards/accuracies", "rewards/margins", "loss") if cfg.job == "dpo" else \
+            ("rewards/margins", "kl", "loss")
+        held_out = ("eval_rewards/accuracies",) if cfg.job == "dpo" else ("eval_rewards/margins",)
+        plot = keys + (held_out if any(held_out[0] in row for row in rows) else ())
+        plot_metrics(rows, os.path.join(cfg.trainer.output_dir, PLOT_FILE), keys=plot, title=f"hyflow {cfg.job}")
+        fmt = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731 - NaN rows are written as null
+        trained = [row for row in rows if "loss" in row] or rows  # not the validation row of step 0
+        summary = ", ".join(f"{k} {fmt(trained[0].get(k))} -> {fmt(trained[-1].get(k))}" for k in keys)
+        print(f"[hyflow] done: {summary}; run directory {cfg.trainer.output_dir}", flush=True)
+
+    def _trained_models(self) -> dict[str, TrainedModel]:
+        return {"actor": TrainedModel(self.policy.chunks, self.policy.optimizer, self.policy.scheduler)}
 
 
 # --------------------------------------------------------------------------- steps
@@ -281,55 +329,3 @@ def _check_kto_balance(cfg: KTOJobConfig, dataset) -> None:
 
 
 # --------------------------------------------------------------------------- checkpoints
-
-
-def _trained_models(policy: Policy) -> dict[str, TrainedModel]:
-    return {"actor": TrainedModel(policy.chunks, policy.optimizer, policy.scheduler)}
-
-
-def _save(cfg: PreferenceJobConfig, ckpt: Checkpointer, policy: Policy, loader, supervisor: StepSupervisor,
-          reference: ReferenceLogps, step: int) -> str:
-    """Checkpoint step ``step``; returns the checkpoint's directory."""
-    # The reference is rebuilt from the config (actor.checkpoint / the seeded init); a precomputed
-    # table is cached beside the checkpoints, found again by its fingerprint.
-    job = {"data": loader.state_dict(), "supervisor": supervisor.state_dict(),
-           "reference_logps": os.path.join("..", CACHE_FILE) if reference.table is not None else None}
-    return ckpt.save(step, _trained_models(policy), job, config_text=format_config(cfg))
-
-
-def _resume(cfg: PreferenceJobConfig, ckpt: Checkpointer, policy: Policy, loader, supervisor: StepSupervisor) -> int:
-    """Load the checkpoint ``trainer.resume`` names (the newest that verifies, for ``auto``); returns its step, 0
-    when the run starts fresh. Restores the random streams, so it runs last in the set-up."""
-    def warn(message: str) -> None:
-        print(f"[hyflow] warning: {message}", file=sys.stderr, flush=True)
-
-    path = ckpt.find_resume(cfg.trainer.resume, warn)  # verified; falls back past damaged ones (auto)
-    if path is None:
-        return 0
-    state = ckpt.load(path, _trained_models(policy))
-    loader.load_state_dict(state["job"]["data"])
-    supervisor.load_state_dict(state["job"]["supervisor"])
-    step = int(state["step"])
-    if step >= cfg.trainer.total_steps:
-        ckpt.log(f"[hyflow] the checkpoint is at step {step}: trainer.total_steps={cfg.trainer.total_steps} "
-                 "is reached already, nothing to train")
-    return step
-
-
-def _finish(cfg: PreferenceJobConfig, metrics_path: str) -> None:
-    """Rank 0: plot the whole run's metrics (resumed parts included) and print a summary."""
-    from hyflow.monitor.metrics import read_metrics
-    from hyflow.monitor.plot import plot_metrics
-
-    rows = read_metrics(metrics_path)
-    if not rows:
-        return
-    keys = ("rewards/accuracies", "rewards/margins", "loss") if cfg.job == "dpo" else \
-        ("rewards/margins", "kl", "loss")
-    held_out = ("eval_rewards/accuracies",) if cfg.job == "dpo" else ("eval_rewards/margins",)
-    plot = keys + (held_out if any(held_out[0] in row for row in rows) else ())
-    plot_metrics(rows, os.path.join(cfg.trainer.output_dir, PLOT_FILE), keys=plot, title=f"hyflow {cfg.job}")
-    fmt = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731 - NaN rows are written as null
-    trained = [row for row in rows if "loss" in row] or rows  # not the validation row of step 0
-    summary = ", ".join(f"{k} {fmt(trained[0].get(k))} -> {fmt(trained[-1].get(k))}" for k in keys)
-    print(f"[hyflow] done: {summary}; run directory {cfg.trainer.output_dir}", flush=True)

@@ -1,31 +1,34 @@
-"""A language-model training job: the tiny Megatron run behind ``make train``.
+"""The language-model job (``job: lm``, ``configs/lm_tiny.yaml``): the training stack alone.
 
-Until the GRPO trainer lands this is the README's main job: a Llama-style
-model trained with the real Megatron-Core stack (GPTModel, the pipeline
-schedule, DDP, Megatron's optimizer) in whatever layout the config asks for, on
-a synthetic next-token task generated locally (arithmetic progressions modulo
-the vocabulary, learnable by a small model in a minute on CPU).
+A Llama-style model trained with the real Megatron-Core stack (GPTModel, the
+pipeline schedule, DDP, Megatron's optimizer) in whatever layout the config asks
+for, on a synthetic next-token task generated locally (arithmetic progressions
+modulo the vocabulary, learnable by a small model in a minute on CPU): the
+smallest check of the training stack. Checkpoints, resume, the NaN/inf guard and
+the metrics are every job's (:mod:`hyflow.jobs.loop`).
 
 Read top to bottom: config -> groups -> model -> optimizer -> loop.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
-from hyflow.jobs.run_config import record_config
+from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
+from hyflow.config import format_config
 from hyflow.jobs.lm_config import LMJobConfig
+from hyflow.jobs.loop import open_run, run_job
 from hyflow.models.builder import build_model_chunks, recompute_overrides
 from hyflow.models.context_parallel import split_for_cp
 from hyflow.models.weights import random_full_state_dict, load_full_state_dict
 from hyflow.parallel.groups import init_training_groups
+from hyflow.monitor.metrics import read_metrics
 from hyflow.training.optimizer import build_optimizer, wrap_ddp
 from hyflow.training.step import position_ids, train_step
+from hyflow.training.supervisor import StepSupervisor
 
 
 def arith_batch(vocab: int, batch: int, seq: int, max_step: int, gen: torch.Generator,
@@ -43,15 +46,10 @@ def arith_batch(vocab: int, batch: int, seq: int, max_step: int, gen: torch.Gene
 
 
 def run(cfg: LMJobConfig) -> list[dict]:
-    """Train; rank 0 writes ``metrics.jsonl`` and the resolved config. Returns the metrics."""
+    """Train; rank 0 writes metrics.jsonl, TensorBoard and the resolved config. Returns the metrics."""
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = cfg.actor.layout.with_dp_for(world)
     groups = init_training_groups(layout, seed=cfg.trainer.seed)
-    out_dir = cfg.trainer.output_dir
-    if rank == 0:
-        record_config(cfg, 0)
-        print(f"[hyflow] layout {layout.describe()}", flush=True)
-
     models = build_model_chunks(cfg.model, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
                                 config_overrides=recompute_overrides(cfg.actor.recompute))
     initial = random_full_state_dict(cfg.model, cfg.trainer.seed)
@@ -60,35 +58,68 @@ def run(cfg: LMJobConfig) -> list[dict]:
     chunks = wrap_ddp(models, groups, cfg.actor.optim.distributed_optimizer)
     optimizer, scheduler = build_optimizer(chunks, cfg.actor.optim, cfg.trainer.total_steps,
                                            models[0].config.params_dtype)
+    # SIGTERM / SIGUSR1 flags and the NaN/inf guard
+    supervisor = StepSupervisor(cfg.trainer.max_bad_steps, [optimizer], device=groups.device).install()
+    ckpt = Checkpointer(cfg.trainer.output_dir, groups, cfg.model, cfg.trainer.keep_last)
+    steps = LMSteps(cfg, groups, TrainedModel(chunks, optimizer, scheduler), supervisor, ckpt)
+    run = open_run(cfg, ckpt, supervisor, steps.resume, lead=rank == 0, required_keys=KEYS,
+                   progress_keys=(("loss", "loss"), ("grad_norm", "gnorm")))
+    if rank == 0:
+        print(f"[hyflow] layout {layout.describe()}", flush=True)
+    return run_job(run, steps)
 
-    d = cfg.data
-    n_micro = d.global_batch_size // (d.micro_batch_size * layout.dp)
-    gen = torch.Generator().manual_seed(cfg.trainer.seed)  # same stream on every rank
-    metrics: list[dict] = []
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    start = time.perf_counter()
-    for step in range(1, cfg.trainer.total_steps + 1):
-        t0 = time.perf_counter()
+
+#: what every metrics row holds
+KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "time/step")
+
+
+class LMSteps:
+    """The LM job's steps as :func:`~hyflow.jobs.loop.run_job` calls them. Step ``t``'s batch is drawn
+    from a generator seeded by ``(trainer.seed, t)``, so a resumed run draws the data the
+    uninterrupted one would without saving a data position."""
+
+    def __init__(self, cfg: LMJobConfig, groups, model: TrainedModel, supervisor: StepSupervisor,
+                 ckpt: Checkpointer) -> None:
+        self.cfg, self.groups, self.model, self.supervisor, self.ckpt = cfg, groups, model, supervisor, ckpt
+        self.t0 = 0.0
+
+    def resume(self) -> int:
+        """Load the checkpoint ``trainer.resume`` names (the newest that verifies, for ``auto``); its
+        step, 0 for a fresh run."""
+        path = self.ckpt.find_resume(self.cfg.trainer.resume)
+        if path is None:
+            return 0
+        state = self.ckpt.load(path, {"model": self.model})
+        self.supervisor.load_state_dict(state["job"]["supervisor"])
+        return int(state["step"])
+
+    def step(self, step: int) -> dict:
+        cfg, groups, d = self.cfg, self.groups, self.cfg.data
+        layout = groups.layout
+        self.t0 = time.perf_counter()
+        n_micro = d.global_batch_size // (d.micro_batch_size * layout.dp)
+        gen = torch.Generator().manual_seed(cfg.trainer.seed * 1_000_003 + step)  # the same on every rank
         global_mbs = [arith_batch(cfg.model.vocab_size, d.micro_batch_size, d.seq_length,
                                   d.max_step_size, gen, groups.device) for _ in range(n_micro * layout.dp)]
         mine = global_mbs[groups.dp_rank * n_micro:(groups.dp_rank + 1) * n_micro]
         if layout.cp > 1:  # each CP rank trains on its share of every sequence
             mine = [split_for_cp(mb, groups.pgs.cp) for mb in mine]
-        stats = train_step(chunks, optimizer, scheduler, mine, groups=groups)
-        loss = stats["lm_loss"]  # the token mean over every data-parallel (and CP) rank's micro-batches
-        dt = time.perf_counter() - t0
-        row = {"step": step, "loss": loss, "grad_norm": stats["grad_norm"], "lr": stats["lr"],
-               "tokens_per_s": d.global_batch_size * d.seq_length / dt, "time/step": dt}
-        metrics.append(row)
-        if rank == 0:
-            with open(metrics_path, "a" if step > 1 else "w") as f:
-                f.write(json.dumps(row) + "\n")
-            if step % cfg.trainer.log_every == 0 or step == cfg.trainer.total_steps:
-                print(f"[hyflow] step {step:4d}/{cfg.trainer.total_steps}  loss {loss:.4f}  "
-                      f"grad_norm {row['grad_norm']:.3f}  lr {row['lr']:.2e}  "
-                      f"{row['tokens_per_s']:.0f} tok/s  elapsed {time.perf_counter() - start:.1f}s",
-                      flush=True)
-    if rank == 0:
-        print(f"[hyflow] done: loss {metrics[0]['loss']:.4f} -> {metrics[-1]['loss']:.4f}; "
-              f"metrics in {metrics_path}", flush=True)
-    return metrics
+        stats = train_step(self.model.chunks, self.model.optimizer, self.model.scheduler, mine, groups=groups)
+        # loss: the token mean over every data-parallel (and CP) rank's micro-batches
+        return {"loss": stats["lm_loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
+
+    def report(self, step: int, metrics: dict, outcome) -> bool:
+        d = self.cfg.data
+        metrics["time/step"] = time.perf_counter() - self.t0
+        metrics["tokens_per_s"] = d.global_batch_size * d.seq_length / metrics["time/step"]
+        return True
+
+    def save(self, step: int) -> str:
+        return self.ckpt.save(step, {"model": self.model}, {"supervisor": self.supervisor.state_dict()},
+                              config_text=format_config(self.cfg))
+
+    def summary(self, metrics_path: str) -> None:
+        rows = [row for row in read_metrics(metrics_path) if "loss" in row]
+        if rows:
+            print(f"[hyflow] done: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}; metrics in {metrics_path}",
+                  flush=True)

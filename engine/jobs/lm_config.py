@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hyflow.config import ConfigError
+from hyflow.jobs.trainer_config import TrainerConfig
 from hyflow.models.description import ModelDescription, tiny_llama
 from hyflow.parallel.layout import Layout
 from hyflow.training.optim_config import OptimConfig
@@ -49,20 +50,11 @@ class LMActorConfig:
 
 
 @dataclass
-class LMTrainerConfig:
+class LMTrainerConfig(TrainerConfig):
     """Run-level settings."""
 
     total_steps: int = field(default=60, metadata={"help": "optimizer steps"})
-    output_dir: str = field(default="runs/lm", metadata={"help": "run directory (metrics, config)"})
-    nproc: int = field(default=1, metadata={"help": "ranks to launch on this machine"})
-    seed: int = field(default=1234, metadata={"help": "seed for init and data"})
-    log_every: int = field(default=1, metadata={"help": "print a progress line every N steps"})
-
-    def validate(self) -> None:
-        if self.total_steps < 1:
-            raise ConfigError(f"must be >= 1, got {self.total_steps}", key="total_steps")
-        if self.nproc < 1:
-            raise ConfigError(f"must be >= 1, got {self.nproc}", key="nproc")
+    output_dir: str = field(default="runs/lm", metadata={"help": "metrics, config, TensorBoard, checkpoints"})
 
 
 @dataclass

@@ -30,42 +30,32 @@ writes no checkpoint yet.
 
 from __future__ import annotations
 
-import os
 import time
 
-import torch
 import torch.distributed as dist
 
-from hyflow.config import ConfigError
-from hyflow.jobs.run_config import record_config
+from hyflow.algorithms.kl import make_kl_controller
+from hyflow.checkpoint.checkpointer import Checkpointer
+from hyflow.data.dataset import build_dataset
+from hyflow.data.loader import PromptLoader
+from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
+from hyflow.jobs.loop import open_run, run_job
+from hyflow.jobs.rl import RLSteps, StepJob, frozen_models, sft_warmup
 from hyflow.jobs.rl_config import RLJobConfig
-
-
-def check_supported(cfg: RLJobConfig) -> None:
-    """What this mode does not run yet, named before any rank starts (called by the preflight; what
-    the pooled roles cannot do is their declared capabilities':
-    :func:`hyflow.jobs.rl_preflight.check_role_capabilities`)."""
-    placement = cfg.resolved_placement()
-    if placement.colocated:
-        return
-    from hyflow.placement.remote_critic import check_remote_roles
-
-    check_remote_roles(cfg, placement)  # roles on a pool apart from the actor's: the critic only
-    if cfg.data.val_files:
-        raise ConfigError("validation (data.val_files) runs colocated only for now: drop data.val_files with "
-                          "placement pools, or validate the checkpoints with `hyflow eval`", key="data.val_files")
-    actor = placement.roles["actor"].pool
-    if actor.start != 0:  # Megatron's dist_checkpointing writes the models' common part from rank 0
-        raise ConfigError(f"checkpoints of placement pools need the actor's pool to start at rank 0 (it is "
-                          f"{actor.describe()}): list the training pool first in placement.pools",
-                          key="placement.pools")
+from hyflow.jobs.step_end import save_due
+from hyflow.monitor import comm
+from hyflow.monitor.memory import memory_summary
+from hyflow.placement.groups import build_pool_groups, build_sync_group
+from hyflow.placement.inflight import Control, GenerationCheckpoints, InFlight, control
+from hyflow.placement.pool_models import GenerationSide, RemoteRollouts, WeightSender, build_training_models
+from hyflow.placement.remote_critic import has_remote_critic, serve_critic
+from hyflow.placement.rows import row_routes, send_rows
+from hyflow.rewards.manager import RewardManager
+from hyflow.rl.state import RLState
+from hyflow.training.supervisor import StepSupervisor
 
 
 def _setup_data(cfg: RLJobConfig):
-    from hyflow.data.dataset import build_dataset
-    from hyflow.data.loader import PromptLoader
-    from hyflow.data.tasks import load_data_tokenizer
-
     tokenizer = load_data_tokenizer(cfg.data)
     dataset = build_dataset(cfg.data, cfg.rollout, tokenizer)
     loader = PromptLoader(dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
@@ -74,10 +64,6 @@ def _setup_data(cfg: RLJobConfig):
 
 def run(cfg: RLJobConfig) -> list[dict]:
     """Both pools' loops; the training pool's rank 0 writes the metrics."""
-    from hyflow.placement.groups import build_pool_groups, build_sync_group
-    from hyflow.placement.remote_critic import has_remote_critic
-
-    check_supported(cfg)
     placement = cfg.resolved_placement(dist.get_world_size())
     rank = dist.get_rank()
     groups = build_pool_groups(placement)
@@ -86,9 +72,6 @@ def run(cfg: RLJobConfig) -> list[dict]:
     # this rank's pool: the supervisor's flags, set-up agreements, the distributed optimizer's instance
     pool_group = groups.pool_group
     if has_remote_critic(placement) and rank in placement.roles["critic"].pool:
-        from hyflow.placement.inflight import Control, control
-        from hyflow.placement.remote_critic import serve_critic
-
         serve_critic(cfg, placement, groups, pool_group,
                      lambda: control(Control(go=False), placement, rank, groups.device).go)
         return []
@@ -102,8 +85,6 @@ def checkpointing(placement) -> bool:
     """Whether this pooled run writes and resumes checkpoints: not with a critic on a pool of its own
     (its pool does not join the checkpoint yet; :func:`~hyflow.placement.remote_critic.check_remote_roles`
     refuses saving and resuming such a run before launch)."""
-    from hyflow.placement.remote_critic import has_remote_critic
-
     return not has_remote_critic(placement)
 
 
@@ -130,11 +111,6 @@ class _NoCheckpoints:
 
 
 def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
-    from hyflow.placement.inflight import Control, GenerationCheckpoints, InFlight, control
-    from hyflow.placement.pool_models import GenerationSide
-    from hyflow.placement.rows import row_routes, send_rows
-    from hyflow.training.supervisor import StepSupervisor
-
     tokenizer, _, loader = _setup_data(cfg)
     side = GenerationSide(cfg, tokenizer, placement, groups, sync_group)
     rank, n = dist.get_rank(), cfg.rollout.n
@@ -189,28 +165,9 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
 
 
 def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group) -> list[dict]:
-    from hyflow.algorithms.kl import make_kl_controller
-    from hyflow.checkpoint.checkpointer import Checkpointer
-    from hyflow.data.tasks import tokenizer_spec_for
-    from hyflow.jobs.rl import StepJob, _finish, _frozen_models, _resume, _save, rl_step, sft_warmup
-    from hyflow.jobs.step_end import StepEnd
-    from hyflow.monitor import comm
-    from hyflow.monitor.memory import memory_summary
-    from hyflow.monitor.metrics import MetricsWriter
-    from hyflow.monitor.progress import Progress
-    from hyflow.monitor.timers import PhaseTimers
-    from hyflow.placement.inflight import Control, control
-    from hyflow.placement.pool_models import RemoteRollouts, WeightSender, build_training_models
-    from hyflow.rewards.manager import RewardManager
-    from hyflow.rl.state import RLState
-    from hyflow.training.supervisor import StepSupervisor
-
     rank = dist.get_rank()
     tokenizer, dataset, loader = _setup_data(cfg)
     models = build_training_models(cfg, tokenizer, placement, groups, sync_group, pool_group=train_group)
-    # this loop drives the pooled roles' own parts: the weight send and the received rows' record
-    sender, received = models.weights, models.rollouts
-    assert isinstance(sender, WeightSender) and isinstance(received, RemoteRollouts)
     reward = RewardManager.from_config(cfg.reward, model_fn=models.reward_model)
     reward.check_records(list(dataset))
     kl_ctrl = make_kl_controller(cfg.algorithm)
@@ -226,64 +183,83 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     saves = checkpointing(placement)
     ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
                         tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead)
-    saved_models = (*models.trained(), *(_frozen_models(cfg, models) or {}))
-    start = _resume(cfg, ckpt, state) if saves else 0  # collective with the generation pool's resume
-    if lead:
-        record_config(cfg, start)
-        print(f"[hyflow] trainer.mode={cfg.trainer.mode} on pools: {placement.describe()}; {job.dataset_size} prompts; "
-              f"{models.weights.describe()}", flush=True)
-    writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if lead else None
-    if cfg.actor.sft_warmup_steps and not start:
-        sft_warmup(cfg, state, tokenizer)
-    progress = Progress.from_config(cfg.trainer, initial=start, enabled=lead)
-    timers = PhaseTimers(sync=torch.cuda.synchronize if groups.device.type == "cuda" else None)
-    ends = StepEnd(cfg.trainer, ckpt, supervisor, writer, progress)
-    go = start < cfg.trainer.total_steps
-    control(Control(go=go), placement, rank, groups.device)
-    if go:
-        sender.send()  # w_0, or w_start after a resume
-    comm.install()
+    steps = PooledSteps(cfg, state, job, ckpt, placement, train_group, saves)
     try:
-        for step in range(start + 1, cfg.trainer.total_steps + 1):
-            t0 = time.perf_counter()
-            records = loader.next_batch()
-            supervisor.begin_step()
-            metrics, _ = rl_step(cfg, state, records, job, timers)
-            outcome = supervisor.end_step(metrics, step)
-            state.step = step
-            rows = received.last
-            go = not outcome.stop and step < cfg.trainer.total_steps
-            t1 = time.perf_counter()
-            due = saves and ends.save_due(step, outcome)  # the generation pool joins the save (in-flight batch)
-            control(Control(go=go, save=due, step=step, models=saved_models if due else ()), placement, rank,
-                    groups.device)
-            sent = sender.send() if go else None
-            step_seconds = time.perf_counter() - t0
-            metrics.update(timers.step_summary())
-            metrics.update(comm.step_summary(), **memory_summary(groups.device, train_group))
-            wait = metrics.get("timing_s/gen", 0.0)  # phase 1 here is waiting for the rows
-            metrics.update({
-                "staleness": float(step - 1 - rows.version),
-                "timing_s/gen_pool": rows.gen_seconds,  # the batch's generation on the generation pool
-                "timing_s/update_pool": t1 - t0 - wait,  # phases 2-6 on the training pool
-                "timing_s/wait_rows": wait,
-                "timing_s/weight_sync": sent.seconds if sent else 0.0,
-                "weight_sync/bytes_sent": float(sent.bytes_sent if sent else 0),
-                "data_plane/bytes_received": float(rows.nbytes),
-            })
-            metrics["timing_s/step"] = step_seconds
-            metrics["perf/time_per_step"] = step_seconds
-            metrics["perf/overlap_ratio"] = step_seconds / max(rows.gen_seconds, t1 - t0 - wait, 1e-9)
-            metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_seconds * dist.get_world_size())
-            save = (lambda _: _save(cfg, ckpt, state)) if saves else (lambda _: None)
-            if ends.finish(step, metrics, outcome, save) or not go:
-                break
+        run = open_run(cfg, ckpt, supervisor, steps.resume, lead)  # the resume is collective with the generation pool
+        if lead:
+            print(f"[hyflow] trainer.mode={cfg.trainer.mode} on pools: {placement.describe()}; "
+                  f"{job.dataset_size} prompts; {models.weights.describe()}", flush=True)
+        steps.before_train(run)
+        return run_job(run, steps)
     finally:
-        comm.uninstall()
-        supervisor.uninstall()
-        ckpt.close(abort=True)
-    progress.close()
-    if writer is not None:
-        writer.close()
-        _finish(cfg, writer.path)
-    return ends.history
+        reward.close()  # the reward function's worker processes
+
+
+class PooledSteps(RLSteps):
+    """The training pool's steps: :class:`~hyflow.jobs.rl.RLSteps` whose rows come from the
+    generation pool, followed by the control message and the weight send; metrics of both pools."""
+
+    def __init__(self, cfg: RLJobConfig, state, job, ckpt, placement, train_group, saves: bool) -> None:
+        super().__init__(cfg, state, job, ckpt)
+        # this loop drives the pooled roles' own parts: the weight send and the received rows' record
+        self.sender, self.received = state.models.weights, state.models.rollouts
+        assert isinstance(self.sender, WeightSender) and isinstance(self.received, RemoteRollouts)
+        self.placement, self.train_group, self.saves = placement, train_group, saves
+        self.saved_models = (*state.models.trained(), *(frozen_models(cfg, state.models) or {}))
+        self.t0 = 0.0
+
+    def resume(self) -> int:
+        return super().resume() if self.saves else 0
+
+    def before_train(self, run) -> None:
+        """The warm-up, then tell the generation pool whether to go on and send w_0 (w_start after a resume)."""
+        cfg, self.run = self.cfg, run
+        if cfg.actor.sft_warmup_steps and not run.start:
+            sft_warmup(cfg, self.state, self.job.tokenizer)
+        go = run.start < cfg.trainer.total_steps
+        control(Control(go=go), self.placement, dist.get_rank(), self._device)
+        if go:
+            self.sender.send()
+        comm.install()
+        run.hooks = (comm,)
+
+    @property
+    def _device(self):
+        return self.state.models.groups.device
+
+    def step(self, step: int) -> dict:
+        self.t0 = time.perf_counter()
+        return super().step(step)
+
+    def report(self, step: int, metrics: dict, outcome) -> bool:
+        self.state.step = step
+        rows = self.received.last
+        go = not outcome.stop and step < self.cfg.trainer.total_steps
+        t1 = time.perf_counter()
+        due = self.saves and save_due(self.cfg.trainer, step, outcome)
+        # the generation pool joins the save (its batch in flight)
+        control(Control(go=go, save=due, step=step, models=self.saved_models if due else ()), self.placement,
+                dist.get_rank(), self._device)
+        sent = self.sender.send() if go else None
+        step_seconds = time.perf_counter() - self.t0
+        metrics.update(self.timers.step_summary())
+        metrics.update(comm.step_summary(), **memory_summary(self._device, self.train_group))
+        wait = metrics.get("timing_s/gen", 0.0)  # phase 1 here is waiting for the rows
+        update = t1 - self.t0 - wait
+        metrics.update({
+            "staleness": float(step - 1 - rows.version),
+            "timing_s/gen_pool": rows.gen_seconds,  # the batch's generation on the generation pool
+            "timing_s/update_pool": update,  # phases 2-6 on the training pool
+            "timing_s/wait_rows": wait,
+            "timing_s/weight_sync": sent.seconds if sent else 0.0,
+            "weight_sync/bytes_sent": float(sent.bytes_sent if sent else 0),
+            "data_plane/bytes_received": float(rows.nbytes),
+            "timing_s/step": step_seconds,
+            "perf/time_per_step": step_seconds,
+            "perf/overlap_ratio": step_seconds / max(rows.gen_seconds, update, 1e-9),
+        })
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_seconds * dist.get_world_size())
+        return go
+
+    def save(self, step: int):
+        return super().save(step) if self.saves else None

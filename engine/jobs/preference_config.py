@@ -16,7 +16,8 @@ from typing import Any, Literal, Optional
 
 from hyflow.config import ConfigError
 from hyflow.config.checks import check_positive
-from hyflow.jobs.rl_config import TrainedModelConfig, TrainerConfig
+from hyflow.jobs.rl_config import TrainedModelConfig
+from hyflow.jobs.trainer_config import ValidatedTrainerConfig
 from hyflow.models.description import ModelDescription, tiny_llama
 from hyflow.parallel.layout import Layout
 
@@ -135,7 +136,7 @@ class PreferenceDataConfig:
 
 
 @dataclass
-class PreferenceTrainerConfig(TrainerConfig):
+class PreferenceTrainerConfig(ValidatedTrainerConfig):
     """Run-level settings."""
 
     total_steps: int = field(default=100, metadata={"help": "optimizer steps"})

@@ -33,15 +33,13 @@ from hyflow.config import format_config
 from hyflow.data.dataset import build_dataset, reference_response_ids
 from hyflow.data.loader import PromptLoader
 from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
+from hyflow.jobs.loop import Run, open_run, run_job
 from hyflow.jobs.rl_config import RLJobConfig
-from hyflow.jobs.run_config import record_config
-from hyflow.jobs.step_end import StepEnd
 from hyflow.models.routing_replay import mismatch_counts, reset_mismatch
 from hyflow.monitor import comm
 from hyflow.monitor.memory import memory_summary
-from hyflow.monitor.metrics import PHASE_KEYS, MetricsWriter, read_metrics
+from hyflow.monitor.metrics import PHASE_KEYS, read_metrics
 from hyflow.monitor.plot import plot_metrics, rl_plot_keys
-from hyflow.monitor.progress import Progress
 from hyflow.monitor.samples import print_samples
 from hyflow.monitor.timers import PhaseTimers
 from hyflow.rewards.manager import RewardManager
@@ -82,70 +80,117 @@ def setup(cfg: RLJobConfig) -> tuple[RLState, "StepJob"]:
 
 def run(cfg: RLJobConfig) -> list[dict]:
     """Train; rank 0 writes metrics.jsonl, TensorBoard, the resolved config and a plot."""
-    rank = dist.get_rank()
     state, job = setup(cfg)
-    models, supervisor = state.models, state.supervisor
     # SIGTERM / SIGUSR1 flags and NaN/inf guards, installed before the long set-up so no signal is lost
-    supervisor.install()
-    ckpt = Checkpointer(cfg.trainer.output_dir, models.groups, models.desc, cfg.trainer.keep_last,
+    state.supervisor.install()
+    ckpt = Checkpointer(cfg.trainer.output_dir, state.models.groups, state.models.desc, cfg.trainer.keep_last,
                         tokenizer=tokenizer_spec_for(cfg.data))
-    start = _resume(cfg, ckpt, state)  # the checkpoint's step; 0: fresh run
-    if rank == 0:
-        record_config(cfg, start)
-        print(f"[hyflow] {models.weights.describe()}; {job.dataset_size} prompts", flush=True)
-    writer = MetricsWriter.from_config(cfg.trainer, resume_step=start or None) if rank == 0 else None
-    if cfg.actor.sft_warmup_steps and not start:
-        sft_warmup(cfg, state, job.tokenizer)
-    progress = Progress.from_config(cfg.trainer, initial=start, enabled=rank == 0)
-    sampling = GenerationConfig.from_settings(cfg.rollout).sampling  # the rollout's stop tokens and length
-    validation = Validation.from_config(cfg, job.tokenizer, job.reward, sampling)
-    if validation is not None and validation.before_train and not start:  # logged as step 0
-        _validate(validation, models, 0, writer, progress)
-    sync = torch.cuda.synchronize if models.groups.device.type == "cuda" else None
-    timers = PhaseTimers(sync=sync)  # phases charged with the device work they launched
-    ends = StepEnd(cfg.trainer, ckpt, supervisor, writer, progress)  # metrics, checkpoints, stop / divergence
-    comm.install()  # per-step communication statistics (hyflow.monitor.comm)
+    steps = RLSteps(cfg, state, job, ckpt)
     try:
-        for step in range(start + 1, cfg.trainer.total_steps + 1):
-            records = state.loader.next_batch()
-            supervisor.begin_step()
-            metrics, data = rl_step(cfg, state, records, job, timers)
-            outcome = supervisor.end_step(metrics, step)  # collective: agrees on stop signals and NaN/inf
-            state.step = step
-            metrics.update(timers.cpu_summary())
-            metrics.update(cpu_max_over_ranks(metrics, models.groups.device))
-            metrics.update(timers.step_summary())
-            metrics.update(comm.step_summary(), **memory_summary(models.groups.device))
-            metrics["perf/time_per_step"] = metrics["timing_s/step"]
-            if cfg.trainer.log_samples and rank == 0:  # trainer.log_samples lines every log_every steps
-                print_samples(progress, cfg.trainer, step, start, records, data, job.tokenizer, cfg.rollout.n)
-            if validation is not None and not outcome.stop and validation.due(step, cfg.trainer.total_steps):
-                metrics.update(_validate(validation, models, step, None, progress))
-            # verl's definition: prompt + response tokens per second per rank
-            metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (
-                metrics["timing_s/step"] * dist.get_world_size())
-            if ends.finish(step, metrics, outcome, lambda _: _save(cfg, ckpt, state)):
-                break
-        ckpt.wait()
+        run = open_run(cfg, ckpt, state.supervisor, steps.resume, lead=dist.get_rank() == 0)
+        if run.writer is not None:
+            print(f"[hyflow] {state.models.weights.describe()}; {job.dataset_size} prompts", flush=True)
+        steps.before_train(run)
+        return run_job(run, steps)
     finally:
-        comm.uninstall()
-        supervisor.uninstall()
-        ckpt.close(abort=True)  # no-op unless an error left a background save unfinished
-    progress.close()
-    if writer is not None:
-        writer.close()
-        _finish(cfg, writer.path)
-    return ends.history
+        job.reward.close()  # the reward function's worker processes
 
 
-def _validate(validation: Validation, models: RLModels, step: int, writer, progress) -> dict:
-    """Validate the actor after ``step``; ``writer``: log the metrics as a row of their own."""
-    metrics = validate_actor(validation, models)
-    if dist.get_rank() == 0:
-        progress.write(summary_line(step, metrics, validation.n))
-    if writer is not None:
-        writer.log(step, metrics, check_required=False)
-    return metrics
+class RLSteps:
+    """The colocated RL job's steps as :func:`~hyflow.jobs.loop.run_job` calls them: :func:`rl_step`
+    on the loader's next batch, then the step's timers, communication and memory figures,
+    validation when due, and checkpoints of the whole :class:`~hyflow.rl.state.RLState`."""
+
+    def __init__(self, cfg: RLJobConfig, state: RLState, job: "StepJob", ckpt: Checkpointer) -> None:
+        self.cfg, self.state, self.job, self.ckpt = cfg, state, job, ckpt
+        device = state.models.groups.device
+        # phases charged with the device work they launched
+        self.timers = PhaseTimers(sync=torch.cuda.synchronize if device.type == "cuda" else None)
+        self.validation: Optional[Validation] = None
+        self.run: Optional[Run] = None
+        self.records: list = []
+        self.data: dict = {}
+
+    def resume(self) -> int:
+        """Load the checkpoint ``trainer.resume`` names (the newest that verifies, for ``auto``); returns
+        its step, 0 when the run starts fresh. Restores the random streams, so it runs last in the set-up."""
+        def warn(message: str) -> None:
+            print(f"[hyflow] warning: {message}", file=sys.stderr, flush=True)
+
+        path = self.ckpt.find_resume(self.cfg.trainer.resume, warn)  # verified; falls back past damaged ones
+        if path is None:
+            return 0
+        state = self.state
+        saved = self.ckpt.load(path, state.models.trained(), frozen=frozen_models(self.cfg, state.models))
+        job = dict(saved["job"])
+        job.setdefault("step", saved["step"])
+        state.load_state_dict(job)
+        if state.step >= self.cfg.trainer.total_steps:
+            self.ckpt.log(f"[hyflow] the checkpoint is at step {state.step}: trainer.total_steps="
+                          f"{self.cfg.trainer.total_steps} is reached already, nothing to train")
+        return state.step
+
+    def before_train(self, run: Run) -> None:
+        """The SFT warm-up of a fresh run, validation before the first step, communication statistics."""
+        cfg, self.run = self.cfg, run
+        if cfg.actor.sft_warmup_steps and not run.start:
+            sft_warmup(cfg, self.state, self.job.tokenizer)
+        sampling = GenerationConfig.from_settings(cfg.rollout).sampling  # the rollout's stop tokens and length
+        self.validation = Validation.from_config(cfg, self.job.tokenizer, self.job.reward, sampling)
+        if self.validation is not None and self.validation.before_train and not run.start:  # logged as step 0
+            self._validate(0, run.writer)
+        comm.install()  # per-step communication statistics (hyflow.monitor.comm)
+        run.hooks = (comm,)
+
+    def step(self, step: int) -> dict:
+        self.records = self.state.loader.next_batch()
+        metrics, self.data = rl_step(self.cfg, self.state, self.records, self.job, self.timers)
+        return metrics
+
+    def report(self, step: int, metrics: dict, outcome) -> bool:
+        cfg, device, timers = self.cfg, self.state.models.groups.device, self.timers
+        self.state.step = step
+        metrics.update(timers.cpu_summary())
+        metrics.update(cpu_max_over_ranks(metrics, device))
+        metrics.update(timers.step_summary())
+        metrics.update(comm.step_summary(), **memory_summary(device))
+        metrics["perf/time_per_step"] = metrics["timing_s/step"]
+        if cfg.trainer.log_samples and dist.get_rank() == 0:  # trainer.log_samples lines every log_every
+            print_samples(self.run.progress, cfg.trainer, step, self.run.start, self.records, self.data,
+                          self.job.tokenizer, cfg.rollout.n)
+        if self.validation is not None and not outcome.stop and self.validation.due(step, cfg.trainer.total_steps):
+            metrics.update(self._validate(step, None))
+        # verl's definition: prompt + response tokens per second per rank
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (
+            metrics["timing_s/step"] * dist.get_world_size())
+        return True
+
+    def save(self, step: int) -> str:
+        """Checkpoint the state's step; returns the checkpoint's directory."""
+        return self.ckpt.save(self.state.step, self.state.models.trained(), self.state.state_dict(),
+                              frozen=frozen_models(self.cfg, self.state.models), config_text=format_config(self.cfg))
+
+    def summary(self, metrics_path: str) -> None:
+        """Rank 0: plot the whole run's metrics (resumed parts included) and print a summary."""
+        rows = read_metrics(metrics_path)
+        if not rows:
+            return
+        plot_metrics(rows, os.path.join(self.cfg.trainer.output_dir, "reward_kl.png"),
+                     keys=rl_plot_keys(self.cfg, rows))
+        scores = [row["critic/score/mean"] for row in rows if "critic/score/mean" in row] or [None]  # not step 0's
+        first, last = scores[0], scores[-1]  # (a validation row)
+        fmt = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731 - NaN rows are written as null
+        print(f"[hyflow] done: reward {fmt(first)} -> {fmt(last)}; run directory {self.cfg.trainer.output_dir}",
+              flush=True)
+
+    def _validate(self, step: int, writer) -> dict:
+        """Validate the actor after ``step``; ``writer``: log the metrics as a row of their own."""
+        metrics = validate_actor(self.validation, self.state.models)
+        if dist.get_rank() == 0:
+            self.run.progress.write(summary_line(step, metrics, self.validation.n))
+        if writer is not None:
+            writer.log(step, metrics, check_required=False)
+        return metrics
 
 
 class StepJob:
@@ -381,6 +426,7 @@ def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, 
     stats.mean("response_length/clip_ratio", batch.truncated.double().sum(), float(batch.size))
     stats.distribution("prompt_length", batch.prompt_lengths.double())
     stats.mean("prompt_length/clip_ratio", (samples.column("truncated") > 0).double().sum(), float(batch.size))
+    stats.add("reward/timeouts", float(scored.timeouts))  # reward calls stopped at reward.timeout_s
     stats.add("perf/total_num_tokens", batch.lengths.double().sum())
     stats.add("rollout/generated_tokens", batch.response_lengths.double().sum())
     stats.add("rollout/gen_seconds_sum", timers.step_times.get("gen", 0.0))
@@ -451,36 +497,11 @@ def sft_warmup(cfg: RLJobConfig, state: RLState, tokenizer) -> None:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _frozen_models(cfg: RLJobConfig, models: RLModels) -> Optional[dict]:
+def frozen_models(cfg: RLJobConfig, models: RLModels) -> Optional[dict]:
     """The reference, when the config cannot rebuild it (it is the actor after the SFT warm-up)."""
     if models.reference is not None and cfg.actor.sft_warmup_steps:
         return {"reference": models.reference}
     return None
-
-
-def _save(cfg: RLJobConfig, ckpt: Checkpointer, state: RLState) -> str:
-    """Checkpoint the state's step; returns the checkpoint's directory."""
-    return ckpt.save(state.step, state.models.trained(), state.state_dict(), frozen=_frozen_models(cfg, state.models),
-                     config_text=format_config(cfg))
-
-
-def _resume(cfg: RLJobConfig, ckpt: Checkpointer, state: RLState) -> int:
-    """Load the checkpoint ``trainer.resume`` names (the newest that verifies, for ``auto``); returns
-    its step, 0 when the run starts fresh. Restores the random streams, so it runs last in the set-up."""
-    def warn(message: str) -> None:
-        print(f"[hyflow] warning: {message}", file=sys.stderr, flush=True)
-
-    path = ckpt.find_resume(cfg.trainer.resume, warn)  # verified; falls back past damaged ones (auto)
-    if path is None:
-        return 0
-    saved = ckpt.load(path, state.models.trained(), frozen=_frozen_models(cfg, state.models))
-    job = dict(saved["job"])
-    job.setdefault("step", saved["step"])
-    state.load_state_dict(job)
-    if state.step >= cfg.trainer.total_steps:
-        ckpt.log(f"[hyflow] the checkpoint is at step {state.step}: trainer.total_steps={cfg.trainer.total_steps} "
-                 "is reached already, nothing to train")
-    return state.step
 
 
 def cpu_max_over_ranks(metrics: dict, device: torch.device) -> dict[str, float]:
@@ -491,15 +512,3 @@ def cpu_max_over_ranks(metrics: dict, device: torch.device) -> dict[str, float]:
                           device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return {f"cpu_s_max/{p}": float(v) for p, v in zip(PHASE_KEYS, values.tolist())}
-
-
-def _finish(cfg: RLJobConfig, metrics_path: str) -> None:
-    """Rank 0: plot the whole run's metrics (resumed parts included) and print a summary."""
-    rows = read_metrics(metrics_path)
-    if not rows:
-        return
-    plot_metrics(rows, os.path.join(cfg.trainer.output_dir, "reward_kl.png"), keys=rl_plot_keys(cfg, rows))
-    scores = [row["critic/score/mean"] for row in rows if "critic/score/mean" in row] or [None]  # not step 0's
-    first, last = scores[0], scores[-1]  # (a validation row)
-    fmt = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731 - NaN rows are written as null
-    print(f"[hyflow] done: reward {fmt(first)} -> {fmt(last)}; run directory {cfg.trainer.output_dir}", flush=True)

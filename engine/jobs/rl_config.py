@@ -15,6 +15,7 @@ from hyflow.choices import AggMode, KLKind, PolicyLossName
 from hyflow.config import ConfigError
 from hyflow.config.checks import check_finite, check_positive
 from hyflow.jobs.algorithm_config import GROUP_ESTIMATORS, AlgorithmConfig, RolloutCorrectionConfig
+from hyflow.jobs.trainer_config import ValidatedTrainerConfig
 from hyflow.models.description import ModelDescription, tiny_llama
 from hyflow.parallel.distributed import default_dtype
 from hyflow.parallel.layout import Layout
@@ -285,9 +286,23 @@ class RewardConfig:
     format_score: float = field(default=0.0, metadata={
         "help": "partial credit for a wrong answer whose response matches format_pattern"})
     format_pattern: Optional[str] = field(default=None, metadata={"help": "regex of the `format` rule"})
+    timeout_s: float = field(default=60.0, metadata={
+        "help": "seconds one call of the reward function (kind=function) may take: calls run in worker processes "
+                "and a call past the limit is stopped, scored reward.timeout_score and counted in reward/timeouts; "
+                "the file's import gets max(60, timeout_s). 0 = no limit (the function runs inside the rank)"})
+    batch_timeout_s: float = field(default=0.0, metadata={
+        "help": "seconds all of one rank's reward calls of a step may take; at the limit the unfinished ones are "
+                "scored like timed-out calls (0 = no limit beyond reward.timeout_s per call)"})
+    timeout_score: float = field(default=0.0, metadata={"help": "the score of a reward call that timed out"})
+    workers: int = field(default=1, metadata={
+        "help": "worker processes per rank calling the reward function (calls run in parallel; with timeout_s > 0)"})
 
     def validate(self) -> None:
-        check_finite(self, "model_coef", "format_score")
+        check_finite(self, "model_coef", "format_score", "timeout_s", "batch_timeout_s", "timeout_score")
+        for key in ("timeout_s", "batch_timeout_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"must be >= 0 (0 = no limit), got {getattr(self, key)}", key=key)
+        check_positive(self, "workers")
         if self.kind == "function" and not self.function_path:
             raise ConfigError("reward.kind=function needs reward.function_path", key="function_path")
         if self.kind == "model" and not self.model_checkpoint:
@@ -319,58 +334,31 @@ class DataConfig:
         check_positive(self, "train_batch_size", "task_size")
         if not self.train_files and not self.task:
             raise ConfigError("set data.train_files or data.task")
+        if self.task and self.task_size < self.train_batch_size:
+            raise ConfigError(f"data.task_size={self.task_size} prompts is fewer than one batch of "
+                              f"{self.train_batch_size}: raise data.task_size or lower it", key="train_batch_size")
 
 
 @dataclass
-class TrainerConfig:
-    """Run-level settings."""
+class RLTrainerConfig(ValidatedTrainerConfig):
+    """Run-level settings of the RL job."""
 
     total_steps: int = field(default=100, metadata={"help": "RL steps"})
     output_dir: str = field(default="runs/rl", metadata={"help": "metrics, config, TensorBoard, checkpoints"})
-    nproc: int = field(default=1, metadata={"help": "ranks to launch on this machine"})
-    seed: int = field(default=1234, metadata={"help": "seed of initialisation, sampling and mini-batch order"})
-    log_every: int = field(default=1, metadata={"help": "print a progress line every N steps (when not on a terminal)"})
     log_samples: int = field(default=0, metadata={
         "help": "print this many prompt / response / ground truth / score lines of the step's batch every "
                 "log_every steps (verl's trainer.log_val_generations; 0 = none)"})
-    save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
-    val_every: int = field(default=0, metadata={
-        "help": "validate on data.val_files every N steps and after the last step (verl's trainer.test_freq; "
-                "0 = only after the last step)"})
-    val_before_train: bool = field(default=True, metadata={
-        "help": "validate the starting weights before the first step (logged as step 0; with data.val_files)"})
-    keep_last: int = field(default=2, metadata={"help": "complete checkpoints kept"})
-    resume: str = field(default="auto", metadata={"help": "auto | never | path of a checkpoint"})
-    max_bad_steps: int = field(default=3, metadata={"help": "consecutive NaN/inf steps before stopping"})
-    collective_timeout_s: float = field(default=3600.0, metadata={
-        "help": "longest wait of one collective or receive (NCCL's watchdog aborts the run after it); placement "
-                "pools wait in a receive for the other pool's whole generation or update, so it must exceed the "
-                "longest phase"})
     mode: Literal["sync", "one_step_off"] = field(default="sync", metadata={
         "help": "sync: generate, then train on it (with placement.pools: the generation pool samples step t+1 "
                 "after receiving the weights of step t); one_step_off: the generation pool samples step t+1 with the "
                 "weights of step t while the training pool updates on step t (token-level truncated importance "
                 "sampling, actor.rollout_correction (token_tis when left off), corrects the one-step "
                 "staleness); needs a generation pool of its own (placement; without pools the ranks split in half)"})
-    loggers: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = field(
-        default_factory=lambda: ["console", "tensorboard"], metadata={
-            "help": "where metrics go besides metrics.jsonl: console (progress line), tensorboard "
-                    "(output_dir/tensorboard), wandb (WANDB_MODE=offline works), mlflow (MLFLOW_TRACKING_URI, "
-                    "else output_dir/mlruns)"})
-    project_name: str = field(default="hyflow", metadata={"help": "W&B project and MLflow experiment"})
-    experiment_name: Optional[str] = field(default=None, metadata={
-        "help": "W&B / MLflow run name (null: the output_dir's name)"})
 
     def validate(self) -> None:
-        check_positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps", "collective_timeout_s")
-        for name in ("save_every", "val_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"must be >= 0, got {getattr(self, name)}", key=name)
-        from hyflow.monitor.trackers import check_available
-
-        missing = check_available(self.loggers)
-        if missing:
-            raise ConfigError(missing, key="loggers")
+        super().validate()
+        if self.log_samples < 0:
+            raise ConfigError(f"must be >= 0, got {self.log_samples}", key="log_samples")
 
 
 @dataclass
@@ -396,7 +384,7 @@ class RLJobConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: RLTrainerConfig = field(default_factory=RLTrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     #: What validation adopted or noticed (e.g. the architecture read from actor.checkpoint).

@@ -36,9 +36,7 @@ def preflight(cfg: Any) -> None:
 
 
 def _preflight(cfg: Any) -> None:
-    from hyflow.jobs.one_step_off import check_supported
-
-    check_supported(cfg)  # placement pools and trainer.mode=one_step_off: what runs today
+    check_pooled_supported(cfg)  # placement pools and trainer.mode=one_step_off: what runs today
     check_role_capabilities(cfg)
     _check_context_parallel(cfg)
     _check_task(cfg.data)
@@ -54,6 +52,26 @@ def _preflight(cfg: Any) -> None:
                                        "use a model / tokenizer pair that match")
     _check_resume(cfg.trainer.resume)
     _check_output_dir(cfg.trainer.output_dir)
+
+
+def check_pooled_supported(cfg: Any) -> None:
+    """What placement pools (``trainer.mode=one_step_off``, or ``sync`` with ``placement.pools``) do not
+    run yet, named before any rank starts (what the pooled roles cannot do is their declared capabilities':
+    :func:`hyflow.jobs.rl_preflight.check_role_capabilities`)."""
+    placement = cfg.resolved_placement()
+    if placement.colocated:
+        return
+    from hyflow.placement.remote_critic import check_remote_roles
+
+    check_remote_roles(cfg, placement)  # roles on a pool apart from the actor's: the critic only
+    if cfg.data.val_files:
+        raise ConfigError("validation (data.val_files) runs colocated only for now: drop data.val_files with "
+                          "placement pools, or validate the checkpoints with `hyflow eval`", key="data.val_files")
+    actor = placement.roles["actor"].pool
+    if actor.start != 0:  # Megatron's dist_checkpointing writes the models' common part from rank 0
+        raise ConfigError(f"checkpoints of placement pools need the actor's pool to start at rank 0 (it is "
+                          f"{actor.describe()}): list the training pool first in placement.pools",
+                          key="placement.pools")
 
 
 def role_classes(cfg: Any) -> tuple[type, type]:
@@ -178,6 +196,7 @@ def _check_data_files(cfg: Any) -> None:
     files = [] if cfg.data.task else [(f"data.train_files[{i}]", p) for i, p in enumerate(cfg.data.train_files)]
     files += [(f"data.val_files[{i}]", p) for i, p in enumerate(cfg.data.val_files)]
     tokenizer = None
+    total, whole = 0, True  # training rows seen; whether every training file was read to its end
     for key, path in files:
         if not os.path.isfile(path):
             raise _error(key, f"data file {path} does not exist")
@@ -187,6 +206,9 @@ def _check_data_files(cfg: Any) -> None:
             raise _error(key, str(e)) from None
         if not rows:
             raise _error(key, f"{path} has no rows")
+        if key.startswith("data.train_files"):
+            total += len(rows)
+            whole = whole and len(rows) < PREVIEW_ROWS
         prompts = []
         for row, item in enumerate(rows):
             try:
@@ -200,6 +222,9 @@ def _check_data_files(cfg: Any) -> None:
 
                 tokenizer = load_data_tokenizer(cfg.data)  # seconds here, not a launch that ends with no prompt
             _check_prompt_lengths(key, path, prompts, tokenizer, cfg.rollout.max_prompt_length)
+    if not cfg.data.task and whole and total < cfg.data.train_batch_size:
+        raise _error("data.train_batch_size", f"the data files hold {total} rows, fewer than one batch of "
+                                              f"{cfg.data.train_batch_size} prompts: lower it or add rows")
 
 
 def _check_prompt_lengths(key: str, path: str, prompts: list, tokenizer: Any, limit: int) -> None:
@@ -215,13 +240,16 @@ def _check_prompt_lengths(key: str, path: str, prompts: list, tokenizer: Any, li
 
 def _check_reward(reward: Any) -> None:
     if reward.kind == "function":
-        from hyflow.rewards.user_function import RewardError, load_user_function
+        from hyflow.rewards.user_function import RewardError
+        from hyflow.rewards.worker import DEFAULT_IMPORT_TIMEOUT_S, probe_user_function
 
-        try:
-            load_user_function(reward.function_path, reward.function_name)
+        try:  # in a worker process: a file that hangs at import fails here instead of hanging the launcher
+            probe_user_function(reward.function_path, reward.function_name,
+                                max(DEFAULT_IMPORT_TIMEOUT_S, reward.timeout_s))
         except RewardError as e:
             text = str(e)
-            in_file = text.startswith(("importing", "no reward function file")) or "not found" in text
+            in_file = text.startswith(("importing", "no reward function file", "the reward worker")) or \
+                "not found" in text
             raise _error("reward.function_path" if in_file else "reward.function_name", text) from None
     if reward.model_checkpoint:
         from hyflow.rl.reward_model import check_reward_model_checkpoint

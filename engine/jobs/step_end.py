@@ -22,7 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from hyflow.monitor import watchdog
 from hyflow.training.supervisor import StepOutcome, StepSupervisor
+
+
+def save_due(trainer: Any, step: int, outcome: StepOutcome) -> bool:
+    """Whether ``step`` checkpoints: every ``trainer.save_every`` steps, at the last step, and before stopping."""
+    every = trainer.save_every
+    return outcome.stop or step == trainer.total_steps or bool(every and step % every == 0)
 
 
 @dataclass
@@ -44,22 +51,20 @@ class StepEnd:
     progress: Any
     history: list[dict] = field(default_factory=list)
 
-    def save_due(self, step: int, outcome: StepOutcome) -> bool:
-        """Every ``trainer.save_every`` steps, at the last step, and before stopping."""
-        every = self.trainer.save_every
-        return outcome.stop or step == self.trainer.total_steps or bool(every and step % every == 0)
-
     def finish(self, step: int, metrics: dict, outcome: StepOutcome, save: Callable[[int], Optional[str]]) -> bool:
         """Record ``metrics`` of ``step``; when a checkpoint is due call ``save(step)`` (it writes
         the checkpoint and returns its directory); True when the run must stop after this step (a stop signal).
         Raises the supervisor's divergence error when the run diverged."""
+        watchdog.beat(f"the end of step {step} (metrics, checkpoint)")
         metrics["step"] = step
         self.history.append(metrics)
         if self.writer is not None:
             self.writer.log(step, metrics)
         self.progress.update(step, metrics)
+        if outcome.bad and self.writer is not None:  # the logging rank
+            print(self.supervisor.bad_step_line(step), flush=True)
         self.ckpt.poll()  # finalize background saves that finished (collective)
-        saved = save(step) if self.save_due(step, outcome) else None
+        saved = save(step) if save_due(self.trainer, step, outcome) else None
         if outcome.diverged:
             self.ckpt.wait()
             raise self.supervisor.divergence_error(saved)

@@ -212,7 +212,7 @@ def gather_full_state_dict(model: torch.nn.Module, desc: ModelDescription, group
 
 def full_parameter_shapes(desc: ModelDescription) -> dict[str, tuple[int, ...]]:
     """Names and unsharded shapes of every parameter (global layer indices)."""
-    h, d, f = desc.hidden_size, desc.head_dim, desc.ffn_hidden_size
+    h, d = desc.hidden_size, desc.head_dim
     qkv_rows = (desc.num_attention_heads + 2 * desc.num_query_groups) * d
     shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (desc.vocab_size, h)}
     for i in range(desc.num_layers):

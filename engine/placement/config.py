@@ -219,7 +219,7 @@ def resolve_placement(cfg: Any, world: Optional[int] = None) -> Placement:
     _check_cover(pools, world)
     default = {"actor": "train", "rollout": "gen"} if not place.pools else {}
     layouts = role_layouts(cfg)
-    actor_pool = getattr(place, "actor") or default["actor"]
+    actor_pool = place.actor or default["actor"]
     roles: dict[str, RolePlacement] = {}
     for role, base in layouts.items():
         name = getattr(place, role) or default.get(role) or actor_pool

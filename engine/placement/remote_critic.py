@@ -161,7 +161,7 @@ def serve_critic(cfg, placement, groups, pool_group, go) -> None:
                 ops += [dist.P2POp(dist.irecv, t, r.src) for t in part]
                 parts.append(part)
             _exchange(ops)
-            pad = lambda t, value: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)  # noqa: E731
+            pad = lambda t, value, width=width: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)  # noqa: E731
             columns = {"tokens": torch.cat([pad(p[0], pad_id) for p in parts]),
                        "response_mask": torch.cat([pad(p[1], 0.0) for p in parts])}
             lengths = torch.cat([p[2] for p in parts]).tolist()

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, Union
 
 from hyflow.config import ConfigError
+from hyflow.hybrid.generation_groups import generation_enumerations
 from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
 from hyflow.hybrid.reshard_plan import PP_STAGING_SLOT, ReshardPlan, plan_reshard, staging_bytes_per_rank
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.layout import Layout
 from hyflow.plan import memory_estimate as mem
-from hyflow.plan.group_check import (RankCheck, check_partition, generation_enumerations,
-                                layout_enumerations, summarize, verify_rank)
+from hyflow.plan.group_check import RankCheck, check_partition, layout_enumerations, summarize, verify_rank
 from hyflow.plan.role_plan import RolePlan
 from hyflow.rollout.config import GenerationConfig
 

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from hyflow.hybrid.generation_groups import MEGATRON_KINDS, build_generation_groups, generation_enumerations
+from hyflow.hybrid.generation_groups import MEGATRON_KINDS, build_generation_groups
 from hyflow.hybrid.reshard_plan import ReshardPlan
 from hyflow.hybrid.reshard_table import rank_plan
 from hyflow.parallel.layout import Layout

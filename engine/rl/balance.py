@@ -95,7 +95,7 @@ def balance_rows(columns: dict[str, torch.Tensor], lengths: Sequence[int], assig
                  n_minibatches: int, group) -> tuple[dict[str, torch.Tensor], list[int], list[int]]:
     """``(columns, lengths, assign)`` of this rank after the DP ranks re-deal each mini-batch's rows
     (see the module docstring)."""
-    dp, rank = dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     device = columns["response_mask"].device
     B = len(lengths)
     width = columns["response_mask"].shape[1]

@@ -197,12 +197,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from hyflow.cli_support import run_ranks_here
 
         return run_ranks_here("generate", world)
+    import torch.distributed as dist
+
+    from hyflow.launch.rank_report import LOG_DIR_ENV, run_reporting
     from hyflow.parallel.distributed import init_distributed, shutdown
 
     init_distributed()
     try:
+        if launched_by_torchrun() and os.environ.get(LOG_DIR_ENV):  # a rank: the launcher reports failures
+            return run_reporting(lambda: _generate(args), dist.get_rank())
         return _generate(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"hyflow generate: {e}", file=sys.stderr)
         return 2
     finally:

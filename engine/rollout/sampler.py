@@ -178,7 +178,7 @@ class VocabParallelSampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row; returns (global token ids [b] long, log-probs [b] float32)."""
-        b, dev = logits.shape[0], logits.device
+        dev = logits.device
         params = params.to(dev)
         x = logits.float()
         if self.valid < self.local_size:

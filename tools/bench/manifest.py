@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
             root = os.path.join(tmp, f"ckpt_{mb:g}MB")
             _synthetic(root, int(mb * 1e6))
             size = _size(root)
-            write_s = _median_s(lambda: write_manifest(root), args.repeats)
-            verify_s = _median_s(lambda: verify_manifest(root, checksums=True), args.repeats)
+            write_s = _median_s(lambda root=root: write_manifest(root), args.repeats)
+            verify_s = _median_s(lambda root=root: verify_manifest(root, checksums=True), args.repeats)
             rows.append({"checkpoint": f"synthetic {mb:g} MB", "bytes": size, "write_s": write_s,
                          "verify_s": verify_s})
             for d, _, files in os.walk(root, topdown=False):
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"hyflow bench manifest: {path} has no {MANIFEST_FILE}; skipped")
             continue
         size = _size(path) - os.path.getsize(os.path.join(path, MANIFEST_FILE))
-        verify_s = _median_s(lambda: verify_manifest(path, checksums=True), args.repeats)
+        verify_s = _median_s(lambda path=path: verify_manifest(path, checksums=True), args.repeats)
         rows.append({"checkpoint": path, "bytes": size, "write_s": None, "verify_s": verify_s})
     print(f"{'checkpoint':40s} {'MB':>9s} {'hash+write s':>13s} {'verify s':>9s} {'verify MB/s':>12s}")
     for r in rows:
