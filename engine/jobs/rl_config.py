@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from hyflow.agent.config import MultiTurnConfig
 from hyflow.choices import AggMode, KLKind, PolicyLossName
 from hyflow.config import ConfigError
 from hyflow.config.checks import check_finite, check_positive
@@ -68,6 +69,13 @@ class RolloutConfig(GenerationSettings):
         "help": "tests and benchmarks only: generate with the actor's weights of this many steps ago (a forced "
                 "off-policy lag; the update still starts from the current weights)"})
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig, metadata={
+        "help": "multi-turn, tool-using trajectories (hyflow.agent); max_new_tokens is then the per-turn limit"})
+
+    @property
+    def max_response_length(self) -> int:
+        """The longest response a row can hold: a multi-turn trajectory's budget, else max_new_tokens."""
+        return self.multi_turn.max_response_tokens if self.multi_turn.enable else self.max_new_tokens
 
     def validate(self) -> None:
         check_finite(self, "temperature", "top_p")
@@ -430,6 +438,9 @@ class RLJobConfig:
         if self.model.moe is None:
             raise ConfigError(f"{key} records the experts of a mixture-of-experts model; model.family="
                               f"{self.model.family} is dense (drop {key})")
+        if rollout.multi_turn.enable:
+            raise ConfigError(f"{key} with rollout.multi_turn: a trajectory's observation tokens have no recorded "
+                              f"experts yet; drop {key} or rollout.multi_turn")
         if train.cp > 1:
             raise ConfigError(f"{key} with actor.layout.cp={train.cp}: the recorded experts are not split over "
                               "context-parallel ranks yet; use cp=1")
@@ -516,18 +527,41 @@ class RLJobConfig:
             if mini % dp:
                 who = "actor" if key.startswith("actor") else "critic"
                 raise ConfigError(f"{key}={mini} must be a multiple of the {who}'s data-parallel size {dp}")
-        longest = self.rollout.max_prompt_length + self.rollout.max_new_tokens
+        if self.rollout.multi_turn.enable:
+            self._check_multi_turn()
+        longest = self.rollout.max_prompt_length + self.rollout.max_response_length
         for key, budget in (("actor.max_tokens_per_micro_batch", self.actor.max_tokens_per_micro_batch),
                             ("critic.max_tokens_per_micro_batch", self.critic.max_tokens_per_micro_batch),
                             ("reference.max_tokens_per_micro_batch", self.reference.max_tokens_per_micro_batch)):
             if budget is not None and budget < longest:
                 raise ConfigError(
                     f"{key}={budget} is smaller than the longest sequence, rollout.max_prompt_length + "
-                    f"max_new_tokens = {longest}; raise it to at least {longest}")
+                    f"{self._response_key} = {longest}; raise it to at least {longest}")
         self._check_routing(train, gen)
-        total = self.rollout.max_prompt_length + self.rollout.max_new_tokens
+        total = self.rollout.max_prompt_length + self.rollout.max_response_length
         if total > self.model.context_length:
             raise ConfigError(
-                f"rollout.max_prompt_length + max_new_tokens = {total} exceeds the model's context "
+                f"rollout.max_prompt_length + {self._response_key} = {total} exceeds the model's context "
                 f"length {self.model.context_length} (model.max_position_embeddings, extended by "
                 "model.rope_scaling); shorten them or extend the context with rope_scaling")
+
+    @property
+    def _response_key(self) -> str:
+        return "multi_turn.max_response_tokens" if self.rollout.multi_turn.enable else "max_new_tokens"
+
+    def _check_multi_turn(self) -> None:
+        """What multi-turn rollouts do not combine with, each named with the way out (the rollouts
+        role's ``multi_turn`` capability is checked by the preflight: placement pools lack it)."""
+        if self.algorithm.adv_estimator == "remax":
+            raise ConfigError("rollout.multi_turn does not generate ReMax's greedy baselines: use grpo, rloo, "
+                              "reinforce_plus_plus or gae")
+        if self.algorithm.overlong_buffer.enable:
+            raise ConfigError("algorithm.overlong_buffer measures one response against rollout.max_new_tokens; it "
+                              "does not apply to multi-turn trajectories (rollout.multi_turn.max_response_tokens "
+                              "bounds them): set algorithm.overlong_buffer.enable=false")
+        if self.rollout.truncate_long_prompts:
+            raise ConfigError("rollout.truncate_long_prompts would cut a multi-turn context from the left (the "
+                              "trainer would score other tokens than the sampler's): set it to false")
+        if self.rollout.multi_turn.max_response_tokens < self.rollout.max_new_tokens:
+            raise ConfigError(f"rollout.multi_turn.max_response_tokens={self.rollout.multi_turn.max_response_tokens} "
+                              f"is below one turn's rollout.max_new_tokens={self.rollout.max_new_tokens}")

@@ -98,6 +98,9 @@ REQUIREMENTS = (
      lambda caps: caps.exact_logprobs, "the training forward's log-probs of the policy that sampled (it samples "
      "with older weights and holds no generation model to re-score with)",
      "set rollout.exact_logprobs=false, or trainer.mode=sync"),
+    ("rollout.multi_turn.enable", lambda cfg: cfg.rollout.multi_turn.enable, "rollouts",
+     lambda caps: caps.multi_turn, "multi-turn trajectories (its generation pool runs single responses)",
+     "run colocated (trainer.mode=sync, placement.pools empty), or set rollout.multi_turn.enable=false"),
     ("rollout.force_staleness", lambda cfg: cfg.rollout.force_staleness > 0, "weights",
      lambda caps: caps.stale_weights, "sampling with older weights (it holds no generation weights of its own)",
      "set rollout.force_staleness=0, or run colocated"),

@@ -70,7 +70,8 @@ class ValidatedTrainerConfig(TrainerConfig):
         "help": "validate on data.val_files every N steps and after the last step (verl's trainer.test_freq; "
                 "0 = only after the last step)"})
     val_before_train: bool = field(default=True, metadata={
-        "help": "validate the starting weights before the first step (logged as step 0; with data.val_files)"})
+        "help": "validate the starting weights before training (logged as step 0, before the RL job's SFT "
+                "warm-up; with data.val_files)"})
 
     def validate(self) -> None:
         super().validate()

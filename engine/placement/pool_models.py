@@ -132,6 +132,11 @@ class RemoteRollouts:
         self.last = got
         return GatheredRollout(samples=got.samples, stats=RolloutStats(samples=len(got.samples)))
 
+    def generate_trajectories(self, agent, records: Sequence, n: int, *, seed: int, request_offset: int,
+                              sampling: Optional[SamplingConfig] = None):
+        raise RuntimeError("the generation pool does not run multi-turn trajectories (capabilities.multi_turn "
+                           "is False; the preflight refuses rollout.multi_turn with placement pools)")
+
     def rescore(self, batch: RolloutBatch, batching: MicroBatching, *, temperature: float, fused: bool,
                 train_mode: bool) -> torch.Tensor:
         raise RuntimeError("the training pool holds no generation model: re-score in the training layout "

@@ -76,14 +76,23 @@ class RolloutBatch:
         """Host copy of ``lengths`` for planning micro-batches (one sync)."""
         return self.lengths.tolist()
 
+    def response_positions(self) -> torch.Tensor:
+        """[B, S] bool: every position after the prompt (``response_mask`` without its holes: a
+        multi-turn trajectory's observations included), the layout of the data plane's log-probs."""
+        cols = torch.arange(self.tokens.shape[1], device=self.device).unsqueeze(0)
+        return (cols >= self.prompt_lengths.unsqueeze(1)) & (cols < self.lengths.unsqueeze(1))
+
 
 def build_rollout_batch(flat_tokens: torch.Tensor, flat_logprobs: torch.Tensor, prompt_lengths: torch.Tensor,
                         response_lengths: torch.Tensor, group_ids: torch.Tensor, sample_ids: torch.Tensor,
                         truncated: torch.Tensor, pad_id: int = 0,
+                        flat_mask: Optional[torch.Tensor] = None,
                         flat_routing: Optional[torch.Tensor] = None) -> RolloutBatch:
     """A padded batch from samples stored back to back: ``flat_tokens`` holds each row's prompt and
-    response, ``flat_logprobs`` each row's response log-probs, ``flat_routing`` (optional) each
-    token's recorded experts like ``flat_tokens`` (the data plane's wire format).
+    response, ``flat_logprobs`` each row's response log-probs (the data plane's wire format).
+    ``flat_mask`` (as ``flat_logprobs``): 0 on response tokens the sampler did not produce (a
+    multi-turn trajectory's observations): they stay in the row, out of ``response_mask``.
+    ``flat_routing`` (optional): each token's recorded experts, laid out like ``flat_tokens``.
     Built where the inputs are, without a host round trip."""
     device = flat_tokens.device
     lengths = prompt_lengths + response_lengths
@@ -99,6 +108,8 @@ def build_rollout_batch(flat_tokens: torch.Tensor, flat_logprobs: torch.Tensor, 
     lp_index = (lp_starts.unsqueeze(1) + cols - prompt_lengths.unsqueeze(1)).clamp(
         min=0, max=max(flat_logprobs.numel() - 1, 0))
     logprobs = flat_logprobs[lp_index] if flat_logprobs.numel() else torch.zeros_like(lp_index, dtype=torch.float32)
+    if flat_mask is not None and flat_mask.numel():
+        response = response & (flat_mask[lp_index] > 0)
     return RolloutBatch(
         tokens=tokens.long(), response_mask=response.float(),
         rollout_logprobs=torch.where(response, logprobs.float(), 0.0),

@@ -9,6 +9,7 @@ the pooled ones.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -120,6 +121,8 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
     record = cfg.rollout.routing_replay or cfg.rollout.record_routing  # R3 replays what the rollout recorded
     generation = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0,
                                                 record_routing=record)
+    if cfg.rollout.multi_turn.enable:  # a multi-turn context outgrows the prompt limit; its budget bounds it
+        generation = dataclasses.replace(generation, max_prompt_length=None)
     dispatcher = RolloutDispatcher(hybrid, groups, generation, desc, sample_vocab, eos,
                                    current_weights=not cfg.rollout.force_staleness)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=hybrid,

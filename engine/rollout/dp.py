@@ -57,6 +57,11 @@ class SampleTensors:
             response length, finish reason (0 none, 1 stop, 2 length), prompt tokens truncated.
         tokens: [sum(prompt + response lengths)] int64, each sample's prompt then response.
         logprobs: [sum(response lengths)] float32, the sampler's log-probs of the response tokens.
+        mask: None (every response token was sampled), or [sum(response lengths)] float32: 1 on
+            sampled tokens, 0 on tokens the sampler did not produce (a multi-turn trajectory's
+            observations, :mod:`hyflow.agent`), which are context only.
+        stats: None, or [N, k] float64 per-sample counters gathered with the samples (a
+            multi-turn trajectory's turns, tool calls, end reason, ...: :mod:`hyflow.agent.trajectory`).
         routing: mixture-of-experts models that recorded it: [sum(prompt + response lengths), layers,
             top_k] (uint8 / int32), each token's experts (id + 1; 0 for the last token, which was never fed;
             :mod:`hyflow.models.routing_replay`), aligned with ``tokens``; else None.
@@ -65,6 +70,8 @@ class SampleTensors:
     meta: torch.Tensor
     tokens: torch.Tensor
     logprobs: torch.Tensor
+    mask: Optional[torch.Tensor] = None
+    stats: Optional[torch.Tensor] = None
     routing: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
@@ -101,7 +108,23 @@ class SampleTensors:
         tok = _gather_runs(self.tokens, lengths, order)
         lp = _gather_runs(self.logprobs, self.column("response_len"), order)
         routing = _gather_runs(self.routing, lengths, order) if self.routing is not None else None
-        return SampleTensors(meta=self.meta[order], tokens=tok, logprobs=lp, routing=routing)
+        mask = None if self.mask is None else _gather_runs(self.mask, self.column("response_len"), order)
+        return SampleTensors(meta=self.meta[order], tokens=tok, logprobs=lp, mask=mask,
+                             stats=None if self.stats is None else self.stats[order], routing=routing)
+
+    @classmethod
+    def concat(cls, parts: Sequence["SampleTensors"]) -> "SampleTensors":
+        """The samples of ``parts`` one after another (masks and stats kept when every part has them)."""
+        def cat(name: str) -> Optional[torch.Tensor]:
+            values = [getattr(p, name) for p in parts]
+            return None if any(v is None for v in values) else torch.cat(values)
+
+        return cls(meta=cat("meta"), tokens=cat("tokens"), logprobs=cat("logprobs"), mask=cat("mask"),
+                   stats=cat("stats"), routing=cat("routing"))
+
+    def replace_logprobs(self, logprobs: torch.Tensor) -> "SampleTensors":
+        """The same samples with other response log-probs (flat, as ``logprobs``)."""
+        return SampleTensors(self.meta, self.tokens, logprobs, self.mask, self.stats, self.routing)
 
     def to_outputs(self) -> list[SampleOutput]:
         """Host ``SampleOutput`` objects (for ``hyflow generate`` and tests)."""
@@ -161,7 +184,8 @@ def _all_gather_padded(t: torch.Tensor, sizes: list[int], group) -> list[torch.T
 
 
 def all_gather_samples(local: SampleTensors, group) -> SampleTensors:
-    """The samples of every rank of ``group``, concatenated in group-rank order (4 collectives)."""
+    """The samples of every rank of ``group``, concatenated in group-rank order (4 collectives; one more
+    each for a mask and stats)."""
     if group is None or group.size() == 1:
         return local
     device = local.meta.device
@@ -175,7 +199,10 @@ def all_gather_samples(local: SampleTensors, group) -> SampleTensors:
     routing = None
     if local.routing is not None:  # every replica of a routing-recording engine records
         routing = torch.cat(_all_gather_padded(local.routing, t, group))
-    return SampleTensors(meta=meta, tokens=tokens, logprobs=logprobs, routing=routing)
+    mask = None if local.mask is None else torch.cat(_all_gather_padded(local.mask, r, group))
+    stats = None if local.stats is None else torch.cat(_all_gather_padded(local.stats, n, group))
+    return SampleTensors(meta=meta, tokens=tokens, logprobs=logprobs, mask=mask, stats=stats,
+                         routing=routing)
 
 
 def stats_tensor(stats: RolloutStats, device: torch.device) -> torch.Tensor:

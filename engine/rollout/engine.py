@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Optional, Sequence as Seq
+from typing import Callable, Optional, Sequence as Seq
 
 import torch
 import torch.distributed as dist
@@ -174,11 +174,13 @@ class GenerationEngine:
 
     # -------------------------------------------------------------- generate
     def generate(self, requests: Seq, sampling: Optional[SamplingConfig] = None,
-                 request_offset: int = 0) -> RolloutResult:
+                 request_offset: int = 0, on_finish: Optional[Callable[[SampleOutput], None]] = None) -> RolloutResult:
         """Generate every sample of ``requests`` (token-id lists or :class:`GenerationRequest`).
 
         Collective over the replica's TP (and PP) groups. Returns samples ordered by
-        (request, sample) with per-call :class:`RolloutStats`.
+        (request, sample) with per-call :class:`RolloutStats`. ``on_finish(sample)`` is called
+        with each sample as soon as it is complete, while the others still decode (multi-turn
+        rollouts start the sample's tool calls there: :mod:`hyflow.agent.rollout`).
         """
         start = time.perf_counter()
         seqs, truncated = self.prepare(requests, sampling, request_offset)
@@ -190,7 +192,8 @@ class GenerationEngine:
             # the decode loop's TP all-reduces (two per layer per token) are counted, not CUDA-timed
             with torch.inference_mode(), self.runner.attach(cache, self.config.cpu_weight_packing), \
                     comm.untimed(), record as hooks:
-                scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats, routing_hooks=hooks)
+                scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats, routing_hooks=hooks,
+                                      on_finish=on_finish)
                 scheduler.run(seqs)
             for s in seqs:
                 s.finish_routing()
