@@ -91,7 +91,7 @@ def _tampered_step(mode: str):
         s = rnd.samples
         assert s.routing is not None and bool((s.routing > 0).any())
         shifted = torch.where(s.routing > 0, s.routing % experts + 1, 0).to(s.routing.dtype)  # e -> e + 1
-        rnd.samples = SampleTensors(s.meta, s.tokens, s.logprobs, shifted)
+        rnd.samples = SampleTensors(s.meta, s.tokens, s.logprobs, routing=shifted)
         return rnd
 
     rl.generate_round = tampered
