@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from hyflow.checkpoint.adapters import adapter_info, check_adapter_checkpoint
 from hyflow.checkpoint.agree import any_rank, broadcast_json
 from hyflow.checkpoint.discovery import (CONFIG_FILE, LATEST_FILE, MARKER_FILE, STATE_FILE, checkpoints_root,
                                          latest_checkpoint, prune_checkpoints, resume_candidates,
@@ -289,7 +290,7 @@ class Checkpointer:
                               num_layers=self.desc.num_layers, vocab_size=self.desc.vocab_size,
                               padded_vocab_size=pad_vocab_size(self.desc.vocab_size, layout.tp),
                               megatron_core=mcore_version, extra={"writer": "hyflow trainer", "role": name,
-                                                                  "step": step})
+                                                                  "step": step, **adapter_info(module)})
 
     def _write_metadata(self, path: str, state: dict[str, Any], infos: dict[str, CheckpointInfo],
                         config_text: Optional[str]) -> None:
@@ -514,8 +515,9 @@ class Checkpointer:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        read_checkpoint_info(directory)  # complete, files present
+        info = read_checkpoint_info(directory)  # complete, files present
         check_compatible(self.desc, read_description(directory), directory)
+        check_adapter_checkpoint(info.extra, module, directory)
         with quiet_dist_checkpointing():
             state = dist_checkpointing.load(module.sharded_state_dict(), directory,
                                             strict=StrictHandling.RAISE_UNEXPECTED)

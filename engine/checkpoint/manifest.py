@@ -258,6 +258,20 @@ def _read_part(root: str, manifest: dict, part: int) -> Optional[dict]:
     return data["files"]
 
 
+def manifest_entries(root: str, manifest: dict) -> dict:
+    """Every file's entry of ``root``'s ``manifest`` (:func:`read_manifest`), its parts merged; a
+    missing or damaged part raises :class:`CheckpointDamaged`. Reads every part: for a caller that
+    needs the whole list once (a LoRA base's checksum), not for the per-rank verification."""
+    files: dict = {}
+    for part in range(manifest["parts"]):
+        entries = _read_part(root, manifest, part)
+        if entries is None:
+            rel = os.path.relpath(_part_path(root, part), root).replace(os.sep, "/")
+            raise CheckpointDamaged(f"{os.path.join(root, rel)} is missing or damaged", root, rel, "unreadable")
+        files.update(entries)
+    return files
+
+
 def _confined(root: str, rel: str) -> bool:
     """``rel`` is a plain relative path that resolves inside ``root``."""
     if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:

@@ -18,6 +18,7 @@ from hyflow.config.checks import check_finite, check_positive
 from hyflow.jobs.algorithm_config import GROUP_ESTIMATORS, AlgorithmConfig, RolloutCorrectionConfig
 from hyflow.jobs.trainer_config import ValidatedTrainerConfig
 from hyflow.models.description import ModelDescription, tiny_llama
+from hyflow.models.lora_config import LoRAConfig
 from hyflow.parallel.distributed import default_dtype
 from hyflow.parallel.layout import Layout
 from hyflow.rollout.config import GenerationSettings, redefault
@@ -105,7 +106,10 @@ class TrainedModelConfig:
     recompute: Literal["none", "selective", "full"] = field(default="none", metadata={
         "help": "activation recomputation during the update"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
-
+    lora: Optional[LoRAConfig] = field(default=None, metadata={
+        "help": "train low-rank adapters instead of the weights ({rank, alpha, dropout, targets}; {} for the "
+                "defaults): the base is frozen (no gradient, no optimizer state), the reference is the base with "
+                "the adapters off, generation syncs the adapters only; LoRA usually wants a higher lr (1e-4..5e-4)"})
 
     def resolve_dtype(self) -> None:
         """``dtype: auto``: bf16 where this process runs on CUDA, fp32 on the CPU."""
@@ -114,6 +118,10 @@ class TrainedModelConfig:
 
     def validate(self) -> None:
         self.resolve_dtype()
+        if self.lora is not None and self.spec == "te":
+            raise ConfigError("LoRA adapts Megatron's own linear layers (the local and sdpa specs; Transformer "
+                              "Engine's fused layer-norm linear hides the normalised input): set spec to sdpa, "
+                              "local or auto", key="spec")
 
 
 @dataclass
@@ -179,7 +187,7 @@ class ActorConfig(TrainedModelConfig):
     sft_lr: float = field(default=1e-3, metadata={"help": "constant learning rate of the SFT warm-up"})
 
     def validate(self) -> None:
-        self.resolve_dtype()
+        super().validate()
         check_positive(self, "micro_batch_size", "mini_batch_size", "ppo_epochs")
         if self.max_tokens_per_micro_batch is not None:
             check_positive(self, "max_tokens_per_micro_batch")
@@ -204,6 +212,11 @@ class ActorConfig(TrainedModelConfig):
         if self.policy_loss == "gspo" and self.pack_sequences:
             raise ConfigError("gspo's sequence-level ratio is taken over a row, which holds one sequence only "
                               "unpacked: set actor.pack_sequences=false", key="pack_sequences")
+        if self.lora is not None and self.sft_warmup_steps:
+            raise ConfigError("the LoRA actor's reference is its base model with the adapters off, which an SFT "
+                              "warm-up of the adapters would move away from: warm the model up (or fine-tune it) "
+                              "first and start LoRA from that checkpoint, or set actor.sft_warmup_steps=0",
+                              key="sft_warmup_steps")
         if self.rollout_correction.mode != "off" and self.old_logprobs == "rollout":
             raise ConfigError("rollout_correction weighs the training-layout log-probs against the sampler's; "
                               "with old_logprobs=rollout they are the same numbers (every weight is 1): set "
@@ -232,6 +245,9 @@ class CriticConfig:
         "help": "passes of the critic over each rollout batch; null = actor.ppo_epochs"})
     cliprange_value: float = field(default=0.5, metadata={
         "help": "PPO value clip: new values stay within this distance of the old ones"})
+    lora: Optional[LoRAConfig] = field(default=None, metadata={
+        "help": "train the critic as low-rank adapters on its (frozen) trunk plus its value head; null: the "
+                "whole critic trains"})
 
     def validate(self) -> None:
         check_positive(self, "micro_batch_size")

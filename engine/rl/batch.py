@@ -33,6 +33,7 @@ import torch
 
 from hyflow.models.builder import resolve_spec
 from hyflow.models.context_parallel import sequence_bounds, shard_micro_batch
+from hyflow.models.lora import lora_spec
 
 Plan = list[list[int]]  # rows of each micro-batch
 
@@ -343,7 +344,7 @@ def pad_multiple(groups) -> int:
 
 def _thd(cfg) -> bool:
     """Packed rows go to Transformer Engine's THD attention when the model uses the TE spec."""
-    return cfg.actor.pack_sequences and resolve_spec(cfg.actor.spec) == "te"
+    return cfg.actor.pack_sequences and resolve_spec(lora_spec(cfg.actor.spec, cfg.actor.lora, cfg.critic.lora)) == "te"
 
 
 def batching_for(cfg, role: str, groups, pad_id: int) -> MicroBatching:
@@ -359,4 +360,5 @@ def batching_for(cfg, role: str, groups, pad_id: int) -> MicroBatching:
     cp_group = groups.pgs.cp if groups.layout.cp > 1 else None
 
     return MicroBatching(size, budget, actor.pack_sequences, pad_multiple=pad_multiple(groups), pad_id=pad_id,
-                         thd=_thd(cfg), cp_group=cp_group, bounds=resolve_spec(actor.spec) == "sdpa")
+                         thd=_thd(cfg), cp_group=cp_group,
+                         bounds=resolve_spec(lora_spec(actor.spec, actor.lora, cfg.critic.lora)) == "sdpa")
