@@ -237,6 +237,25 @@ def pool_nodes(target: Target, opts: SlurmOptions) -> list[PoolNodes]:
     return out
 
 
+def expert_notes(target: Target, opts: SlurmOptions) -> list[str]:
+    """For a mixture-of-experts actor trained with expert parallelism: where its all-to-all groups
+    fall on the nodes (an EP group is ``ep`` ranks ``etp`` apart inside a pipeline stage's block of
+    ``tp * cp * dp`` ranks, Megatron-Core's expert grid), as comment lines for the script."""
+    cfg = target.cfg
+    if cfg is None or getattr(getattr(cfg, "model", None), "moe", None) is None or not hasattr(cfg, "actor_layout"):
+        return []
+    layout = cfg.actor_layout(opts.world_size)
+    if layout.ep == 1:
+        return []
+    group = layout.expert_groups("ep")[0]
+    g = opts.gpus_per_node
+    nodes = group[-1] // g - group[0] // g + 1
+    return [f"actor experts: ep={layout.ep} x etp={layout.expert_tp} (expert dp {layout.expert_dp}), "
+            f"{cfg.model.moe.num_experts // layout.ep} of {cfg.model.moe.num_experts} experts per rank and layer; "
+            f"an expert all-to-all group (e.g. ranks {group[0]}, {group[1]}, ... {group[-1]}) spans {nodes} node(s)"
+            + (" (inter-node all-to-all: keep ep * etp within a node where the experts fit)" if nodes > 1 else "")]
+
+
 def render_sbatch(target: Target, opts: SlurmOptions, script_path: Optional[str] = None) -> str:
     """The sbatch script for ``target`` under ``opts`` (pure: writes nothing)."""
     opts.validate()
@@ -296,8 +315,9 @@ def render_sbatch(target: Target, opts: SlurmOptions, script_path: Optional[str]
         "ENV_FORCED": "\n".join(forced) or "# (none)",
         "SRUN_ARGS": " \\\n    ".join(srun),
         "TORCHRUN": " ".join(shlex.quote(p) for p in torchrun_argv(opts)),
-        "POOLS": "".join(f"# {p.describe()}\n".replace("@@", "@") for p in pools)
-        or "# every role on every rank (placement: colocated)\n",
+        "POOLS": ("".join(f"# {p.describe()}\n".replace("@@", "@") for p in pools)
+                  or "# every role on every rank (placement: colocated)\n")
+        + "".join(f"# {line}\n".replace("@@", "@") for line in expert_notes(target, opts)),
     }
     text = TEMPLATE
     for key, value in values.items():

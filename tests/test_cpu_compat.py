@@ -199,3 +199,40 @@ print(sorted(devices), torch.equal(ref, loaded))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "['meta'] True"
+
+
+def test_moe_dispatcher_split_sizes_become_numpy(active):
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    assert type(splits).__module__ == "numpy" and splits.tolist() == [3, 1]
+    kept = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]))
+    assert torch.is_tensor(kept)
+    assert moe_utils.te_general_gemm is None  # Transformer Engine absent: the router's matmul path
+
+
+def _uneven_collectives():
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    rank, group = dist.get_rank(), dist.group.WORLD
+    sizes = [2, 3]
+    mine = torch.full((sizes[rank], 4), float(rank + 1))
+    gathered = mappings._gather_along_first_dim(mine, group, output_split_sizes=sizes)
+    blocks = torch.arange(5 * 4, dtype=torch.float32).view(5, 4) * (rank + 1)
+    reduced = mappings._reduce_scatter_along_first_dim(blocks, group, input_split_sizes=sizes)
+    return gathered, reduced
+
+
+@pytest.mark.multirank
+def test_uneven_gather_and_reduce_scatter_on_gloo():
+    """Expert tensor parallelism's token blocks of different sizes per rank (NCCL's uneven
+    collectives) go through gloo padded to the largest block and trimmed back."""
+    from hyflow.testing import run_on_ranks
+
+    results = run_on_ranks(_uneven_collectives, 2)
+    want_gather = torch.cat([torch.full((2, 4), 1.0), torch.full((3, 4), 2.0)])
+    full = torch.arange(5 * 4, dtype=torch.float32).view(5, 4) * 3  # rank 0's x1 plus rank 1's x2
+    for rank, (gathered, reduced) in enumerate(results):
+        assert torch.equal(gathered, want_gather)
+        assert torch.equal(reduced, full[:2] if rank == 0 else full[2:])

@@ -65,31 +65,38 @@ def _optimizer_state(optimizer):
     return flat
 
 
+def trained_once(desc, groups):
+    """(model, DDP chunks, optimizer, scheduler, batch) of ``desc`` in ``groups``' layout from the
+    layout-independent init, after one training step (non-trivial Adam state)."""
+    from hyflow.jobs.lm import arith_batch
+    from hyflow.models.builder import build_gpt_model
+    from hyflow.models.weights import load_full_state_dict, random_full_state_dict
+    from hyflow.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
+    from hyflow.training.step import train_step
+
+    model = build_gpt_model(desc, groups)
+    load_full_state_dict(model, random_full_state_dict(desc, seed=1), desc, groups)
+    chunks = wrap_ddp([model], groups, distributed_optimizer=False)
+    optimizer, scheduler = build_optimizer(chunks, OptimConfig(lr=1e-3), 10)
+    batch = [arith_batch(desc.vocab_size, 2, SEQ, 5, torch.Generator().manual_seed(0))]
+    train_step(chunks, optimizer, scheduler, batch, groups=groups)
+    return model, chunks, optimizer, scheduler, batch
+
+
 def _scenario(tp, pp, tp_g, pp_g, tied, stage_layers=None, num_layers=4):
     import torch.distributed as dist
 
     from hyflow.hybrid.executor import HybridEngine
-    from hyflow.jobs.lm import arith_batch
-    from hyflow.models.builder import build_gpt_model
     from hyflow.models.description import tiny_llama
-    from hyflow.models.weights import load_full_state_dict, random_full_state_dict
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
-    from hyflow.training.optimizer import OptimConfig, build_optimizer, wrap_ddp
     from hyflow.training.step import train_step
 
     world = dist.get_world_size()
     groups = init_training_groups(Layout(tp=tp, pp=pp, dp=world // (tp * pp), stage_layers=stage_layers), seed=3)
     desc = tiny_llama(vocab_size=200, tied_embeddings=tied, num_attention_heads=8, num_query_groups=4,
                       num_layers=num_layers)
-    model = build_gpt_model(desc, groups)
-    load_full_state_dict(model, random_full_state_dict(desc, seed=1), desc, groups)
-    chunks = wrap_ddp([model], groups, distributed_optimizer=False)
-    optimizer, scheduler = build_optimizer(chunks, OptimConfig(lr=1e-3), 10)
-    gen = torch.Generator().manual_seed(0)
-    batch = [arith_batch(desc.vocab_size, 2, SEQ, 5, gen)]
-    train_step(chunks, optimizer, scheduler, batch, groups=groups)  # non-trivial Adam state
-
+    model, chunks, optimizer, scheduler, batch = trained_once(desc, groups)
     engine = HybridEngine(chunks[0], desc, groups, (tp_g, pp_g))
     tokens = torch.randint(0, desc.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(5))
     want = _logits(model, groups.pgs, tokens)

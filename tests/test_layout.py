@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from hyflow.config import ConfigError
-from hyflow.models.description import tiny_llama
+from hyflow.models.description import tiny_llama, tiny_moe
 from hyflow.parallel.layout import Layout, LayoutError, pad_vocab_size
 
 
@@ -14,7 +14,8 @@ from hyflow.parallel.layout import Layout, LayoutError, pad_vocab_size
     (dict(pp=-1), "layout.pp must be a positive integer, got -1"),
     (dict(dp=1.5), "layout.dp must be a positive integer, got 1.5"),
     (dict(cp=True), "layout.cp must be a positive integer, got True"),
-    (dict(ep=2), "layout.ep=2"),
+    (dict(ep=0), "layout.ep must be a positive integer, got 0"),
+    (dict(etp=0), "layout.etp must be a positive integer or null (= tp), got 0"),
     (dict(tp=1, sequence_parallel=True), "sequence_parallel=true needs tp > 1"),
     (dict(pp=1, vpp=2), "layout.vpp=2 (interleaved pipeline) needs pp > 1"),
     (dict(pp=2, vpp=0), "layout.vpp must be a positive integer or null, got 0"),
@@ -112,6 +113,42 @@ def test_groups_match_megatron_enumeration():
     for kind, token in [("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"),
                         ("mp", "tp-pp"), ("dp_cp", "dp-cp"), ("tp_cp", "tp-cp")]:
         assert layout.groups(kind) == sorted(sorted(g) for g in gen.get_ranks(token)), kind
+
+
+@pytest.mark.parametrize("layout, model, needle", [
+    (Layout(ep=2, dp=2), tiny_llama(), "layout.ep=2 etp=None: expert parallelism needs a mixture-of-experts model"),
+    (Layout(ep=3, dp=3), tiny_moe(), "layout.ep=3 does not divide the 8 experts"),
+    (Layout(etp=3, dp=3), tiny_moe(), "layout.etp=3 does not divide the expert ffn_hidden_size=32"),
+    (Layout(tp=2, dp=1), tiny_moe(), "tp=2 with a mixture-of-experts model needs layout.sequence_parallel=true"),
+])
+def test_layout_checks_experts_against_the_model(layout, model, needle):
+    with pytest.raises(LayoutError) as err:
+        layout.check_model(model)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_expert_grid_must_fit_a_pipeline_stage():
+    with pytest.raises(LayoutError, match=r"ep=4 x etp=1 = 4 ranks per expert replica do not divide the tp x cp x dp "
+                                          r"= 1 x 1 x 2 = 2 ranks"):
+        Layout(ep=4).with_dp_for(2)
+    with pytest.raises(LayoutError, match="ep=2 x etp=2 = 4 ranks"):
+        Layout(tp=2, ep=2, dp=1).check_world(2)
+    assert Layout(tp=2, ep=2, etp=1, sequence_parallel=True).with_dp_for(2).expert_dp == 1
+    # generation copies of a tp=2 MoE model run without sequence parallelism
+    Layout(tp=2).check_model(tiny_moe(), training=False)
+
+
+def test_expert_groups_match_megatron_enumeration():
+    """The expert grid equals Megatron's expert RankGenerator (etp fastest, then ep, edp, pp)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    layout = Layout(tp=2, pp=2, dp=4, ep=2, etp=1)
+    gen = RankGenerator(tp=1, ep=2, dp=4, pp=2, cp=1, order="tp-cp-ep-dp-pp")
+    for kind, token in [("ep", "ep"), ("etp", "tp"), ("edp", "dp"), ("tp_ep", "tp-ep"), ("tp_ep_pp", "tp-ep-pp")]:
+        assert layout.expert_groups(kind) == sorted(sorted(g) for g in gen.get_ranks(token)), kind
+    assert layout.expert_coords(9) == {"etp": 0, "ep": 1, "edp": 0, "pp": 1}
+    assert "ep=2 etp=1" in layout.describe()
 
 
 def test_unknown_group_kind():

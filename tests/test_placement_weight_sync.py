@@ -32,7 +32,7 @@ def _full_logits(model, groups, tokens):
     return torch.cat(parts, dim=-1)
 
 
-def _scenario(bucket_bytes):
+def _scenario(bucket_bytes, config):
     import torch.distributed as dist
 
     from hyflow.jobs.registry import load_job_config
@@ -43,10 +43,10 @@ def _scenario(bucket_bytes):
     from hyflow.placement.groups import build_pool_groups, build_sync_group
     from hyflow.placement.sync_planner import plan_actor_sync
     from hyflow.placement.weight_sync import WeightSync
-    from hyflow.testing.rl import QUICKSTART
+    from hyflow.testing.rl import REPO
 
     comm.forget_groups()
-    cfg = load_job_config(QUICKSTART, ["trainer.nproc=4", "trainer.mode=one_step_off"])
+    cfg = load_job_config(f"{REPO}/configs/{config}.yaml", ["trainer.nproc=4", "trainer.mode=one_step_off"])
     placement = cfg.resolved_placement()
     desc = cfg.model
     rank = dist.get_rank()
@@ -96,9 +96,13 @@ def _scenario(bucket_bytes):
             "rounds": plan.rounds, "buckets": stats.buckets, "model_bytes": plan.model_bytes}
 
 
-@pytest.mark.parametrize("bucket_bytes", [64 << 20, 16 << 10], ids=["one-bucket", "small-buckets"])
-def test_sync_to_separate_generation_pool(bucket_bytes):
-    results = run_on_ranks(_scenario, 4, bucket_bytes)
+@pytest.mark.parametrize("bucket_bytes,config", [(64 << 20, "quickstart"), (16 << 10, "quickstart"),
+                                                 (16 << 10, "moe_quickstart")],
+                         ids=["one-bucket", "small-buckets", "moe-ep2-small-buckets"])
+def test_sync_to_separate_generation_pool(bucket_bytes, config):
+    """``moe_quickstart``: the actor's 8 experts per layer split EP=2 over the training pool; each
+    generation replica receives all of them (EP_g = 1) from their holders."""
+    results = run_on_ranks(_scenario, 4, bucket_bytes, config)
     gen = [r for r in results if not r["training"]]
     train = [r for r in results if r["training"]]
     assert len(gen) == 2 and len(train) == 2

@@ -36,6 +36,17 @@ Redirections (each has a test in ``tests/test_cpu_compat.py``):
   accumulated into ``main_grad`` inside the GEMM, ``addmm_``), so DDP-wrapped linear
   layers skip the separate weight-gradient tensor and its addition
   (:func:`hyflow.training.optimizer.wrap_ddp` turns the fusion on where it is available).
+* Megatron's MoE token dispatcher moves its all-to-all split sizes to the host "as numpy"
+  only when they are CUDA tensors; on CPU they stay tensors, which ``all_to_all_single`` refuses.
+  Here CPU tensors asked for as numpy become numpy arrays too.
+* Under expert tensor parallelism the dispatcher all-gathers and reduce-scatters token blocks of
+  *different* sizes per rank (NCCL's uneven collectives); gloo's collectives need equal sizes, so
+  on CPU the blocks are padded to the largest, exchanged, and trimmed (same values).
+
+One repair applies with or without CUDA (:func:`install_without_te`, which
+:func:`maybe_activate` always runs): Megatron-Core 0.16's MoE router reads
+``te_general_gemm`` even when Transformer Engine is absent (the name is then undefined); it is
+set to None, the value Megatron's own code tests for.
 """
 
 from __future__ import annotations
@@ -233,6 +244,69 @@ def _install_wgrad_accumulation() -> None:
         _patch(layers, "_grad_accum_fusion_available", True)
 
 
+def _numpy_split_sizes(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
+def _uneven_gather(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes),) + tuple(input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    return gather
+
+
+def _uneven_reduce_scatter(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        longest = max(sizes)
+        blocks = torch.split(input_, sizes, dim=0)
+        padded = input_.new_zeros((len(sizes) * longest,) + tuple(input_.shape[1:]))
+        for i, block in enumerate(blocks):
+            padded[i * longest:i * longest + block.shape[0]] = block
+        out = input_.new_empty((longest,) + tuple(input_.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(out, padded, group=group)
+        return out[:sizes[group.rank()]]
+
+    return reduce_scatter
+
+
+def _install_moe_dispatcher() -> None:
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu",
+           _numpy_split_sizes(token_dispatcher.maybe_move_tensor_to_cpu))
+    _patch(mappings, "_gather_along_first_dim", _uneven_gather(mappings._gather_along_first_dim))
+    _patch(mappings, "_reduce_scatter_along_first_dim",
+           _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim))
+
+
+def install_without_te() -> None:
+    """Megatron-Core's MoE utilities without Transformer Engine (GPU or CPU): define the
+    ``te_general_gemm`` name its router tests (None: torch's matmul path)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def activate() -> None:
     """Install every redirection. Raises :class:`CpuCompatError` if CUDA is available."""
     global _ACTIVE
@@ -258,6 +332,8 @@ def activate() -> None:
     _install_device_queries()
     _install_rng()
     _install_wgrad_accumulation()
+    _install_moe_dispatcher()
+    install_without_te()
     _ACTIVE = True
     _LOG.debug("hyflow CPU compatibility layer active")
 
@@ -282,6 +358,7 @@ def maybe_activate() -> bool:
     ``HYFLOW_CPU_COMPAT=0`` disables it (Megatron will then fail on CPU with its
     own errors). Returns whether the layer is active.
     """
+    install_without_te()
     if os.environ.get("HYFLOW_CPU_COMPAT", "1") == "0" or _cuda_really_available():
         return False
     activate()

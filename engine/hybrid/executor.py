@@ -25,6 +25,11 @@ parameter that supplies it and how the bytes come.
 :meth:`to_training` undoes it in reverse: training weights re-grown and refilled from their
 slice of the buffer (bit-identical), the buffer's memory given back, then gradient buffers
 and optimizer state restored. Bytes received are measured and can be compared with the plan.
+
+A mixture-of-experts actor's routed experts are not in the table: they live on the expert grid
+and reach the generation model (every expert on every replica) through
+:class:`hyflow.hybrid.expert_exchange.ExpertExchange`, into a buffer of their own; the training
+experts are kept aside while generating (they are not a slice of what the rank generates with).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
 from hyflow.hybrid.adapter_sync import AdapterSync
+from hyflow.hybrid.expert_exchange import ExpertExchange, plan_expert_exchange, same_expert_grid
 from hyflow.hybrid.generation_groups import build_generation_groups
 from hyflow.hybrid.generation_buffer import GenerationBuffer, advise_huge_pages
 from hyflow.hybrid.offload import OptimizerStateOffload
@@ -51,6 +57,7 @@ from hyflow.kernels import take_shard
 from hyflow.models.builder import build_gpt_model, resolve_spec
 from hyflow.models.description import ModelDescription
 from hyflow.models.lora import has_adapters
+from hyflow.models.weights import is_expert_param
 from hyflow.monitor import comm
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
@@ -134,7 +141,7 @@ class HybridEngine:
             self.gen_shape, num_layers=desc.num_layers)
         rank = dist.get_rank()
         self.table: RankTable = table if table is not None else rank_table(self.plan, rank)
-        groups = build_generation_groups(self.plan, rank)
+        groups = build_generation_groups(self.plan, rank, experts=desc.is_moe)
         self.gen_groups = groups.layout
         self.tp_merge_group, self.tp_merge_ranks = groups.tp_merge, groups.tp_merge_ranks
         self.pp_merge_group, self.pp_merge_ranks = groups.pp_merge, groups.pp_merge_ranks
@@ -144,6 +151,8 @@ class HybridEngine:
                                          padded_vocab_size=self.padded_vocab, meta=True)
         self._train_params = dict(self.train_model.named_parameters())
         gen_params = dict(self.gen_model.named_parameters())
+        gen_experts = {n: p for n, p in gen_params.items() if is_expert_param(n)}  # the expert exchange's
+        gen_params = {n: p for n, p in gen_params.items() if n not in gen_experts}
         _check_table(self.table, gen_params, self._train_params)
 
         # Identical layouts (every route a same-shape copy of this rank's own parameter): the
@@ -161,6 +170,9 @@ class HybridEngine:
         if self._views:
             bind_parameters(self.gen_model, self._views)
         self.buffer.release()
+        self.expert_exchange, self.expert_buffer = self._experts(desc, layout, gen_experts, in_place)
+        self.planned_bytes_received = self.plan.bytes_recv[rank] + (
+            self.expert_exchange.plan.recv_bytes(rank) if self.expert_exchange is not None else 0)
 
         # What a transition does, read off the table once.
         own = () if self.in_place else self.table.own_routes
@@ -210,6 +222,27 @@ class HybridEngine:
         training weights: identical layouts built ``in_place``)."""
         return None if self.in_place else self.buffer.tensor
 
+    def _experts(self, desc: ModelDescription, layout, gen_experts: dict, in_place: bool):
+        """(exchange, buffer) for the routed experts: none when the generation model shares the
+        training experts (the same expert grid), else the exchange into a buffer of their own."""
+        if not gen_experts:
+            return None, None
+        train = {n: p for n, p in self._train_params.items() if is_expert_param(n)}
+        if in_place and self.in_place and same_expert_grid(layout, self.gen_shape.tp, self.gen_shape.pp):
+            for name, param in gen_experts.items():
+                param.data = train[name].data
+            return None, None
+        plan = plan_expert_exchange(desc, layout, self.plan, self.dtype.itemsize)
+        buffer = GenerationBuffer(sum(p.numel() for p in gen_experts.values()), self.dtype, self.device)
+        flat, offset = buffer.acquire(), 0
+        for param in gen_experts.values():
+            param.data = flat[offset:offset + param.numel()].view(param.shape)
+            offset += param.numel()
+        buffer.release()
+        exchange = ExpertExchange(plan, dist.get_rank(), self.train_groups.pgs.tp_ep_pp, train, gen_experts,
+                                  self.device)
+        return exchange, buffer
+
     # ------------------------------------------------------------ transitions
     @torch.no_grad()
     def to_generation(self) -> torch.nn.Module:
@@ -235,6 +268,11 @@ class HybridEngine:
                 with comm.transfer("p2p", self.pp_merge_group) as xfer:
                     xfer.nbytes = self.pp_exchange.exchange(self._publish, self._receive)
                 received += xfer.nbytes
+            if self.expert_exchange is not None:  # every expert of the rank's generation stage
+                self.expert_buffer.acquire()
+                with comm.transfer("all_to_all", self.expert_exchange.group) as xfer:
+                    xfer.nbytes = self.expert_exchange.gather()
+                received += xfer.nbytes
         if self.adapters is not None:  # the adapters to the generation layout, merged into the base
             received += self.adapters.to_generation()
         # 4. The training copy goes.
@@ -242,7 +280,8 @@ class HybridEngine:
             self._release_training()
         self.in_generation = True
         seconds = time.perf_counter() - start
-        self.stats = ReshardStats(seconds=seconds, bytes_received=received, generation_bytes=self.buffer.nbytes,
+        held = self.buffer.nbytes + (self.expert_buffer.nbytes if self.expert_buffer is not None else 0)
+        self.stats = ReshardStats(seconds=seconds, bytes_received=received, generation_bytes=held,
                                   released_training_bytes=sum(n for _, n in self._released),
                                   history=self.stats.history + [("to_generation", seconds)])
         return self.gen_model
@@ -273,6 +312,8 @@ class HybridEngine:
             self._released, self._unmapped = [], {}
         if self.adapters is None:  # a LoRA actor's buffer keeps the base for the next transition
             self.buffer.release()
+            if self.expert_buffer is not None:
+                self.expert_buffer.release()
         if self.offload_grads:
             self._ddp.restore_grad_buffers()
         if self._optimizer_offload is not None:

@@ -52,12 +52,14 @@ class GenerationGroups:
     pp_merge_ranks: list[int]
 
 
-def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = None) -> GenerationGroups:
+def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = None,
+                            experts: bool = False) -> GenerationGroups:
     """Create every generation group of ``plan`` (collective: every rank of the world calls it,
     in the same order) and return ``rank``'s. Through :mod:`hyflow.parallel.group_registry`: a
     layout group equal to another (the generation tp and the training tp at TP_g = TP, the
     generation mp and tp at PP_g=1, ...) is that group, singletons are the rank's self group; the
-    merge groups are their own (their traffic is counted as ``reshard``)."""
+    merge groups are their own (their traffic is counted as ``reshard``). ``experts``: also the
+    groups a mixture-of-experts generation model reads (EP_g = 1: :func:`hyflow.parallel.groups.build_groups`)."""
     from hyflow.monitor import comm
     from hyflow.parallel import group_registry
     from hyflow.parallel.groups import build_groups
@@ -72,7 +74,7 @@ def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = N
     split = plan.gen_split if plan.train.stage_layers is not None else None  # merged training stages
     layout = build_groups(Layout(tp=plan.gen.tp, pp=plan.gen.pp, dp=plan.gen_dp_size, stage_layers=split),
                           {k: sorted(sorted(g) for g in enums[k]) for k in MEGATRON_KINDS},
-                          coords={"tp": tg, "cp": 0, "dp": dg, "pp": pg})
+                          coords={"tp": tg, "cp": 0, "dp": dg, "pp": pg}, experts=experts)
     return GenerationGroups(layout, tp_merge, list(plan.tp_merge_ranks(rank)),
                             pp_merge, list(plan.pp_merge_ranks(rank)))
 

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["ReshardPlanError", "ParamSpec", "gpt_param_specs", "model_param_specs",
+__all__ = ["ReshardPlanError", "ParamSpec", "gpt_param_specs", "model_param_specs", "ExpertSpec", "expert_param_specs",
            "megatron_local_name", "stage_split", "stage_of_layer", "TP_KINDS", "FIXUPS", "PP_STAGES"]
 
 TP_KINDS = ("column", "row", "vocab", "replicated")
@@ -107,10 +107,15 @@ def gpt_param_specs(num_layers: int, hidden: int, num_heads: int, num_query_grou
                     head_dim: int, ffn_hidden: int, padded_vocab: int, *,
                     tied_embeddings: bool = False, qkv_bias: bool = False, dtype_bytes: int = 2,
                     gated_mlp: bool = True, qk_layernorm: bool = False,
-                    fused_norms: bool = False) -> list[ParamSpec]:
+                    fused_norms: bool = False, moe: Any = None) -> list[ParamSpec]:
     """Megatron-Core ``GPTModel`` parameters (GLOBAL layer indices). Names follow Megatron's local
     layer spec, or with ``fused_norms`` Transformer Engine's, whose layer norms live inside the
-    following linear layers (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``)."""
+    following linear layers (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
+
+    ``moe`` (a :class:`~hyflow.models.description.MoEDescription`): every layer's MLP is a
+    mixture of experts; its router, shared expert and shared-expert gate are listed here (TP-sharded
+    like a dense MLP, or replicated), its routed experts are not: they live on the expert grid and
+    reshard through :mod:`hyflow.hybrid.expert_exchange` (:func:`expert_param_specs`)."""
     qkv_rows = (num_heads + 2 * num_query_groups) * head_dim
     fc1_rows = 2 * ffn_hidden if gated_mlp else ffn_hidden
     vocab = dict(tp_kind="vocab", shard_units=padded_vocab, unit_name="padded vocab size")
@@ -137,6 +142,10 @@ def gpt_param_specs(num_layers: int, hidden: int, num_heads: int, num_query_grou
                              (hidden, num_heads * head_dim), dtype_bytes, tp_kind="row",
                              fixup="row_concat", layer=i, shard_units=num_heads,
                              unit_name="attention heads"))
+        if moe is not None:  # the norm stays a module of its own before a MoE layer
+            out.append(ParamSpec(pre + "pre_mlp_layernorm.weight", (hidden,), dtype_bytes, **rep))
+            out.extend(_moe_dense_specs(pre, i, hidden, moe, dtype_bytes))
+            continue
         out.append(ParamSpec(pre + norm2, (hidden,), dtype_bytes, **rep))
         out.append(ParamSpec(pre + "mlp.linear_fc1.weight", (fc1_rows, hidden), dtype_bytes,
                              tp_kind="column", fixup="gate_up" if gated_mlp else None, layer=i,
@@ -152,14 +161,71 @@ def gpt_param_specs(num_layers: int, hidden: int, num_heads: int, num_query_grou
     return out
 
 
+def _moe_dense_specs(pre: str, layer: int, hidden: int, moe: Any, dtype_bytes: int) -> list[ParamSpec]:
+    """The parameters of a MoE layer that live on the dense grid: the router (replicated), the
+    shared expert (a TP-sharded SwiGLU MLP) and its gate (replicated)."""
+    rep = dict(tp_kind="replicated", layer=layer)
+    out = [ParamSpec(pre + "mlp.router.weight", (moe.num_experts, hidden), dtype_bytes, **rep)]
+    shared = moe.shared_expert_ffn_hidden_size
+    if shared:
+        unit = dict(layer=layer, shard_units=shared, unit_name="shared expert ffn hidden size")
+        out.append(ParamSpec(pre + "mlp.shared_experts.linear_fc1.weight", (2 * shared, hidden), dtype_bytes,
+                             tp_kind="column", fixup="gate_up", **unit))
+        out.append(ParamSpec(pre + "mlp.shared_experts.linear_fc2.weight", (hidden, shared), dtype_bytes,
+                             tp_kind="row", fixup="row_concat", **unit))
+        if moe.shared_expert_gate:
+            out.append(ParamSpec(pre + "mlp.shared_experts.gate_weight", (1, hidden), dtype_bytes, **rep))
+    return out
+
+
 def model_param_specs(desc: Any, padded_vocab: int, dtype_bytes: int, *,
                       fused_norms: bool = False) -> list[ParamSpec]:
     """:func:`gpt_param_specs` of a :class:`~hyflow.models.description.ModelDescription` (the
-    GLU decoder the builder makes), vocabulary padded to ``padded_vocab``."""
+    GLU decoder the builder makes), vocabulary padded to ``padded_vocab``; a mixture-of-experts
+    model's routed experts are :func:`expert_param_specs`."""
     return gpt_param_specs(desc.num_layers, desc.hidden_size, desc.num_attention_heads,
                            desc.num_query_groups, desc.head_dim, desc.ffn_hidden_size, padded_vocab,
                            tied_embeddings=desc.tied_embeddings, qkv_bias=desc.qkv_bias,
-                           dtype_bytes=dtype_bytes, fused_norms=fused_norms)
+                           dtype_bytes=dtype_bytes, fused_norms=fused_norms,
+                           qk_layernorm=getattr(desc, "qk_layernorm", False), moe=getattr(desc, "moe", None))
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """One routed expert's weight: ``linear_fc1`` (``[2F, h]``, ``[gate; up]``, split along F by
+    expert TP with the gate/up halves apart) or ``linear_fc2`` (``[h, F]``, split along F =
+    dim 1). ``layer`` and ``expert`` are global indices."""
+
+    layer: int
+    expert: int
+    kind: str  # "fc1" | "fc2"
+    hidden: int
+    ffn: int
+    dtype_bytes: int = 2
+
+    @property
+    def name(self) -> str:
+        """Full-state-dict name (global layer and expert indices)."""
+        return f"decoder.layers.{self.layer}.mlp.experts.local_experts.{self.expert}.linear_{self.kind}.weight"
+
+    @property
+    def global_shape(self) -> tuple[int, int]:
+        return (2 * self.ffn, self.hidden) if self.kind == "fc1" else (self.hidden, self.ffn)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.ffn * self.hidden * self.dtype_bytes if self.kind == "fc1" else \
+            self.ffn * self.hidden * self.dtype_bytes
+
+
+def expert_param_specs(desc: Any, dtype_bytes: int) -> list[ExpertSpec]:
+    """Every routed expert weight of a mixture-of-experts description (none for a dense one), in
+    (layer, expert, fc1 / fc2) order."""
+    moe = getattr(desc, "moe", None)
+    if moe is None:
+        return []
+    return [ExpertSpec(i, e, kind, desc.hidden_size, moe.ffn_hidden_size, dtype_bytes)
+            for i in range(desc.num_layers) for e in range(moe.num_experts) for kind in ("fc1", "fc2")]
 
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")

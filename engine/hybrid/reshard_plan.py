@@ -314,10 +314,10 @@ def _as_shape(x: Any, with_dp: bool):
     else:
         split = getattr(x, "stage_layers", None)
         vals = [int(x.tp), int(getattr(x, "pp", 1)), int(getattr(x, "dp", 1))]
-        for extra in ("cp", "ep"):
-            if getattr(x, extra, 1) != 1:
-                raise ReshardPlanError(f"{extra}={getattr(x, extra)}: the reshard planner supports "
-                                       f"CP = EP = 1 only; set {extra}=1")
+        # The dense parameters do not depend on the expert grid (EP / ETP: routed experts reshard
+        # through hyflow.hybrid.expert_exchange); CP folds into DP (the executor passes dp * cp).
+        if getattr(x, "cp", 1) != 1:
+            raise ReshardPlanError(f"cp={x.cp}: the reshard planner takes CP folded into DP; pass dp * cp as dp")
         if (getattr(x, "vpp", None) or 1) > 1:
             raise ReshardPlanError(f"vpp={x.vpp}: an interleaved pipeline puts non-consecutive "
                                    "layers on a stage; the planner needs consecutive stages")

@@ -38,6 +38,7 @@ from hyflow.data.loader import PromptLoader
 from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
 from hyflow.jobs.loop import Run, open_run, run_job
 from hyflow.jobs.rl_config import RLJobConfig
+from hyflow.models.routing_replay import mismatch_counts, reset_mismatch
 from hyflow.monitor import comm
 from hyflow.monitor.memory import memory_summary
 from hyflow.monitor.metrics import PHASE_KEYS, read_metrics
@@ -240,7 +241,8 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
         stats.distribution("critic/greedy_score", greedy_scores[::n])
     # 3. old / reference log-probs and values, forward-only over this rank's rows
     columns = {"tokens": batch.tokens, "response_mask": batch.response_mask}
-    scoring = batching_for(cfg, "reference", groups, job.pad_id).cut(columns, lengths)
+    policy_columns = dict(columns, **routing_columns(cfg, batch))  # the actor's forwards: routing replay
+    scoring = batching_for(cfg, "reference", groups, job.pad_id).cut(policy_columns, lengths)
     shape = tuple(batch.tokens.shape)
     vocab, tp_group, temp = models.sample_vocab, groups.pgs.tp, cfg.rollout.temperature
     scorer = logprob_scorer(vocab, tp_group, temp, cfg.actor.fused_output_layer)
@@ -248,14 +250,19 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
         if cfg.actor.old_logprobs == "rollout":  # the weights that sampled are the ones about to be updated
             old_logp = batch.rollout_logprobs
         else:
+            reset_mismatch(models.actor.chunks)  # counted over this forward only
             old_logp = forward_score(models.actor.chunks, scoring, scorer, groups, shape)
             # the sampler's log-probs vs the training layout's, same weights (docs/algorithms.md)
             stats.row_totals("mismatch", mismatch_row_stats(old_logp, batch.rollout_logprobs, batch.response_mask),
                              mismatch_metrics)
+            if batch.routing is not None:  # tokens x layers the trainer's routers send elsewhere
+                stats.mean("rollout/routing_mismatch", *(torch.tensor(c, dtype=torch.float64, device=device)
+                                                         for c in mismatch_counts(models.actor.chunks, groups)))
     ref_logp = None
     if models.reference is not None:
-        with timers.phase("ref"):
-            ref_logp = forward_score([models.reference], scoring, scorer, groups, shape)
+        with timers.phase("ref"):  # the reference routes with its own router weights
+            ref_logp = forward_score([models.reference], [_without_routing(mb) for mb in scoring], scorer, groups,
+                                     shape)
     values = None
     if models.critic is not None:
         with timers.phase("values"):
@@ -267,6 +274,8 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
                                  reduce=_dp_sum(dp_group))
     # 5. updates (rollout correction: importance weights and a mask for what the trainer would not sample)
     train = dict(columns, old_logp=old_logp, advantages=adv.advantages)
+    if cfg.rollout.routing_replay:
+        train["routing"] = batch.routing
     correction = cfg.actor.rollout_correction
     if correction.mode != "off":
         corr = rollout_correction(old_logp, batch.rollout_logprobs, batch.response_mask, correction.mode,
@@ -283,6 +292,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
                              batching=batching_for(cfg, "actor", groups, job.pad_id),
                              mini_batch_size=cfg.actor.mini_batch_size,
                              epochs=cfg.actor.ppo_epochs, balance=cfg.actor.balance_batch, **common)
+        train.pop("routing", None)
     critic = None
     if models.critic is not None:
         with timers.phase("update_critic"):
@@ -298,6 +308,18 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     data = dict(train, ref_logp=ref_logp, scores=scores, values=values, returns=adv.returns,
                 greedy_scores=greedy_scores, rows=torch.arange(first * n, stop * n, device=device))
     return out, data
+
+
+def routing_columns(cfg: RLJobConfig, batch: RolloutBatch) -> dict:
+    """The rollout's recorded experts as a column of the actor's forwards: ``routing`` (replayed,
+    ``rollout.routing_replay``) or ``recorded_routing`` (only compared, ``rollout.record_routing``)."""
+    if batch.routing is None:
+        return {}
+    return {"routing" if cfg.rollout.routing_replay else "recorded_routing": batch.routing}
+
+
+def _without_routing(micro_batch: dict) -> dict:
+    return {k: v for k, v in micro_batch.items() if k not in ("routing", "recorded_routing")}
 
 
 def generate_round(cfg: RLJobConfig, state: RLState, job: "StepJob", shard, first: int, seed: int,
@@ -374,7 +396,8 @@ def _stale_weights(cfg: RLJobConfig, state: RLState):
 def _rollout_batch(samples: SampleTensors, pad_id: int) -> RolloutBatch:
     return build_rollout_batch(samples.tokens, samples.logprobs, samples.column("prompt_len"),
                                samples.column("response_len"), samples.column("request"), samples.column("sample"),
-                               samples.column("finish") == 2, pad_id=pad_id, flat_mask=samples.mask)
+                               samples.column("finish") == 2, pad_id=pad_id, flat_mask=samples.mask,
+                               flat_routing=samples.routing)
 
 
 def score_samples(job: StepJob, records, first: int, samples: SampleTensors):
@@ -439,6 +462,8 @@ def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, 
             continue
         means = update.means()
         out.update({k: v for k, v in means.items() if k.startswith(prefix + "/")})
+        if prefix == "actor":  # a mixture-of-experts actor's router losses
+            out.update({k: v for k, v in means.items() if k.startswith("moe/")})
         out[f"{prefix}/grad_norm"] = means.get("grad_norm", float("nan"))
         out[f"{prefix}/lr"] = means.get("lr", 0.0)
     out["reshard/bytes_received"] = models.weights.stats.bytes_received

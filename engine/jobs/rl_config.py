@@ -65,6 +65,13 @@ class RolloutConfig(GenerationSettings):
                 "micro-batches and reduction order, and report those log-probs: bit-identical to the training "
                 "layout's when the generation TP equals the training TP (so actor.old_logprobs=rollout is exact); "
                 "costs one forward over the batch, spread over the micro-DP replicas (docs/algorithms.md)"})
+    routing_replay: bool = field(default=False, metadata={
+        "help": "mixture-of-experts actors: record each sampled token's experts per layer and route the actor's "
+                "old-log-prob and update forwards through them (R3), so the policy ratio compares the same "
+                "experts; rollout/routing_mismatch reports the share of (token, layer) decisions it overrode"})
+    record_routing: bool = field(default=False, metadata={
+        "help": "record the experts without replaying them: rollout/routing_mismatch measures how often the "
+                "training forward routes a sampled token elsewhere (needs actor.old_logprobs=recompute)"})
     force_staleness: int = field(default=0, metadata={
         "help": "tests and benchmarks only: generate with the actor's weights of this many steps ago (a forced "
                 "off-policy lag; the update still starts from the current weights)"})
@@ -452,6 +459,28 @@ class RLJobConfig:
             return self.trained_actor_layout().with_dp_for(world_size or self.trainer.nproc)
         return placement.roles["actor"].layout
 
+    def _check_routing(self, train: Layout, gen: GenerationLayout) -> None:
+        """Routing replay / recording: a mixture-of-experts actor and the layouts it supports."""
+        rollout = self.rollout
+        key = "rollout.routing_replay" if rollout.routing_replay else "rollout.record_routing"
+        if not (rollout.routing_replay or rollout.record_routing):
+            return
+        if self.model.moe is None:
+            raise ConfigError(f"{key} records the experts of a mixture-of-experts model; model.family="
+                              f"{self.model.family} is dense (drop {key})")
+        if rollout.multi_turn.enable:
+            raise ConfigError(f"{key} with rollout.multi_turn: a trajectory's observation tokens have no recorded "
+                              f"experts yet; drop {key} or rollout.multi_turn")
+        if train.cp > 1:
+            raise ConfigError(f"{key} with actor.layout.cp={train.cp}: the recorded experts are not split over "
+                              "context-parallel ranks yet; use cp=1")
+        if rollout.routing_replay and self.actor.recompute == "full":  # selective recomputes attention only
+            raise ConfigError("rollout.routing_replay with actor.recompute=full: the layers recomputed in the "
+                              "backward would route on their own; use actor.recompute=selective or none")
+        if rollout.record_routing and not rollout.routing_replay and self.actor.old_logprobs != "recompute":
+            raise ConfigError("rollout.record_routing compares the routing in the old-log-prob forward: set "
+                              "actor.old_logprobs=recompute")
+
     def validate(self) -> None:
         if self.actor.checkpoint:  # the run's architecture is the checkpoint's model.json (when here)
             from hyflow.checkpoint.architecture import adopt_checkpoint_architecture, adopt_model_tokenizer
@@ -547,6 +576,7 @@ class RLJobConfig:
                 raise ConfigError(
                     f"{key}={budget} is smaller than the longest sequence, rollout.max_prompt_length + "
                     f"{self._response_key} = {longest}; raise it to at least {longest}")
+        self._check_routing(train, gen)
         total = self.rollout.max_prompt_length + self.rollout.max_response_length
         if total > self.model.context_length:
             raise ConfigError(

@@ -111,6 +111,7 @@ TABLE: tuple[VerlKey, ...] = (
     VerlKey(f"{A}.megatron.pipeline_model_parallel_size", "actor.layout.pp", "rename", ""),
     VerlKey(f"{A}.megatron.context_parallel_size", "actor.layout.cp", "rename", ""),
     VerlKey(f"{A}.megatron.expert_model_parallel_size", "actor.layout.ep", "rename", ""),
+    VerlKey(f"{A}.megatron.expert_tensor_parallel_size", "actor.layout.etp", "rename", "null: tensor_model_parallel_size"),
     VerlKey(f"{A}.megatron.virtual_pipeline_model_parallel_size", "actor.layout.vpp", "rename", ""),
     VerlKey(f"{A}.megatron.sequence_parallel", "actor.layout.sequence_parallel", "rename", ""),
     VerlKey(f"{A}.megatron.*", "-", "ignored", "hyflow's Megatron settings are actor.layout and actor.optim"),

@@ -13,6 +13,12 @@ With context parallelism (``layout.cp > 1``) the ``local`` and ``sdpa`` specs us
 
 Critic and reward models are the same trunk with a scalar :class:`ValueHead`
 instead of the vocabulary projection.
+
+Mixture-of-experts descriptions (``desc.moe``) get Megatron-Core's ``MoELayer`` as every layer's
+MLP: its top-k router (softmax or sigmoid scores, load-balancing aux loss and z-loss), the
+alltoall token dispatcher over the layout's expert-parallel group, ``SequentialMLP`` experts and
+the optional (gated) shared expert; QK-norm (Qwen3) is Megatron's ``q_layernorm`` /
+``k_layernorm``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -58,19 +65,26 @@ def resolve_spec(spec: SpecName = "auto") -> str:
     return spec
 
 
-def layer_spec(spec: SpecName = "auto", cp: int = 1):
-    """Megatron ``ModuleSpec`` for one transformer layer.
+def layer_spec(spec: SpecName = "auto", cp: int = 1, desc: Optional[ModelDescription] = None):
+    """Megatron ``ModuleSpec`` for one transformer layer (of ``desc``: its MoE MLP and QK-norm).
 
     With ``cp > 1`` TE's attention does context parallelism itself; the local and sdpa specs
     get :class:`UlyssesAttention` (all-to-all over the CP group) as core attention."""
     name = resolve_spec(spec)
+    # Experts run as SequentialMLP on every spec (one parameter name per expert everywhere:
+    # conversion, resharding and routing replay read them); grouped GEMM would rename them.
+    shape = dict(num_experts=desc.moe.num_experts if desc is not None and desc.moe is not None else None,
+                 qk_layernorm=bool(desc is not None and desc.qk_layernorm), moe_grouped_gemm=False)
     if name == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+        return get_gpt_layer_with_transformer_engine_spec(**shape)
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", **shape))
     spec.submodules.input_layernorm = RMSNorm  # sequence parallelism on the local spec too
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    if shape["qk_layernorm"]:
+        spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
     if cp > 1:
         spec.submodules.self_attention.submodules.core_attention = UlyssesAttention
     elif name == "sdpa":
@@ -84,7 +98,7 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not supported; one of {sorted(DTYPES)}")
     layout = groups.layout
-    layout.check_model(desc)
+    layout.check_model(desc, training=False)  # also generation copies: no SP
     fused = groups.device.type == "cuda" and bool(fusion_backends())
     kwargs = dict(
         num_layers=desc.num_layers,
@@ -129,9 +143,35 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, dtype: st
         softmax_scale=rope_softmax_scale(desc),
         # An uneven pipeline split (layout.stage_layers): Megatron builds and numbers the layers.
         **layout.megatron_stage_kwargs(desc.num_layers),
+        qk_layernorm=desc.qk_layernorm,
+        **moe_config_kwargs(desc, layout),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_config_kwargs(desc: ModelDescription, layout) -> dict:
+    """``TransformerConfig`` arguments of ``desc``'s experts under ``layout`` (none for a dense model)."""
+    moe = desc.moe
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_score_function=moe.score_function,
+        moe_router_pre_softmax=moe.pre_softmax,
+        moe_router_topk_scaling_factor=moe.topk_scaling_factor,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_router_load_balancing_type=moe.load_balancing,
+        moe_aux_loss_coeff=moe.aux_loss_coeff if moe.load_balancing != "none" else 0.0,
+        moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_dtype="fp32",  # routing decisions in fp32 whatever the parameters' dtype
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+    )
 
 
 def fusion_backends() -> tuple[str, ...]:
@@ -213,6 +253,11 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
         overrides.update(perform_initialization=False, use_cpu_initialization=True,
                          init_model_with_meta_device=True)
     cfg = transformer_config(desc, groups, dtype, **overrides)
+    if desc.moe is not None:
+        # Megatron's routers log their losses in one module-level tracker sized by the first
+        # model's num_layers; a model with more layers built later in this process would index
+        # past it. Entries are re-created at the next training forward.
+        get_moe_layer_wise_logging_tracker().clear()
     layout = groups.layout
     vpp = layout.vpp or 1
     chunk = vp_stage or 0
@@ -222,8 +267,9 @@ def build_gpt_model(desc: ModelDescription, groups: ParallelGroups, *, dtype: st
         torch.manual_seed(seed)
     if not get_cuda_rng_tracker().is_initialized():
         # Groups built with build_groups() alone: Megatron's layers still fork this tracker.
-        model_parallel_cuda_manual_seed(seed or 1234, tp_rank=groups.tp_rank, ep_rank=0, etp_rank=0)
-    layer = layer_spec(spec, layout.cp)
+        model_parallel_cuda_manual_seed(seed or 1234, tp_rank=groups.tp_rank, ep_rank=groups.ep_rank,
+                                       etp_rank=groups.etp_rank)
+    layer = layer_spec(spec, layout.cp, desc)
     if resolve_spec(spec) != "te":  # the final norm too (Megatron would pick WrappedTorchNorm)
         layer = TransformerBlockSubmodules(
             layer_specs=[layer] * get_num_layers_to_build(cfg, vp_stage if layout.vpp else None, groups.pp_rank),

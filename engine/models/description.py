@@ -1,4 +1,5 @@
-"""Model descriptions: the architecture of a Llama / Qwen2 / Mistral decoder.
+"""Model descriptions: the architecture of a Llama / Qwen2 / Mistral decoder, or of a
+mixture-of-experts one (Qwen3-MoE, Qwen2-MoE, Mixtral: :class:`MoEDescription`).
 
 A :class:`ModelDescription` is what the engine needs to build a Megatron
 ``GPTModel`` and what the converters write next to a checkpoint
@@ -14,7 +15,9 @@ from typing import Any, Optional
 
 from hyflow.config import ConfigError
 
-FAMILIES = ("llama", "qwen2", "mistral")
+DENSE_FAMILIES = ("llama", "qwen2", "mistral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 DESCRIPTION_FILE = "model.json"
 
 
@@ -96,12 +99,89 @@ class RopeScaling:
                         f"{len(value) if isinstance(value, list) else value!r}")
 
 
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+
+
+@dataclass
+class MoEDescription:
+    """The mixture-of-experts MLP of every decoder layer (Megatron-Core's ``MoELayer``).
+
+    Attributes:
+        num_experts: routed experts per layer.
+        top_k: experts each token is sent to.
+        ffn_hidden_size: SwiGLU intermediate size of one routed expert.
+        score_function: ``softmax`` or ``sigmoid`` router scores.
+        pre_softmax: softmax over all experts before the top-k (the chosen probabilities are
+            not renormalised: HF ``norm_topk_prob: false``); false: softmax over the top-k
+            logits (renormalised: Mixtral, HF ``norm_topk_prob: true``).
+        topk_scaling_factor: multiplies the chosen probabilities (null = 1).
+        shared_expert_ffn_hidden_size: intermediate size of the shared expert every token
+            goes through (null = none; Qwen2-MoE has one).
+        shared_expert_gate: the shared expert's output is scaled by ``sigmoid(x . w)``
+            (Qwen2-MoE).
+        load_balancing: ``aux_loss`` (Switch-style load-balancing loss over the micro-batch),
+            ``seq_aux_loss`` (per sequence) or ``none``.
+        aux_loss_coeff: weight of the load-balancing loss (HF ``router_aux_loss_coef``).
+        z_loss_coeff: weight of the router z-loss (null = off).
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    ffn_hidden_size: int = 128
+    score_function: str = "softmax"
+    pre_softmax: bool = False
+    topk_scaling_factor: Optional[float] = None
+    shared_expert_ffn_hidden_size: Optional[int] = None
+    shared_expert_gate: bool = False
+    load_balancing: str = "aux_loss"
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: Optional[float] = None
+
+    def validate(self) -> None:
+        for name in ("num_experts", "top_k", "ffn_hidden_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelDescriptionError(f"model.moe.{name} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ModelDescriptionError(
+                f"model.moe.top_k={self.top_k} exceeds num_experts={self.num_experts}; a token cannot "
+                "pick more experts than there are")
+        if self.score_function not in SCORE_FUNCTIONS:
+            raise ModelDescriptionError(f"model.moe.score_function={self.score_function!r}; use one of "
+                                        f"{', '.join(SCORE_FUNCTIONS)}")
+        if self.load_balancing not in LOAD_BALANCING:
+            raise ModelDescriptionError(f"model.moe.load_balancing={self.load_balancing!r}; use one of "
+                                        f"{', '.join(LOAD_BALANCING)}")
+        shared = self.shared_expert_ffn_hidden_size
+        if shared is not None and (not isinstance(shared, int) or shared <= 0):
+            raise ModelDescriptionError(
+                f"model.moe.shared_expert_ffn_hidden_size must be a positive integer or null, got {shared!r}")
+        if self.shared_expert_gate and shared is None:
+            raise ModelDescriptionError("model.moe.shared_expert_gate needs a shared expert "
+                                        "(set shared_expert_ffn_hidden_size)")
+        if self.aux_loss_coeff < 0 or (self.z_loss_coeff is not None and self.z_loss_coeff < 0):
+            raise ModelDescriptionError("model.moe.aux_loss_coeff and z_loss_coeff must be >= 0")
+
+    def expert_parameters(self, hidden: int) -> int:
+        """Parameters of one routed expert (SwiGLU: gate, up, down)."""
+        return 3 * hidden * self.ffn_hidden_size
+
+    def layer_parameters(self, hidden: int, active: bool = False) -> int:
+        """Parameters of one MoE MLP: router, experts (``top_k`` of them when ``active``),
+        shared expert and its gate."""
+        experts = (self.top_k if active else self.num_experts) * self.expert_parameters(hidden)
+        shared = 3 * hidden * (self.shared_expert_ffn_hidden_size or 0)
+        return hidden * self.num_experts + experts + shared + (hidden if self.shared_expert_gate else 0)
+
+
 @dataclass
 class ModelDescription:
     """Architecture of a decoder-only transformer (Llama-style blocks).
 
     Attributes:
-        family: ``llama``, ``qwen2`` or ``mistral``.
+        family: ``llama``, ``qwen2``, ``mistral`` (dense) or ``qwen3_moe``, ``qwen2_moe``,
+            ``mixtral`` (mixture of experts: ``moe`` is set).
         vocab_size: tokenizer vocabulary (unpadded; TP padding is added at build).
         hidden_size: model width.
         num_layers: transformer blocks.
@@ -114,6 +194,8 @@ class ModelDescription:
         rope_scaling: optional RoPE scaling.
         norm_eps: RMSNorm epsilon.
         qkv_bias: bias on the Q/K/V projection (Qwen2).
+        qk_layernorm: RMSNorm over each query and key head before RoPE (Qwen3).
+        moe: the mixture-of-experts MLP (null: a dense SwiGLU MLP of ``ffn_hidden_size``).
         tied_embeddings: output layer shares the input embedding.
         init_method_std: std of the random init (for models built from scratch).
         tokenizer: path of the tokenizer (HF directory or sentencepiece model), if any.
@@ -133,6 +215,8 @@ class ModelDescription:
     rope_scaling: Optional[RopeScaling] = None
     norm_eps: float = 1e-5
     qkv_bias: bool = False
+    qk_layernorm: bool = False
+    moe: Optional[MoEDescription] = None
     tied_embeddings: bool = False
     init_method_std: float = 0.02
     tokenizer: Optional[str] = None
@@ -141,6 +225,12 @@ class ModelDescription:
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if isinstance(self.moe, dict):
+            known = {f.name for f in fields(MoEDescription)}
+            unknown = sorted(set(self.moe) - known)
+            if unknown:
+                raise ModelDescriptionError(f"unknown model.moe keys {unknown}; valid keys: {sorted(known)}")
+            self.moe = MoEDescription(**self.moe)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.head_dim is None and self.num_attention_heads:
@@ -168,21 +258,40 @@ class ModelDescription:
             raise ModelDescriptionError("rope_theta and norm_eps must be positive")
         if self.rope_scaling is not None:
             self.rope_scaling.validate(self.head_dim)
+        if (self.moe is not None) != (self.family in MOE_FAMILIES):
+            raise ModelDescriptionError(
+                f"model family {self.family!r} is a {'mixture-of-experts' if self.family in MOE_FAMILIES else 'dense'}"
+                f" model but model.moe is {'unset' if self.moe is None else 'set'}; "
+                + ("describe its experts in model.moe" if self.moe is None else
+                   f"use a mixture-of-experts family ({', '.join(MOE_FAMILIES)}) or drop model.moe"))
+        if self.moe is not None:
+            self.moe.validate()
 
     # ------------------------------------------------------------- derived
     @property
     def query_projection_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
-    def num_parameters(self) -> int:
-        """Parameter count of the unpadded model (embeddings counted once if tied)."""
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameter count of the unpadded model (embeddings counted once if tied); ``active``:
+        what one token uses (``top_k`` routed experts per MoE layer)."""
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
         qkv = h * (self.num_attention_heads + 2 * self.num_query_groups) * d
         if self.qkv_bias:
             qkv += (self.num_attention_heads + 2 * self.num_query_groups) * d
-        per_layer = qkv + self.query_projection_size * h + 3 * h * f + 2 * h
+        mlp = self.moe.layer_parameters(h, active) if self.moe is not None else 3 * h * f
+        per_layer = qkv + self.query_projection_size * h + mlp + 2 * h + (2 * d if self.qk_layernorm else 0)
         emb = self.vocab_size * h
         return self.num_layers * per_layer + h + emb * (1 if self.tied_embeddings else 2)
+
+    def expert_parameters(self) -> int:
+        """Parameters in routed experts (all layers); 0 for a dense model."""
+        return 0 if self.moe is None else self.num_layers * self.moe.num_experts * self.moe.expert_parameters(
+            self.hidden_size)
 
     def inv_freq(self, seq_len: Optional[int] = None):
         """RoPE inverse frequencies ``[head_dim / 2]`` (float32, bit-identical to HF's) with
@@ -248,6 +357,20 @@ class ModelDescription:
         except json.JSONDecodeError as e:
             raise ModelDescriptionError(f"{path} is not valid JSON: {e}") from None
         return cls.from_dict(data)
+
+
+def tiny_moe(**overrides: Any) -> ModelDescription:
+    """A tiny Qwen3-MoE-shaped model (8 experts, top-2, QK-norm) for tests and the CPU quickstart;
+    ``moe`` overrides merge into its MoE settings."""
+    moe = dict(num_experts=8, top_k=2, ffn_hidden_size=32, aux_loss_coeff=0.01)
+    moe.update(overrides.pop("moe", None) or {})
+    base = dict(family="qwen3_moe", vocab_size=256, hidden_size=64, num_layers=4, num_attention_heads=4,
+                num_query_groups=2, ffn_hidden_size=128, max_position_embeddings=256, rope_theta=10000.0,
+                norm_eps=1e-5, qk_layernorm=True, moe=MoEDescription(**moe))
+    base.update(overrides)
+    desc = ModelDescription(**base)
+    desc.validate()
+    return desc
 
 
 def tiny_llama(**overrides: Any) -> ModelDescription:

@@ -1,4 +1,5 @@
-"""Hugging Face Llama / Qwen2 / Mistral <-> Megatron-Core names, configs and layouts.
+"""Hugging Face Llama / Qwen2 / Mistral (dense) and Qwen3-MoE / Qwen2-MoE / Mixtral (mixture of
+experts) <-> Megatron-Core names, configs and layouts.
 
 Configs:
 
@@ -15,7 +16,11 @@ Tensors: pure functions over *full* state dicts (see :mod:`hyflow.models.weights
   tensor, and the shapes an HF checkpoint of a description must have;
 * :func:`hf_to_megatron` / :func:`megatron_to_hf` map one full state dict to the
   other. Q/K/V are fused into Megatron's per-query-group order, gate/up into
-  ``linear_fc1 = [gate; up]``; both directions are exact (bit-identical round trip).
+  ``linear_fc1 = [gate; up]`` (every routed expert's and the shared expert's too); both
+  directions are exact (bit-identical round trip).
+
+Experts in a full state dict carry their global index (``mlp.experts.local_experts.{e}``, the
+name Megatron gives them at EP=1); :mod:`hyflow.models.weights` maps them to each EP rank's own.
 
 Streaming converters call :func:`hf_to_megatron_tensor` one tensor at a time.
 """
@@ -28,12 +33,16 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from hyflow.kernels.reshard_reference import grouped_to_qkv, qkv_to_grouped
-from hyflow.models.description import ROPE_TYPES, ModelDescription, ModelDescriptionError, RopeScaling
+from hyflow.models.description import (ROPE_TYPES, ModelDescription, ModelDescriptionError, MoEDescription,
+                                       RopeScaling)
 
 _ARCH_FAMILY = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 _FAMILY_ARCH = {family: arch for arch, family in _ARCH_FAMILY.items()}
 #: HF tensors that are derived buffers, not weights (older Llama checkpoints store them).
@@ -133,16 +142,48 @@ def _check_unsupported(cfg: Mapping[str, Any], family: str) -> None:
         raise ModelDescriptionError(f"hidden_act={cfg['hidden_act']!r} is not supported (only silu)")
     if cfg.get("mlp_bias"):
         raise ModelDescriptionError("mlp_bias=true is not supported (Megatron's MLP here has no biases)")
-    if family != "qwen2" and cfg.get("attention_bias"):
+    if family not in ("qwen2", "qwen2_moe") and cfg.get("attention_bias"):
         raise ModelDescriptionError(
             f"attention_bias=true on {family} puts a bias on o_proj too, which is not supported; "
             "only Q/K/V biases (Qwen2) are")
     if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ModelDescriptionError("partial_rotary_factor != 1 is not supported")
     for key in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size",
-                "vocab_size"):
+                "vocab_size") + _MOE_KEYS.get(family, ()):
+        if key == "num_experts" and "num_experts" not in cfg:
+            key = "num_local_experts"  # transformers 5 writes Qwen3-MoE's under this name
         if not isinstance(cfg.get(key), int):
             raise ModelDescriptionError(f"config.json lacks the integer {key!r} (got {cfg.get(key)!r})")
+    if family in ("qwen3_moe", "qwen2_moe"):
+        if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+            raise ModelDescriptionError(
+                f"decoder_sparse_step={cfg.get('decoder_sparse_step', 1)}, mlp_only_layers="
+                f"{cfg.get('mlp_only_layers')}: hyflow runs models whose every layer is a mixture of experts "
+                "(decoder_sparse_step 1, no mlp_only_layers)")
+
+
+#: The integer config keys each mixture-of-experts family needs.
+_MOE_KEYS = {"qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+             "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                           "shared_expert_intermediate_size"),
+             "mixtral": ("num_local_experts", "num_experts_per_tok")}
+
+
+def _moe_description(cfg: Mapping[str, Any], family: str) -> Optional[MoEDescription]:
+    """The experts of an HF mixture-of-experts config (None for a dense family). Qwen's
+    ``norm_topk_prob`` false means probabilities from a softmax over all experts (Megatron's
+    pre-softmax); Mixtral always renormalises over the chosen ones."""
+    if family not in _MOE_KEYS:
+        return None
+    qwen = family != "mixtral"
+    return MoEDescription(
+        num_experts=cfg.get("num_experts", cfg.get("num_local_experts")) if qwen else cfg["num_local_experts"],
+        top_k=cfg["num_experts_per_tok"],
+        ffn_hidden_size=cfg["moe_intermediate_size"] if qwen else cfg["intermediate_size"],
+        pre_softmax=qwen and not cfg.get("norm_topk_prob", False),
+        shared_expert_ffn_hidden_size=cfg["shared_expert_intermediate_size"] if family == "qwen2_moe" else None,
+        shared_expert_gate=family == "qwen2_moe",
+        aux_loss_coeff=float(cfg.get("router_aux_loss_coef") or 0.0))
 
 
 def description_from_hf_config(cfg: Mapping[str, Any]) -> ModelDescription:
@@ -165,7 +206,10 @@ def description_from_hf_config(cfg: Mapping[str, Any]) -> ModelDescription:
         rope_theta=float(theta if theta is not None else 10000.0),
         rope_scaling=_rope_scaling(rs, cfg),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+        qkv_bias=bool(cfg.get("qkv_bias", True)) if family == "qwen2_moe" else
+        bool(cfg.get("attention_bias", family == "qwen2")),
+        qk_layernorm=family == "qwen3_moe",
+        moe=_moe_description(cfg, family),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
     )
@@ -181,6 +225,9 @@ def hf_config_warnings(cfg: Mapping[str, Any]) -> list[str]:
     if window and use_window and window < (cfg.get("max_position_embeddings") or 0):
         out.append(f"sliding_window={window}: the engine uses full causal attention, so "
                    f"sequences longer than {window} tokens differ from HF")
+    if cfg.get("router_jitter_noise"):
+        out.append(f"router_jitter_noise={cfg['router_jitter_noise']}: the engine's router adds no jitter "
+                   "(HF adds it in training mode only; evaluation and generation are unchanged)")
     return out
 
 
@@ -216,12 +263,50 @@ def hf_config_from_description(desc: ModelDescription, base: Optional[Mapping[st
     )
     if desc.rope_scaling is not None:
         cfg["rope_scaling"] = _hf_rope_scaling(desc.rope_scaling)
-    if desc.family != "qwen2":
+    if desc.family not in ("qwen2", "qwen2_moe"):
         cfg.update(attention_bias=False, mlp_bias=False)
+    moe = desc.moe
+    if moe is not None:
+        cfg.update(num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coeff,
+                   output_router_logits=False)
+        if desc.family == "mixtral":
+            cfg.update(num_local_experts=moe.num_experts, intermediate_size=moe.ffn_hidden_size)
+        else:
+            cfg.update(num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden_size,
+                       norm_topk_prob=not moe.pre_softmax, decoder_sparse_step=1, mlp_only_layers=[])
+        if desc.family == "qwen2_moe":
+            cfg.update(shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size, qkv_bias=desc.qkv_bias)
     if desc.eos_token_ids and "eos_token_id" not in cfg:
         ids = desc.eos_token_ids
         cfg["eos_token_id"] = ids[0] if len(ids) == 1 else list(ids)
     return cfg
+
+
+#: HF (gate, up, down) projection names of one routed expert, and the MoE block's name.
+_EXPERT_PROJ = {"mixtral": ("w1", "w3", "w2")}
+_MOE_BLOCK = {"mixtral": "block_sparse_moe"}
+
+
+def _mlp_names(mc: str, hf: str, desc: ModelDescription) -> dict[str, list[str]]:
+    """Megatron MLP names of a layer (prefixes ``mc`` / ``hf``) -> their HF names."""
+    moe = desc.moe
+    if moe is None:
+        return {mc + "mlp.linear_fc1.weight": [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"],
+                mc + "mlp.linear_fc2.weight": [hf + "mlp.down_proj.weight"]}
+    block = hf + _MOE_BLOCK.get(desc.family, "mlp") + "."
+    gate, up, down = _EXPERT_PROJ.get(desc.family, ("gate_proj", "up_proj", "down_proj"))
+    out = {mc + "mlp.router.weight": [block + "gate.weight"]}
+    for e in range(moe.num_experts):
+        expert, src = mc + f"mlp.experts.local_experts.{e}.", block + f"experts.{e}."
+        out[expert + "linear_fc1.weight"] = [src + f"{gate}.weight", src + f"{up}.weight"]
+        out[expert + "linear_fc2.weight"] = [src + f"{down}.weight"]
+    if moe.shared_expert_ffn_hidden_size:
+        out[mc + "mlp.shared_experts.linear_fc1.weight"] = [block + "shared_expert.gate_proj.weight",
+                                                            block + "shared_expert.up_proj.weight"]
+        out[mc + "mlp.shared_experts.linear_fc2.weight"] = [block + "shared_expert.down_proj.weight"]
+        if moe.shared_expert_gate:
+            out[mc + "mlp.shared_experts.gate_weight"] = [block + "shared_expert_gate.weight"]
+    return out
 
 
 def _hf_layer_names(i: int, desc: ModelDescription) -> dict[str, list[str]]:
@@ -232,11 +317,13 @@ def _hf_layer_names(i: int, desc: ModelDescription) -> dict[str, list[str]]:
         mc + "self_attention.linear_qkv.weight": [hf + f"self_attn.{p}_proj.weight" for p in "qkv"],
         mc + "self_attention.linear_proj.weight": [hf + "self_attn.o_proj.weight"],
         mc + "pre_mlp_layernorm.weight": [hf + "post_attention_layernorm.weight"],
-        mc + "mlp.linear_fc1.weight": [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"],
-        mc + "mlp.linear_fc2.weight": [hf + "mlp.down_proj.weight"],
     }
     if desc.qkv_bias:
         out[mc + "self_attention.linear_qkv.bias"] = [hf + f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if desc.qk_layernorm:
+        out[mc + "self_attention.q_layernorm.weight"] = [hf + "self_attn.q_norm.weight"]
+        out[mc + "self_attention.k_layernorm.weight"] = [hf + "self_attn.k_norm.weight"]
+    out.update(_mlp_names(mc, hf, desc))
     return out
 
 
@@ -252,25 +339,25 @@ def name_map(desc: ModelDescription) -> dict[str, list[str]]:
 
 
 def hf_parameter_shapes(desc: ModelDescription) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name of ``desc`` -> the shape its checkpoint must have."""
-    h, d, f = desc.hidden_size, desc.head_dim, desc.ffn_hidden_size
+    """Every HF tensor name of ``desc`` -> the shape its checkpoint must have (read off the
+    Megatron shapes through :func:`name_map`: a fused tensor's parts split its first dim)."""
+    from hyflow.models.weights import full_parameter_shapes  # weights imports Megatron; pre-flight need not
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    d = desc.head_dim
     q_rows, kv_rows = desc.num_attention_heads * d, desc.num_query_groups * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (desc.vocab_size, h)}
-    for i in range(desc.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
-            shapes[p + f"self_attn.{proj}_proj.weight"] = (rows, h)
-            if desc.qkv_bias:
-                shapes[p + f"self_attn.{proj}_proj.bias"] = (rows,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
-        shapes[p + "mlp.gate_proj.weight"] = (f, h)
-        shapes[p + "mlp.up_proj.weight"] = (f, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, f)
-    shapes["model.norm.weight"] = (h,)
-    if not desc.tied_embeddings:
-        shapes["lm_head.weight"] = (desc.vocab_size, h)
+    megatron = full_parameter_shapes(desc)
+    for mc, parts in name_map(desc).items():
+        if len(parts) == 1:
+            shapes[parts[0]] = megatron[mc]
+        elif mc.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+            tail = (desc.hidden_size,) if mc.endswith("weight") else ()
+            for name, rows in zip(parts, (q_rows, kv_rows, kv_rows)):
+                shapes[name] = (rows,) + tail
+        else:  # [gate; up]
+            rows, cols = megatron[mc]
+            for name in parts:
+                shapes[name] = (rows // 2, cols)
     return shapes
 
 

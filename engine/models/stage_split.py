@@ -19,10 +19,14 @@ from typing import Any, Optional, Sequence
 
 
 def matmul_params(desc: Any, output_layer: bool = True) -> int:
-    """Weights that take part in a matrix multiply, per token (all layers)."""
+    """Weights that take part in a matrix multiply, per token (all layers; a mixture-of-experts
+    layer's router, its ``top_k`` routed experts and its shared expert)."""
     h, f, d = desc.hidden_size, desc.ffn_hidden_size, desc.head_dim
     q, kv = desc.num_attention_heads * d, 2 * desc.num_query_groups * d
-    mlp = 3 * h * f if desc.family in ("llama", "qwen2", "mistral") else 2 * h * f  # gated (SwiGLU)
+    moe = getattr(desc, "moe", None)
+    mlp = 3 * h * f  # gated (SwiGLU), every family hyflow builds
+    if moe is not None:
+        mlp = moe.layer_parameters(h, active=True) - (h if moe.shared_expert_gate else 0)
     per_layer = h * (q + kv) + q * h + mlp
     return desc.num_layers * per_layer + (h * desc.vocab_size if output_layer else h)
 

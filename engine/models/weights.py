@@ -13,6 +13,10 @@ as ``[gate; up]``). It is the neutral exchange format between layouts:
 How a tensor is sharded is read from the attributes Megatron sets on each
 parameter (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``), so
 this module follows Megatron rather than restating its layer list.
+
+Routed experts (``...mlp.experts.local_experts.{e}...``) carry their *global* index ``e`` in a
+full state dict; an EP rank holds experts ``ep_rank * E/EP ..`` under local indices, each split
+over the expert tensor-parallel group (``etp``) instead of the TP group.
 """
 
 from __future__ import annotations
@@ -28,6 +32,19 @@ from hyflow.models.description import ModelDescription
 from hyflow.parallel.groups import ParallelGroups
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether ``name`` is a routed expert's parameter (split over EP and expert TP)."""
+    return _EXPERT.search(name) is not None
+
+
+def expert_offset(desc: ModelDescription, groups: ParallelGroups) -> int:
+    """Global index of this rank's first routed expert (0 for a dense model)."""
+    if getattr(desc, "moe", None) is None:
+        return 0
+    return groups.ep_rank * (desc.moe.num_experts // groups.layout.ep)
 
 
 def layer_offset(desc: ModelDescription, groups: ParallelGroups, vp_stage: Optional[int] = None) -> int:
@@ -41,12 +58,24 @@ def layer_offset(desc: ModelDescription, groups: ParallelGroups, vp_stage: Optio
     return chunk * per_chunk
 
 
-def global_name(local_name: str, offset: int) -> str:
-    """``decoder.layers.<local>.x`` -> ``decoder.layers.<local+offset>.x``."""
+def global_name(local_name: str, offset: int, experts: int = 0) -> str:
+    """``decoder.layers.<local>.x`` -> ``decoder.layers.<local+offset>.x``, and a routed expert's
+    local index ``j`` -> ``j + experts`` (this rank's first expert)."""
     m = _LAYER.match(local_name)
     if not m:
         return local_name
-    return f"decoder.layers.{int(m.group(1)) + offset}." + local_name[m.end():]
+    name = f"decoder.layers.{int(m.group(1)) + offset}." + local_name[m.end():]
+    if experts:
+        name = _EXPERT.sub(lambda e: f".mlp.experts.local_experts.{int(e.group(1)) + experts}.", name, count=1)
+    return name
+
+
+def split_of(name: str, groups: ParallelGroups) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel split of parameter ``name``: expert TP for routed
+    experts, TP otherwise."""
+    if is_expert_param(name):
+        return groups.etp_rank, groups.layout.expert_tp
+    return groups.tp_rank, groups.layout.tp
 
 
 def _tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
@@ -110,10 +139,11 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
     value head when its trunk comes from a language model).
     """
     offset = layer_offset(desc, groups, vp_stage)
+    experts = expert_offset(desc, groups)
     tp = groups.layout.tp
     missing = []
     for name, param in canonical_parameters(model):
-        key = global_name(name, offset)
+        key = global_name(name, offset, experts)
         if key == "output_layer.weight" and key not in full and desc.tied_embeddings:
             key = "embedding.word_embeddings.weight"
         if key not in full:
@@ -127,7 +157,7 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
                 raise ValueError(f"{key}: {tensor.shape[0]} vocabulary rows > padded size {padded_rows}")
             pad = tensor.new_zeros(padded_rows - tensor.shape[0], tensor.shape[1])
             tensor = torch.cat([tensor, pad])
-        shard = _tp_slice(tensor, param, groups.tp_rank, tp)
+        shard = _tp_slice(tensor, param, *split_of(name, groups))
         if shard.shape != param.shape:
             raise ValueError(
                 f"{key}: shard shape {tuple(shard.shape)} does not match the model's "
@@ -141,25 +171,33 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
 @torch.no_grad()
 def gather_full_state_dict(model: torch.nn.Module, desc: ModelDescription, groups: ParallelGroups,
                            vp_stage: Optional[int] = None, dst_all: bool = True) -> dict[str, torch.Tensor]:
-    """Rebuild the full state dict from every rank's shard (collective over TP and PP).
+    """Rebuild the full state dict from every rank's shard (collective over TP, PP and, for
+    mixture-of-experts models, the expert TP and EP groups).
 
     Every rank returns the complete dict (small models; for export of large
     models use the streaming converter). Vocabulary padding is stripped.
     """
     offset = layer_offset(desc, groups, vp_stage)
-    tp_group, pp_group = groups.pgs.tp, groups.pgs.pp
+    experts = expert_offset(desc, groups)
+    pp_group = groups.pgs.pp
     local: dict[str, torch.Tensor] = {}
     for name, param in canonical_parameters(model):
-        shards = [torch.empty_like(param) for _ in range(dist.get_world_size(tp_group))]
-        dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
+        group = groups.pgs.expt_tp if is_expert_param(name) else groups.pgs.tp
+        shards = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, param.detach().contiguous(), group=group)
         full = _tp_unslice(shards, param)
-        key = global_name(name, offset)
+        key = global_name(name, offset, experts)
         if _is_vocab(key) and full.dim() == 2:
             full = full[: desc.vocab_size]
         local[key] = full.clone()
+    if getattr(desc, "moe", None) is not None and groups.layout.ep > 1:  # every EP rank's experts
+        parts: list = [None] * groups.layout.ep
+        dist.all_gather_object(parts, {k: v for k, v in local.items() if is_expert_param(k)}, group=groups.pgs.ep)
+        for part in parts:
+            local.update(part)
     if dist.get_world_size(pp_group) == 1:
         return local
-    parts: list = [None] * dist.get_world_size(pp_group)
+    parts = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(parts, local, group=pp_group)
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
@@ -174,7 +212,7 @@ def gather_full_state_dict(model: torch.nn.Module, desc: ModelDescription, group
 
 def full_parameter_shapes(desc: ModelDescription) -> dict[str, tuple[int, ...]]:
     """Names and unsharded shapes of every parameter (global layer indices)."""
-    h, d, f = desc.hidden_size, desc.head_dim, desc.ffn_hidden_size
+    h, d = desc.hidden_size, desc.head_dim
     qkv_rows = (desc.num_attention_heads + 2 * desc.num_query_groups) * d
     shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (desc.vocab_size, h)}
     for i in range(desc.num_layers):
@@ -183,14 +221,35 @@ def full_parameter_shapes(desc: ModelDescription) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attention.linear_qkv.weight"] = (qkv_rows, h)
         if desc.qkv_bias:
             shapes[p + "self_attention.linear_qkv.bias"] = (qkv_rows,)
+        if desc.qk_layernorm:
+            shapes[p + "self_attention.q_layernorm.weight"] = (d,)
+            shapes[p + "self_attention.k_layernorm.weight"] = (d,)
         shapes[p + "self_attention.linear_proj.weight"] = (h, desc.num_attention_heads * d)
         shapes[p + "pre_mlp_layernorm.weight"] = (h,)
-        shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
-        shapes[p + "mlp.linear_fc2.weight"] = (h, f)
+        shapes.update(_mlp_shapes(p, desc))
     shapes["decoder.final_layernorm.weight"] = (h,)
     if not desc.tied_embeddings:
         shapes["output_layer.weight"] = (desc.vocab_size, h)
     return shapes
+
+
+def _mlp_shapes(prefix: str, desc: ModelDescription) -> dict[str, tuple[int, ...]]:
+    """The MLP parameters of one layer: dense SwiGLU, or router, routed experts, shared expert."""
+    h, moe = desc.hidden_size, desc.moe
+    if moe is None:
+        f = desc.ffn_hidden_size
+        return {prefix + "mlp.linear_fc1.weight": (2 * f, h), prefix + "mlp.linear_fc2.weight": (h, f)}
+    out = {prefix + "mlp.router.weight": (moe.num_experts, h)}
+    for e in range(moe.num_experts):
+        out[prefix + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * moe.ffn_hidden_size, h)
+        out[prefix + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, moe.ffn_hidden_size)
+    shared = moe.shared_expert_ffn_hidden_size
+    if shared:
+        out[prefix + "mlp.shared_experts.linear_fc1.weight"] = (2 * shared, h)
+        out[prefix + "mlp.shared_experts.linear_fc2.weight"] = (h, shared)
+        if moe.shared_expert_gate:
+            out[prefix + "mlp.shared_experts.gate_weight"] = (1, h)
+    return out
 
 
 def random_full_state_dict(desc: ModelDescription, seed: int,

@@ -144,6 +144,7 @@ def initialize_megatron_groups(layout) -> None:
             virtual_pipeline_model_parallel_size=layout.vpp,
             context_parallel_size=layout.cp,
             expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.expert_tp,
             order="tp-cp-ep-dp-pp",
             create_gloo_process_groups=False,
             distributed_timeout_minutes=group_timeout().total_seconds() / 60,  # trainer.collective_timeout_s

@@ -65,6 +65,18 @@ class ParallelGroups:
         return self.coords["dp"]
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's expert-parallel rank (0 without an expert-parallel group)."""
+        group = getattr(self.pgs, "ep", None)
+        return group.rank() if group is not None else 0
+
+    @property
+    def etp_rank(self) -> int:
+        """This rank's expert tensor-parallel rank (its TP rank without an expert grid)."""
+        group = getattr(self.pgs, "expt_tp", None)
+        return group.rank() if group is not None else self.tp_rank
+
+    @property
     def is_first_stage(self) -> bool:
         return self.coords["pp"] == 0
 
@@ -98,13 +110,16 @@ def init_training_groups(layout: Layout, seed: int = 1234) -> ParallelGroups:
 
 
 def build_groups(layout: Layout, enumerations: Optional[dict[str, list[list[int]]]] = None,
-                 backend: Optional[str] = None, coords: Optional[dict[str, int]] = None) -> ParallelGroups:
+                 backend: Optional[str] = None, coords: Optional[dict[str, int]] = None,
+                 experts: bool = False) -> ParallelGroups:
     """Create fresh process groups for ``layout`` without touching Megatron's globals.
 
     ``enumerations`` overrides the rank lists of any kind (``tp``, ``pp``, ``dp``,
     ...); by default they come from :meth:`Layout.groups`. The hybrid engine passes
     its own enumerations for the generation layout (strided TP groups) together with
     this rank's ``coords`` in that layout (default: :meth:`Layout.coords`).
+
+    ``experts``: also the groups Megatron-Core's MoE layers read (:func:`_add_expert_groups`).
     """
     world = _require_dist()
     layout.check_world(world)
@@ -116,9 +131,28 @@ def build_groups(layout: Layout, enumerations: Optional[dict[str, list[list[int]
         _check_partition(kind, ranks, world)
         setattr(pgs, kind, group_registry.subgroups(ranks, backend=backend))
     pgs.intra_dp_cp = pgs.dp_cp
+    if experts:
+        _add_expert_groups(pgs, layout, enumerations, world, backend)
     comm.register_collection(pgs)
     return ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=coords or layout.coords(rank),
                           device=rank_device())
+
+
+def _add_expert_groups(pgs: ProcessGroupCollection, layout: Layout, enumerations: dict[str, list[list[int]]],
+                       world: int, backend: Optional[str]) -> None:
+    """The MoE groups of a layout without an expert grid of its own (ep=1, etp=tp: every rank holds
+    all experts, split like its dense layers; the hybrid engine's generation layout): expert TP is
+    the TP group, expert DP the DP group, and the EP group each rank alone. ``tp_dp_cp`` (the
+    router's aux-loss statistics) is a pipeline stage's ranks, read off the PP groups (members in
+    stage order)."""
+    if layout.has_experts_split:
+        raise LayoutError(f"build_groups creates expert groups for ep=1, etp=tp only (got {layout.describe()}); "
+                          "training layouts get theirs from init_training_groups")
+    pgs.expt_tp, pgs.tp_ep, pgs.expt_dp, pgs.intra_expt_dp, pgs.tp_ep_pp = pgs.tp, pgs.tp, pgs.dp, pgs.dp, pgs.mp
+    pgs.ep, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)], backend=backend)
+    pp_groups = [sorted(g) for g in (enumerations.get("pp") or layout.groups("pp"))]
+    stages = [sorted(g[k] for g in pp_groups) for k in range(layout.pp)]
+    pgs.tp_dp_cp, _ = dist.new_subgroups_by_enumeration(stages, backend=backend)
 
 
 def _check_partition(kind: str, groups: list[list[int]], world: int) -> None:

@@ -1,12 +1,21 @@
 """Parallel layouts: how a model's work is split over ranks.
 
-A :class:`Layout` is a plain value (tp, pp, dp, cp, ep, sequence parallel,
+A :class:`Layout` is a plain value (tp, pp, dp, cp, ep, etp, sequence parallel,
 virtual pipeline stages). It validates itself against a world size and against
 model dimensions, and it enumerates its rank groups in Megatron-Core's default
 order ``tp-cp-ep-dp-pp`` (tensor parallel ranks adjacent, pipeline stages
 furthest apart)::
 
     rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
+
+Mixture-of-experts layers use a second grid over the same ranks (Megatron-Core's expert
+grid): inside each pipeline stage the ``TP * CP * DP`` ranks are regrouped as expert tensor
+parallel x expert parallel x expert data parallel::
+
+    rank = etp_rank + ETP * (ep_rank + EP * (edp_rank + EDP * pp_rank)),  EDP = TP*CP*DP / (ETP*EP)
+
+so ``ETP * EP`` must divide ``TP * CP * DP``. Attention and dense layers use the first grid,
+the experts the second (each EP rank holds ``num_experts / EP`` experts, each split ``ETP`` ways).
 
 Enumerating groups is pure arithmetic, so layouts for 1024 ranks are checked
 without any process group; :mod:`hyflow.parallel.groups` turns the enumerations
@@ -28,7 +37,8 @@ class LayoutError(ConfigError):
 
 
 class ModelDims(Protocol):
-    """What a layout needs to know about a model (``ModelDescription`` has it)."""
+    """What a layout needs to know about a model (``ModelDescription`` has it; a mixture-of-experts
+    model also has ``moe`` with ``num_experts`` and ``ffn_hidden_size``)."""
 
     num_layers: int
     num_attention_heads: int
@@ -58,7 +68,10 @@ class Layout:
         pp: pipeline-parallel size (splits layers into consecutive stages).
         dp: data-parallel size (replicas; gradients are reduced over them).
         cp: context-parallel size (splits the sequence inside attention).
-        ep: expert-parallel size; only meaningful for mixture-of-experts models.
+        ep: expert-parallel size (mixture-of-experts models): each EP rank holds ``num_experts / ep``
+            experts of every MoE layer; tokens travel to their experts by all-to-all.
+        etp: expert tensor-parallel size: each expert's weights split ``etp`` ways (null = tp,
+            Megatron-Core's default). ``etp * ep`` must divide ``tp * cp * dp``.
         sequence_parallel: shard activations along the sequence inside TP regions.
         vpp: virtual pipeline stages per rank (interleaved 1F1B); None disables.
         stage_layers: decoder layers per pipeline stage, first to last (Megatron-Core's form: any
@@ -72,6 +85,8 @@ class Layout:
     dp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: Optional[int] = field(default=None, metadata={
+        "help": "expert tensor parallel size (null = tp); etp * ep must divide tp * cp * dp"})
     sequence_parallel: bool = False
     vpp: Optional[int] = None
     stage_layers: Optional[list[int]] = field(default=None, metadata={
@@ -84,11 +99,8 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"layout.{name} must be a positive integer, got {value!r}")
-        if self.ep != 1:
-            raise LayoutError(
-                f"layout.ep={self.ep}: expert parallelism needs a mixture-of-experts model, "
-                "and hyflow's model families (Llama, Qwen2, Mistral) are dense; set ep=1"
-            )
+        if self.etp is not None and (not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp < 1):
+            raise LayoutError(f"layout.etp must be a positive integer or null (= tp), got {self.etp!r}")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError(
                 "layout.sequence_parallel=true needs tp > 1 (it shards activations across "
@@ -117,6 +129,21 @@ class Layout:
         """Ranks holding one complete copy of the model (tp * pp)."""
         return self.tp * self.pp
 
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size (``etp``, or ``tp`` when unset)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel size: replicas of each expert shard in a pipeline stage."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
+
+    @property
+    def has_experts_split(self) -> bool:
+        """Whether the expert grid differs from the dense one (ep > 1 or etp != tp)."""
+        return self.ep > 1 or self.expert_tp != self.tp
+
     def with_dp_for(self, world_size: int) -> "Layout":
         """This layout with ``dp`` chosen to fill ``world_size`` ranks."""
         per_replica = self.tp * self.pp * self.cp
@@ -126,7 +153,9 @@ class Layout:
                 f"{self.tp}*{self.pp}*{self.cp} = {per_replica}; choose a world size that is a "
                 f"multiple of {per_replica} or change tp/pp/cp"
             )
-        return dataclasses.replace(self, dp=world_size // per_replica)
+        out = dataclasses.replace(self, dp=world_size // per_replica)
+        out.check_expert_grid()
+        return out
 
     # ------------------------------------------------------------ validation
     def check_world(self, world_size: int) -> None:
@@ -137,9 +166,20 @@ class Layout:
                 f"{self.world_size} ranks, but the job has {world_size}; make the product equal "
                 "the number of launched processes"
             )
+        self.check_expert_grid()
 
-    def check_model(self, model: ModelDims, seq_length: Optional[int] = None) -> None:
-        """Raise unless the model's dimensions split evenly under this layout."""
+    def check_expert_grid(self) -> None:
+        """Raise unless ``etp * ep`` divides the ``tp * cp * dp`` ranks of a pipeline stage."""
+        block = self.tp * self.cp * self.dp
+        if block % (self.expert_tp * self.ep):
+            raise LayoutError(
+                f"layout.ep={self.ep} x etp={self.expert_tp} = {self.ep * self.expert_tp} ranks per expert replica "
+                f"do not divide the tp x cp x dp = {self.tp} x {self.cp} x {self.dp} = {block} ranks of a "
+                f"pipeline stage; choose ep * etp dividing {block} (more ranks or a smaller ep)")
+
+    def check_model(self, model: ModelDims, seq_length: Optional[int] = None, training: bool = True) -> None:
+        """Raise unless the model's dimensions split evenly under this layout (``training``: also
+        what Megatron-Core needs to train it, not only to run it)."""
         m = model
         if m.num_attention_heads % self.tp:
             raise LayoutError(
@@ -159,10 +199,31 @@ class Layout:
                 f"(num_query_groups); with grouped-query attention tp must divide "
                 f"{m.num_query_groups}"
             )
-        if m.ffn_hidden_size % self.tp:
+        moe = getattr(m, "moe", None)
+        if moe is None and self.has_experts_split:
+            raise LayoutError(
+                f"layout.ep={self.ep} etp={self.etp}: expert parallelism needs a mixture-of-experts model "
+                "(model.moe); this model is dense, so set ep=1 and etp=null")
+        if moe is None and m.ffn_hidden_size % self.tp:
             raise LayoutError(
                 f"tp={self.tp} does not divide ffn_hidden_size={m.ffn_hidden_size}"
             )
+        if moe is not None:
+            if moe.num_experts % self.ep:
+                raise LayoutError(
+                    f"layout.ep={self.ep} does not divide the {moe.num_experts} experts (model.moe.num_experts); "
+                    f"every EP rank holds the same number of experts: use an ep dividing {moe.num_experts}")
+            if moe.ffn_hidden_size % self.expert_tp:
+                raise LayoutError(
+                    f"layout.etp={self.expert_tp} does not divide the expert ffn_hidden_size={moe.ffn_hidden_size} "
+                    f"(model.moe.ffn_hidden_size); use an etp dividing it")
+            shared = moe.shared_expert_ffn_hidden_size
+            if shared and shared % self.tp:
+                raise LayoutError(f"tp={self.tp} does not divide the shared expert's ffn_hidden_size={shared}")
+            if training and self.tp > 1 and not self.sequence_parallel:
+                raise LayoutError(
+                    f"tp={self.tp} with a mixture-of-experts model needs layout.sequence_parallel=true "
+                    "(Megatron-Core's MoE layers train under tensor parallelism only with sequence parallelism)")
         if self.stage_layers is not None:
             check_stage_layers(self.stage_layers, self.pp, m.num_layers, self.vpp)
         elif m.num_layers % (self.pp * (self.vpp or 1)):
@@ -251,11 +312,43 @@ class Layout:
             result.append(sorted(members))
         return sorted(result)
 
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """Coordinates ``{etp, ep, edp, pp}`` of a global rank in the expert grid."""
+        pp = self.coords(rank)["pp"]
+        within = rank % (self.tp * self.cp * self.dp)
+        etp, rest = within % self.expert_tp, within // self.expert_tp
+        return {"etp": etp, "ep": rest % self.ep, "edp": rest // self.ep, "pp": pp}
+
+    def expert_groups(self, kind: str) -> list[list[int]]:
+        """Rank groups of the expert grid, as Megatron-Core builds them: ``ep``, ``etp``, ``edp``,
+        ``tp_ep`` (etp x ep: the ranks holding one copy of a stage's experts), ``tp_ep_pp``."""
+        axes = {"ep": ("ep",), "etp": ("etp",), "edp": ("edp",), "tp_ep": ("etp", "ep"),
+                "tp_ep_pp": ("etp", "ep", "pp")}
+        if kind not in axes:
+            raise LayoutError(f"unknown expert group kind {kind!r}; one of {sorted(axes)}")
+        sizes = {"etp": self.expert_tp, "ep": self.ep, "edp": self.expert_dp, "pp": self.pp}
+        order = ("etp", "ep", "edp", "pp")
+        varying = axes[kind]
+        fixed = [a for a in order if a not in varying]
+        block = self.tp * self.cp * self.dp
+
+        def rank(c: dict) -> int:
+            return c["etp"] + self.expert_tp * (c["ep"] + self.ep * c["edp"]) + block * c["pp"]
+
+        result = []
+        for fixed_coords in _product([sizes[a] for a in fixed]):
+            base = dict(zip(fixed, fixed_coords))
+            result.append(sorted(rank({**base, **dict(zip(varying, v))})
+                                 for v in _product([sizes[a] for a in varying])))
+        return sorted(result)
+
     def describe(self) -> str:
         """One-line human summary, e.g. ``tp=2 pp=2 dp=1 (4 ranks, sp)``."""
         extra = []
         if self.cp > 1:
             extra.append(f"cp={self.cp}")
+        if self.ep > 1 or self.etp is not None:
+            extra.append(f"ep={self.ep} etp={self.expert_tp}")
         if self.sequence_parallel:
             extra.append("sp")
         if self.vpp:

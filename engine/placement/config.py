@@ -232,7 +232,7 @@ def resolve_placement(cfg: Any, world: Optional[int] = None) -> Placement:
                               f"resize the pool or change {key}", key=f"placement.{role}")
         layout = dataclasses.replace(base, dp=pool.size // per_copy)
         try:
-            layout.check_model(cfg.model)
+            layout.check_model(cfg.model, training=role in ("actor", "critic"))  # the others run forwards only
         except LayoutError as e:
             raise ConfigError(f"{role} on pool {name!r}: {e}", key=key) from None
         roles[role] = RolePlacement(role, pool, layout)

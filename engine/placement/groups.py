@@ -64,6 +64,26 @@ def pool_enumerations(placement: Placement) -> dict[str, list[list[int]]]:
     return enums
 
 
+#: Megatron-Core's expert-grid group kind -> :meth:`Layout.expert_groups`' kind
+_EXPERT_KINDS = {"ep": "ep", "expt_tp": "etp", "expt_dp": "edp", "tp_ep": "tp_ep", "tp_ep_pp": "tp_ep_pp"}
+
+
+def pool_expert_enumerations(placement: Placement) -> dict[str, list[list[int]]]:
+    """Megatron's expert groups of every pool's layout over the world (dense pools and generation
+    layouts: ep = 1, each rank its own EP group, expert TP = TP), and ``tp_dp_cp``: the ranks of one
+    pipeline stage (the router's load-balancing statistics)."""
+    layouts = pool_layouts(placement)
+    enums: dict[str, list[list[int]]] = {kind: [] for kind in [*_EXPERT_KINDS, "tp_dp_cp"]}
+    for pool in placement.pools:
+        layout = layouts[pool.name]
+        for kind, theirs in _EXPERT_KINDS.items():
+            enums[kind] += [[pool.start + r for r in ranks] for ranks in layout.expert_groups(theirs)]
+        block = layout.tp * layout.cp * layout.dp
+        enums["tp_dp_cp"] += [list(range(pool.start + s * block, pool.start + (s + 1) * block))
+                              for s in range(layout.pp)]
+    return enums
+
+
 def build_pool_groups(placement: Placement, backend: Optional[str] = None):
     """This rank's :class:`~hyflow.parallel.groups.ParallelGroups` on its pool (collective: every rank
     calls it). ``coords`` are the rank's coordinates inside its pool's layout; ``.pool`` is added."""
@@ -84,13 +104,13 @@ def build_pool_groups(placement: Placement, backend: Optional[str] = None):
         if kind == "pp":  # pipeline sends and receives between neighbouring stages
             eager_init(group, device)
     pgs.intra_dp_cp = pgs.dp_cp
-    # Dense models: Megatron's DDP and optimizer still ask for the expert groups (ep = 1: one rank each;
-    # the others equal the dense ones).
-    pgs.ep = group_registry.group([rank], backend=backend)
+    # The expert grid of each pool's layout (MoE layers; dense models' DDP and optimizer still ask
+    # for these groups: there ep = 1 and the others equal the dense ones).
+    for kind, ranks in pool_expert_enumerations(placement).items():
+        setattr(pgs, kind, group_registry.subgroups(ranks, backend=backend))
+    pgs.intra_expt_dp = pgs.expt_dp
     pool_group = group_registry.subgroups([list(p.ranks) for p in placement.pools], backend=backend, purpose="pool")
     eager_init(pool_group, device)
-    pgs.expt_tp, pgs.tp_ep = pgs.tp, pgs.tp
-    pgs.expt_dp, pgs.intra_expt_dp, pgs.tp_ep_pp = pgs.dp, pgs.dp, pgs.mp
     # The distributed optimizer's instance is the whole pool: its gradient norm (hence clipping)
     # is reduced over this group (Megatron's grad_stats_parallel_group), not over DP alone.
     pgs.intra_dist_opt = pool_group

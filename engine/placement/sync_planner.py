@@ -21,6 +21,13 @@ shards and names one source rank for each run:
   stage, also for the destination's last-stage copy); replicated parameters (norms) whole, from the
   source rank at tp ``t_dst mod TP_src``.
 
+Routed experts (:class:`~hyflow.hybrid.param_specs.ExpertSpec`) live on the source layout's expert
+grid (``ModelLayout.ep`` / ``etp``: expert ``e`` on the EP rank ``e // (E / EP)``, its FFN width split
+over ETP); the destination holds every expert split over its TP (EP_g = 1). A destination rank's
+columns of each expert come from the ETP shards that overlap them, on the source replica
+``j mod EDP_src`` of the expert data-parallel ranks (``linear_fc1``: its gate rows and its up rows;
+``linear_fc2``: columns).
+
 Every element of every destination shard comes from exactly one piece, so the model crosses the
 wire once per destination replica and each destination rank receives exactly its slice
 (``bytes_recv[r] == shard_bytes[r]``; no rank receives or assembles a full copy). Pieces between
@@ -35,7 +42,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from hyflow.hybrid.param_specs import ParamSpec, ReshardPlanError, megatron_local_name
+from hyflow.hybrid.param_specs import (ExpertSpec, ParamSpec, ReshardPlanError, expert_param_specs,
+                                       megatron_local_name, stage_of_layer, stage_split)
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -53,6 +61,20 @@ class ModelLayout:
     pp: int = 1
     dp: int = 1
     stage_layers: Optional[tuple[int, ...]] = None  #: decoder layers per stage; None: even
+    ep: int = 1  #: expert parallelism of a mixture-of-experts model
+    etp: Optional[int] = None  #: expert tensor parallelism (None: tp)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        return self.tp * self.dp // (self.expert_tp * self.ep)
+
+    def expert_rank(self, etp: int, ep: int, edp: int, pp: int) -> int:
+        """Global rank of expert-grid coordinates (Megatron-Core's order: etp, ep, edp, then pp)."""
+        return self.start + etp + self.expert_tp * (ep + self.ep * edp) + self.tp * self.dp * pp
 
     @property
     def size(self) -> int:
@@ -77,7 +99,8 @@ class ModelLayout:
     def of(cls, start: int, layout) -> "ModelLayout":
         """From a pool's first rank and a :class:`~hyflow.parallel.layout.Layout`."""
         split = getattr(layout, "stage_layers", None)
-        return cls(start, layout.tp, layout.pp, layout.dp, tuple(split) if split and layout.pp > 1 else None)
+        return cls(start, layout.tp, layout.pp, layout.dp, tuple(split) if split and layout.pp > 1 else None,
+                   getattr(layout, "ep", 1), getattr(layout, "etp", None))
 
 
 @dataclass(frozen=True)
@@ -217,18 +240,52 @@ def _row_bytes(spec: ParamSpec, dim: int) -> int:
     return spec.nbytes // spec.global_shape[dim]
 
 
+def _expert_pieces(x: ExpertSpec, src: ModelLayout, dst: ModelLayout, num_layers: int, num_experts: int,
+                   j: int) -> list[SyncPiece]:
+    """Destination replica ``j``'s pieces of routed-expert weight ``x`` (see the module docstring)."""
+    if num_experts % src.ep or x.ffn % src.expert_tp or x.ffn % dst.tp:
+        raise SyncPlanError(f"{x.name}: {num_experts} experts of width {x.ffn} do not split over the source "
+                            f"ep={src.ep} x etp={src.expert_tp} or the destination tp={dst.tp}")
+    if dst.ep != 1 or dst.expert_tp != dst.tp:
+        raise SyncPlanError("the weight sync's destination holds every expert (ep=1, etp=tp)")
+    per = num_experts // src.ep
+    q, qd = (stage_of_layer(x.layer, lay.pp, num_layers, lay.stage_layers) for lay in (src, dst))
+    first_src = sum(stage_split(src.pp, num_layers, src.stage_layers)[:q])
+    first_dst = sum(stage_split(dst.pp, num_layers, dst.stage_layers)[:qd])
+    local = f"mlp.experts.local_experts.{{}}.linear_{x.kind}.weight"
+    src_name = f"decoder.layers.{x.layer - first_src}." + local.format(x.expert % per)
+    dst_name = f"decoder.layers.{x.layer - first_dst}." + local.format(x.expert)
+    sw, dw = x.ffn // src.expert_tp, x.ffn // dst.tp
+    row = x.hidden * x.dtype_bytes  # bytes per FFN index (a row of fc1's halves, a column of fc2)
+    out = []
+    for t in range(dst.tp):
+        drank = dst.rank(t, qd, j)
+        for a in range(src.expert_tp):
+            lo, hi = max(t * dw, a * sw), min((t + 1) * dw, (a + 1) * sw)
+            if lo >= hi:
+                continue
+            srank = src.expert_rank(a, x.expert // per, j % src.expert_dp, q)
+            halves = ((0, 0), (sw, dw)) if x.kind == "fc1" else ((0, 0),)
+            for s0, d0 in halves:
+                out.append(SyncPiece(x.name, srank, drank, src_name, dst_name, 0 if x.kind == "fc1" else 1,
+                                     s0 + lo - a * sw, d0 + lo - t * dw, hi - lo, (hi - lo) * row))
+    return out
+
+
 def plan_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLayout, num_layers: int,
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, rank: Optional[int] = None) -> SyncPlan:
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, rank: Optional[int] = None,
+                     experts: Iterable[ExpertSpec] = (), num_experts: int = 0) -> SyncPlan:
     """Plan the copy of a model from ``src`` (every replica holds it) into every replica of ``dst``.
 
     ``specs``: the model's parameters (:func:`hyflow.hybrid.param_specs.gpt_param_specs`, global
-    layer indices, the same padded vocabulary on both sides). ``rank``: plan only what that rank
-    sends and receives (its destination replica; as a source, the replicas it serves), the same
-    pieces and buckets as the whole plan's for it: per-rank work bounded by the layout, not the
-    world (the whole plan of the 1024-rank preset is 576K pieces). Raises :class:`SyncPlanError`
-    for a layout that does not divide the model.
+    layer indices, the same padded vocabulary on both sides); ``experts``: a mixture-of-experts
+    model's routed experts (:func:`hyflow.hybrid.param_specs.expert_param_specs`, ``num_experts`` per
+    layer). ``rank``: plan only what that rank sends and receives (its destination replica; as a
+    source, the replicas it serves), the same pieces and buckets as the whole plan's for it: per-rank
+    work bounded by the layout, not the world (the whole plan of the 1024-rank preset is 576K
+    pieces). Raises :class:`SyncPlanError` for a layout that does not divide the model.
     """
-    specs = tuple(specs)
+    specs, experts = tuple(specs), tuple(experts)
     if bucket_bytes < 1:
         raise SyncPlanError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     for spec in specs:
@@ -244,18 +301,20 @@ def plan_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLay
             mine.update(range(src.coords(rank)[2], dst.dp, src.dp))  # destination j reads source j mod DP_src
         replicas = sorted(mine)
         want = lambda s, d: rank in (s, d)  # noqa: E731
-    pieces, shard_bytes = _pieces(specs, src, dst, num_layers, replicas, want)
+    pieces, shard_bytes = _pieces(specs, src, dst, num_layers, replicas, want, experts, num_experts)
     if rank is not None:
         shard_bytes = {d: n for d, n in shard_bytes.items() if d == rank}
-    return SyncPlan(src=src, dst=dst, buckets=_buckets(pieces, bucket_bytes), model_bytes=sum(sp.nbytes for sp in specs),
+    return SyncPlan(src=src, dst=dst, buckets=_buckets(pieces, bucket_bytes),
+                    model_bytes=sum(sp.nbytes for sp in specs) + sum(x.nbytes for x in experts),
                     shard_bytes=shard_bytes, bucket_bytes=bucket_bytes, rank=rank)
 
 
 def _pieces(specs: tuple[ParamSpec, ...], src: ModelLayout, dst: ModelLayout, num_layers: int,
-            replicas: Iterable[int], want=None) -> tuple[dict[tuple[int, int], list[SyncPiece]], dict[int, int]]:
+            replicas: Iterable[int], want=None, experts: tuple[ExpertSpec, ...] = (),
+            num_experts: int = 0) -> tuple[dict[tuple[int, int], list[SyncPiece]], dict[int, int]]:
     """The pieces of destination replicas ``replicas`` (in order) between rank pairs ``want(src, dst)``
-    accepts (all when None), listed in one order (replica, parameter, stage, tp, run) for every
-    caller, so a pair's pieces and buckets do not depend on what else is planned."""
+    accepts (all when None), listed in one order (replica, parameter, stage, tp, run; then the routed
+    experts) for every caller, so a pair's pieces and buckets do not depend on what else is planned."""
     pieces: dict[tuple[int, int], list[SyncPiece]] = defaultdict(list)
     shard_bytes: dict[int, int] = defaultdict(int)
     for j in replicas:
@@ -290,6 +349,11 @@ def _pieces(specs: tuple[ParamSpec, ...], src: ModelLayout, dst: ModelLayout, nu
                                     spec.name, srank, drank, src_name, dst_name, dim, m0 + lo - h0, l0 + lo - g0,
                                     hi - lo, (hi - lo) * row))
                                 shard_bytes[drank] += (hi - lo) * row
+        for x in experts:
+            for piece in _expert_pieces(x, src, dst, num_layers, num_experts, j):
+                if want is None or want(piece.src_rank, piece.dst_rank):
+                    pieces[(piece.src_rank, piece.dst_rank)].append(piece)
+                    shard_bytes[piece.dst_rank] += piece.nbytes
     return pieces, dict(shard_bytes)
 
 
@@ -341,17 +405,19 @@ class SyncSummary:
 
 
 def summarize_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLayout, num_layers: int,
-                          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncSummary:
+                          bucket_bytes: int = DEFAULT_BUCKET_BYTES, experts: Iterable[ExpertSpec] = (),
+                          num_experts: int = 0) -> SyncSummary:
     """:class:`SyncSummary` of :func:`plan_weight_sync` (pools that do not overlap), at the cost of
     planning one destination replica."""
-    specs = tuple(specs)
+    specs, experts = tuple(specs), tuple(experts)
     if set(src.ranks) & set(dst.ranks):
         raise SyncPlanError("summarize_weight_sync needs pools that do not overlap; plan the whole sync")
     for spec in specs:
         _check(spec, src, "source", num_layers)
         _check(spec, dst, "destination", num_layers)
-    pieces, shard_bytes = _pieces(specs, src, dst, num_layers, [0])
-    one = SyncPlan(src=src, dst=dst, buckets=_buckets(pieces, bucket_bytes), model_bytes=sum(sp.nbytes for sp in specs),
+    pieces, shard_bytes = _pieces(specs, src, dst, num_layers, [0], None, experts, num_experts)
+    one = SyncPlan(src=src, dst=dst, buckets=_buckets(pieces, bucket_bytes),
+                   model_bytes=sum(sp.nbytes for sp in specs) + sum(x.nbytes for x in experts),
                    shard_bytes=shard_bytes, bucket_bytes=bucket_bytes)
     served = -(-dst.dp // src.dp)  # replicas source replica 0 serves
     return SyncSummary(total_bytes=dst.dp * one.total_bytes, buckets=dst.dp * len(one.buckets), rounds=one.rounds,
@@ -361,6 +427,12 @@ def summarize_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: Mod
                        model_bytes=one.model_bytes, bucket_bytes=bucket_bytes, src=src, dst=dst)
 
 
+def model_experts(desc, dtype_bytes: int) -> dict:
+    """``plan_weight_sync``'s ``experts`` / ``num_experts`` arguments for ``desc`` (none if dense)."""
+    moe = getattr(desc, "moe", None)
+    return {"experts": expert_param_specs(desc, dtype_bytes), "num_experts": moe.num_experts if moe else 0}
+
+
 def model_specs(desc, padded_vocab: int, dtype_bytes: int, value_head: bool = False) -> list[ParamSpec]:
     """The parameters of ``desc``'s GPTModel (what the weight sync moves)."""
     from hyflow.hybrid.param_specs import gpt_param_specs
@@ -368,7 +440,7 @@ def model_specs(desc, padded_vocab: int, dtype_bytes: int, value_head: bool = Fa
     specs = gpt_param_specs(desc.num_layers, desc.hidden_size, desc.num_attention_heads, desc.num_query_groups,
                             desc.head_dim, desc.ffn_hidden_size, padded_vocab,
                             tied_embeddings=desc.tied_embeddings, qkv_bias=desc.qkv_bias, dtype_bytes=dtype_bytes,
-                            qk_layernorm=getattr(desc, "qk_layernorm", False))
+                            qk_layernorm=getattr(desc, "qk_layernorm", False), moe=getattr(desc, "moe", None))
     if value_head:
         raise SyncPlanError("the weight sync moves language models (no value head)")
     return specs
@@ -393,13 +465,14 @@ def plan_actor_sync(placement, desc, dtype_bytes: int, *, fused_norms: bool = Fa
     training pool -> the generation pool, vocabulary padded for the actor's tp on both sides;
     ``rank``: that rank's part only (what a job's rank plans)."""
     return plan_weight_sync(*_actor_sync(placement, desc, dtype_bytes, fused_norms), bucket_bytes=bucket_bytes,
-                            rank=rank)
+                            rank=rank, **model_experts(desc, dtype_bytes))
 
 
 def summarize_actor_sync(placement, desc, dtype_bytes: int, *, fused_norms: bool = False,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncSummary:
     """:func:`summarize_weight_sync` of :func:`plan_actor_sync`."""
-    return summarize_weight_sync(*_actor_sync(placement, desc, dtype_bytes, fused_norms), bucket_bytes=bucket_bytes)
+    return summarize_weight_sync(*_actor_sync(placement, desc, dtype_bytes, fused_norms), bucket_bytes=bucket_bytes,
+                                 **model_experts(desc, dtype_bytes))
 
 
 def _actor_sync(placement, desc, dtype_bytes: int, fused_norms: bool):

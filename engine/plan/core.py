@@ -82,6 +82,7 @@ class PlanResult:
     placement: str = ""
     weight_sync: Any = None  # hyflow.placement.sync_planner.SyncSummary (placement pools)
     throughput: Optional[dict] = None  # hyflow.plan.throughput.project
+    experts: Optional[dict[str, Any]] = None  # a mixture-of-experts actor: expert grid, all-to-all, exchange
 
     @property
     def peak(self) -> Optional[mem.MemoryEstimate]:
@@ -309,6 +310,8 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     if opts.device == "gpu" and max(plan.scratch_bytes):
         est.add("reshard all-gather staging", max(plan.scratch_bytes), "bucketed TP-merge all-gather (transition only)")
     est.add("actor grads+optimizer", actor_state, "resident during generation (minus rollout.offload_*)")
+    if model.moe is not None:
+        _plan_experts(cfg, model, layout, plan, pbytes, est, result)
     if cfg.actor.lora is not None and (gen.tp, gen.pp) != (layout.tp, layout.pp):
         for phase in result.phases:  # the base stays in the generation buffer between transitions
             phase.add("generation weights (LoRA)", max(plan.gen_bytes), "the base in the generation layout, kept")
@@ -380,6 +383,39 @@ def _vllm_memory(cfg: Any, model: ModelDescription, est: mem.MemoryEstimate, res
             phase.add("vLLM (resident)", resident, note)
 
 
+def _plan_experts(cfg: Any, model: ModelDescription, layout: Layout, plan: ReshardPlan, pbytes: int,
+                  est: mem.MemoryEstimate, result: PlanResult) -> None:
+    """A mixture-of-experts actor: generation memory of its experts (every expert on every
+    replica, the training experts kept aside, one layer's exchange staging), the expert exchange's
+    bytes per transition and the expert all-to-all traffic per step."""
+    from hyflow.hybrid.expert_exchange import plan_expert_exchange, same_expert_grid
+    from hyflow.plan.experts import rl_step_alltoall
+
+    gen = cfg.rollout.layout
+    info: dict[str, Any] = {"ep": layout.ep, "etp": layout.expert_tp, "edp": layout.expert_dp,
+                            "experts_per_rank": model.moe.num_experts // layout.ep,
+                            "alltoall_bytes_per_step": rl_step_alltoall(cfg, model, layout)}
+    if same_expert_grid(layout, gen.tp, gen.pp):  # the generation model shares the training experts
+        info["exchange"] = None
+    else:
+        x = plan_expert_exchange(model, layout, plan, pbytes)
+        ranks = sorted({0, x.world_size // 2, x.world_size - 1} | {g[0] for g in x.groups[:1]})
+        gen_bytes = max(x.gen_bytes(r) for r in ranks)
+        kept = max(x.train_bytes(r) for r in ranks)
+        staging = max(x.staging_bytes(r) for r in ranks)
+        recv = max(x.recv_bytes(r) for r in ranks)
+        est.add("generation experts", gen_bytes,
+                f"all {model.moe.num_experts} experts of the stage's layers at 1/TP_g={gen.tp} (EP_g=1)")
+        est.add("actor experts (training copy)", kept,
+                f"{model.moe.num_experts // layout.ep} experts x 1/ETP={layout.expert_tp}, kept while generating")
+        if staging:
+            est.add("expert exchange staging", staging, "one generation layer's all-to-all buffers (transition only)")
+        info["exchange"] = {"recv_bytes_max": recv, "gen_bytes_max": gen_bytes, "train_bytes_max": kept,
+                            "staging_bytes_max": staging, "group_size": len(x.groups[0]),
+                            "collectives": x.slots}
+    result.experts = info
+
+
 def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) -> PlanResult:
     """Plan a job; every problem found ends up in ``result.errors`` (nothing is raised for a
     bad config)."""
@@ -449,7 +485,8 @@ def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) ->
             if not 0 <= rank < world:
                 result.errors.append(f"--megatron-rank {rank} is outside 0..{world - 1}")
                 continue
-            check = verify_rank(actor.layout, rank, result.reshard, train_enums, gen_enums)
+            check = verify_rank(actor.layout, rank, result.reshard, train_enums, gen_enums,
+                                experts=getattr(actor.model, "moe", None) is not None)
             result.checks.append(check)
             result.errors.extend(check.mismatches)
         result.timings["megatron_groups_s"] = time.perf_counter() - t1

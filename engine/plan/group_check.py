@@ -158,8 +158,19 @@ def _megatron_groups() -> dict[str, list[int]]:
     return out
 
 
+def _megatron_expert_groups() -> dict[str, list[int]]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    getters = {"ep": ps.get_expert_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group,
+               "edp": ps.get_expert_data_parallel_group, "tp_ep": ps.get_expert_tensor_and_model_parallel_group,
+               "tp_ep_pp": ps.get_expert_tensor_model_pipeline_parallel_group}
+    return {kind: sorted(dist.get_process_group_ranks(get())) for kind, get in getters.items()}
+
+
 def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
-                train_enums: Optional[dict] = None, gen_enums: Optional[dict] = None) -> RankCheck:
+                train_enums: Optional[dict] = None, gen_enums: Optional[dict] = None,
+                experts: bool = False) -> RankCheck:
     """Create, in a fake world, every group ``rank`` would create and compare.
 
     Training: Megatron's ``initialize_model_parallel`` through hyflow's group registry
@@ -167,6 +178,8 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
     :func:`hyflow.parallel.groups.init_training_groups` runs).
     Generation (when ``plan`` is given): :func:`hyflow.hybrid.generation_groups.build_generation_groups`
     and the data plane's micro-DP groups, as the hybrid engine and the dispatcher create them.
+    ``experts``: a mixture-of-experts model (its expert groups are compared with
+    :meth:`Layout.expert_groups`, and the generation groups include the MoE ones).
     """
     import torch.distributed as dist
 
@@ -179,6 +192,11 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
         initialize_megatron_groups(layout)  # exactly as init_training_groups does
         check.training_calls, check.training_groups = counted.calls, _member_groups() - before
         check.megatron = _megatron_groups()
+        if experts:
+            expert = _megatron_expert_groups()
+            for kind, ranks in expert.items():
+                check.megatron["expert_" + kind] = ranks
+                train_enums = dict(train_enums, **{"expert_" + kind: layout.expert_groups(kind)})
         for kind, ranks in check.megatron.items():
             mine = [g for g in train_enums[kind] if rank in g]
             if mine != [ranks]:
@@ -186,7 +204,7 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
                     f"rank {rank}: Megatron's {kind} group {ranks} != layout's {mine}")
         if plan is not None:
             before = _member_groups()
-            created = build_generation_groups(plan, rank, gen_enums)  # exactly as the engine does
+            created = build_generation_groups(plan, rank, gen_enums, experts=experts)  # exactly as the engine does
             micro_dp = build_micro_dp_group(plan, layout.cp)  # as the dispatcher does
             check.generation_calls = counted.calls - check.training_calls
             check.generation_groups = _member_groups() - before

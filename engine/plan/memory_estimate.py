@@ -21,6 +21,11 @@ What is counted, per rank, for the worst pipeline stage:
   buffer, the hybrid engine's generation buffer while its views are set up, a random initial
   state); the peak is the worst step.
 
+Mixture-of-experts layers (``desc.moe``) count their router, shared expert and this rank's share
+of the routed experts (``E / EP`` experts at ``1 / ETP``) as parameters, shard the experts'
+optimizer state over the expert data-parallel ranks, and replace the SwiGLU activations by the
+MoE MLP's (:mod:`hyflow.plan.experts`).
+
 Not counted: the CUDA context, NCCL buffers and allocator fragmentation (the planner adds a
 configurable reserve for them), Python objects, and host-side (CPU) copies made while
 loading a checkpoint.
@@ -33,6 +38,7 @@ from typing import Any, Literal, Optional, Sequence
 
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.layout import Layout, pad_vocab_size
+from hyflow.plan import experts
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 Attention = Literal["local", "sdpa", "te"]
@@ -73,14 +79,24 @@ def padded_vocab(desc: ModelDescription, tp: int) -> int:
     return pad_vocab_size(desc.vocab_size, tp)
 
 
-def layer_params(desc: ModelDescription, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank."""
+def layer_params(desc: ModelDescription, tp: int, layout: Optional[Layout] = None) -> int:
+    """Parameters of one transformer layer on one TP rank (of ``layout``, whose expert grid splits a
+    mixture-of-experts layer's routed experts; default EP = 1, ETP = ``tp``)."""
     h, d, f = desc.hidden_size, desc.head_dim, desc.ffn_hidden_size
     qkv_rows = (desc.num_attention_heads + 2 * desc.num_query_groups) * d
-    sharded = qkv_rows * h + h * desc.num_attention_heads * d + 3 * f * h
+    mlp = 0 if experts.is_moe(desc) else 3 * f * h
+    sharded = qkv_rows * h + h * desc.num_attention_heads * d + mlp
     if desc.qkv_bias:
         sharded += qkv_rows
-    return sharded // tp + 2 * h
+    out = sharded // tp + 2 * h + (2 * d if getattr(desc, "qk_layernorm", False) else 0)
+    if experts.is_moe(desc):
+        out += experts.dense_mlp_params(desc, tp) + stage_expert_params(desc, layout or Layout(tp=tp), 1)
+    return out
+
+
+def stage_expert_params(desc: ModelDescription, layout: Layout, layers: int) -> int:
+    """Routed-expert parameters of ``layers`` MoE layers on one rank of ``layout`` (0 if dense)."""
+    return experts.expert_params(desc, layout) * layers if experts.is_moe(desc) else 0
 
 
 def stage_params(desc: ModelDescription, layout: Layout, value_head: bool = False) -> list[int]:
@@ -92,7 +108,7 @@ def stage_params(desc: ModelDescription, layout: Layout, value_head: bool = Fals
     split = layout.layers_per_stage(desc.num_layers)
     out = []
     for q in range(pp):
-        n = split[q] * layer_params(desc, tp)
+        n = split[q] * layer_params(desc, tp, layout)
         if q == 0:
             n += emb
         if q == pp - 1:
@@ -149,12 +165,13 @@ def layer_activation_bytes(desc: ModelDescription, layout: Layout, seq: int, mbs
     residual = 2 * sb * h * p / ts
     if attention == "te":
         norms = 2 * (sb * h * p + 4 * sb) / ts
-        return norms + residual + sb * (2 * a + 2 * g) * d * p + lse + 3 * sb * f * p / t
+        te_mlp = experts.mlp_activation_bytes(desc, layout, sb, p) if experts.is_moe(desc) else 3 * sb * f * p / t
+        return norms + residual + sb * (2 * a + 2 * g) * d * p + lse + te_mlp
     upcast = 4 if p < 4 else 0
     norms = 2 * (sb * h * (4 + p + upcast) + 4 * sb) / ts
     if upcast:
         residual = 0.0  # the norms keep fp32 copies (counted above), not the residual stream
-    mlp = 5 * sb * f * p / t
+    mlp = experts.mlp_activation_bytes(desc, layout, sb, p) if experts.is_moe(desc) else 5 * sb * f * p / t
     if recompute == "selective":
         attn = sb * (3 * a + 3 * g) * d * p
     elif attention == "sdpa":
@@ -224,6 +241,8 @@ def forward_layer_bytes(desc: ModelDescription, layout: Layout, seq: int, mbs: i
         attn, mlp = sb * (6 * a + 3 * g) * d * p, 5 * sb * f * p / t
         if attention == "local":
             attn += b * a * s * s * (4 + (p if p < 4 else 0))
+    if experts.is_moe(desc):
+        mlp = experts.mlp_activation_bytes(desc, layout, sb, p, forward_only=True)
     return 2 * sb * h * p / ts + norm + max(attn, mlp)
 
 
@@ -271,8 +290,11 @@ def training_estimates(desc: ModelDescription, layout: Layout, *, dtype: str, se
         est.add("grads", n * 4, "fp32 DDP gradient buffer")
         shard = layout.dp * layout.cp if distributed_optimizer else 1
         obytes = optimizer_bytes_per_param(dtype)
-        est.add("optimizer", n * obytes / shard,
-                f"Adam {obytes} B/param" + (f" / {shard} (distributed)" if shard > 1 else ""))
+        routed = stage_expert_params(desc, layout, split[q])  # their state shards over expert DP
+        eshard = experts.expert_shard(layout, distributed_optimizer) if routed else 1
+        est.add("optimizer", (n - routed) * obytes / shard + routed * obytes / eshard,
+                f"Adam {obytes} B/param" + (f" / {shard} (distributed)" if shard > 1 else "")
+                + (f", routed experts / {eshard}" if routed else ""))
         chunks = microbatches_in_flight(layout, q, n_micro)
         per_chunk_layers = split[q] // vpp
         act = chunks * per_chunk_layers * layer_bytes + chunks * per_token_h  # + stage input

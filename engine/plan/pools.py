@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hyflow.parallel.layout import Layout
-from hyflow.placement.sync_planner import ModelLayout, model_specs, summarize_weight_sync
+from hyflow.placement.sync_planner import ModelLayout, model_experts, model_specs, summarize_weight_sync
 from hyflow.plan import memory_estimate as mem
 from hyflow.plan.group_check import layout_enumerations, summarize
 
@@ -29,7 +29,7 @@ def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, mod
             continue
         rp = roles[name]
         head = name in ("critic", "reward")
-        rp.layout.check_model(model)
+        rp.layout.check_model(model, training=name in ("actor", "critic"))
         result.roles.append(RolePlan(name, rp.layout, model, dtype, name in ("actor", "critic"),
                                      mem.stage_params(model, rp.layout, head), summarize(layout_enumerations(rp.layout)),
                                      note=f"pool {rp.pool.name}: ranks {rp.pool.start}-{rp.pool.stop - 1}"))
@@ -39,7 +39,8 @@ def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, mod
     gen = roles["rollout"]
     sync = summarize_weight_sync(model_specs(model, padded, pbytes), ModelLayout.of(roles["actor"].pool.start,
                                                                                    actor_layout),
-                                 ModelLayout.of(gen.pool.start, gen.layout), model.num_layers)
+                                 ModelLayout.of(gen.pool.start, gen.layout), model.num_layers,
+                                 **model_experts(model, pbytes))
     result.weight_sync = sync
     prompts, n = cfg.data.train_batch_size, cfg.rollout.n
 

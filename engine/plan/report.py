@@ -47,6 +47,7 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         "buckets": sync.buckets, "rounds": sync.rounds, "bucket_bytes": sync.bucket_bytes,
         "model_bytes": sync.model_bytes}
     out["throughput"] = result.throughput
+    out["experts"] = result.experts
     peak = result.peak
     out["memory"] = {
         "gpu_bytes": result.gpu_memory_bytes, "reserve_bytes": result.reserve_bytes,
@@ -122,6 +123,8 @@ def format_table(result: PlanResult) -> str:
                   f"{format_bytes(max(plan.bytes_sent))}, extra memory max "
                   f"{format_bytes(plan.peak_extra_bytes)}; all ranks move "
                   f"{format_bytes(plan.total_bytes_moved)} of a {format_bytes(plan.model_bytes)} model"]
+    if result.experts:
+        lines += _format_experts(result.experts)
     if result.checks:
         lines += ["", "Groups really created for sample ranks (fake process-group backend)"]
         for c in result.checks:
@@ -160,6 +163,24 @@ def format_table(result: PlanResult) -> str:
     if result.timings:
         lines.append("planned in " + ", ".join(f"{k} {v:.2f}" for k, v in result.timings.items()))
     return "\n".join(lines)
+
+
+def _format_experts(x: dict) -> list[str]:
+    lines = ["", f"Experts: EP={x['ep']} x ETP={x['etp']} (expert DP {x['edp']}), {x['experts_per_rank']} experts "
+                 "per rank and layer"]
+    a2a = x["alltoall_bytes_per_step"]
+    if a2a:
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in a2a.items() if k != "total")
+        lines.append(f"  expert all-to-all per step (busiest rank, sent = received): {format_bytes(a2a['total'])}"
+                     f" ({parts})")
+    ex = x["exchange"]
+    if ex is None:
+        lines.append("  generation shares the training experts (same expert grid): no expert exchange")
+    else:
+        lines.append(f"  expert exchange per transition: received max {format_bytes(ex['recv_bytes_max'])} over "
+                     f"groups of {ex['group_size']} ranks in {ex['collectives']} all-to-all(s); generation experts "
+                     f"{format_bytes(ex['gen_bytes_max'])} per rank, staging {format_bytes(ex['staging_bytes_max'])}")
+    return lines
 
 
 def _short(group: list, limit: int = 8) -> str:

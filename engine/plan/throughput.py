@@ -41,7 +41,7 @@ from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
 from hyflow.hybrid.reshard_plan import plan_reshard
 from hyflow.parallel.layout import Layout
 from hyflow.placement.config import resolve_placement
-from hyflow.placement.sync_planner import ModelLayout, model_specs, summarize_weight_sync
+from hyflow.placement.sync_planner import ModelLayout, model_experts, model_specs, summarize_weight_sync
 from hyflow.plan import memory_estimate as mem
 from hyflow.plan.flops import forward_flops, step_flops
 from hyflow.plan.stages import bubble_step_factor, job_head_layers
@@ -148,10 +148,13 @@ def dp_gradient_seconds(cfg: Any, model: Any, layout: Any, gpus_per_node: int, h
 
 
 def project(cfg: Any, model: Any, world: int, reshard: Any, sync_plan: Any, off_placement: Any,
-            hw: Hardware = Hardware(), layout: Any = None, gpus_per_node: int = 8) -> dict:
+            hw: Hardware = Hardware(), layout: Any = None, gpus_per_node: int = 8,
+            expert_exchange_bytes: int = 0) -> dict:
     """Seconds and steps/s of both modes; ``reshard`` the colocated reshard plan (None: not
     planned), ``layout`` the actor's colocated training layout, ``off_placement`` the one_step_off
-    placement (or a string: why there is none), ``sync_plan`` its weight-sync plan (or summary)."""
+    placement (or a string: why there is none), ``sync_plan`` its weight-sync plan (or summary),
+    ``expert_exchange_bytes`` what the slowest rank receives of a mixture-of-experts actor's expert
+    exchange per transition (charged at the network's speed: expert groups at scale span nodes)."""
     out: dict[str, Any] = {"assumptions": dict(asdict(hw), gpus_per_node=gpus_per_node),
                            "responses_at_max_new_tokens": True}
     gen = cfg.rollout.layout
@@ -159,6 +162,7 @@ def project(cfg: Any, model: Any, world: int, reshard: Any, sync_plan: Any, off_
     t_train = training_seconds(cfg, model, world, hw, layout)
     t_dp = dp_gradient_seconds(cfg, model, layout, gpus_per_node, hw) if layout is not None else 0.0
     t_reshard = reshard_seconds(reshard, gpus_per_node, hw) if reshard is not None else 0.0
+    t_reshard += expert_exchange_bytes / hw.network_bytes_per_s
     total = t_gen + t_reshard + t_train + t_dp
     bubbles = pipeline_factors(cfg, model, layout) if layout is not None else (1.0, 1.0)
     out["sync"] = {"ranks": world, "generation_s": t_gen, "reshard_s": t_reshard, "training_s": t_train,
@@ -256,7 +260,10 @@ def project_plan(cfg: Any, model: Any, world: int, device: str, result: Any, pla
         actor, gen = off.roles["actor"], off.roles["rollout"]
         sync = summarize_weight_sync(model_specs(model, mem.padded_vocab(model, actor.layout.tp), pbytes),
                                      ModelLayout.of(actor.pool.start, actor.layout),
-                                     ModelLayout.of(gen.pool.start, gen.layout), model.num_layers)
+                                     ModelLayout.of(gen.pool.start, gen.layout), model.num_layers,
+                                     **model_experts(model, pbytes))
     cluster = getattr(cfg, "cluster", None)
+    exchange = (getattr(result, "experts", None) or {}).get("exchange") or {}
     result.throughput = project(cfg, model, world, reshard, sync, off, layout=colocated,
-                                gpus_per_node=cluster.gpus_per_node if cluster else 8)
+                                gpus_per_node=cluster.gpus_per_node if cluster else 8,
+                                expert_exchange_bytes=exchange.get("recv_bytes_max", 0) if reshard else 0)

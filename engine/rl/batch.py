@@ -51,6 +51,8 @@ class RolloutBatch:
         group_ids: [B] global index of the prompt each row answers (GRPO / RLOO groups).
         sample_ids: [B] index of the row among its prompt's samples.
         truncated: [B] bool, the response hit the length limit.
+        routing: mixture-of-experts rollouts that recorded it: [B, S, layers, top_k] (uint8 / int32), each
+            token's experts (id + 1, 0 = none; :mod:`hyflow.models.routing_replay`), else None.
     """
     tokens: torch.Tensor
     response_mask: torch.Tensor
@@ -61,6 +63,7 @@ class RolloutBatch:
     group_ids: torch.Tensor
     sample_ids: torch.Tensor
     truncated: torch.Tensor
+    routing: Optional[torch.Tensor] = None
 
     @property
     def size(self) -> int:
@@ -84,11 +87,13 @@ class RolloutBatch:
 def build_rollout_batch(flat_tokens: torch.Tensor, flat_logprobs: torch.Tensor, prompt_lengths: torch.Tensor,
                         response_lengths: torch.Tensor, group_ids: torch.Tensor, sample_ids: torch.Tensor,
                         truncated: torch.Tensor, pad_id: int = 0,
-                        flat_mask: Optional[torch.Tensor] = None) -> RolloutBatch:
+                        flat_mask: Optional[torch.Tensor] = None,
+                        flat_routing: Optional[torch.Tensor] = None) -> RolloutBatch:
     """A padded batch from samples stored back to back: ``flat_tokens`` holds each row's prompt and
     response, ``flat_logprobs`` each row's response log-probs (the data plane's wire format).
     ``flat_mask`` (as ``flat_logprobs``): 0 on response tokens the sampler did not produce (a
     multi-turn trajectory's observations): they stay in the row, out of ``response_mask``.
+    ``flat_routing`` (optional): each token's recorded experts, laid out like ``flat_tokens``.
     Built where the inputs are, without a host round trip."""
     device = flat_tokens.device
     lengths = prompt_lengths + response_lengths
@@ -110,7 +115,9 @@ def build_rollout_batch(flat_tokens: torch.Tensor, flat_logprobs: torch.Tensor, 
         tokens=tokens.long(), response_mask=response.float(),
         rollout_logprobs=torch.where(response, logprobs.float(), 0.0),
         lengths=lengths, prompt_lengths=prompt_lengths, response_lengths=response_lengths,
-        group_ids=group_ids, sample_ids=sample_ids, truncated=truncated)
+        group_ids=group_ids, sample_ids=sample_ids, truncated=truncated,
+        routing=torch.where(valid[..., None, None], flat_routing[index], 0)
+        if flat_routing is not None and flat_routing.numel() else None)
 
 
 # --------------------------------------------------------------------------- planning

@@ -121,7 +121,9 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
                           in_place=not cfg.rollout.force_staleness)
     sample_vocab = min(desc.vocab_size, tokenizer.vocab_size)
     eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
-    generation = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
+    record = cfg.rollout.routing_replay or cfg.rollout.record_routing  # R3 replays what the rollout recorded
+    generation = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0,
+                                                record_routing=record)
     if cfg.rollout.multi_turn.enable:  # a multi-turn context outgrows the prompt limit; its budget bounds it
         generation = dataclasses.replace(generation, max_prompt_length=None)
     if cfg.rollout.backend == "vllm":  # vLLM in these ranks, fed the hybrid engine's generation shards

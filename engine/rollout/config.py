@@ -139,6 +139,9 @@ class GenerationConfig(EngineSettings):
     layer_impl: Literal["auto", "lean", "megatron"] = field(default="auto", metadata={
         "help": "transformer layers: megatron (Megatron's TransformerBlock), lean (the same modules' "
                 "weights without Megatron's per-layer Python; standard Llama blocks only), auto"})
+    record_routing: bool = field(default=False, metadata={
+        "help": "mixture-of-experts models: record each fed token's experts per layer (SampleOutput.routing, "
+                "for routing replay)"})
     cpu_weight_packing: bool = field(default=True, metadata={
         "help": "CPU + fp32 only: run decode GEMMs through oneDNN on weights packed at the start of "
                 "each generate call (one extra copy of the linear weights while generating)"})

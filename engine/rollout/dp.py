@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hyflow.models.routing_replay import routing_dtype
 from hyflow.rollout.config import SamplingConfig
 from hyflow.rollout.request import RolloutResult, RolloutStats, SampleOutput, as_requests
 
@@ -61,6 +62,9 @@ class SampleTensors:
             observations, :mod:`hyflow.agent`), which are context only.
         stats: None, or [N, k] float64 per-sample counters gathered with the samples (a
             multi-turn trajectory's turns, tool calls, end reason, ...: :mod:`hyflow.agent.trajectory`).
+        routing: mixture-of-experts models that recorded it: [sum(prompt + response lengths), layers,
+            top_k] (uint8 / int32), each token's experts (id + 1; 0 for the last token, which was never fed;
+            :mod:`hyflow.models.routing_replay`), aligned with ``tokens``; else None.
     """
 
     meta: torch.Tensor
@@ -68,6 +72,7 @@ class SampleTensors:
     logprobs: torch.Tensor
     mask: Optional[torch.Tensor] = None
     stats: Optional[torch.Tensor] = None
+    routing: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.meta.shape[0]
@@ -86,7 +91,8 @@ class SampleTensors:
             logprobs.extend(s.logprobs if len(s.logprobs) == len(s.token_ids) else [0.0] * len(s.token_ids))
         return cls(meta=torch.tensor(meta, dtype=torch.long, device=device).view(-1, len(META)),
                    tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-                   logprobs=torch.tensor(logprobs, dtype=torch.float32, device=device))
+                   logprobs=torch.tensor(logprobs, dtype=torch.float32, device=device),
+                   routing=_routing_column(samples, device))
 
     def sorted(self) -> "SampleTensors":
         """The samples in (request, sample) order."""
@@ -101,9 +107,10 @@ class SampleTensors:
         lengths = self.column("prompt_len") + self.column("response_len")
         tok = _gather_runs(self.tokens, lengths, order)
         lp = _gather_runs(self.logprobs, self.column("response_len"), order)
+        routing = _gather_runs(self.routing, lengths, order) if self.routing is not None else None
         mask = None if self.mask is None else _gather_runs(self.mask, self.column("response_len"), order)
         return SampleTensors(meta=self.meta[order], tokens=tok, logprobs=lp, mask=mask,
-                             stats=None if self.stats is None else self.stats[order])
+                             stats=None if self.stats is None else self.stats[order], routing=routing)
 
     @classmethod
     def concat(cls, parts: Sequence["SampleTensors"]) -> "SampleTensors":
@@ -113,11 +120,11 @@ class SampleTensors:
             return None if any(v is None for v in values) else torch.cat(values)
 
         return cls(meta=cat("meta"), tokens=cat("tokens"), logprobs=cat("logprobs"), mask=cat("mask"),
-                   stats=cat("stats"))
+                   stats=cat("stats"), routing=cat("routing"))
 
     def replace_logprobs(self, logprobs: torch.Tensor) -> "SampleTensors":
         """The same samples with other response log-probs (flat, as ``logprobs``)."""
-        return SampleTensors(self.meta, self.tokens, logprobs, self.mask, self.stats)
+        return SampleTensors(self.meta, self.tokens, logprobs, self.mask, self.stats, self.routing)
 
     def to_outputs(self) -> list[SampleOutput]:
         """Host ``SampleOutput`` objects (for ``hyflow generate`` and tests)."""
@@ -129,7 +136,28 @@ class SampleTensors:
             t, l_ = t + plen + rlen, l_ + rlen
             out.append(SampleOutput(request_index=req, sample_index=smp, prompt_ids=prompt, token_ids=resp,
                                     logprobs=lps, finish_reason=_FINISH_NAME[fin], prompt_truncated=trunc))
+        if self.routing is not None:
+            starts = (torch.cumsum(self.column("prompt_len") + self.column("response_len"), 0)).tolist()
+            for o, end in zip(out, starts):
+                o.routing = self.routing[end - len(o.prompt_ids) - len(o.token_ids):end]
         return out
+
+
+def _routing_column(samples: Sequence[SampleOutput], device: torch.device) -> Optional[torch.Tensor]:
+    """The samples' recorded experts back to back, each padded with zeros (no record) to its
+    ``prompt + response`` length; None when no sample has any."""
+    recorded = [s.routing for s in samples if s.routing is not None]
+    if not recorded:
+        return None
+    layers, k = recorded[0].shape[1:]
+    parts = []
+    for s in samples:
+        n = len(s.prompt_ids) + len(s.token_ids)
+        part = torch.zeros((n, layers, k), dtype=recorded[0].dtype, device=device)
+        if s.routing is not None:
+            part[:min(n, s.routing.shape[0])] = s.routing[:n].to(device)
+        parts.append(part)
+    return torch.cat(parts)
 
 
 def _gather_runs(flat: torch.Tensor, lengths: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -168,9 +196,13 @@ def all_gather_samples(local: SampleTensors, group) -> SampleTensors:
     meta = torch.cat(_all_gather_padded(local.meta, n, group))
     tokens = torch.cat(_all_gather_padded(local.tokens, t, group))
     logprobs = torch.cat(_all_gather_padded(local.logprobs, r, group))
+    routing = None
+    if local.routing is not None:  # every replica of a routing-recording engine records
+        routing = torch.cat(_all_gather_padded(local.routing, t, group))
     mask = None if local.mask is None else torch.cat(_all_gather_padded(local.mask, r, group))
     stats = None if local.stats is None else torch.cat(_all_gather_padded(local.stats, n, group))
-    return SampleTensors(meta=meta, tokens=tokens, logprobs=logprobs, mask=mask, stats=stats)
+    return SampleTensors(meta=meta, tokens=tokens, logprobs=logprobs, mask=mask, stats=stats,
+                         routing=routing)
 
 
 def stats_tensor(stats: RolloutStats, device: torch.device) -> torch.Tensor:
@@ -216,6 +248,10 @@ def generate_data_parallel(engine, requests: Sequence, dp_group=None, sampling: 
     result = engine.generate(reqs[start:stop], sampling, request_offset=request_offset + start) \
         if stop > start else RolloutResult(samples=[], stats=RolloutStats())
     local = SampleTensors.from_samples(result.samples, device)
+    if engine.config.record_routing and local.routing is None:  # an idle replica joins the exchange too
+        cfg = engine.runner.model.config
+        local.routing = torch.zeros((local.tokens.numel(), cfg.num_layers, cfg.moe_router_topk),
+                                    dtype=routing_dtype(cfg.num_moe_experts), device=device)
     gathered = all_gather_samples(local, dp_group).sorted()
     counters = stats_tensor(result.stats, device)
     if size > 1:

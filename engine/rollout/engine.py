@@ -17,13 +17,16 @@ prompt + response) and frees it on return, so the memory goes back to training.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Callable, Optional, Sequence as Seq
 
 import torch
+import torch.distributed as dist
 
 from hyflow.config import ConfigError
+from hyflow.models.routing_replay import recording
 from hyflow.monitor import comm
 from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.request import GenerationRequest, RolloutResult, RolloutStats, SampleOutput, as_requests
@@ -32,6 +35,30 @@ from hyflow.rollout.sampler import PipelineSampler, VocabParallelSampler, stream
 from hyflow.rollout.scheduler import Scheduler, Sequence, capacity_needed, stop_ids
 
 LOG = logging.getLogger("hyflow.rollout")
+
+
+def gather_stage_routing(outputs: Seq[SampleOutput], pp_group) -> None:
+    """With pipeline stages each stage recorded its own layers' experts: give every stage every
+    layer's (``out.routing`` ``[tokens, all layers, k]``, stages in order). All stages fed the same
+    tokens (their schedulers run in lockstep), so one all-gather of the concatenated records, padded
+    to the stage with the most layers, does it."""
+    local = torch.cat([o.routing for o in outputs]) if outputs else None
+    if local is None:
+        return
+    counts = torch.tensor([local.shape[1]], dtype=torch.long, device=local.device)
+    every = [torch.empty_like(counts) for _ in range(pp_group.size())]
+    dist.all_gather(every, counts, group=pp_group)
+    layers = [int(c) for c in every]
+    padded = local.new_zeros((local.shape[0], max(layers), local.shape[2]))
+    padded[:, :local.shape[1]] = local
+    parts = [torch.empty_like(padded) for _ in layers]
+    dist.all_gather(parts, padded, group=pp_group)
+    full = torch.cat([part[:, :n] for part, n in zip(parts, layers)], dim=1)
+    start = 0
+    for o in outputs:
+        n = o.routing.shape[0]
+        o.routing = full[start:start + n]
+        start += n
 
 
 class PromptTooLongError(ValueError):
@@ -120,10 +147,17 @@ class GenerationEngine:
                              prompt_tokens=sum(len(s.prompt) for s in seqs))
         if seqs:
             cache = self.runner.new_cache(min(self.config.max_concurrent, len(seqs)), capacity_needed(seqs))
-            scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats, on_finish=on_finish)
+            record = recording(self.runner.model) if self.config.record_routing else contextlib.nullcontext()
             # the decode loop's TP all-reduces (two per layer per token) are counted, not CUDA-timed
-            with torch.inference_mode(), self.runner.attach(cache, self.config.cpu_weight_packing), comm.untimed():
+            with torch.inference_mode(), self.runner.attach(cache, self.config.cpu_weight_packing), \
+                    comm.untimed(), record as hooks:
+                scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats, routing_hooks=hooks,
+                                      on_finish=on_finish)
                 scheduler.run(seqs)
+            for s in seqs:
+                s.finish_routing()
+            if self.config.record_routing and self.runner.pp_size > 1:
+                gather_stage_routing([s.out for s in seqs], self.runner.pp_group)
             del cache, scheduler
         stats.generated_tokens = sum(len(s.out.token_ids) for s in seqs)
         stats.seconds = time.perf_counter() - start

@@ -42,6 +42,9 @@ class SampleOutput:
         finish_reason: ``stop`` (EOS / stop id) or ``length`` (max_new_tokens or context limit).
         stop_token: the id that stopped generation, if any.
         prompt_truncated: tokens dropped from the front of the prompt.
+        routing: mixture-of-experts models with ``record_routing``: the experts every fed token went
+            to, ``[fed tokens, layers, top_k]`` expert id + 1 (the prompt, then each sampled
+            token but the last; :mod:`hyflow.models.routing_replay`), else None.
     """
 
     request_index: int
@@ -52,6 +55,7 @@ class SampleOutput:
     finish_reason: Optional[FinishReason] = None
     stop_token: Optional[int] = None
     prompt_truncated: int = 0
+    routing: Optional[torch.Tensor] = None
 
     @property
     def response_length(self) -> int:

@@ -38,6 +38,7 @@ from typing import Callable, Optional
 
 import torch
 
+from hyflow.models.routing_replay import take_recorded
 from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.host import to_device
 from hyflow.rollout.kv_cache import KVCache
@@ -58,6 +59,13 @@ class Sequence:
     slot: int = -1
     length: int = 0  # tokens whose keys / values are in the cache
     last: int = -1  # last sampled token (fed at the next decode step)
+    routing: list = field(default_factory=list)  # recorded experts, [layers, tokens, k] per forward
+
+    def finish_routing(self) -> None:
+        """The recorded experts as ``out.routing`` ``[fed tokens, layers, k]``."""
+        if self.routing:
+            self.out.routing = torch.cat(self.routing, dim=1).transpose(0, 1).contiguous()
+            self.routing = []
 
     @property
     def group(self) -> int:
@@ -75,6 +83,7 @@ class _Prefix:
     slot: int  # slot holding the prompt's keys / values (-1: none alive)
     logits: torch.Tensor  # local logits of the prompt's last token
     waiting: int  # siblings not yet admitted
+    routing: list = field(default_factory=list)  # the prompt's recorded experts (routing replay)
 
 
 @dataclass
@@ -86,6 +95,7 @@ class Scheduler:
     cache: KVCache
     config: GenerationConfig
     stats: RolloutStats = field(default_factory=RolloutStats)
+    routing_hooks: Optional[list] = None  # recording routers (hyflow.models.routing_replay)
     on_finish: Optional[Callable[[SampleOutput], None]] = None  # called with each completed sample
 
     def __post_init__(self) -> None:
@@ -161,6 +171,7 @@ class Scheduler:
             prefix = self._prefixes.get(seq.group) if share else None
             if prefix is not None and prefix.slot >= 0:
                 self.cache.copy_prefix(prefix.slot, [seq.slot], len(seq.prompt))
+                seq.routing = list(prefix.routing)
             elif share and seq.group in seen:
                 copies.append((seq, seen[seq.group]))
             else:
@@ -171,9 +182,10 @@ class Scheduler:
             if share:
                 old = self._prefixes.get(seq.group)
                 waiting = old.waiting if old is not None else remaining[seq.group]
-                self._prefixes[seq.group] = _Prefix(seq.slot, logits[seq.slot], waiting)
+                self._prefixes[seq.group] = _Prefix(seq.slot, logits[seq.slot], waiting, list(seq.routing))
         for sib, prim in copies:
             self.cache.copy_prefix(prim.slot, [sib.slot], len(sib.prompt))
+            sib.routing = list(prim.routing)
         rows = []
         for seq in seqs:
             seq.length = len(seq.prompt)
@@ -226,6 +238,10 @@ class Scheduler:
             self.stats.prefill_tokens += len(live) * width
             for j, r in enumerate(rows):
                 out[live[r].slot] = logits[j]
+            recorded = self._recorded(width, len(live))
+            if recorded is not None:  # each row's real prompt tokens
+                for r, s in enumerate(live):
+                    s.routing.append(recorded[:, :min(len(s.prompt) - start, width), r])
 
     # ---------------------------------------------------------------- decode
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -233,11 +249,22 @@ class Scheduler:
         tokens = to_device([[s.last] for s in seqs], torch.long, self._device)
         batch = self.runner.plan([s.slot for s in seqs], [s.length for s in seqs], 1)
         logits = self.runner.forward(tokens, batch)
-        for s in seqs:
+        recorded = self._recorded(1, len(seqs))
+        for i, s in enumerate(seqs):
             s.length += 1
+            if recorded is not None:
+                s.routing.append(recorded[:, :, i])
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(seqs)
         return self._sample_and_check(seqs, logits)
+
+    def _recorded(self, width: int, rows: int) -> Optional[torch.Tensor]:
+        """The last forward's experts ``[layers, width, rows, k]`` (the routers see the tokens of a
+        ``[rows, width]`` input in ``[width, rows]`` order), or None when not recording."""
+        if not self.routing_hooks:
+            return None
+        recorded = take_recorded(self.routing_hooks)
+        return None if recorded is None else recorded.view(recorded.shape[0], width, rows, -1)
 
     # -------------------------------------------------------------- sampling
     def _sample_and_check(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:

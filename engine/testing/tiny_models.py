@@ -1,4 +1,5 @@
-"""Tiny random HF models of every supported family, for tests and quick experiments.
+"""Tiny random HF models of every supported family (dense and mixture of experts), for tests and
+quick experiments.
 
 :func:`make_tiny_hf_model` builds one with transformers (a few hundred thousand
 parameters, random weights with non-trivial norms and biases) and saves it as
@@ -37,6 +38,17 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_type": "longrope", "original_max_position_embeddings": 64, "factor": 4.0,
         "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.2],
         "long_factor": [1.0, 1.3, 1.8, 2.5, 3.2, 3.8, 4.0, 4.0]})),
+    # Mixture of experts: 8 experts, top-2. Qwen3-MoE renormalises the chosen probabilities and
+    # has QK-norm; Qwen2-MoE keeps the softmax over all experts and adds a gated shared expert
+    # and Q/K/V biases; Mixtral's experts are as wide as intermediate_size.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True, head_dim=16, tie_word_embeddings=False,
+                                         router_aux_loss_coef=0.01)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                         tie_word_embeddings=False, router_aux_loss_coef=0.01)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                      sliding_window=None, tie_word_embeddings=False, router_aux_loss_coef=0.01)),
 }
 
 

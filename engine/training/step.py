@@ -30,6 +30,8 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from hyflow.models.positions import explicit_positions
+from hyflow.models.routing_replay import replaying
+from hyflow.training.moe_losses import router_loss_stats
 from hyflow.training.output_head import Hidden, hidden_states, wants_hidden
 
 Batch = dict
@@ -100,7 +102,11 @@ def _forward_step(loss_fn: LossFn, with_labels: bool, scale: float, data_iterato
     # packed rows restart positions per sequence (TE's THD attention does it from cu_seqlens)
     positions = batch["position_ids"] if batch.get("packed") and thd is None else None
     head = contextlib.nullcontext() if not wants_hidden(loss_fn) else hidden_states(model)
-    with explicit_positions(model, positions), head as capture:
+    # a mixture-of-experts batch may carry the rollout's experts per token: ``routing`` is replayed,
+    # ``recorded_routing`` only compared with the router's own choice (hyflow.models.routing_replay)
+    replay = replaying(model, batch["routing"]) if "routing" in batch else \
+        replaying(model, batch.get("recorded_routing"), apply=False)
+    with explicit_positions(model, positions), head as capture, replay:
         output = model(
             batch["tokens"],
             batch["position_ids"],
@@ -171,7 +177,8 @@ def train_step(chunks, optimizer, scheduler, micro_batches: Sequence[Batch], *, 
 
     ``groups``: the model's :class:`~hyflow.parallel.groups.ParallelGroups`. Returns each of
     ``loss_fn.names`` summed over micro-batches and data-parallel ranks (identical on every rank),
-    plus ``grad_norm``, ``lr`` and ``update_ok``.
+    plus ``grad_norm``, ``lr`` and ``update_ok`` (and a mixture-of-experts model's router losses,
+    ``moe/...``: :mod:`hyflow.training.moe_losses`).
     """
     prepare = getattr(loss_fn, "prepare", None)
     if prepare is not None:
@@ -186,6 +193,9 @@ def train_step(chunks, optimizer, scheduler, micro_batches: Sequence[Batch], *, 
     if update_ok and scheduler is not None:
         scheduler.step(increment=1)
     out = reduce_stats(stats, getattr(loss_fn, "names", ()), groups)
+    config = chunks[0].config
+    if config.num_moe_experts:  # the routers' aux losses, reduced like the loss
+        out.update(router_loss_stats(groups, len(micro_batches), config.num_layers))
     out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     out["update_ok"] = float(bool(update_ok))
     out["lr"] = optimizer.param_groups[0]["lr"]

@@ -29,6 +29,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "cost of checkpoint checksums: writing and verifying manifest.json"),
     "exact-logprobs": ("hyflow.tools.bench.exact_logprobs",
                        "exact mode: generation tokens/s with and without the re-score, log-prob gap reached"),
+    "moe-replay": ("hyflow.tools.bench.moe_replay",
+                   "routing replay: the trainer's log-probs against the sampler's with and without it (MoE)"),
     "longctx": ("hyflow.tools.bench.longctx",
                 "long context: chunked prefill memory, recompute plan vs measured, CP=2 vs CP=1"),
 }

@@ -1,6 +1,6 @@
 """``hyflow convert``: HF <-> Megatron checkpoint conversion from the command line.
 
-    hyflow convert hf2mcore --hf PATH --out DIR [--tp N] [--pp N] [--stage-layers N,N]
+    hyflow convert hf2mcore --hf PATH --out DIR [--tp N] [--pp N] [--ep N] [--etp N] [--stage-layers N,N]
                             [--dtype auto|fp32|bf16]
                             [--force] [--report] [--report-json FILE]
     hyflow convert mcore2hf --ckpt DIR --out DIR [--dtype auto|fp32|bf16] [--force]
@@ -51,6 +51,10 @@ def register(subparsers) -> None:
     hf2.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
     hf2.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size to write (default 1)")
     hf2.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size to write (default 1)")
+    hf2.add_argument("--ep", type=_positive, default=1,
+                     help="expert-parallel size to write (mixture-of-experts models; default 1)")
+    hf2.add_argument("--etp", type=_positive, default=None,
+                     help="expert tensor-parallel size to write (default: --tp)")
     hf2.add_argument("--stage-layers", type=_stage_layers, default=None, metavar="N,N,...",
                      help="decoder layers per pipeline stage, e.g. 13,17 (default: even)")
     hf2.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
@@ -82,7 +86,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             from hyflow.tools.convert.hf2mcore import hf2mcore
 
             report = hf2mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                              force=args.force, log=log, stage_layers=args.stage_layers)
+                              force=args.force, log=log, stage_layers=args.stage_layers, ep=args.ep,
+                              etp=args.etp)
         else:
             from hyflow.tools.convert.mcore2hf import mcore2hf
 

@@ -37,6 +37,8 @@ class RankJob:
         out_dir: checkpoint directory.
         extra: recorded in ``hyflow_checkpoint.json``.
         stage_layers: decoder layers per pipeline stage (None: even).
+        ep: expert-parallel size.
+        etp: expert tensor-parallel size (None: tp).
     """
 
     source_path: str
@@ -47,34 +49,39 @@ class RankJob:
     out_dir: str
     extra: dict[str, Any] = field(default_factory=dict)
     stage_layers: Optional[tuple[int, ...]] = None
+    ep: int = 1
+    etp: Optional[int] = None
 
 
 def convert_rank(job: RankJob) -> ProcessMemory:
-    """This rank's part of the conversion (collective over ``tp * pp`` ranks)."""
+    """This rank's part of the conversion (collective over the plan's ranks: ``tp * pp``, more
+    with experts, see :func:`~hyflow.tools.convert.preflight.conversion_world`)."""
     import torch
 
     from hyflow.checkpoint.model import build_model_for_loading, save_model_checkpoint
     from hyflow.models.description import ModelDescription
     from hyflow.models.hf_mapping import name_map
-    from hyflow.models.weights import global_name, layer_offset
+    from hyflow.models.weights import expert_offset, global_name, layer_offset, split_of
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
     from hyflow.models.sources.model_source import open_model_source
     from hyflow.models.sources.shard_reader import fill_shard
+    from hyflow.tools.convert.preflight import conversion_world
 
     with PeakMemory() as memory:
         desc = ModelDescription.from_dict(job.desc)
-        groups = init_training_groups(Layout(tp=job.tp, pp=job.pp, stage_layers=job.stage_layers))
+        layout = Layout(tp=job.tp, pp=job.pp, ep=job.ep, etp=job.etp, stage_layers=job.stage_layers)
+        groups = init_training_groups(layout.with_dp_for(conversion_world(job.tp, job.pp, job.ep, job.etp)))
         model = build_model_for_loading(desc, groups, dtype=job.dtype, spec="local")
         source = open_model_source(job.source_path).weights
         names = name_map(desc)
-        offset = layer_offset(desc, groups)
+        offset, experts = layer_offset(desc, groups), expert_offset(desc, groups)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                key = global_name(name, offset)
+                key = global_name(name, offset, experts)
                 if key == "output_layer.weight" and desc.tied_embeddings:
                     key = "embedding.word_embeddings.weight"  # last stage's copy of the tied table
-                fill_shard(source, key, names[key], desc, param, groups.tp_rank, job.tp)
+                fill_shard(source, key, names[key], desc, param, *split_of(name, groups))
         save_model_checkpoint(model, job.out_dir, groups, desc, extra=job.extra, overwrite=True)
         del model
     return memory.result
@@ -100,24 +107,28 @@ def _rank_job(plan: Hf2McorePlan) -> RankJob:
     return RankJob(
         source_path=os.path.abspath(plan.source.path), desc=plan.desc.to_dict(), tp=plan.tp,
         pp=plan.pp, dtype=plan.dtype, out_dir=os.path.abspath(plan.out_dir), stage_layers=plan.stage_layers,
+        ep=plan.ep, etp=plan.etp,
         extra={"converted_from": os.path.abspath(plan.source.path), "source_format": plan.source.format,
                "source_weights": plan.source.weights.kind})
 
 
 def prepare_conversion(hf_path: str, out_dir: str, *, tp: int = 1, pp: int = 1,
                        dtype: str = "auto", force: bool = False,
-                       stage_layers: Optional[Sequence[int]] = None) -> tuple[Hf2McorePlan, RankJob]:
+                       stage_layers: Optional[Sequence[int]] = None, ep: int = 1,
+                       etp: Optional[int] = None) -> tuple[Hf2McorePlan, RankJob]:
     """Validate the inputs, then create ``out_dir`` with the tokenizer and source configs.
 
     Returns the plan and the job every rank runs (:func:`convert_rank`).
     """
-    plan = plan_hf2mcore(hf_path, out_dir, tp=tp, pp=pp, dtype=dtype, force=force, stage_layers=stage_layers)
+    plan = plan_hf2mcore(hf_path, out_dir, tp=tp, pp=pp, dtype=dtype, force=force, stage_layers=stage_layers,
+                         ep=ep, etp=etp)
     plan.desc.tokenizer = _prepare_output(plan)
     return plan, _rank_job(plan)
 
 
 def hf2mcore(hf_path: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
-             force: bool = False, log=print, stage_layers: Optional[Sequence[int]] = None) -> MemoryReport:
+             force: bool = False, log=print, stage_layers: Optional[Sequence[int]] = None, ep: int = 1,
+             etp: Optional[int] = None) -> MemoryReport:
     """Convert ``hf_path`` into a checkpoint at ``out_dir`` laid out for ``tp`` x ``pp`` (the
     decoder layers per stage ``stage_layers``, default even; the checkpoint loads in any layout).
 
@@ -128,15 +139,15 @@ def hf2mcore(hf_path: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str
 
     with Stopwatch() as clock, PeakMemory() as parent:
         plan, job = prepare_conversion(hf_path, out_dir, tp=tp, pp=pp, dtype=dtype, force=force,
-                                       stage_layers=stage_layers)
+                                       stage_layers=stage_layers, ep=ep, etp=etp)
         for warning in plan.warnings:
             log(f"hyflow convert: warning: {warning}")
         log(f"hyflow convert: {plan.desc.family} model, {plan.desc.num_parameters():,} parameters, "
-            f"{plan.source.weights.kind} -> tp={tp} pp={pp} {plan.dtype} in {out_dir}")
-        ranks = run_ranks(convert_rank, tp * pp, job)
+            f"{plan.source.weights.kind} -> tp={tp} pp={pp}{f' ep={ep}' if ep > 1 else ''} {plan.dtype} in {out_dir}")
+        ranks = run_ranks(convert_rank, plan.world_size, job)
     # One rank runs in this process and measures itself; otherwise add the parent.
-    processes = ranks if tp * pp == 1 else [parent.result] + ranks
+    processes = ranks if plan.world_size == 1 else [parent.result] + ranks
     return MemoryReport(direction="hf2mcore", model_bytes=plan.model_bytes, processes=processes,
                         seconds=clock.seconds,
                         details={"source": f"{hf_path} ({plan.source.weights.kind})",
-                                 "layout": f"tp={tp} pp={pp}", "dtype": plan.dtype})
+                                 "layout": f"tp={tp} pp={pp} ep={ep}", "dtype": plan.dtype})

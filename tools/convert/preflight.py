@@ -11,6 +11,8 @@ directory that exists and is not empty (unless ``force``).
 
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -69,6 +71,8 @@ class Hf2McorePlan:
         tp: tensor-parallel size to write.
         pp: pipeline-parallel size to write.
         stage_layers: decoder layers per pipeline stage (None: even).
+        ep: expert-parallel size to write (mixture-of-experts models).
+        etp: expert tensor-parallel size to write (None: tp).
         dtype: ``fp32`` or ``bf16``.
         out_dir: output directory.
         force: replace a non-empty output directory.
@@ -84,15 +88,30 @@ class Hf2McorePlan:
     force: bool = False
     warnings: list[str] = field(default_factory=list)
     stage_layers: Optional[tuple[int, ...]] = None
+    ep: int = 1
+    etp: Optional[int] = None
 
     @property
     def model_bytes(self) -> int:
         """Size of the model's parameters in the output dtype (unpadded)."""
         return self.desc.num_parameters() * _BYTES[self.dtype]
 
+    @property
+    def world_size(self) -> int:
+        """Ranks that write the checkpoint: ``tp * pp``, or with experts enough data-parallel ranks
+        per stage that ``etp * ep`` divides them (:func:`conversion_world`)."""
+        return conversion_world(self.tp, self.pp, self.ep, self.etp)
+
+
+def conversion_world(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> int:
+    """Ranks of a conversion layout: each pipeline stage needs a multiple of both ``tp`` and
+    ``etp * ep`` ranks (the smallest one: their least common multiple)."""
+    return pp * math.lcm(tp, (tp if etp is None else etp) * ep)
+
 
 def plan_hf2mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str = "auto",
-                  force: bool = False, stage_layers: Optional[Sequence[int]] = None) -> Hf2McorePlan:
+                  force: bool = False, stage_layers: Optional[Sequence[int]] = None, ep: int = 1,
+                  etp: Optional[int] = None) -> Hf2McorePlan:
     """Open and validate everything an HF -> Megatron conversion needs."""
     from hyflow.config import ConfigError
     from hyflow.models.hf_mapping import description_from_hf_config, hf_config_warnings
@@ -102,15 +121,15 @@ def plan_hf2mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: s
     source = open_model_source(hf_path)
     try:
         desc = description_from_hf_config(source.config)
-        layout = Layout(tp=tp, pp=pp, stage_layers=stage_layers)
-        layout.check_model(desc)
+        layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp, stage_layers=stage_layers)
+        layout.with_dp_for(conversion_world(tp, pp, ep, etp)).check_model(desc, training=False)
     except ConfigError as e:
         raise ConversionError(f"{hf_path}: {e}") from None
     desc.eos_token_ids = source.eos_token_ids()
     check_tensors(source, desc)
     return Hf2McorePlan(source=source, desc=desc, tp=tp, pp=pp, dtype=resolve_dtype(dtype, source),
                         out_dir=out_dir, force=force, warnings=hf_config_warnings(source.config),
-                        stage_layers=layout.stage_layers)
+                        stage_layers=layout.stage_layers, ep=ep, etp=etp)
 
 
 @dataclass

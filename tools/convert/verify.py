@@ -1,6 +1,7 @@
 """Run a converted checkpoint: full-vocabulary logits and greedy decoding on any layout.
 
-These are rank functions (call them on every rank of a ``tp * pp`` world, e.g.
+These are rank functions (call them on every rank of a ``tp * pp`` world, more for an expert
+layout: :func:`~hyflow.tools.convert.preflight.conversion_world`; e.g.
 through :func:`hyflow.tools.convert.launch.run_ranks` or the test harness). The
 pipeline is driven by hand: each stage runs its layers on the whole batch and
 sends the hidden states to the next stage; the last stage gathers the
@@ -39,24 +40,27 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor, vocab_size: int
     return torch.cat(shards, dim=-1)[..., :vocab_size].float()
 
 
-def _setup(ckpt_dir: str, tp: int, pp: int, dtype: Optional[str]):
+def _setup(ckpt_dir: str, tp: int, pp: int, dtype: Optional[str], ep: int = 1, etp: Optional[int] = None):
     from hyflow.checkpoint.model import load_model_from_checkpoint
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
+    from hyflow.tools.convert.preflight import conversion_world
 
-    groups = init_training_groups(Layout(tp=tp, pp=pp))
+    groups = init_training_groups(Layout(tp=tp, pp=pp, ep=ep, etp=etp).with_dp_for(conversion_world(tp, pp, ep, etp)))
     model, desc, _ = load_model_from_checkpoint(ckpt_dir, groups, dtype=dtype)
     model.eval()
     return model, desc, groups
 
 
 def checkpoint_logits(ckpt_dir: str, tp: int, pp: int, tokens: Sequence[Sequence[int]],
-                      dtype: Optional[str] = None) -> Optional[torch.Tensor]:
-    """Rank function: load ``ckpt_dir`` at ``tp`` x ``pp`` and return the logits of ``tokens``.
+                      dtype: Optional[str] = None, ep: int = 1, etp: Optional[int] = None) -> Optional[torch.Tensor]:
+    """Rank function: load ``ckpt_dir`` at ``tp`` x ``pp`` (x ``ep`` / ``etp`` for experts) and
+    return the logits of ``tokens``.
 
-    Returns the ``[b, s, vocab]`` logits on last-stage ranks, None elsewhere.
+    Returns the ``[b, s, vocab]`` logits on last-stage ranks, None elsewhere. With expert
+    parallelism every data-parallel rank runs the same tokens (the experts' all-to-all needs them all).
     """
-    model, desc, groups = _setup(ckpt_dir, tp, pp, dtype)
+    model, desc, groups = _setup(ckpt_dir, tp, pp, dtype, ep, etp)
     return forward_logits(model, torch.tensor(tokens, dtype=torch.long), desc.vocab_size, groups)
 
 

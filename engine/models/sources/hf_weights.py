@@ -17,7 +17,7 @@ from hyflow.models.hf_mapping import name_map
 from hyflow.models.sources.errors import ConversionError
 from hyflow.models.sources.model_source import check_tensors, hf_description, is_hf_model, open_model_source
 from hyflow.models.sources.shard_reader import fill_shard
-from hyflow.models.weights import canonical_parameters, global_name, layer_offset
+from hyflow.models.weights import canonical_parameters, expert_offset, global_name, layer_offset, split_of
 from hyflow.parallel.groups import ParallelGroups
 
 __all__ = ["hf_description", "is_hf_model", "load_hf_weights"]
@@ -30,12 +30,12 @@ def load_hf_weights(model: torch.nn.Module, path: str, desc: ModelDescription, g
     source = open_model_source(path)
     check_tensors(source, desc)
     names = name_map(desc)
-    offset = layer_offset(desc, groups)
+    offset, experts = layer_offset(desc, groups), expert_offset(desc, groups)
     for name, param in canonical_parameters(model):
-        key = global_name(name, offset)
+        key = global_name(name, offset, experts)
         if key == "output_layer.weight" and desc.tied_embeddings:
             key = "embedding.word_embeddings.weight"  # the last stage's copy of the tied table
         if key not in names:
             raise ConversionError(f"{path}: the model's parameter {key} has no HF tensor (an unsupported part)")
-        fill_shard(source.weights, key, names[key], desc, param, groups.tp_rank, groups.layout.tp)
+        fill_shard(source.weights, key, names[key], desc, param, *split_of(name, groups))
     source.weights.release()
