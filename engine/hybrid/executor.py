@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 import torch.distributed as dist
@@ -160,7 +160,7 @@ class HybridEngine:
         self.in_place = in_place and _aliasable(self.table, gen_params, self._train_params)
         if self.in_place:
             bind_parameters(self.gen_model, {r.gen_name: self._train_params[r.train_name].detach()
-                                             for r in self.table.routes})
+                                             for r in self.table.routes}, pending=gen_experts)
             self.release_training_weights = False
         # Otherwise the generation model's parameters are views of the buffer for the whole run.
         self.buffer = GenerationBuffer(0 if self.in_place else self.table.numel, self.dtype, self.device)
@@ -168,7 +168,7 @@ class HybridEngine:
         flat = self.buffer.acquire()
         self._views = {r.gen_name: flat[r.offset:r.offset + r.numel].view(r.shape) for r in routes}
         if self._views:
-            bind_parameters(self.gen_model, self._views)
+            bind_parameters(self.gen_model, self._views, pending=gen_experts)
         self.buffer.release()
         self.expert_exchange, self.expert_buffer = self._experts(desc, layout, gen_experts, in_place)
         self.planned_bytes_received = self.plan.bytes_recv[rank] + (
@@ -229,15 +229,16 @@ class HybridEngine:
             return None, None
         train = {n: p for n, p in self._train_params.items() if is_expert_param(n)}
         if in_place and self.in_place and same_expert_grid(layout, self.gen_shape.tp, self.gen_shape.pp):
-            for name, param in gen_experts.items():
-                param.data = train[name].data
+            bind_parameters(self.gen_model, {n: train[n].detach() for n in gen_experts})
             return None, None
         plan = plan_expert_exchange(desc, layout, self.plan, self.dtype.itemsize)
         buffer = GenerationBuffer(sum(p.numel() for p in gen_experts.values()), self.dtype, self.device)
-        flat, offset = buffer.acquire(), 0
-        for param in gen_experts.values():
-            param.data = flat[offset:offset + param.numel()].view(param.shape)
+        flat, offset, views = buffer.acquire(), 0, {}
+        for name, param in gen_experts.items():  # the generation model built on meta: views of the buffer
+            views[name] = flat[offset:offset + param.numel()].view(param.shape)
             offset += param.numel()
+        bind_parameters(self.gen_model, views)
+        gen_experts = {n: p for n, p in self.gen_model.named_parameters() if n in views}
         buffer.release()
         exchange = ExpertExchange(plan, dist.get_rank(), self.train_groups.pgs.tp_ep_pp, train, gen_experts,
                                   self.device)
@@ -340,10 +341,11 @@ class HybridEngine:
         self._released = released
 
 
-def bind_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def bind_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor], pending: Collection[str] = ()) -> None:
     """Give the named parameters of a model built on ``meta`` their storage: each becomes a
     parameter over ``tensors[name]`` that keeps the meta one's attributes (Megatron's tensor-parallel
-    marks) and ``requires_grad``. Raises if a parameter is left without storage."""
+    marks) and ``requires_grad``. Raises if a parameter is left without storage, but the ``pending``
+    ones (bound by a later call: the routed experts)."""
     params = dict(model.named_parameters())
     bound = {}
     for name, value in tensors.items():
@@ -355,7 +357,7 @@ def bind_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
         for attr, param in module._parameters.items():
             if param is not None and id(param) in bound:
                 module._parameters[attr] = bound[id(param)]
-    left = [n for n, p in model.named_parameters() if p.is_meta]
+    left = [n for n, p in model.named_parameters() if p.is_meta and n not in pending]
     if left:
         raise ReshardPlanError(f"generation parameters without storage after binding: {left[:4]}")
 
