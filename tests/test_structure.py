@@ -344,14 +344,18 @@ def test_imports_inside_functions_stay_few():
 
 
 def unjustified_imports(name: str, source: str) -> list[str]:
-    """Imports inside functions of ``source`` with no comment on their line or the line above."""
+    """Imports inside functions of ``source`` with no comment on their line or above them: one
+    comment line may head a block of imports (blank lines inside the block allowed)."""
     lines = source.splitlines()
     _, found = function_imports(ast.parse(source))
+    import_lines = {i for node in found for i in range(node.lineno, node.end_lineno + 1)}
     out = []
     for node in found:
         here = lines[node.lineno - 1:node.end_lineno]
-        above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
-        if not any("#" in line for line in here) and not above.startswith("#"):
+        above = node.lineno - 1  # 1-based number of the line above
+        while above > 0 and (above in import_lines or not lines[above - 1].strip()):
+            above -= 1
+        if not any("#" in line for line in here) and not (above > 0 and lines[above - 1].strip().startswith("#")):
             out.append(f"{name}:{node.lineno}: {lines[node.lineno - 1].strip()}")
     return out
 
@@ -364,6 +368,9 @@ def test_imports_inside_functions_say_why():
     assert bad == []
     assert unjustified_imports("x", "def f():\n    import os\n") == ["x:2: import os"]
     assert unjustified_imports("x", "def f():\n    # optional heavy dependency\n    import vllm\n") == []
+    block = "def f():\n    # optional heavy dependencies\n    import vllm\n\n    from vllm import x\n"
+    assert unjustified_imports("x", block) == []
+    assert unjustified_imports("x", "def f():\n    # why\n    y = 1\n    import os\n") == ["x:4: import os"]
 
 
 def test_size_is_a_warning_only():
