@@ -49,7 +49,8 @@ setup(
         "gpu": ["triton", "transformer-engine[pytorch]"],
         # triton runs the reshard kernels in interpreter mode on CPU in the tests.
         "test": ["pytest", "pytest-timeout", "ruff==0.17.6", "triton", "transformers", "tokenizers",
-                 "sentencepiece", "gguf", "accelerate", "pyarrow", "tensorboard", "matplotlib"],
+                 "sentencepiece", "gguf", "accelerate", "pyarrow", "tensorboard", "matplotlib",
+                 "peft"],  # LoRA export: peft loads the PEFT adapter directory hyflow export --adapter writes
         "data": ["pyarrow"],
         "logging": ["tensorboard", "matplotlib", "tqdm"],
         # experiment trackers beside TensorBoard (trainer.loggers: wandb, mlflow); optional

@@ -42,6 +42,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         os.environ[NO_VERIFY_ENV] = "1"  # the ranks inherit it
     try:
         cfg = load_job_config(args.config, args.overrides)
+        from hyflow.checkpoint.manifest import apply_verify_setting
+
+        apply_verify_setting(cfg)  # trainer.verify_checkpoints=false: as --no-verify
         if launched:  # a rank: the launcher checked everything already
             return _run_rank(cfg)
         from hyflow.launch.local import Target, check_before_launch
@@ -70,28 +73,68 @@ def _run_rank(cfg) -> int:
     import torch.distributed as dist
 
     from hyflow.compat.warnings import quiet_known_warnings
+    from hyflow.launch.parent_watch import exit_with_parent
     from hyflow.launch.rank_report import run_reporting
-    from hyflow.parallel.distributed import DEFAULT_TIMEOUT_S, init_distributed, shutdown
+    from hyflow.parallel.distributed import DEFAULT_TIMEOUT_S, init_distributed, launched_by_torchrun, shutdown
 
+    if launched_by_torchrun():
+        exit_with_parent()  # the launcher killed (kill -9): this rank stops too, never runs on alone
     quiet_known_warnings()  # Megatron's and torch's messages that every run would print
     init_distributed(getattr(cfg.trainer, "collective_timeout_s", DEFAULT_TIMEOUT_S))
     try:
-        return run_reporting(lambda: job_runner(cfg.job)(cfg), dist.get_rank())
+        return run_reporting(lambda: _locked_run(cfg), dist.get_rank())
     finally:
         shutdown()
+
+
+def _locked_run(cfg):
+    """The job, with rank 0 holding the run directory's lock (:mod:`hyflow.checkpoint.run_lock`);
+    every rank stops with the one that could not take it."""
+    import torch.distributed as dist
+
+    from hyflow.checkpoint.agree import any_rank
+    from hyflow.checkpoint.run_lock import RunDirInUse, RunLock
+    from hyflow.monitor.watchdog import Watchdog
+    from hyflow.parallel.distributed import rank_device
+
+    lock, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            lock = RunLock(cfg.trainer.output_dir).acquire()
+        except RunDirInUse as e:
+            error = e
+    if any_rank(error is not None, rank_device()):
+        if error is None:
+            error = RunDirInUse(f"rank 0 could not lock {cfg.trainer.output_dir} (see its error)")
+            error.peer = True
+        raise error
+    seconds = getattr(cfg.trainer, "watchdog_s", 0)
+    dog = Watchdog(seconds, dist.get_rank()).start() if seconds else None  # reports a rank making no progress
+    try:
+        return job_runner(cfg.job)(cfg)
+    finally:
+        if dog is not None:
+            dog.stop()
+        if lock is not None:
+            lock.release()
 
 
 def _run_single(cfg) -> int:
     """``trainer.nproc=1``: the one rank runs in this process and reports its own failure."""
     from hyflow.launch.local import new_log_dir
-    from hyflow.launch.rank_report import LOG_DIR_ENV, resume_hint, summarize_failure
+    from hyflow.launch.rank_report import (LOG_DIR_ENV, make_fallback_dir, remove_fallback_dir, resume_hint,
+                                           summarize_failure)
 
     log_dir = new_log_dir(os.path.abspath(cfg.trainer.output_dir))
     os.environ[LOG_DIR_ENV] = log_dir
-    code = _run_rank(cfg)
-    if code:
-        for line in summarize_failure(log_dir, (), resume_hint(cfg.trainer.output_dir)):
-            print(line, file=sys.stderr, flush=True)
+    fallback = make_fallback_dir()  # where the records go when the run directory is full
+    try:
+        code = _run_rank(cfg)
+        if code:
+            for line in summarize_failure(log_dir, (), resume_hint(cfg.trainer.output_dir, log_dir)):
+                print(line, file=sys.stderr, flush=True)
+    finally:
+        remove_fallback_dir(fallback)
     return code
 
 

@@ -58,8 +58,14 @@ def run_ranks_here(command: str, world: int) -> int:
     if sys.argv[1:2] != [command]:
         print(f"hyflow: run `hyflow {command} ...` from the command line for several ranks", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+    import tempfile
+
+    from hyflow.launch.rank_report import LOG_DIR_ENV
+
+    # hyflow's torchrun: a rank's failure is one line (tracebacks in the rank logs), not torchrun's dump
+    cmd = [sys.executable, "-m", "hyflow.launch.torchrun", "--standalone", f"--nproc-per-node={world}",
            "-m", "hyflow.cli"]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env[RANK_ARGV_ENV] = json.dumps(sys.argv[1:])  # not on torchrun's command line: see RANK_ARGV_ENV
+    env[LOG_DIR_ENV] = tempfile.mkdtemp(prefix=f"hyflow-{command}-logs-")
     return subprocess.call(cmd, env=env)

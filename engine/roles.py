@@ -36,8 +36,9 @@ if TYPE_CHECKING:  # annotations only: the protocols stay import-free
     from hyflow.checkpoint.trained_model import TrainedModel
     from hyflow.rl.batch import MicroBatching, RolloutBatch
     from hyflow.rl.update import UpdateStats
+    from hyflow.agent.agent import MultiTurnAgent
     from hyflow.rollout.config import SamplingConfig
-    from hyflow.rollout.dp import GatheredRollout
+    from hyflow.rollout.dp import GatheredRollout, SampleTensors
 
 
 # --------------------------------------------------------------------------- the weight path
@@ -116,6 +117,9 @@ class RolloutCapabilities:
     """It samples with the weights the update starts from (staleness 0), so re-scoring its samples
     in the training layout after :meth:`WeightPath.to_training` gives exactly the behaviour
     policy's log-probs (exact mode without :attr:`exact_rescore`)."""
+    multi_turn: bool = False
+    """:meth:`Rollouts.generate_trajectories`: multi-turn trajectories, its replicas' turns
+    interleaved with tool calls and environment steps (``rollout.multi_turn``, :mod:`hyflow.agent`)."""
 
     @property
     def exact_logprobs(self) -> bool:
@@ -156,6 +160,16 @@ class Rollouts(Protocol):
         ``greedy``: argmax decoding (needs ``capabilities.greedy``); ``max_new_tokens``: overrides
         the configured length; ``sampling``: another phase's sampling (validation's
         ``rollout.val_kwargs``: temperature, top-k, top-p) instead of the rollout's."""
+        ...
+
+    def generate_trajectories(self, agent: MultiTurnAgent, records: Sequence, n: int, *, seed: int,
+                              request_offset: int, sampling: Optional[SamplingConfig] = None) -> SampleTensors:
+        """``n`` multi-turn trajectories of each of this DP shard's ``records`` (prompt rows,
+        global indices from ``request_offset``), in (prompt, sample) order: the ``agent``'s loop on
+        each replica with its tools and environments, assistant turns masked in, observations
+        masked out (``SampleTensors.mask``), with the trajectories' counters (``.stats``).
+        ``sampling``: another phase's sampling (validation's), as in :meth:`generate`. Only with
+        ``capabilities.multi_turn``."""
         ...
 
     def rescore(self, batch: RolloutBatch, batching: MicroBatching, *, temperature: float, fused: bool,

@@ -86,7 +86,10 @@ def check_before_launch(target: Target) -> None:
     path). Notes from validating the config are printed first."""
     if target.cfg is None:
         return
+    from hyflow.checkpoint.manifest import apply_verify_setting
     from hyflow.jobs.preflight import preflight
+
+    apply_verify_setting(target.cfg)  # trainer.verify_checkpoints=false: as --no-verify, here and in the ranks
 
     for note in getattr(target.cfg, "notes", []):
         print(f"[hyflow] note: {note}", file=sys.stderr, flush=True)

@@ -25,7 +25,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from hyflow.launch.rank_report import LOG_DIR_ENV, Death, read_records, resume_hint, summarize_failure
+from hyflow.launch.rank_report import (LOG_DIR_ENV, Death, make_fallback_dir, read_records, remove_fallback_dir,
+                                       resume_hint, summarize_failure)
 
 RUN_DIR_ENV = "HYFLOW_RUN_DIR"
 #: torchrun's loggers whose failure / shutdown messages this module replaces with its summary.
@@ -53,12 +54,17 @@ def run(argv: Sequence[str], log_dir: Optional[str] = None, run_dir: Optional[st
     run_dir = run_dir or os.environ.get(RUN_DIR_ENV)
     if not log_dir:
         raise ValueError(f"{LOG_DIR_ENV} is not set: the directory the ranks report to")
-    os.makedirs(log_dir, exist_ok=True)
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:  # a full or read-only disk: the ranks' records go to the fallback directory
+        print(f"[hyflow] warning: cannot create the log directory {log_dir}: {e.strerror}", file=out, flush=True)
     os.environ[LOG_DIR_ENV] = log_dir
     if run_dir:
         os.environ[RUN_DIR_ENV] = run_dir
+    fallback = make_fallback_dir()
     args = torchrun.parse_args(list(argv))
     _quiet_torchrun_logs()
+    aborted = _abort_on_second_interrupt()
     started = time.time()
     try:
         torchrun.run(args)
@@ -66,10 +72,64 @@ def run(argv: Sequence[str], log_dir: Optional[str] = None, run_dir: Optional[st
     except ChildFailedError as e:
         deaths = [Death(rank=rank, exitcode=f.exitcode, pid=f.pid, time=getattr(f, "timestamp", 0.0))
                   for rank, f in e.failures.items()]
-        _print(summarize_failure(log_dir, deaths, resume_hint(run_dir)), out)
+        _print(summarize_failure(log_dir, deaths, resume_hint(run_dir, log_dir)), out)
         return 1
     except SignalException as e:
+        if aborted:
+            _print([f"[hyflow] second SIGINT: the ranks were killed without saving (logs: {log_dir}); "
+                    "`trainer.resume=auto` continues from the last complete checkpoint"], out)
+            return 128 + int(signal.SIGINT)
         return _after_signal(e.sigval, log_dir, run_dir, args.nproc_per_node, started, out)
+    finally:
+        remove_fallback_dir(fallback)
+
+
+def _abort_on_second_interrupt() -> list:
+    """Make a second SIGINT (Ctrl-C) kill the ranks at once. torchrun's agent forwards the first to
+    the ranks (they save after their step) and waits for them; on a second signal it waits again.
+    Its handler is wrapped: from the second SIGINT on, the ranks (this process's children, each
+    leading its process group) are killed before it raises. Returns a list that is non-empty once
+    that happened."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = api._terminate_process_handler
+    interrupts, aborted = [], []
+
+    def handler(signum, frame):
+        if signum == signal.SIGINT:
+            interrupts.append(signum)
+            if len(interrupts) > 1:
+                aborted.append(signum)
+                _kill_children()
+        return original(signum, frame)
+
+    api._terminate_process_handler = handler  # registered by the agent when it starts the ranks
+    return aborted
+
+
+def _kill_children() -> None:
+    for pid in _children(os.getpid()):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _children(pid: int) -> list[int]:
+    """This process's direct children, from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
 
 
 def _after_signal(sig: signal.Signals, log_dir: str, run_dir: Optional[str], nproc: str, started: float,
@@ -92,7 +152,7 @@ def _after_signal(sig: signal.Signals, log_dir: str, run_dir: Optional[str], npr
              f"{expected} rank(s) did not exit cleanly (killed after the shutdown timeout, or failed)"]
     if errors:
         lines = summarize_failure(log_dir, (), "")[:1] + lines
-    lines.append(resume_hint(run_dir))
+    lines.append(resume_hint(run_dir, log_dir))
     _print(lines, out)
     return 128 + int(sig)
 
@@ -100,7 +160,10 @@ def _after_signal(sig: signal.Signals, log_dir: str, run_dir: Optional[str], npr
 def _print(lines: Sequence[str], out) -> None:
     for line in lines:
         if line:
-            print(line, file=out, flush=True)
+            try:
+                print(line, file=out, flush=True)
+            except (OSError, ValueError):  # SIGHUP: the terminal is gone
+                return
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

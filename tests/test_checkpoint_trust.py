@@ -17,23 +17,11 @@ from hyflow.checkpoint.discovery import MARKER_FILE, STATE_FILE, step_dir_name
 from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError
 from hyflow.checkpoint.manifest import MANIFEST_FILE, read_manifest, verify_manifest, write_manifest
 from hyflow.testing import run_on_ranks
-
-
-def _tiny():
-    from hyflow.models.description import ModelDescription
-
-    return ModelDescription(family="llama", vocab_size=16, hidden_size=16, num_layers=1, num_attention_heads=2,
-                            num_query_groups=1, ffn_hidden_size=32, max_position_embeddings=32)
-
-
-def _build():
-    from hyflow.models.builder import build_gpt_model
-    from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
-
-    torch.manual_seed(0)
-    groups = init_training_groups(Layout())
-    return groups, build_gpt_model(_tiny(), groups)
+from hyflow.testing.checkpoints import build_tiny as _build
+from hyflow.testing.checkpoints import fresh_copy
+from hyflow.testing.checkpoints import resume_tiny as _resume
+from hyflow.testing.checkpoints import step_path as _step
+from hyflow.testing.checkpoints import tiny_description as _tiny
 
 
 def _save_steps(out: str, steps: list, frozen: bool = False) -> None:
@@ -50,21 +38,6 @@ def _save_steps(out: str, steps: list, frozen: bool = False) -> None:
         ckpt.save(step, {"actor": TrainedModel([model])}, {"step": step},
                   frozen={"reference": model} if frozen else None)
     ckpt.close()
-
-
-def _resume(out: str, resume: str) -> dict:
-    """Rank function: find and load what ``trainer.resume=<resume>`` names; report what happened."""
-    from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
-
-    groups, model = _build()
-    ckpt = Checkpointer(out, groups, _tiny(), log=lambda m: None)
-    warnings = []
-    try:
-        path = ckpt.find_resume(resume, warnings.append)
-        state = ckpt.load(path, {"actor": TrainedModel([model])}) if path else None
-    except CheckpointError as e:
-        return {"error": str(e), "type": type(e).__name__, "warnings": warnings}
-    return {"path": path, "job": state and state["job"], "warnings": warnings, "error": None}
 
 
 def _save_on_full_disk(out: str) -> dict:
@@ -107,14 +80,7 @@ def saved(tmp_path_factory):
 
 @pytest.fixture
 def run(saved, tmp_path):
-    """A fresh copy of :func:`saved` for a test to damage."""
-    target = tmp_path / "run"
-    shutil.copytree(saved, target)
-    return target
-
-
-def _step(run, step):
-    return run / "checkpoints" / step_dir_name(step)
+    return fresh_copy(saved, tmp_path)
 
 
 def _flip_byte(path):
@@ -196,8 +162,8 @@ def test_resume_auto_sets_a_damaged_checkpoint_aside_and_uses_the_previous(run):
 def test_a_corrupt_trainer_state_names_its_file(run):
     step = _step(run, 2)
     (step / STATE_FILE).write_text("{\"step\": 2, \"trunc")
-    os.remove(step / MANIFEST_FILE)  # as a checkpoint written before manifests: the parse must name it
-    result = run_on_ranks(_resume, 1, str(run), str(step), timeout=300)[0]
+    os.remove(step / MANIFEST_FILE)  # as a checkpoint written before manifests (--no-verify loads it): the parse
+    result = run_on_ranks(_resume, 1, str(run), str(step), True, timeout=300)[0]  # must name the file
     assert result["type"] == "CheckpointDamaged"
     assert f"{step / STATE_FILE} is not valid JSON" in result["error"]
 

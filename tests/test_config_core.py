@@ -339,7 +339,7 @@ def test_missing_file(tmp_path):
     missing = tmp_path / "nope.yaml"
     msg = err(load_config, RootConfig, str(missing), [])
     assert str(missing) in msg and "not found" in msg
-    assert "cannot read" in err(load_config, RootConfig, str(tmp_path), [])
+    assert "is a directory, not a YAML file" in err(load_config, RootConfig, str(tmp_path), [])
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path):

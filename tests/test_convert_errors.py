@@ -181,6 +181,9 @@ def test_output_directory(tiny, tmp_path) -> None:
     (out / "keep.txt").write_text("x")
     with pytest.raises(ConversionError, match="exists and is not empty; pass --force"):
         plan_hf2mcore(tiny["llama3"], str(out))
+    with pytest.raises(ConversionError, match="does not look like a hyflow model checkpoint"):  # unrelated files
+        plan_hf2mcore(tiny["llama3"], str(out), force=True)
+    (out / "hyflow_checkpoint.json").write_text("{}")  # a previous conversion: --force may replace it
     assert plan_hf2mcore(tiny["llama3"], str(out), force=True).force
     with pytest.raises(ConversionError, match="contains the input"):
         plan_hf2mcore(tiny["llama3"], os.path.dirname(tiny["llama3"]), force=True)

@@ -38,13 +38,14 @@ def test_single_process_reports_versions_and_points_to_the_launcher():
 
 
 @pytest.mark.multirank
-def test_doctor_under_launch_local_measures_bandwidth_and_strict_fails_on_a_warning():
-    # a CPU threshold far above anything gloo reaches: every check warns, --strict exits non-zero
+def test_doctor_under_launch_local_measures_bandwidth_and_strict_fails_on_a_warning(tmp_path):
+    # a CPU threshold far above anything gloo reaches: every check warns, --strict exits non-zero; run
+    # from a directory of its own (its rank logs go to ./runs/doctor, never the tree's runs/)
     out = subprocess.run(
         [sys.executable, "-m", "hyflow.cli", "launch", "local", "doctor", "--nproc", "2", "--",
-         "configs/quickstart.yaml", "--max-size", "4MB", "--iters", "2", "--warmup", "1",
+         os.path.join(REPO, "configs", "quickstart.yaml"), "--max-size", "4MB", "--iters", "2", "--warmup", "1",
          "--threshold", "cpu=1000", "--strict", "--json"],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode != 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
     assert report["world_size"] == 2 and report["backend"] == "gloo" and not report["errors"]

@@ -7,6 +7,7 @@ import pytest
 
 from hyflow.cli import main
 from hyflow.testing import run_on_ranks
+from hyflow.testing.fixtures import engine_greedy_tokens
 
 pytestmark = pytest.mark.multirank
 
@@ -35,22 +36,6 @@ def _train(config: str, out: str) -> None:
     run(load_job_config(config, [f"trainer.output_dir={out}"]))
 
 
-def _hyflow_greedy(model_dir: str) -> list:
-    """Rank function: the rollout engine's greedy tokens on the checkpoint, at TP=2."""
-    from hyflow.checkpoint.model import load_model_from_checkpoint
-    from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
-    from hyflow.rollout.config import GenerationConfig, SamplingConfig
-    from hyflow.rollout.engine import GenerationEngine
-
-    groups = init_training_groups(Layout(tp=2))
-    model, desc, _ = load_model_from_checkpoint(model_dir, groups)
-    model.eval()
-    config = GenerationConfig(sampling=SamplingConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    engine = GenerationEngine.from_description(model, desc, config, tp_group=groups.pgs.tp)
-    return [s.token_ids for s in engine.generate(PROMPTS).samples]
-
-
 def test_export_loads_in_transformers_with_same_greedy_tokens(tmp_path, capsys):
     import torch
     from transformers import AutoModelForCausalLM
@@ -65,7 +50,7 @@ def test_export_loads_in_transformers_with_same_greedy_tokens(tmp_path, capsys):
     model_dir = os.path.join(run, "checkpoints", "step_000001", "actor")
     assert model_dir in capsys.readouterr().err
 
-    expected = run_on_ranks(_hyflow_greedy, 2, model_dir, timeout=300)[0]
+    expected = run_on_ranks(engine_greedy_tokens, 2, model_dir, PROMPTS, NEW_TOKENS, timeout=300)[0]
     model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
     for prompt, want in zip(PROMPTS, expected):
         ids = torch.tensor([prompt])

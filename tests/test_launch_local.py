@@ -22,14 +22,15 @@ def hyflow(*args, timeout=120):
                           text=True, timeout=timeout, cwd=REPO)
 
 
-def test_dry_run_shows_torchrun_with_intermixed_overrides():
+def test_dry_run_shows_torchrun_with_intermixed_overrides(tmp_path):
+    run = f"trainer.output_dir={tmp_path}"  # not the tree's runs/quickstart (a finished run may be there)
     out = hyflow("launch", "local", "configs/quickstart.yaml", "trainer.total_steps=1", "--nproc",
-                 "2", "--dry-run", "trainer.log_every=1")
+                 "2", "--dry-run", "trainer.log_every=1", run)
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("[hyflow] launching 2 ranks: "))
     assert "-m hyflow.launch.torchrun --standalone --nproc-per-node=2 --shutdown-timeout=" in line
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 -m hyflow.cli train" in line
-    assert line.endswith(f"{QUICKSTART} trainer.total_steps=1 trainer.log_every=1 trainer.nproc=2")
+    assert line.endswith(f"{QUICKSTART} trainer.total_steps=1 trainer.log_every=1 {run} trainer.nproc=2")
     assert "on a stop signal (SIGTERM, SIGUSR1) the ranks get " in out.stdout
 
 
@@ -176,3 +177,192 @@ def test_a_rank_error_is_reported_first_in_three_lines(tmp_path):
     assert len(report) == 3 and "traceback: " in report[1] and "no checkpoint was saved yet" in report[2]
     log = report[1].split("traceback: ")[1].split(" (every")[0]
     assert "ZeroDivisionError" in open(log).read()
+
+
+@pytest.mark.multirank
+def test_ranks_stop_within_30_s_of_the_launcher_being_killed(tmp_path):
+    """Issue #39 point 3: kill -9 of `hyflow train` used to leave both ranks running to the end (torchrun
+    starts them in sessions of their own). They now notice, save after their step and exit."""
+    import signal
+    import time
+
+    from hyflow.testing.resume import process_descendants
+
+    out = tmp_path / "run"
+    log = open(tmp_path / "launch.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "hyflow.cli", "train", QUICKSTART, "trainer.total_steps=500",
+                             "actor.sft_warmup_steps=0", "trainer.loggers=[console]", f"trainer.output_dir={out}"],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    ranks: list = []
+    try:
+        deadline = time.time() + 600
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").stat().st_size:
+            assert proc.poll() is None and time.time() < deadline, open(tmp_path / "launch.log").read()[-3000:]
+            time.sleep(0.2)
+        ranks = process_descendants(proc.pid)
+        assert len(ranks) >= 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        killed = time.time()
+        while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.time() - killed < 30:
+            time.sleep(0.5)
+        alive = [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+        assert not alive, f"still running 30 s after the launcher died: {alive}"
+    finally:
+        _kill(proc.pid, *ranks)
+        log.close()
+    text = open(tmp_path / "launch.log").read()
+    assert "the launcher (pid" in text and "is gone; stopping" in text
+
+
+def test_a_full_log_directory_still_gives_a_short_report(tmp_path, monkeypatch):
+    """Issue #39 point 4: on a full disk the error record could not be written, the rank printed
+    200-330 lines of tracebacks and the summary said "without a hyflow error record". Now the records
+    go to the in-memory fallback directory and the summary has one line per distinct cause."""
+    from hyflow.launch.rank_report import (FALLBACK_DIR_ENV, make_fallback_dir, remove_fallback_dir, run_reporting,
+                                           summarize_failure)
+
+    blocked = tmp_path / "full"
+    blocked.write_text("")  # a file: nothing can be created below it, as on a full disk
+    logs = str(blocked / "logs")
+    monkeypatch.delenv(FALLBACK_DIR_ENV, raising=False)
+    fallback = make_fallback_dir()
+    try:
+        def full(rank):
+            def fail():
+                raise OSError(28, "No space left on device", f"/run/checkpoints/step_000002/actor/__{rank}_0.distcp")
+            return fail
+
+        assert run_reporting(full(0), 0, logs) == 1 and run_reporting(full(1), 1, logs) == 1
+        assert run_reporting(lambda: (_ for _ in ()).throw(KeyError("other")), 2, logs) == 1
+        lines = summarize_failure(logs, (), "[hyflow] hint")
+        assert lines[0].startswith("[hyflow] rank 0 failed: OSError: [Errno 28] No space left on device")
+        assert lines[1] == "[hyflow] rank 2 also failed: KeyError: 'other'"  # rank 1's is the same cause
+        assert lines[2].startswith(f"[hyflow] the job stopped (2 other rank(s) stopped with it); traceback: "
+                                   f"{fallback}/rank_00000.log")
+        assert len(lines) == 4 and "No space left" in open(f"{fallback}/rank_00000.log").read()
+    finally:
+        monkeypatch.delenv(FALLBACK_DIR_ENV, raising=False)
+        remove_fallback_dir(fallback)
+    assert os.path.isdir(fallback)  # kept: it holds the only tracebacks
+    import shutil
+
+    shutil.rmtree(fallback)
+    monkeypatch.setenv(FALLBACK_DIR_ENV, str(blocked / "nowhere"))
+    assert run_reporting(full(3), 3, logs) == 1  # nowhere to write: still one exit code, no second failure
+
+
+def test_ranks_reporting_one_full_disk_in_other_words_are_one_cause(tmp_path):
+    """Probe of issue #39 point 4 (2 MiB tmpfs): one rank saw the ENOSPC, the other found the disk
+    full from its free space and named the directory; the summary said the same thing twice."""
+    from hyflow.launch.rank_report import record_failure, summarize_failure
+
+    logs = str(tmp_path / "logs")
+    os.makedirs(logs)
+    message = ("checkpoint step 4 was not saved: no space left on the device while writing the actor weights to "
+               "/run/checkpoints/step_000004/actor{}: free space there or point the run elsewhere")
+    record_failure(ValueError(message.format(" (/run/checkpoints)")), 1, logs)
+    record_failure(ValueError(message.format("")), 0, logs)
+    lines = summarize_failure(logs, (), "")
+    assert len(lines) == 2 and "also failed" not in lines[1], lines
+
+
+def test_a_failed_save_on_a_nearly_full_file_system_is_disk_full(tmp_path, monkeypatch):
+    import errno
+    from types import SimpleNamespace
+
+    from hyflow.checkpoint.files import full_disk_error
+
+    assert full_disk_error(str(tmp_path)) is None or os.statvfs(str(tmp_path)).f_bavail * 4096 < 64 << 20
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_bavail=10, f_frsize=4096))
+    error = full_disk_error(str(tmp_path))
+    assert error.errno == errno.ENOSPC and error.filename == str(tmp_path)
+
+
+_STUBBORN_RANK = """
+import os, signal, sys, time
+def stop(signum, frame):  # like a rank: the first SIGINT means "save after this step", which takes long
+    print(f"rank {os.environ['RANK']} saving", flush=True)
+    time.sleep(120)
+signal.signal(signal.SIGINT, stop)
+open(os.path.join(sys.argv[1], f"ready.{os.environ['RANK']}.{os.getpid()}"), "w").close()
+time.sleep(600)
+"""
+
+
+def test_a_second_ctrl_c_kills_the_ranks_at_once(tmp_path):
+    """Issue #39 point 7: the first Ctrl-C lets the ranks save and stop; a second one aborts them now
+    (torchrun's agent would wait for them once more)."""
+    import signal
+    import time
+
+    (tmp_path / "rank.py").write_text(_STUBBORN_RANK)
+    launcher = ("import sys\nfrom hyflow.launch.torchrun import run\n"
+                f"sys.exit(run(['--standalone', '--nproc-per-node=2', '--shutdown-timeout=300', "
+                f"'--signals-to-handle=SIGTERM,SIGINT', {str(tmp_path / 'rank.py')!r}, {str(tmp_path)!r}], "
+                f"log_dir={str(tmp_path / 'logs')!r}))\n")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    ranks: list = []
+    try:
+        deadline = time.time() + 120
+        while len(ranks) < 2:
+            assert time.time() < deadline and proc.poll() is None
+            ranks = [int(p.name.split(".")[2]) for p in tmp_path.glob("ready.*")]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(2)
+        assert proc.poll() is None  # the ranks are "saving": the launcher waits for them
+        proc.send_signal(signal.SIGINT)
+        start = time.time()
+        assert proc.wait(timeout=60) == 130 and time.time() - start < 30
+        time.sleep(0.5)
+        assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+        assert "second SIGINT: the ranks were killed without saving" in proc.stdout.read()
+    finally:
+        _kill(proc.pid, *ranks)
+
+
+def test_the_resume_hint_never_points_back_at_a_refused_checkpoint(tmp_path):
+    from hyflow.launch.rank_report import record_failure, resume_hint
+
+    step = tmp_path / "run" / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
+    (step / "COMPLETE").write_text('{"step": 2}')
+    logs = str(tmp_path / "logs")
+    os.makedirs(logs)
+    assert "resumes from step 2" in resume_hint(str(tmp_path / "run"), logs)
+    # a failed save names the previous checkpoint as intact: resuming from it is right (probe: disk full)
+    record_failure(ValueError(f"checkpoint step 4 was not saved: no space left ...; the previous checkpoint {step} "
+                              "(step 2) is intact and `trainer.resume=auto` continues from it"), 1, logs)
+    assert "resumes from step 2" in resume_hint(str(tmp_path / "run"), logs)
+    record_failure(ValueError(f"actor/x holds NaN or inf while loading checkpoint {step}"), 0, logs)
+    hint = resume_hint(str(tmp_path / "run"), logs)
+    assert "was refused" in hint and "resumes from" not in hint and "earlier step_* directory" in hint
+    from hyflow.checkpoint.run_lock import RunDirInUse
+
+    record_failure(RunDirInUse(f"trainer.output_dir {tmp_path / 'run'} is in use by another run"), 0, logs)
+    assert resume_hint(str(tmp_path / "run"), logs) == ""  # another run's directory: nothing to continue here
+
+
+@pytest.mark.multirank
+def test_generate_on_two_ranks_reports_a_bad_model_directory_in_two_lines(tmp_path):
+    (tmp_path / "prompts.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n')
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    out = hyflow("generate", "--hf", str(tmp_path / "model"), "--prompts", str(tmp_path / "prompts.jsonl"),
+                 "--tp", "2", timeout=600)
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert out.returncode == 1 and len(lines) == 2, lines  # was torchrun's 36-line ChildFailedError dump
+    assert lines[0].startswith("[hyflow] rank ") and "failed: ValueError:" in lines[0] and "Traceback" not in out.stderr
+
+
+def _kill(*pids: int) -> None:
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -263,11 +263,11 @@ def test_dry_run_prints_and_submit_writes_into_the_run_dir(tmp_path, fake_slurm)
     assert "submitted job 777" in out.stdout
     assert (d / "sbatch.args").read_text().split("\0")[:-1] == ["--parsable", str(run_dir / "hyflow.sbatch")]
     _bash_ok(run_dir / "hyflow.sbatch")
-    bad = subprocess.run(args[:-2] + ["actor.layout.tp=3"], env=env, capture_output=True, text=True,
+    bad = subprocess.run(args[:-1] + ["actor.layout.tp=3"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "tp*pp*cp = 3*1*1 = 3" in bad.stderr, bad.stderr
     huge = ["model.hidden_size=65536", "model.ffn_hidden_size=262144"]
-    out = subprocess.run(args[:-2] + huge, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(args[:-1] + huge, env=env, capture_output=True, text=True, timeout=120)  # its own run dir
     assert out.returncode == 2 and "`hyflow plan` rejects this job at 2 ranks" in out.stderr
     assert "memory: phase '" in out.stderr and "--no-plan-check" in out.stderr
 

@@ -67,7 +67,7 @@ def test_required_keys_use_verl_names():
                           "update_critic")
 
 
-def test_fresh_run_truncates_and_resume_keeps_rows_up_to_the_checkpoint(tmp_path):
+def test_fresh_run_starts_a_new_file_and_resume_keeps_rows_up_to_the_checkpoint(tmp_path):
     with MetricsWriter(str(tmp_path), tensorboard=False) as w:
         for s in range(1, 6):
             w.log(s, full_row(s))
@@ -80,9 +80,10 @@ def test_fresh_run_truncates_and_resume_keeps_rows_up_to_the_checkpoint(tmp_path
         w.log(4, full_row(40))
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3, 4]
     assert read_metrics(str(tmp_path))[-1]["critic/score/mean"] == 4.0
-    with MetricsWriter(str(tmp_path), tensorboard=False) as w:   # not resuming: a new file
+    with MetricsWriter(str(tmp_path), tensorboard=False) as w:   # not resuming: a new file, the old one kept
         w.log(1, full_row(1))
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1]
+    assert len(list(tmp_path.glob("metrics.*.jsonl"))) == 1
 
 
 def test_tensorboard_events_written(tmp_path):

@@ -86,18 +86,20 @@ def test_batch_must_split_over_each_roles_dp():
       "trainer.save_every=5"], "is not checkpointed yet"),
     (["trainer.mode=one_step_off", "algorithm.adv_estimator=remax"], "ReMax's greedy baselines"),
 ])
-def test_what_one_step_off_does_not_run_yet_is_named_before_launch(overrides, message):
+def test_what_one_step_off_does_not_run_yet_is_named_before_launch(overrides, message, tmp_path):
     from hyflow.jobs.rl_preflight import preflight
 
-    with pytest.raises(ConfigError, match=message):
-        preflight(_load("trainer.nproc=4", *overrides))
+    with pytest.raises(ConfigError, match=message):  # a run directory of its own: never the tree's runs/
+        preflight(_load("trainer.nproc=4", *overrides, f"trainer.output_dir={tmp_path}"))
 
 
-def test_pools_in_sync_mode_pass_the_preflight():
+def test_pools_in_sync_mode_pass_the_preflight(tmp_path):
     from hyflow.jobs.rl_preflight import preflight
 
+    # its own run directory: runs/quickstart may hold `make train`'s finished run (issue #39 point 9)
     cfg = _load("trainer.nproc=4", *GAE, "placement.pools={train: [0, 2], gen: [2, 3], critic: [3, 4]}",
-                "placement.actor=train", "placement.rollout=gen", "placement.critic=critic", "critic.layout={tp: 1}")
+                "placement.actor=train", "placement.rollout=gen", "placement.critic=critic", "critic.layout={tp: 1}",
+                f"trainer.output_dir={tmp_path}")
     preflight(cfg)  # sync on pools, the critic on a pool of its own: runs (tests/test_placement_pools.py)
     assert cfg.trainer.mode == "sync" and cfg.actor.rollout_correction.mode == "off"
 

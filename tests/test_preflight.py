@@ -37,6 +37,9 @@ def files(tmp_path):
     good = json.dumps(_row()).encode()
     (tmp_path / "latin1.jsonl").write_bytes(good + b"\n" + good.replace(b"3+4=", b"3\xe94=") + b"\n")
     (tmp_path / "empty.jsonl").write_text(json.dumps(_row()) + "\n" + json.dumps(_row("")) + "\n")
+    role = dict(_row(), prompt=[{"role": "usr", "content": "3+4="}])
+    (tmp_path / "role.jsonl").write_text(json.dumps(_row()) + "\n" + json.dumps(role) + "\n")
+    (tmp_path / "small.jsonl").write_text("".join(json.dumps(_row()) + "\n" for _ in range(3)))
     (tmp_path / "ok.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                     "    return 1.0\n")
     (tmp_path / "sig.py").write_text("def compute_score(text):\n    return 1.0\n")
@@ -52,6 +55,12 @@ CASES = [  # (overrides with {d} = the files directory, the key named, words the
      ["{d}/latin1.jsonl: row 1 (line 2): not UTF-8 text"]),
     (["data.task=null", "data.tokenizer=char", "data.train_files=[{d}/empty.jsonl]"], "data.train_files[0]",
      ["{d}/empty.jsonl: row 1", "prompt[0].content", "is an empty string"]),
+    (["data.task=null", "data.tokenizer=char", "data.train_files=[{d}/role.jsonl]"], "data.train_files[0]",
+     ["{d}/role.jsonl: row 1", "prompt[0].role", "unknown role 'usr'"]),  # issue #39 point 12
+    (["data.task=null", "data.tokenizer=char", "data.train_files=[{d}/small.jsonl]"], "data.train_batch_size",
+     ["hold 3 rows, fewer than one batch of 4"]),
+    (["data.task_size=3"], "data.train_batch_size", ["data.task_size=3 prompts is fewer than one batch of 4"]),
+    (["trainer.output_dir="], "trainer.output_dir", ["is empty"]),
     (["data.task=digit_ad"], "data.task", ["unknown synthetic task 'digit_ad'"]),
     (["data.task=digits_copy", "data.task_options={{min_digits: abc}}"], "data.task_options",
      ["option min_digits expects an integer"]),

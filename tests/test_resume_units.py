@@ -5,6 +5,7 @@ import json
 import os
 import random
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -132,3 +133,58 @@ def test_supervisor_turns_signals_into_a_stop_at_the_step_boundary():
         out = sup.end_step({}, step=1)
         assert out.preempted and out.stop and not out.bad and sup.signal_name == "SIGUSR1"
     assert signal.getsignal(signal.SIGUSR1) == previous
+
+
+def test_a_non_finite_kl_or_log_prob_makes_the_step_bad_and_says_so(capsys):
+    """Issue #39 point 1: NaN weights showed as `kl nan` while the loss stayed finite, and no line
+    said the step was bad."""
+    from hyflow.jobs.step_end import StepEnd
+
+    class _Quiet:
+        def log(self, message):
+            pass
+
+        def poll(self):
+            pass
+
+        def wait(self):
+            pass
+
+    class _Writer:
+        def log(self, step, metrics):
+            pass
+
+    class _Progress:
+        def update(self, step, metrics):
+            pass
+
+    trainer = type("T", (), {"save_every": 0, "total_steps": 10})()
+    with StepSupervisor(3) as sup:
+        ends = StepEnd(trainer, _Quiet(), sup, _Writer(), _Progress())
+        for step, metrics in enumerate(({"actor/pg_loss": 0.1, "actor/reward_kl_penalty": float("nan")},
+                                        {"actor/pg_loss": 0.1, "rollout/logprob_diff_max": float("inf")},
+                                        {"actor/pg_loss": 0.1, "actor/entropy": 1.0, "actor/grad_norm": float("nan")}),
+                                       start=1):
+            sup.begin_step()
+            out = sup.end_step(metrics, step=step)
+            ends.finish(step, metrics, out, save=lambda s: None)
+            assert out.bad == (step < 3), (step, metrics)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["[hyflow] step 1 is bad: non-finite actor/reward_kl_penalty; its updates were skipped (1 of "
+                     "trainer.max_bad_steps=3 consecutive)",
+                     "[hyflow] step 2 is bad: non-finite rollout/logprob_diff_max; its updates were skipped (2 of "
+                     "trainer.max_bad_steps=3 consecutive)"]
+
+
+def test_ctrl_c_and_sighup_stop_at_the_step_boundary_and_a_second_ctrl_c_aborts():
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        with StepSupervisor(3) as sup:
+            sup.begin_step()
+            os.kill(os.getpid(), sig)
+            out = sup.end_step({}, step=1)
+            assert out.preempted and sup.signal_name == signal.Signals(sig).name
+    with StepSupervisor(3) as sup:
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # the handler runs between bytecodes

@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checkpoints", ("hyflow.checkpoint",)),
     ("generation and the hybrid engine", ("hyflow.rollout", "hyflow.hybrid")),
     ("the RL step's parts", ("hyflow.rl",)),
+    ("multi-turn rollouts: trajectories, tools, environments", ("hyflow.agent",)),
     ("validation on held-out data", ("hyflow.validation",)),
     ("placement pools", ("hyflow.placement",)),
     ("jobs", ("hyflow.jobs",)),

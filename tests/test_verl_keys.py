@@ -105,3 +105,18 @@ def test_three_bad_keys_are_reported_in_one_run_before_any_rank():
     assert f"verl key '{A}.ppo_micro_batch_size=8' is not supported" in out.stderr
     assert "config key 'rollout.n': expected int, got 'many'" in out.stderr
     assert "launching" not in out.stdout + out.stderr
+
+
+def test_lora_keys_become_actor_lora():
+    lora = "actor_rollout_ref.model"
+    cfg = load_job_config(QUICKSTART, ["actor.sft_warmup_steps=0", f"{lora}.lora_rank=8",
+                                       f"{lora}.target_modules=[q_proj,v_proj,down_proj]"])
+    # verl's alpha default (16, not hyflow's 32); q/v live in the fused linear_qkv
+    assert (cfg.actor.lora.rank, cfg.actor.lora.alpha, cfg.actor.lora.targets) == (8, 16, ["linear_qkv", "linear_fc2"])
+    cfg = load_job_config(QUICKSTART, ["actor.sft_warmup_steps=0", f"{lora}.lora_rank=4", f"{lora}.lora_alpha=8",
+                                       f"{lora}.target_modules=all-linear"])
+    assert (cfg.actor.lora.alpha, cfg.actor.lora.targets) == (8, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    cfg = load_job_config(QUICKSTART, [f"{lora}.lora_rank=0", f"{lora}.lora_alpha=16"])  # verl's off
+    assert cfg.actor.lora is None and any("ignored (lora_rank is 0" in n for n in cfg.notes)
+    with pytest.raises(ConfigError, match=r"unknown module\(s\) \['qproj'\]"):
+        load_job_config(QUICKSTART, ["actor.sft_warmup_steps=0", f"{lora}.lora_rank=4", f"{lora}.target_modules=[qproj]"])

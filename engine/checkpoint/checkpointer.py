@@ -37,11 +37,14 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from hyflow.checkpoint.adapters import adapter_info, check_adapter_checkpoint
+from hyflow.checkpoint.agree import any_rank, broadcast_json
 from hyflow.checkpoint.discovery import (CONFIG_FILE, LATEST_FILE, MARKER_FILE, STATE_FILE, checkpoints_root,
                                          latest_checkpoint, prune_checkpoints, resume_candidates,
                                          resume_path, set_aside, step_dir_name)
-from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError
-from hyflow.checkpoint.files import describe_os_error, find_os_error, read_json, write_atomic, write_json
+from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError, NonFiniteWeights
+from hyflow.checkpoint.finite import check_finite
+from hyflow.checkpoint.files import describe_os_error, find_os_error, full_disk_error, read_json, write_atomic, write_json
 from hyflow.checkpoint.manifest import write_manifest, verify_manifest
 from hyflow.checkpoint.megatron_io import quiet_dist_checkpointing, stop_signal_proof_writer_queue
 from hyflow.checkpoint.model import (CHECKPOINT_INFO_FILE, CheckpointInfo, check_compatible, load_model_checkpoint,
@@ -53,11 +56,15 @@ from hyflow.checkpoint.optimizer_state import (allocate_distributed_optimizer_st
 from hyflow.checkpoint.rng import capture_rng, load_rng, restore_rng, save_rng
 from hyflow.checkpoint.trained_model import TrainedModel
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription
+from hyflow.monitor import watchdog
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
 from hyflow.training.optimizer import fuse_torch_adam
 
 STATE_FORMAT = "hyflow-trainer-checkpoint"
+#: What to do about a checkpoint that cannot be loaded: resume=auto would pick it again.
+_REFUSED_HINT = ("it cannot be resumed from: set trainer.resume to an earlier step_* directory, or move this one "
+                 "away (trainer.resume=auto then takes the previous checkpoint)")
 STATE_VERSION = 1
 
 __all__ = ["Checkpointer", "TrainedModel", "STATE_FORMAT", "STATE_VERSION", "resume_path", "LATEST_FILE",
@@ -71,6 +78,23 @@ def _layout_dict(layout: Any) -> dict[str, Any]:
 def _describe_layout(layout: dict[str, Any]) -> str:
     return (f"tp={layout.get('tp')} pp={layout.get('pp')} dp={layout.get('dp')} "
             f"({layout.get('world_size')} rank{'' if layout.get('world_size') == 1 else 's'})")
+
+
+def _state_problem(state: dict[str, Any]) -> str:
+    """What is wrong with a trainer state's fields (empty when nothing is)."""
+    if not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool) or state["step"] < 0:
+        return f"step is {state.get('step')!r}, not a step number"
+    for key in ("layout", "models", "job"):
+        if not isinstance(state.get(key), dict):
+            return f"{key} is {type(state.get(key)).__name__}, not a mapping"
+    if not all(isinstance(v, dict) for v in state["models"].values()):
+        return "models holds an entry that is not a mapping"
+    if not isinstance(state.get("frozen", {}), dict) or \
+            not all(isinstance(v, str) for v in state.get("frozen", {}).values()):
+        return "frozen is not a mapping of paths"
+    if not all(isinstance(state["layout"].get(k), int) for k in ("tp", "pp")):
+        return "layout lacks tp / pp"
+    return ""
 
 
 class Checkpointer:
@@ -108,6 +132,7 @@ class Checkpointer:
         self._log = log
         self._queue: Any = None
         self._verified: set[str] = set()
+        self._validated: set[str] = set()  # parts whose sharding Megatron validated on a save of this run
         self._doing = ""
 
     def log(self, message: str) -> None:
@@ -132,6 +157,7 @@ class Checkpointer:
         what was being written; earlier checkpoints are untouched.
         """
         self.wait()  # one save in flight at a time: the previous one's marker comes first
+        watchdog.beat(f"saving checkpoint step {step}")
         rng = capture_rng()
         path = os.path.join(self.root, step_dir_name(step))
         try:
@@ -139,7 +165,7 @@ class Checkpointer:
         except BaseException as e:  # torch DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            os_error = find_os_error(e)
+            os_error = find_os_error(e) or full_disk_error(self.root)
             if os_error is None:
                 raise
             raise CheckpointError(self._failure(step, path, os_error)) from e
@@ -147,15 +173,29 @@ class Checkpointer:
             restore_rng(rng)
 
     def _failure(self, step: int, path: str, e: OSError) -> str:
+        return (f"checkpoint step {step} was not saved: {describe_os_error(e, self._doing or f'writing {path}')}; "
+                f"{self._previous_note()}")
+
+    def _previous_note(self) -> str:
         previous = latest_checkpoint(self.root, lambda _: None)
-        after = (f"the previous checkpoint {previous.path} (step {previous.step}) is intact and "
-                 "`trainer.resume=auto` continues from it" if previous else "there is no earlier checkpoint")
-        return f"checkpoint step {step} was not saved: {describe_os_error(e, self._doing or f'writing {path}')}; {after}"
+        return (f"the previous checkpoint {previous.path} (step {previous.step}) is intact and "
+                "`trainer.resume=auto` continues from it" if previous else "there is no earlier checkpoint")
+
+    def _check_finite(self, models: dict[str, Any], what: str, after: str = "") -> None:
+        """Every rank's tensors of ``models`` are finite, or every rank raises (collective)."""
+        try:
+            check_finite(models, what, device=self.groups.device)
+        except NonFiniteWeights as e:
+            if not after:
+                raise
+            raise NonFiniteWeights(f"{e}; {after}", tensor=e.tensor, peer=e.peer) from None
 
     def _save(self, step: int, path: str, rng: dict, models: dict[str, TrainedModel], job_state: dict[str, Any],
               frozen: Optional[dict[str, torch.nn.Module]], config_text: Optional[str],
               own_files: Optional[Callable[[str], None]] = None) -> str:
         rank = dist.get_rank()
+        self._check_finite({**{name: m.chunks for name, m in models.items()}, **(frozen or {})},
+                           f"saving checkpoint step {step}", after=self._previous_note())
         self._doing = f"creating {path}"
         if rank == 0:
             if os.path.exists(path):  # an interrupted save of this step, or a re-save
@@ -226,16 +266,21 @@ class Checkpointer:
 
     def _any_rank(self, flag: bool) -> bool:
         """True when ``flag`` is true on some rank (collective)."""
-        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.groups.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return any_rank(flag, self.groups.device)
 
     def _dist_save(self, sharded: dict, directory: str) -> Any:
         from megatron.core import dist_checkpointing
 
         os.makedirs(directory, exist_ok=True)
+        # Megatron's access-integrity validation all-gathers every rank's shard metadata (pickled,
+        # O(world x shards) per rank). It checks that the layout's shards cover each tensor once,
+        # which cannot change within a run: validate the first save of each part, then trust it.
+        name = os.path.basename(os.path.normpath(directory))
+        validate = name not in self._validated
+        self._validated.add(name)
         with quiet_dist_checkpointing():
-            return dist_checkpointing.save(sharded, directory, async_sharded_save=self.async_save)
+            return dist_checkpointing.save(sharded, directory, async_sharded_save=self.async_save,
+                                           validate_access_integrity=validate)
 
     def _model_info(self, module: torch.nn.Module, step: int, name: str) -> CheckpointInfo:
         from megatron.core import __version__ as mcore_version
@@ -245,7 +290,7 @@ class Checkpointer:
                               num_layers=self.desc.num_layers, vocab_size=self.desc.vocab_size,
                               padded_vocab_size=pad_vocab_size(self.desc.vocab_size, layout.tp),
                               megatron_core=mcore_version, extra={"writer": "hyflow trainer", "role": name,
-                                                                  "step": step})
+                                                                  "step": step, **adapter_info(module)})
 
     def _write_metadata(self, path: str, state: dict[str, Any], infos: dict[str, CheckpointInfo],
                         config_text: Optional[str]) -> None:
@@ -270,15 +315,14 @@ class Checkpointer:
         from hyflow.checkpoint.model import save_model_checkpoint
 
         target = os.path.join(self.root, name)
-        flags = [False]
+        saved = False
         if dist.get_rank() == 0:  # rank 0's view decides for everyone
             try:
                 read_checkpoint_info(target)
-                flags[0] = True
+                saved = True
             except CheckpointError:
                 pass
-        dist.broadcast_object_list(flags, src=0)
-        if not flags[0]:
+        if not any_rank(saved, self.groups.device):
             self._doing = f"writing the frozen {name} model to {target}"
             save_model_checkpoint(model, target, self.groups, self.desc, overwrite=True,
                                   extra={"writer": "hyflow trainer", "role": name},
@@ -323,8 +367,7 @@ class Checkpointer:
                 found[:2] = resume_candidates(resume, self.output_dir, warn)
             except CheckpointError as e:
                 found[2] = str(e)
-        dist.broadcast_object_list(found, src=0)
-        candidates, exact, error = found
+        candidates, exact, error = broadcast_json(found, self.groups.device)
         if error:
             raise CheckpointError(error)
         damaged = []
@@ -375,18 +418,21 @@ class Checkpointer:
         for rel in state.get("frozen", {}).values():
             verify_model_checkpoint(os.path.normpath(os.path.join(path, rel)), self.groups, warn=self.log)
         if manifest is None:
-            self.log(f"[hyflow] warning: {path} has no manifest.json (written by an older hyflow): its files "
-                     "cannot be checked for damage")
+            self.log(f"[hyflow] warning: {path} has no manifest.json: its files cannot be checked for damage "
+                     "(loaded because verification is off: --no-verify / trainer.verify_checkpoints=false)")
         self._verified.add(path)
 
     def _read_state(self, path: str) -> dict[str, Any]:
         state = read_json(os.path.join(path, STATE_FILE), path)
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or \
-                int(state.get("version", 0)) > STATE_VERSION or not isinstance(state.get("models"), dict):
+                not isinstance(state.get("version", 0), int) or state.get("version", 0) > STATE_VERSION:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise CheckpointError(f"{path}/{STATE_FILE}: not a hyflow trainer checkpoint this version reads "
                                   f"(format {found!r}, version "
                                   f"{state.get('version') if isinstance(state, dict) else None})")
+        problem = _state_problem(state)
+        if problem:
+            raise CheckpointDamaged(f"{path}/{STATE_FILE} is malformed: {problem}", path, STATE_FILE, "unreadable")
         return state
 
     # ----------------------------------------------------------------- load
@@ -397,6 +443,7 @@ class Checkpointer:
         :meth:`verify` (skipped when :meth:`find_resume` just did it); restore this rank's RNG
         states when the layout is unchanged. Returns the trainer state (its ``job`` entry is
         what :meth:`save` was given). Call it last before training resumes."""
+        watchdog.beat(f"loading checkpoint {path}")
         self.verify(path)
         state = self._read_state(path)
         saved, current = state["layout"], _layout_dict(self.layout)
@@ -437,6 +484,8 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint {path} does not reference frozen model {name!r}")
             load_model_checkpoint(module, os.path.normpath(os.path.join(path, state["frozen"][name])),
                                   self.groups, self.desc, verify=False)
+        self._check_finite({**{name: m.chunks for name, m in models.items()}, **(frozen or {})},
+                           f"loading checkpoint {path}", after=_REFUSED_HINT)
         if same_layout:
             rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank():05d}.pt")
             if os.path.exists(rng_file) or os.path.isdir(os.path.dirname(rng_file)):
@@ -466,8 +515,9 @@ class Checkpointer:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        read_checkpoint_info(directory)  # complete, files present
+        info = read_checkpoint_info(directory)  # complete, files present
         check_compatible(self.desc, read_description(directory), directory)
+        check_adapter_checkpoint(info.extra, module, directory)
         with quiet_dist_checkpointing():
             state = dist_checkpointing.load(module.sharded_state_dict(), directory,
                                             strict=StrictHandling.RAISE_UNEXPECTED)

@@ -141,8 +141,24 @@ def resume_candidates(resume: str, output_dir: str,
     if resume == "never":
         return [], True
     if resume == "auto":
-        return [e.path for e in complete_checkpoints(checkpoints_root(output_dir), warn)], False
+        root = checkpoints_root(output_dir)
+        found = [e.path for e in complete_checkpoints(root, warn)]
+        aside = set_aside_checkpoints(root)
+        if not found and aside:  # a run that would silently start over beside its damaged checkpoints
+            raise CheckpointError(
+                f"{output_dir} holds no usable checkpoint, only set-aside ones ({', '.join(aside)} in {root}): "
+                "to start this run over there, set trainer.resume=never; to continue, repair one and rename "
+                "it back to step_<N>, or name it with trainer.resume=<path> and --no-verify")
+        return found, False
     return checkpoint_candidates(resume, warn)
+
+
+def set_aside_checkpoints(root: str) -> list[str]:
+    """Names of the checkpoints under ``root`` that :func:`set_aside` renamed, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(name for name in os.listdir(root) if CORRUPT_SUFFIX in name and _STEP_DIR.match(
+        name.split(CORRUPT_SUFFIX)[0]))
 
 
 def resume_path(resume: str, output_dir: str, warn: Callable[[str], None] = LOG.warning) -> Optional[str]:

@@ -17,3 +17,12 @@ class CheckpointDamaged(CheckpointError):
     def __init__(self, message: str, path: str, file: Optional[str] = None, reason: str = "damaged") -> None:
         super().__init__(message)
         self.path, self.file, self.reason = path, file, reason
+
+
+class NonFiniteWeights(CheckpointError):
+    """A model tensor holds NaN or inf (:mod:`hyflow.checkpoint.finite`): ``tensor`` names it on the
+    rank that holds it; ``peer`` is True on the other ranks (they only learnt that some rank does)."""
+
+    def __init__(self, message: str, tensor: Optional[str] = None, peer: bool = False) -> None:
+        super().__init__(message)
+        self.tensor, self.peer = tensor, peer

@@ -91,6 +91,23 @@ def find_os_error(exc: BaseException) -> "OSError | None":
     return None
 
 
+#: Free space below which a failed write is taken for a full disk (writers that lost the errno:
+#: torch's zip writer reports "enforce fail ... unexpected pos", a background writer only a message).
+FULL_BELOW_BYTES = 64 << 20
+
+
+def full_disk_error(path: str) -> "OSError | None":
+    """An ENOSPC error for ``path`` when its file system has less than :data:`FULL_BELOW_BYTES`
+    free (call it after a write failed for a reason the exception does not tell)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    if st.f_bavail * st.f_frsize >= FULL_BELOW_BYTES:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^:\n]+)(?:: '([^'\n]*)')?")
 
 

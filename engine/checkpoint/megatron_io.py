@@ -19,16 +19,21 @@ def quiet_dist_checkpointing() -> Iterator[None]:
     directory (ours already holds the tokenizer), and torch's DCP emits deprecation
     FutureWarnings about APIs Megatron 0.16 uses internally.
     """
-    log = logging.getLogger("megatron.core.dist_checkpointing.serialization")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    # serialization: the overwrite warning; filesystem_async: a writer's failure, which the save
+    # raises again and hyflow reports in one line (the rank log keeps the traceback)
+    logs = {logging.getLogger("megatron.core.dist_checkpointing.serialization"): logging.ERROR,
+            logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async"): logging.CRITICAL}
+    levels = {log: log.level for log in logs}
+    for log, level in logs.items():
+        log.setLevel(level)
     try:
         with warnings.catch_warnings():
             for module in (r"torch\.distributed\.checkpoint.*", r"megatron\.core\.dist_checkpointing.*"):
                 warnings.filterwarnings("ignore", category=FutureWarning, module=module)
             yield
     finally:
-        log.setLevel(level)
+        for log, level in levels.items():
+            log.setLevel(level)
 
 
 def _ignore_stop_signals() -> None:

@@ -38,11 +38,20 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model  # Megatron DDP / Float16Module wrappers
 
+from hyflow.checkpoint.adapters import (adapter_info, adapter_settings, base_reference, check_adapter_checkpoint,
+                                        check_base, find_base, lora_config)
+from hyflow.checkpoint.agree import any_rank
 from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError  # noqa: F401 - re-exported
 from hyflow.checkpoint.files import write_json
-from hyflow.checkpoint.manifest import MANIFEST_FILE, sizes_match, verify_manifest, write_manifest
+from hyflow.checkpoint.finite import check_finite
+from hyflow.checkpoint.manifest import MANIFEST_FILE, PARTS_DIR, sizes_match, verify_manifest, write_manifest
 from hyflow.checkpoint.megatron_io import quiet_dist_checkpointing
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription, ModelDescriptionError
+from hyflow.models.lora import apply_lora, lora_spec, merge_and_unload
+from hyflow.models.sources.errors import ConversionError
+from hyflow.models.sources.hf_weights import load_hf_weights
+from hyflow.models.sources.model_source import is_hf_model
+from hyflow.models.weights import load_full_state_dict, random_full_state_dict
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
 
@@ -157,7 +166,9 @@ def read_checkpoint_info(ckpt_dir: str) -> CheckpointInfo:
     info = CheckpointInfo(**{k: v for k, v in data.items() if k in known})
     _check_dcp_files(ckpt_dir)
     root, prefix = manifest_location(ckpt_dir)
-    sizes_match(root, prefix)  # every other file: presence and size (checksums: verify_model_checkpoint)
+    # every other file: path, presence and size (checksums: verify_model_checkpoint); the parts of the
+    # other ranks' files only without a process group (the ranks of a job read them collectively)
+    sizes_match(root, prefix, all_parts=not (dist.is_available() and dist.is_initialized()))
     return info
 
 
@@ -172,13 +183,20 @@ def manifest_location(ckpt_dir: str) -> tuple[str, str]:
     return ckpt_dir, ""
 
 
+def adapter_base(checkpoint: Optional[str], seed: int) -> dict:
+    """What a LoRA checkpoint records about its frozen base: ``checkpoint`` (path and checksum of its
+    files, :func:`hyflow.checkpoint.adapters.base_reference`), or the random initialisation's ``seed``."""
+    return base_reference(checkpoint, seed, manifest_location(checkpoint) if checkpoint else None)
+
+
 def verify_model_checkpoint(ckpt_dir: str, groups: Optional[ParallelGroups] = None,
                             warn=None) -> bool:
     """Check ``ckpt_dir`` before a load: every file against the manifest (collective over all
     ranks when a process group exists: each rank checks a share), and every pickle in it
     (:func:`hyflow.checkpoint.trust.check_dcp_pickles`). Raises :class:`CheckpointError`
-    (:class:`CheckpointDamaged` naming the file for damage). Returns False, after ``warn``
-    (default: a logged warning), when the checkpoint has no manifest (older hyflow)."""
+    (:class:`CheckpointDamaged` naming the file for damage, ``ManifestMissing`` without a
+    manifest). Returns False, after ``warn`` (default: a logged warning), when the checkpoint has
+    no manifest and verification is off (``--no-verify``)."""
     from hyflow.checkpoint.trust import check_dcp_pickles
 
     root, prefix = manifest_location(ckpt_dir)
@@ -186,8 +204,8 @@ def verify_model_checkpoint(ckpt_dir: str, groups: Optional[ParallelGroups] = No
     check_dcp_pickles(ckpt_dir)
     if manifest is None:
         (warn or logging.getLogger(__name__).warning)(
-            f"{ckpt_dir} has no {MANIFEST_FILE} (written by an older hyflow): its files cannot be checked "
-            "for damage")
+            f"{ckpt_dir} has no {MANIFEST_FILE}: its files cannot be checked for damage (loaded because "
+            "verification is off)")
         return False
     return True
 
@@ -279,11 +297,12 @@ def save_model_checkpoint(model: Optional[torch.nn.Module], ckpt_dir: str, group
 
     if model is None and dist.get_rank() == 0:
         raise CheckpointError("rank 0 must hold the model it saves")
+    check_finite({"model": model}, f"saving {ckpt_dir}", device=groups.device)
     info = CheckpointInfo(
         dtype=model_dtype_name(model) if model is not None else "", tp=groups.layout.tp, pp=groups.layout.pp,
         num_layers=desc.num_layers, vocab_size=desc.vocab_size,
         padded_vocab_size=pad_vocab_size(desc.vocab_size, groups.layout.tp),
-        megatron_core=mcore_version, extra=dict(extra or {}))
+        megatron_core=mcore_version, extra=dict(extra or {}, **adapter_info(model)))
     info_path = os.path.join(ckpt_dir, CHECKPOINT_INFO_FILE)
     error = None
     if dist.get_rank() == 0:
@@ -293,14 +312,13 @@ def save_model_checkpoint(model: Optional[torch.nn.Module], ckpt_dir: str, group
                         f for f in os.listdir(ckpt_dir) if f.endswith(".distcp")]:
                     if os.path.exists(os.path.join(ckpt_dir, name)):
                         os.remove(os.path.join(ckpt_dir, name))
+                shutil.rmtree(os.path.join(ckpt_dir, PARTS_DIR), ignore_errors=True)
             else:
                 error = f"{ckpt_dir} already holds a checkpoint; pass overwrite=True to replace it"
         if error is None:
             os.makedirs(ckpt_dir, exist_ok=True)
-    errors = [error]
-    dist.broadcast_object_list(errors, src=0)
-    if errors[0]:
-        raise CheckpointError(errors[0])
+    if any_rank(error is not None, groups.device):
+        raise CheckpointError(error or f"{ckpt_dir} cannot be saved (see rank 0's error)")
     with quiet_dist_checkpointing():
         dist_checkpointing.save({} if model is None else unwrap_model(model).sharded_state_dict(), ckpt_dir)
     dist.barrier()
@@ -337,16 +355,17 @@ def load_model_checkpoint(model: Optional[torch.nn.Module], ckpt_dir: str, group
     if verify:
         verify_model_checkpoint(ckpt_dir, groups)
     module = unwrap_model(model) if model is not None else None
+    check_adapter_checkpoint(info.extra, module, ckpt_dir)  # LoRA adapters: onto their own base only
     try:
         with quiet_dist_checkpointing():
             state = dist_checkpointing.load(module.sharded_state_dict() if module is not None else {}, ckpt_dir,
                                             strict=StrictHandling.RAISE_UNEXPECTED)
     except CheckpointingException as e:
         raise CheckpointError(f"cannot load {ckpt_dir} into this model: {e}") from None
-    if module is None:
-        return info
-    module.load_state_dict(state, strict=True)
-    zero_vocab_padding(module, ckpt_desc.vocab_size, groups)
+    if module is not None:
+        module.load_state_dict(state, strict=True)
+        zero_vocab_padding(module, ckpt_desc.vocab_size, groups)
+    check_finite({"model": module}, f"loading {ckpt_dir}", device=groups.device)
     return info
 
 
@@ -363,6 +382,34 @@ def load_model_from_checkpoint(
     desc = read_description(ckpt_dir)
     if verify:
         verify_model_checkpoint(ckpt_dir, groups)  # before building: a damaged checkpoint fails fast
+    saved = adapter_settings(info.extra)
+    if saved is not None:  # LoRA adapters: their base, then the adapters, merged
+        return _load_adapted(ckpt_dir, saved, groups, dtype or info.dtype, spec, verify, desc, info)
     model = build_model_for_loading(desc, groups, dtype=dtype or info.dtype, spec=spec)
     load_model_checkpoint(model, ckpt_dir, groups, desc, verify=False)
     return model, desc, info
+
+
+def _load_adapted(ckpt_dir: str, saved: dict, groups: ParallelGroups, dtype: str, spec: str, verify: bool,
+                  desc: ModelDescription, info: CheckpointInfo):
+    """A LoRA checkpoint as a plain model: the base it references (checked against the recorded
+    checksum), the adapters onto it, merged for good (:func:`hyflow.models.lora.merge_and_unload`)."""
+    config = lora_config(saved)
+    spec = lora_spec(spec, config)
+    base_dir = find_base(saved.get("base", {}), ckpt_dir)
+    if base_dir is None:  # a random initialisation
+        model = build_model_for_loading(desc, groups, dtype=dtype, spec=spec)
+        load_full_state_dict(model, random_full_state_dict(desc, saved["base"]["random_init_seed"]), desc, groups)
+    elif is_hf_model(base_dir):  # a Hugging Face base read directly (actor.checkpoint an HF dir or .gguf)
+        check_base(saved["base"], base_reference(base_dir, 0), ckpt_dir)
+        model = build_model_for_loading(desc, groups, dtype=dtype, spec=spec)
+        try:
+            load_hf_weights(model, base_dir, desc, groups)
+        except ConversionError as e:
+            raise CheckpointError(f"the LoRA base of {ckpt_dir}: {e}") from None
+    else:
+        check_base(saved["base"], base_reference(base_dir, 0, manifest_location(base_dir)), ckpt_dir)
+        model, _, _ = load_model_from_checkpoint(base_dir, groups, dtype=dtype, spec=spec, verify=verify)
+    apply_lora(model, config, seed=0, trainable=saved.get("trained", ()), base=saved["base"])
+    load_model_checkpoint(model, ckpt_dir, groups, desc, verify=False)
+    return merge_and_unload(model), desc, info

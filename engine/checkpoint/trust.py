@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from typing import Any
 
 from hyflow.checkpoint.errors import CheckpointError
@@ -80,10 +81,15 @@ def read_dcp_index(ckpt_dir: str) -> Any:
 
 
 def unpickling_detail(e: BaseException) -> str:
-    """The line of a ``weights_only`` load error that names what was refused."""
+    """What a ``weights_only`` load error refused (``GLOBAL builtins.exec``), without torch's advice
+    to allow-list it: a checkpoint is never trusted with code."""
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    return next((line for line in lines if "GLOBAL" in line or "Unsupported" in line),
+    line = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line),
                 lines[0] if lines else type(e).__name__)
+    match = re.search(r"GLOBAL (\S+)", line)
+    if match:
+        return f"it references {match.group(1)}"
+    return re.split(r"\. Please use `torch\.serialization|Please use `torch\.serialization", line)[0].strip()
 
 
 def check_plain_pickle(data: bytes, source: str) -> None:

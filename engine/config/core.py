@@ -84,8 +84,43 @@ def _collect(exc: ConfigError) -> None:
 _EXP_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 
 
+#: Values a config may hold once its YAML aliases (``*name``) are expanded: far above any real
+#: config, far below what a "billion laughs" file (aliases of aliases) would take to expand.
+MAX_EXPANDED_NODES = 100_000
+
+
+def _expanded_nodes(root: yaml.Node, limit: int) -> int:
+    """How many values ``root`` holds with every alias expanded (counted once per node, so
+    linear in the file's size; stops past ``limit``). A recursive alias counts as over the limit."""
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        children = node.value if isinstance(node, yaml.SequenceNode) else \
+            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
+        if done:
+            on_path.discard(id(node))
+            size[id(node)] = min(limit + 1, 1 + sum(size[id(c)] for c in children))
+        elif id(node) in on_path:
+            return limit + 1  # an alias of its own ancestor: infinite
+        elif id(node) not in size:
+            on_path.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in size)
+    return size[id(root)]
+
+
 class _Loader(yaml.SafeLoader):
-    """Safe loader that reads ``1e-4`` as a float and rejects duplicate mapping keys."""
+    """Safe loader that reads ``1e-4`` as a float, rejects duplicate mapping keys, and refuses a
+    document whose aliases expand past :data:`MAX_EXPANDED_NODES` values."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        if _expanded_nodes(node, MAX_EXPANDED_NODES) > MAX_EXPANDED_NODES:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"its aliases (*name) expand to more than {MAX_EXPANDED_NODES} values (a \"billion "
+                "laughs\" document?): refusing it", node.start_mark)
+        return super().construct_document(node)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[str, yaml.Node] = {}
@@ -576,8 +611,13 @@ def load_config(cls: type[T], yaml_path: str | None, overrides: Sequence[str] = 
                 data = yaml_load(fh)
         except FileNotFoundError:
             raise ConfigError(f"config file '{yaml_path}' not found; check the path") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file '{yaml_path}' is a directory, not a YAML file") from None
         except OSError as exc:
-            raise ConfigError(f"cannot read config file '{yaml_path}': {exc.strerror}") from exc
+            raise ConfigError(f"cannot read config file '{yaml_path}': {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file '{yaml_path}' is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                              f"offset {exc.start}); save it as UTF-8") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -168,6 +168,9 @@ def write_rows(rows: Sequence[dict], path: str) -> str:
 
 # ----------------------------------------------------------------------------- validation
 
+#: Chat roles a prompt's messages may have (OpenAI's and the chat templates' of Llama, Qwen, Mistral).
+CHAT_ROLES = ("system", "user", "assistant", "tool", "ipython", "function", "developer")
+
 def _messages(value: Any, key: str) -> list[dict]:
     if isinstance(value, str):
         if not value.strip():
@@ -187,6 +190,8 @@ def _messages(value: Any, key: str) -> list[dict]:
                 raise _RowError(f"{key}[{i}].{field}", f"must be a string, got {type(msg[field]).__name__}")
             if not msg[field].strip():  # as `prompt: ""`: the model would train on an empty turn
                 raise _RowError(f"{key}[{i}].{field}", "is an empty string")
+        if msg["role"] not in CHAT_ROLES:  # a chat template fails on it, once the ranks run
+            raise _RowError(f"{key}[{i}].role", f"unknown role {msg['role']!r}; one of {', '.join(CHAT_ROLES)}")
         out.append({"role": msg["role"], "content": msg["content"]})
     return out
 

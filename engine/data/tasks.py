@@ -10,6 +10,8 @@ Character-level tasks for the tiny CPU quickstart model (``CharTokenizer``, exac
 Word problems for an instruct model such as SmolLM2-135M-Instruct (numeric-match reward):
 
 * ``arithmetic`` -- ``"What is 17 + 25? Answer with just the number."`` -> ``"42"``
+* ``tool_arithmetic`` -- ``"What is 347 * 28?"`` -> ``"9716"``, with the calculator tool (multi-turn
+  rollouts); rows carry a tool-using demonstration for the SFT warm-up
 
 Preference tasks for the DPO / KTO jobs (the same problems, a right and a plausible wrong answer):
 
@@ -202,6 +204,51 @@ def _make_pref_arithmetic(size: int, seed: int = 0, format: str = "dpo", ops: st
     return _preference_rows("pref_arithmetic", problems, seed, format, split, answer)
 
 
+#: the system prompt of ``tool_arithmetic``: how to call the calculator (SmolLM2's template has no tools)
+TOOL_SYSTEM_PROMPT = ('You have a calculator. To use it, write <tool_call>{"name": "calculator", "arguments": '
+                      '{"expression": "12*34"}}</tool_call> and its result comes back. Then reply with just the '
+                      'number.')
+
+
+def _make_tool_arithmetic(size: int, seed: int = 0, digits_a: int = 3, digits_b: int = 2, ops: str = "*",
+                          split: str = "all", system: bool = True) -> list[dict]:
+    """Rows ``"What is 347 * 28?"`` (``digits_a``- and ``digits_b``-digit operands) that a small model
+    solves with the ``calculator`` tool (``rollout.multi_turn``). ``system``: a system message says how
+    to call it. ``extra_info.demonstration`` is the tool-using answer for a multi-turn SFT warm-up:
+    the call, the calculator's result, the result repeated."""
+    unknown = set(ops) - set(_OPS)
+    if not ops or unknown:
+        raise ValueError(f"ops must be drawn from '+-*', got {ops!r}")
+    if not (1 <= digits_a <= 6 and 1 <= digits_b <= 6):
+        raise ValueError(f"digits_a and digits_b must be in 1..6, got {digits_a}, {digits_b}")
+    _in_split("", split)
+    rng = random.Random(f"tool_arithmetic:{seed}")
+    rows: list[dict] = []
+    for _ in range(1000 * size):
+        if len(rows) == size:
+            break
+        a = rng.randint(10 ** (digits_a - 1), 10 ** digits_a - 1)
+        b = rng.randint(10 ** (digits_b - 1), 10 ** digits_b - 1)
+        op = rng.choice(ops)
+        if op == "-" and b > a:
+            a, b = b, a
+        question = f"What is {a} {op} {b}?"
+        if not _in_split(question, split):
+            continue
+        result = str(_OPS[op][1](a, b))
+        row = _row("tool_arithmetic", len(rows), question, result, "math", split)
+        if system:
+            row["prompt"].insert(0, {"role": "system", "content": TOOL_SYSTEM_PROMPT})
+        call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%d%s%d"}}</tool_call>' % (a, op, b)
+        row["extra_info"]["demonstration"] = [{"role": "assistant", "content": call},
+                                              {"role": "tool", "content": result},
+                                              {"role": "assistant", "content": result}]
+        rows.append(row)
+    if len(rows) < size:
+        raise ValueError(f"split={split!r} holds too few questions for digits_a={digits_a} digits_b={digits_b}")
+    return rows
+
+
 TASKS: dict[str, TaskInfo] = {
     t.name: t for t in (
         TaskInfo("digits_copy", "copy a 3-5 digit string", _digit_task("digits_copy", "copy", lambda s: s),
@@ -213,6 +260,8 @@ TASKS: dict[str, TaskInfo] = {
         TaskInfo("digit_add", "add two single digits", _make_digit_add, "char", "exact_match"),
         TaskInfo("arithmetic", "'What is 17 + 25? Answer with just the number.' word problems",
                  _make_arithmetic, None, "numeric_match"),
+        TaskInfo("tool_arithmetic", "'What is 347 * 28?' for a model with the calculator tool (multi-turn)",
+                 _make_tool_arithmetic, None, "numeric_match"),
         TaskInfo("pref_digit_add", "digit_add preference pairs: right sum chosen, a plausible wrong one rejected",
                  _make_pref_digit_add, "char", "exact_match", kind="preference"),
         TaskInfo("pref_arithmetic", "arithmetic preference pairs: right result chosen, a plausible wrong one "

@@ -57,8 +57,10 @@ class Tokenizer:
         """Text of ``ids``; special tokens (EOS, padding, role markers) dropped by default."""
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> str:
-        """The prompt text of a chat: ``[{"role": ..., "content": ...}, ...]``."""
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
+                            tools: Optional[Sequence[dict]] = None) -> str:
+        """The prompt text of a chat: ``[{"role": ..., "content": ...}, ...]``. ``tools``: OpenAI-style
+        function schemas for templates that render them (the others ignore them)."""
         raise NotImplementedError
 
     def stop_token_ids(self) -> list[int]:
@@ -110,11 +112,13 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
+                            tools: Optional[Sequence[dict]] = None) -> str:
         if not self.has_chat_template:
             return simple_chat_text(messages, add_generation_prompt)
+        extra = {"tools": list(tools)} if tools else {}
         return self.tok.apply_chat_template(list(messages), tokenize=False,
-                                            add_generation_prompt=add_generation_prompt)
+                                            add_generation_prompt=add_generation_prompt, **extra)
 
     def encode_prompt_texts(self, texts: Sequence[str]) -> list[list[int]]:
         if not texts:
@@ -149,7 +153,8 @@ class SentencePieceTokenizer(Tokenizer):
             ids = [i for i in ids if not (self.sp.is_control(i) or self.sp.is_unknown(i))]
         return self.sp.decode(ids)
 
-    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
+                            tools: Optional[Sequence[dict]] = None) -> str:
         return simple_chat_text(messages, add_generation_prompt)
 
     def encode_prompt_texts(self, texts: Sequence[str]) -> list[list[int]]:
@@ -206,7 +211,8 @@ class CharTokenizer(Tokenizer):
                 out.append(self._id_to_str[i])
         return "".join(out)
 
-    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True,
+                            tools: Optional[Sequence[dict]] = None) -> str:
         parts = ["<s>"]
         for m in messages:
             role = m["role"]

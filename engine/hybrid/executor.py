@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
+from hyflow.hybrid.adapter_sync import AdapterSync
 from hyflow.hybrid.generation_groups import build_generation_groups
 from hyflow.hybrid.generation_buffer import GenerationBuffer, advise_huge_pages
 from hyflow.hybrid.offload import OptimizerStateOffload
@@ -49,6 +50,7 @@ from hyflow.hybrid.transport import GatherItem, make_pp_exchange, make_transport
 from hyflow.kernels import take_shard
 from hyflow.models.builder import build_gpt_model, resolve_spec
 from hyflow.models.description import ModelDescription
+from hyflow.models.lora import has_adapters
 from hyflow.monitor import comm
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import pad_vocab_size
@@ -90,8 +92,8 @@ class HybridEngine:
         train = cfg.actor.layout
         return WeightPathCapabilities(
             generation_model=True, stale_weights=True,
-            exact_in_generation_layout=exact_generation_forward(train.tp, train.sequence_parallel,
-                                                                cfg.rollout.layout.tp))
+            exact_in_generation_layout=cfg.actor.lora is None and exact_generation_forward(
+                train.tp, train.sequence_parallel, cfg.rollout.layout.tp))
 
     def __init__(self, train_model: torch.nn.Module, desc: ModelDescription,
                  train_groups: ParallelGroups, generation: tuple[int, int] | GenerationShape, *,
@@ -185,15 +187,23 @@ class HybridEngine:
         self._unmapped: dict[str, torch.Tensor] = {}
         self.stats = ReshardStats()
         self.in_generation = False
+        # A LoRA actor: the base reaches the generation buffer once, transitions move the adapters
+        # and merge them there (hyflow.hybrid.adapter_sync); the merged weights are not the training
+        # forward's arithmetic, so no generation-layout forward is exact.
+        self.adapters = AdapterSync(self) if has_adapters(self.train_model) else None
         self.capabilities = WeightPathCapabilities(
             generation_model=True, stale_weights=not self.in_place,
-            exact_in_generation_layout=exact_generation_forward(layout.tp, layout.sequence_parallel,
-                                                                self.gen_shape.tp))
+            exact_in_generation_layout=self.adapters is None and exact_generation_forward(
+                layout.tp, layout.sequence_parallel, self.gen_shape.tp))
 
     def describe(self) -> str:
         """One line: the two layouts and the micro-DP replicas per model copy."""
-        return (f"actor training {self.train_groups.layout.describe()} -> generation tp={self.gen_shape.tp} "
+        line = (f"actor training {self.train_groups.layout.describe()} -> generation tp={self.gen_shape.tp} "
                 f"pp={self.gen_shape.pp} with {self.plan.micro_dp_size} micro-DP replicas per model copy")
+        if self.adapters is not None:
+            line += (f"; LoRA: transitions move the adapters only ({self.adapters.plan.model_bytes / 2**20:.2f} MiB "
+                     f"vs {self.plan.model_bytes / 2**20:.1f} MiB of weights), merged in the generation layout")
+        return line
 
     def generation_weights(self) -> Optional[torch.Tensor]:
         """The flat buffer the generation model's parameters view (None when they alias the
@@ -215,14 +225,18 @@ class HybridEngine:
             self._ddp.offload_grad_buffers()
         # 2. The buffer's memory back. 3. The routes: copies, TP merge, PP merge.
         self.buffer.acquire()
-        for param, view in self._copies:
-            view.copy_(param.detach())
-        with comm.transfer("all_gather", self.tp_merge_group) as xfer:  # shared memory or collectives
-            xfer.nbytes = received = self.transport.gather(self._gathers)
-        if self.pp_exchange is not None:
-            with comm.transfer("p2p", self.pp_merge_group) as xfer:
-                xfer.nbytes = self.pp_exchange.exchange(self._publish, self._receive)
-            received += xfer.nbytes
+        received = 0
+        if self.adapters is None or not self.adapters.base_ready:  # a LoRA base comes once
+            for param, view in self._copies:
+                view.copy_(param.detach())
+            with comm.transfer("all_gather", self.tp_merge_group) as xfer:  # shared memory or collectives
+                xfer.nbytes = received = self.transport.gather(self._gathers)
+            if self.pp_exchange is not None:
+                with comm.transfer("p2p", self.pp_merge_group) as xfer:
+                    xfer.nbytes = self.pp_exchange.exchange(self._publish, self._receive)
+                received += xfer.nbytes
+        if self.adapters is not None:  # the adapters to the generation layout, merged into the base
+            received += self.adapters.to_generation()
         # 4. The training copy goes.
         if self.release_training_weights:
             self._release_training()
@@ -240,6 +254,8 @@ class HybridEngine:
         if not self.in_generation:
             return
         start = time.perf_counter()
+        if self.adapters is not None:  # the generation weights back to the base, bit for bit
+            self.adapters.to_training()
         if self._released:
             for storage, nbytes in self._released:
                 storage.resize_(nbytes)
@@ -255,7 +271,8 @@ class HybridEngine:
             for name, value in self._unmapped.items():
                 self._train_params[name].copy_(value)
             self._released, self._unmapped = [], {}
-        self.buffer.release()
+        if self.adapters is None:  # a LoRA actor's buffer keeps the base for the next transition
+            self.buffer.release()
         if self.offload_grads:
             self._ddp.restore_grad_buffers()
         if self._optimizer_offload is not None:

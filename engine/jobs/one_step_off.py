@@ -184,12 +184,15 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group)
     ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
                         tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead)
     steps = PooledSteps(cfg, state, job, ckpt, placement, train_group, saves)
-    run = open_run(cfg, ckpt, supervisor, steps.resume, lead)  # the resume is collective with the generation pool
-    if lead:
-        print(f"[hyflow] trainer.mode={cfg.trainer.mode} on pools: {placement.describe()}; {job.dataset_size} prompts; "
-              f"{models.weights.describe()}", flush=True)
-    steps.before_train(run)
-    return run_job(run, steps)
+    try:
+        run = open_run(cfg, ckpt, supervisor, steps.resume, lead)  # the resume is collective with the generation pool
+        if lead:
+            print(f"[hyflow] trainer.mode={cfg.trainer.mode} on pools: {placement.describe()}; "
+                  f"{job.dataset_size} prompts; {models.weights.describe()}", flush=True)
+        steps.before_train(run)
+        return run_job(run, steps)
+    finally:
+        reward.close()  # the reward function's worker processes
 
 
 class PooledSteps(RLSteps):

@@ -31,7 +31,7 @@ class PolicyConfig(TrainedModelConfig):
         "help": "pairs (dpo: chosen + rejected, 2 sequences each) or examples (kto) per forward/backward"})
 
     def validate(self) -> None:
-        self.resolve_dtype()
+        super().validate()
         check_positive(self, "micro_batch_size")
         if self.layout.cp > 1:
             raise ConfigError("context parallelism (cp > 1) is not supported by the preference jobs; "

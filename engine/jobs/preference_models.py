@@ -25,11 +25,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hyflow.checkpoint.model import adapter_base
 from hyflow.checkpoint.starting_weights import starting_description
 from hyflow.data.preference import PreferenceDataset, sequence_tensors
 from hyflow.jobs.preference_losses import score_sequences
 from hyflow.models.builder import build_gpt_model
 from hyflow.models.description import ModelDescription
+from hyflow.models.lora import BaseModelView, apply_lora, has_adapters, lora_spec
 from hyflow.models.weights import load_full_state_dict, random_full_state_dict
 from hyflow.parallel.groups import ParallelGroups, init_training_groups
 from hyflow.rl.batch import pad_multiple
@@ -92,9 +94,11 @@ def build_policy(cfg, tokenizer) -> Policy:
     if desc.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"the model's vocabulary ({desc.vocab_size}) is smaller than the tokenizer's "
                          f"({tokenizer.vocab_size}); use a model/tokenizer pair that match")
-    actor = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
+    actor = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=lora_spec(cfg.actor.spec, cfg.actor.lora),
                             config_overrides=_recompute(cfg.actor.recompute))
     _load_initial(cfg, actor, desc, groups)
+    if cfg.actor.lora is not None:  # the base is frozen: DDP and the optimizer see the adapters only
+        apply_lora(actor, cfg.actor.lora, seed=cfg.trainer.seed, base=adapter_base(cfg.actor.checkpoint, cfg.trainer.seed))
     chunks = wrap_ddp([actor], groups, cfg.actor.optim.distributed_optimizer)
     optimizer, scheduler = build_optimizer(chunks, cfg.actor.optim, cfg.trainer.total_steps,
                                            actor.config.params_dtype)
@@ -102,7 +106,10 @@ def build_policy(cfg, tokenizer) -> Policy:
 
 
 def build_reference_model(cfg, policy: Policy) -> torch.nn.Module:
-    """A frozen, eval-mode copy of the starting actor in the actor's layout."""
+    """A frozen, eval-mode copy of the starting actor in the actor's layout; for a LoRA policy its
+    base with the adapters off (no copy)."""
+    if has_adapters(policy.chunks):
+        return BaseModelView(policy.chunks[0])
     model = build_gpt_model(policy.desc, policy.groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
                             config_overrides={"perform_initialization": False})
     _load_initial(cfg, model, policy.desc, policy.groups, write_cache=False)

@@ -35,10 +35,14 @@ def job_schema(yaml_path: Optional[str], overrides: Sequence[str]) -> tuple[type
     override."""
     job = "lm"
     if yaml_path:
-        if not os.path.isfile(yaml_path):
+        if not os.path.exists(yaml_path):
             raise ConfigError(f"config file {yaml_path!r} does not exist")
+        if os.path.isdir(yaml_path):
+            raise ConfigError(f"config file {yaml_path!r} is a directory, not a YAML file")
+        if not os.path.isfile(yaml_path):
+            raise ConfigError(f"config file {yaml_path!r} is not a regular file (a device or a pipe?)")
         try:
-            with open(yaml_path) as f:
+            with open(yaml_path, encoding="utf-8") as f:
                 data = yaml_load(f.read()) or {}
         except Exception:  # load_config reports the file's problem with its line number
             data = {}

@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from hyflow.agent.agent import MultiTurnAgent
+from hyflow.agent.metrics import trajectory_metrics
+from hyflow.agent.trajectory import STATS
 from hyflow.algorithms.advantages import compute_advantages
 from hyflow.algorithms.dapo import overlong_penalty
 from hyflow.algorithms.kl import make_kl_controller
@@ -74,7 +77,10 @@ def setup(cfg: RLJobConfig) -> tuple[RLState, "StepJob"]:
     optimizers = [m.optimizer for m in models.trained().values()]
     supervisor = StepSupervisor(cfg.trainer.max_bad_steps, optimizers, protect=[kl_ctrl], device=models.groups.device)
     state = RLState(models=models, loader=loader, kl_ctrl=kl_ctrl, supervisor=supervisor)
-    return state, StepJob(tokenizer, reward, sorted({r.data_source for r in dataset}), len(dataset))
+    agent = None
+    if cfg.rollout.multi_turn.enable:  # tools, environments, chat pieces (hyflow.agent)
+        agent = MultiTurnAgent(cfg.rollout.multi_turn, tokenizer)
+    return state, StepJob(tokenizer, reward, sorted({r.data_source for r in dataset}), len(dataset), agent)
 
 
 def run(cfg: RLJobConfig) -> list[dict]:
@@ -85,11 +91,14 @@ def run(cfg: RLJobConfig) -> list[dict]:
     ckpt = Checkpointer(cfg.trainer.output_dir, state.models.groups, state.models.desc, cfg.trainer.keep_last,
                         tokenizer=tokenizer_spec_for(cfg.data))
     steps = RLSteps(cfg, state, job, ckpt)
-    run = open_run(cfg, ckpt, state.supervisor, steps.resume, lead=dist.get_rank() == 0)
-    if run.writer is not None:
-        print(f"[hyflow] {state.models.weights.describe()}; {job.dataset_size} prompts", flush=True)
-    steps.before_train(run)
-    return run_job(run, steps)
+    try:
+        run = open_run(cfg, ckpt, state.supervisor, steps.resume, lead=dist.get_rank() == 0)
+        if run.writer is not None:
+            print(f"[hyflow] {state.models.weights.describe()}; {job.dataset_size} prompts", flush=True)
+        steps.before_train(run)
+        return run_job(run, steps)
+    finally:
+        job.reward.close()  # the reward function's worker processes
 
 
 class RLSteps:
@@ -127,14 +136,14 @@ class RLSteps:
         return state.step
 
     def before_train(self, run: Run) -> None:
-        """The SFT warm-up of a fresh run, validation before the first step, communication statistics."""
+        """Validation of a fresh run's starting weights, its SFT warm-up, communication statistics."""
         cfg, self.run = self.cfg, run
-        if cfg.actor.sft_warmup_steps and not run.start:
-            sft_warmup(cfg, self.state, self.job.tokenizer)
         sampling = GenerationConfig.from_settings(cfg.rollout).sampling  # the rollout's stop tokens and length
-        self.validation = Validation.from_config(cfg, self.job.tokenizer, self.job.reward, sampling)
-        if self.validation is not None and self.validation.before_train and not run.start:  # logged as step 0
-            self._validate(0, run.writer)
+        self.validation = Validation.from_config(cfg, self.job.tokenizer, self.job.reward, sampling, self.job.agent)
+        if self.validation is not None and self.validation.before_train and not run.start:  # the starting weights
+            self._validate(0, run.writer)  # logged as step 0
+        if cfg.actor.sft_warmup_steps and not run.start:  # training: after the starting weights' validation
+            sft_warmup(cfg, self.state, self.job.tokenizer, self.job.agent)
         comm.install()  # per-step communication statistics (hyflow.monitor.comm)
         run.hooks = (comm,)
 
@@ -190,10 +199,13 @@ class RLSteps:
 
 
 class StepJob:
-    """What a step uses besides the state: the tokenizer, the reward manager, the data sources."""
-    def __init__(self, tokenizer, reward, sources, dataset_size: int = 0) -> None:
+    """What a step uses besides the state: the tokenizer, the reward manager, the data sources, and
+    for multi-turn rollouts the agent (:class:`hyflow.agent.agent.MultiTurnAgent`; None otherwise)."""
+
+    def __init__(self, tokenizer, reward, sources, dataset_size: int = 0, agent=None) -> None:
         self.tokenizer, self.reward, self.sources = tokenizer, reward, list(sources)
         self.dataset_size = dataset_size
+        self.agent = agent
 
     @property
     def pad_id(self) -> int:
@@ -307,11 +319,13 @@ def generate_round(cfg: RLJobConfig, state: RLState, job: "StepJob", shard, firs
             stale.swap_in(weights)
         rollouts.prepare_for_generation()
         prompts = [r.prompt_ids for r in shard]
-        rollout = rollouts.generate(prompts, cfg.rollout.n, seed=seed, request_offset=first)
+        if job.agent is not None:  # multi-turn trajectories: assistant turns and observations (hyflow.agent)
+            samples = rollouts.generate_trajectories(job.agent, shard, cfg.rollout.n, seed=seed, request_offset=first)
+        else:
+            samples = rollouts.generate(prompts, cfg.rollout.n, seed=seed, request_offset=first).samples
         # ReMax: one greedy response per prompt, a baseline only (scored, never trained on)
         greedy = rollouts.generate(prompts, 1, seed=seed, request_offset=first, greedy=True) \
             if cfg.algorithm.adv_estimator == "remax" else None
-        samples = rollout.samples
         if exact and rollouts.capabilities.exact_rescore:
             samples = _with_logprobs(samples, job.pad_id, lambda batch: rollouts.rescore(
                 batch, scoring, temperature=cfg.rollout.temperature, fused=cfg.actor.fused_output_layer,
@@ -343,9 +357,10 @@ def generate_round(cfg: RLJobConfig, state: RLState, job: "StepJob", shard, firs
 
 
 def _with_logprobs(samples: SampleTensors, pad_id: int, rescore) -> SampleTensors:
-    """``samples`` with the response log-probs ``rescore(batch)`` gives ([B, S], as the batch)."""
+    """``samples`` with the response log-probs ``rescore(batch)`` gives ([B, S], as the batch; 0 on
+    a multi-turn trajectory's observation tokens, which are not scored)."""
     batch = _rollout_batch(samples, pad_id)
-    return SampleTensors(samples.meta, samples.tokens, rescore(batch)[batch.response_mask > 0])
+    return samples.replace_logprobs(rescore(batch)[batch.response_positions()])
 
 
 def _stale_weights(cfg: RLJobConfig, state: RLState):
@@ -359,12 +374,15 @@ def _stale_weights(cfg: RLJobConfig, state: RLState):
 def _rollout_batch(samples: SampleTensors, pad_id: int) -> RolloutBatch:
     return build_rollout_batch(samples.tokens, samples.logprobs, samples.column("prompt_len"),
                                samples.column("response_len"), samples.column("request"), samples.column("sample"),
-                               samples.column("finish") == 2, pad_id=pad_id)
+                               samples.column("finish") == 2, pad_id=pad_id, flat_mask=samples.mask)
 
 
 def score_samples(job: StepJob, records, first: int, samples: SampleTensors):
     """Rewards of this rank's generated ``samples`` to its ``records`` (global indices from
-    ``first``), in sample order; a reward model reads their ``prompt + response`` token ids."""
+    ``first``), in sample order; a reward model reads their ``prompt + response`` token ids.
+    Multi-turn trajectories are scored by the agent (their final turn, or the environment's rewards)."""
+    if job.agent is not None:
+        return job.agent.score(job.reward, records, first, samples)[1]
     outputs = samples.to_outputs()
     texts = job.tokenizer.batch_decode([s.token_ids for s in outputs])
     return job.reward.score_records([records[s.request_index - first] for s in outputs], texts,
@@ -401,13 +419,18 @@ def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, 
     stats.mean("response_length/clip_ratio", batch.truncated.double().sum(), float(batch.size))
     stats.distribution("prompt_length", batch.prompt_lengths.double())
     stats.mean("prompt_length/clip_ratio", (samples.column("truncated") > 0).double().sum(), float(batch.size))
+    stats.add("reward/timeouts", float(scored.timeouts))  # reward calls stopped at reward.timeout_s
     stats.add("perf/total_num_tokens", batch.lengths.double().sum())
-    stats.add("rollout/generated_tokens", batch.response_lengths.double().sum())
+    sampled = batch.response_lengths.double().sum() if samples.stats is None else \
+        samples.stats[:, STATS.index("generated_tokens")].sum()  # a trajectory's observations were not sampled
+    stats.add("rollout/generated_tokens", sampled)
     stats.add("rollout/gen_seconds_sum", timers.step_times.get("gen", 0.0))
     processed = actor.processed_tokens + (critic.processed_tokens if critic else 0)
     real = actor.real_tokens + (critic.real_tokens if critic else 0)
     stats.mean("perf/padding_ratio", processed - real, processed)
     stats.mean("perf/rows_scored_per_rank", float(batch.size), 1.0)
+    if samples.stats is not None:  # multi-turn: turns, tool calls, end reasons, ... (hyflow.agent.metrics)
+        trajectory_metrics(stats, samples, cfg.rollout.n)
     out = stats.reduce(dp_group)
     gen_seconds = out.pop("rollout/gen_seconds_sum") / dp_group.size()
     out["rollout/tokens_per_s"] = out["rollout/generated_tokens"] / max(gen_seconds, 1e-9)
@@ -423,9 +446,11 @@ def _metrics(cfg, stats: BatchStats, job: StepJob, batch: RolloutBatch, scored, 
     return out
 
 
-def sft_warmup(cfg: RLJobConfig, state: RLState, tokenizer) -> None:
+def sft_warmup(cfg: RLJobConfig, state: RLState, tokenizer, agent=None) -> None:
     """Supervised steps on the reference answers (``extra_info.answer``) before RL; each DP rank
-    trains on its own prompts, the loss is the token mean over all of them."""
+    trains on its own prompts, the loss is the token mean over all of them. With multi-turn
+    rollouts (``agent``) the targets are the rows' multi-turn demonstrations
+    (``extra_info.demonstration``), the loss on their assistant turns only."""
     models = state.models
     groups, actor = models.groups, models.actor
     rank = dist.get_rank()
@@ -443,15 +468,18 @@ def sft_warmup(cfg: RLJobConfig, state: RLState, tokenizer) -> None:
         first, stop = models.rollouts.shard(len(records))
         rows = []
         for r in records[first:stop]:
+            if agent is not None:
+                rows.append(agent.demonstration(r))
+                continue
             answer = reference_response_ids(r, tokenizer)
-            rows.append((r.prompt_ids + answer, len(r.prompt_ids)))
+            rows.append((r.prompt_ids + answer, [0] * len(r.prompt_ids) + [1] * len(answer)))
         S = max(len(seq) for seq, _ in rows) + 1
         pad_id = tokenizer.pad_token_id or 0
         tokens = torch.full((len(rows), S), pad_id, dtype=torch.long, device=groups.device)
         loss_mask = torch.zeros(len(rows), S, device=groups.device)
-        for i, (seq, prompt_len) in enumerate(rows):
+        for i, (seq, mask) in enumerate(rows):
             tokens[i, :len(seq)] = torch.tensor(seq, dtype=torch.long, device=groups.device)
-            loss_mask[i, prompt_len:len(seq)] = 1.0
+            loss_mask[i, :len(seq)] = torch.tensor(mask, dtype=torch.float32, device=groups.device)
         data = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask[:, 1:]}
         lengths = [len(seq) for seq, _ in rows]
         micro = MicroBatching(cfg.actor.micro_batch_size, pad_multiple=pad_multiple(groups), pad_id=pad_id,

@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from hyflow.agent.config import MultiTurnConfig
 from hyflow.choices import AggMode, KLKind, PolicyLossName
 from hyflow.config import ConfigError
 from hyflow.config.checks import check_finite, check_positive
 from hyflow.jobs.algorithm_config import GROUP_ESTIMATORS, AlgorithmConfig, RolloutCorrectionConfig
 from hyflow.jobs.trainer_config import ValidatedTrainerConfig
 from hyflow.models.description import ModelDescription, tiny_llama
+from hyflow.models.lora_config import LoRAConfig
 from hyflow.parallel.distributed import default_dtype
 from hyflow.parallel.layout import Layout
 from hyflow.rollout.config import GenerationSettings, redefault
@@ -61,6 +63,13 @@ class RolloutConfig(GenerationSettings):
         "help": "tests and benchmarks only: generate with the actor's weights of this many steps ago (a forced "
                 "off-policy lag; the update still starts from the current weights)"})
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig, metadata={
+        "help": "multi-turn, tool-using trajectories (hyflow.agent); max_new_tokens is then the per-turn limit"})
+
+    @property
+    def max_response_length(self) -> int:
+        """The longest response a row can hold: a multi-turn trajectory's budget, else max_new_tokens."""
+        return self.multi_turn.max_response_tokens if self.multi_turn.enable else self.max_new_tokens
 
     def validate(self) -> None:
         check_finite(self, "temperature", "top_p")
@@ -90,7 +99,10 @@ class TrainedModelConfig:
     recompute: Literal["none", "selective", "full"] = field(default="none", metadata={
         "help": "activation recomputation during the update"})
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
-
+    lora: Optional[LoRAConfig] = field(default=None, metadata={
+        "help": "train low-rank adapters instead of the weights ({rank, alpha, dropout, targets}; {} for the "
+                "defaults): the base is frozen (no gradient, no optimizer state), the reference is the base with "
+                "the adapters off, generation syncs the adapters only; LoRA usually wants a higher lr (1e-4..5e-4)"})
 
     def resolve_dtype(self) -> None:
         """``dtype: auto``: bf16 where this process runs on CUDA, fp32 on the CPU."""
@@ -99,6 +111,10 @@ class TrainedModelConfig:
 
     def validate(self) -> None:
         self.resolve_dtype()
+        if self.lora is not None and self.spec == "te":
+            raise ConfigError("LoRA adapts Megatron's own linear layers (the local and sdpa specs; Transformer "
+                              "Engine's fused layer-norm linear hides the normalised input): set spec to sdpa, "
+                              "local or auto", key="spec")
 
 
 @dataclass
@@ -164,7 +180,7 @@ class ActorConfig(TrainedModelConfig):
     sft_lr: float = field(default=1e-3, metadata={"help": "constant learning rate of the SFT warm-up"})
 
     def validate(self) -> None:
-        self.resolve_dtype()
+        super().validate()
         check_positive(self, "micro_batch_size", "mini_batch_size", "ppo_epochs")
         if self.max_tokens_per_micro_batch is not None:
             check_positive(self, "max_tokens_per_micro_batch")
@@ -189,6 +205,11 @@ class ActorConfig(TrainedModelConfig):
         if self.policy_loss == "gspo" and self.pack_sequences:
             raise ConfigError("gspo's sequence-level ratio is taken over a row, which holds one sequence only "
                               "unpacked: set actor.pack_sequences=false", key="pack_sequences")
+        if self.lora is not None and self.sft_warmup_steps:
+            raise ConfigError("the LoRA actor's reference is its base model with the adapters off, which an SFT "
+                              "warm-up of the adapters would move away from: warm the model up (or fine-tune it) "
+                              "first and start LoRA from that checkpoint, or set actor.sft_warmup_steps=0",
+                              key="sft_warmup_steps")
         if self.rollout_correction.mode != "off" and self.old_logprobs == "rollout":
             raise ConfigError("rollout_correction weighs the training-layout log-probs against the sampler's; "
                               "with old_logprobs=rollout they are the same numbers (every weight is 1): set "
@@ -217,6 +238,9 @@ class CriticConfig:
         "help": "passes of the critic over each rollout batch; null = actor.ppo_epochs"})
     cliprange_value: float = field(default=0.5, metadata={
         "help": "PPO value clip: new values stay within this distance of the old ones"})
+    lora: Optional[LoRAConfig] = field(default=None, metadata={
+        "help": "train the critic as low-rank adapters on its (frozen) trunk plus its value head; null: the "
+                "whole critic trains"})
 
     def validate(self) -> None:
         check_positive(self, "micro_batch_size")
@@ -279,9 +303,23 @@ class RewardConfig:
     format_score: float = field(default=0.0, metadata={
         "help": "partial credit for a wrong answer whose response matches format_pattern"})
     format_pattern: Optional[str] = field(default=None, metadata={"help": "regex of the `format` rule"})
+    timeout_s: float = field(default=60.0, metadata={
+        "help": "seconds one call of the reward function (kind=function) may take: calls run in worker processes "
+                "and a call past the limit is stopped, scored reward.timeout_score and counted in reward/timeouts; "
+                "the file's import gets max(60, timeout_s). 0 = no limit (the function runs inside the rank)"})
+    batch_timeout_s: float = field(default=0.0, metadata={
+        "help": "seconds all of one rank's reward calls of a step may take; at the limit the unfinished ones are "
+                "scored like timed-out calls (0 = no limit beyond reward.timeout_s per call)"})
+    timeout_score: float = field(default=0.0, metadata={"help": "the score of a reward call that timed out"})
+    workers: int = field(default=1, metadata={
+        "help": "worker processes per rank calling the reward function (calls run in parallel; with timeout_s > 0)"})
 
     def validate(self) -> None:
-        check_finite(self, "model_coef", "format_score")
+        check_finite(self, "model_coef", "format_score", "timeout_s", "batch_timeout_s", "timeout_score")
+        for key in ("timeout_s", "batch_timeout_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"must be >= 0 (0 = no limit), got {getattr(self, key)}", key=key)
+        check_positive(self, "workers")
         if self.kind == "function" and not self.function_path:
             raise ConfigError("reward.kind=function needs reward.function_path", key="function_path")
         if self.kind == "model" and not self.model_checkpoint:
@@ -313,6 +351,9 @@ class DataConfig:
         check_positive(self, "train_batch_size", "task_size")
         if not self.train_files and not self.task:
             raise ConfigError("set data.train_files or data.task")
+        if self.task and self.task_size < self.train_batch_size:
+            raise ConfigError(f"data.task_size={self.task_size} prompts is fewer than one batch of "
+                              f"{self.train_batch_size}: raise data.task_size or lower it", key="train_batch_size")
 
 
 @dataclass
@@ -473,17 +514,40 @@ class RLJobConfig:
             if mini % dp:
                 who = "actor" if key.startswith("actor") else "critic"
                 raise ConfigError(f"{key}={mini} must be a multiple of the {who}'s data-parallel size {dp}")
-        longest = self.rollout.max_prompt_length + self.rollout.max_new_tokens
+        if self.rollout.multi_turn.enable:
+            self._check_multi_turn()
+        longest = self.rollout.max_prompt_length + self.rollout.max_response_length
         for key, budget in (("actor.max_tokens_per_micro_batch", self.actor.max_tokens_per_micro_batch),
                             ("critic.max_tokens_per_micro_batch", self.critic.max_tokens_per_micro_batch),
                             ("reference.max_tokens_per_micro_batch", self.reference.max_tokens_per_micro_batch)):
             if budget is not None and budget < longest:
                 raise ConfigError(
                     f"{key}={budget} is smaller than the longest sequence, rollout.max_prompt_length + "
-                    f"max_new_tokens = {longest}; raise it to at least {longest}")
-        total = self.rollout.max_prompt_length + self.rollout.max_new_tokens
+                    f"{self._response_key} = {longest}; raise it to at least {longest}")
+        total = self.rollout.max_prompt_length + self.rollout.max_response_length
         if total > self.model.context_length:
             raise ConfigError(
-                f"rollout.max_prompt_length + max_new_tokens = {total} exceeds the model's context "
+                f"rollout.max_prompt_length + {self._response_key} = {total} exceeds the model's context "
                 f"length {self.model.context_length} (model.max_position_embeddings, extended by "
                 "model.rope_scaling); shorten them or extend the context with rope_scaling")
+
+    @property
+    def _response_key(self) -> str:
+        return "multi_turn.max_response_tokens" if self.rollout.multi_turn.enable else "max_new_tokens"
+
+    def _check_multi_turn(self) -> None:
+        """What multi-turn rollouts do not combine with, each named with the way out (the rollouts
+        role's ``multi_turn`` capability is checked by the preflight: placement pools lack it)."""
+        if self.algorithm.adv_estimator == "remax":
+            raise ConfigError("rollout.multi_turn does not generate ReMax's greedy baselines: use grpo, rloo, "
+                              "reinforce_plus_plus or gae")
+        if self.algorithm.overlong_buffer.enable:
+            raise ConfigError("algorithm.overlong_buffer measures one response against rollout.max_new_tokens; it "
+                              "does not apply to multi-turn trajectories (rollout.multi_turn.max_response_tokens "
+                              "bounds them): set algorithm.overlong_buffer.enable=false")
+        if self.rollout.truncate_long_prompts:
+            raise ConfigError("rollout.truncate_long_prompts would cut a multi-turn context from the left (the "
+                              "trainer would score other tokens than the sampler's): set it to false")
+        if self.rollout.multi_turn.max_response_tokens < self.rollout.max_new_tokens:
+            raise ConfigError(f"rollout.multi_turn.max_response_tokens={self.rollout.multi_turn.max_response_tokens} "
+                              f"is below one turn's rollout.max_new_tokens={self.rollout.max_new_tokens}")

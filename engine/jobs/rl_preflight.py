@@ -98,6 +98,9 @@ REQUIREMENTS = (
      lambda caps: caps.exact_logprobs, "the training forward's log-probs of the policy that sampled (it samples "
      "with older weights and holds no generation model to re-score with)",
      "set rollout.exact_logprobs=false, or trainer.mode=sync"),
+    ("rollout.multi_turn.enable", lambda cfg: cfg.rollout.multi_turn.enable, "rollouts",
+     lambda caps: caps.multi_turn, "multi-turn trajectories (its generation pool runs single responses)",
+     "run colocated (trainer.mode=sync, placement.pools empty), or set rollout.multi_turn.enable=false"),
     ("rollout.force_staleness", lambda cfg: cfg.rollout.force_staleness > 0, "weights",
      lambda caps: caps.stale_weights, "sampling with older weights (it holds no generation weights of its own)",
      "set rollout.force_staleness=0, or run colocated"),
@@ -196,6 +199,7 @@ def _check_data_files(cfg: Any) -> None:
     files = [] if cfg.data.task else [(f"data.train_files[{i}]", p) for i, p in enumerate(cfg.data.train_files)]
     files += [(f"data.val_files[{i}]", p) for i, p in enumerate(cfg.data.val_files)]
     tokenizer = None
+    total, whole = 0, True  # training rows seen; whether every training file was read to its end
     for key, path in files:
         if not os.path.isfile(path):
             raise _error(key, f"data file {path} does not exist")
@@ -205,6 +209,9 @@ def _check_data_files(cfg: Any) -> None:
             raise _error(key, str(e)) from None
         if not rows:
             raise _error(key, f"{path} has no rows")
+        if key.startswith("data.train_files"):
+            total += len(rows)
+            whole = whole and len(rows) < PREVIEW_ROWS
         prompts = []
         for row, item in enumerate(rows):
             try:
@@ -218,6 +225,9 @@ def _check_data_files(cfg: Any) -> None:
 
                 tokenizer = load_data_tokenizer(cfg.data)  # seconds here, not a launch that ends with no prompt
             _check_prompt_lengths(key, path, prompts, tokenizer, cfg.rollout.max_prompt_length)
+    if not cfg.data.task and whole and total < cfg.data.train_batch_size:
+        raise _error("data.train_batch_size", f"the data files hold {total} rows, fewer than one batch of "
+                                              f"{cfg.data.train_batch_size} prompts: lower it or add rows")
 
 
 def _check_prompt_lengths(key: str, path: str, prompts: list, tokenizer: Any, limit: int) -> None:
@@ -233,13 +243,16 @@ def _check_prompt_lengths(key: str, path: str, prompts: list, tokenizer: Any, li
 
 def _check_reward(reward: Any) -> None:
     if reward.kind == "function":
-        from hyflow.rewards.user_function import RewardError, load_user_function
+        from hyflow.rewards.user_function import RewardError
+        from hyflow.rewards.worker import DEFAULT_IMPORT_TIMEOUT_S, probe_user_function
 
-        try:
-            load_user_function(reward.function_path, reward.function_name)
+        try:  # in a worker process: a file that hangs at import fails here instead of hanging the launcher
+            probe_user_function(reward.function_path, reward.function_name,
+                                max(DEFAULT_IMPORT_TIMEOUT_S, reward.timeout_s))
         except RewardError as e:
             text = str(e)
-            in_file = text.startswith(("importing", "no reward function file")) or "not found" in text
+            in_file = text.startswith(("importing", "no reward function file", "the reward worker")) or \
+                "not found" in text
             raise _error("reward.function_path" if in_file else "reward.function_name", text) from None
     if reward.model_checkpoint:
         from hyflow.rl.reward_model import check_reward_model_checkpoint

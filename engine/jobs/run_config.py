@@ -20,8 +20,10 @@ from typing import Any, Optional
 from hyflow.config import ConfigError, dump_yaml, format_changes
 from hyflow.config.core import to_dict, yaml_load
 
-#: keys a resumed run may change: its step budget
-MAY_CHANGE = ("trainer.total_steps",)
+#: keys a resumed run may change: its step budget, and how it watches itself (checkpoint verification,
+#: the stall watchdog, the reward function's time limits and worker count)
+MAY_CHANGE = ("trainer.total_steps", "trainer.verify_checkpoints", "trainer.watchdog_s", "reward.timeout_s",
+              "reward.batch_timeout_s", "reward.workers")
 _SHOWN = 8
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from hyflow.monitor import watchdog
 from hyflow.training.supervisor import StepOutcome, StepSupervisor
 
 
@@ -54,11 +55,14 @@ class StepEnd:
         """Record ``metrics`` of ``step``; when a checkpoint is due call ``save(step)`` (it writes
         the checkpoint and returns its directory); True when the run must stop after this step (a stop signal).
         Raises the supervisor's divergence error when the run diverged."""
+        watchdog.beat(f"the end of step {step} (metrics, checkpoint)")
         metrics["step"] = step
         self.history.append(metrics)
         if self.writer is not None:
             self.writer.log(step, metrics)
         self.progress.update(step, metrics)
+        if outcome.bad and self.writer is not None:  # the logging rank
+            print(self.supervisor.bad_step_line(step), flush=True)
         self.ckpt.poll()  # finalize background saves that finished (collective)
         saved = save(step) if save_due(self.trainer, step, outcome) else None
         if outcome.diverged:

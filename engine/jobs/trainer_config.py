@@ -29,6 +29,13 @@ class TrainerConfig:
     keep_last: int = field(default=2, metadata={"help": "complete checkpoints kept"})
     resume: str = field(default="auto", metadata={"help": "auto | never | path of a checkpoint"})
     max_bad_steps: int = field(default=3, metadata={"help": "consecutive NaN/inf steps before stopping"})
+    watchdog_s: float = field(default=600.0, metadata={
+        "help": "a rank that makes no progress (enters no phase of a step, finishes no step or save) for this many "
+                "seconds prints one line naming its phase (again at 2x, 4x ...); 0 = off"})
+    verify_checkpoints: bool = field(default=True, metadata={
+        "help": "check a checkpoint's files against its manifest.json (sizes, SHA-256, no unlisted file) before "
+                "loading it, and refuse one without a manifest; false (or --no-verify) skips the checksums and "
+                "loads checkpoints that have no manifest (paths, sizes and pickles are still checked)"})
     collective_timeout_s: float = field(default=3600.0, metadata={
         "help": "longest wait of one collective or receive (NCCL's watchdog aborts the run after it); placement "
                 "pools wait in a receive for the other pool's whole generation or update, so it must exceed the "
@@ -44,6 +51,10 @@ class TrainerConfig:
 
     def validate(self) -> None:
         check_positive(self, "total_steps", "nproc", "keep_last", "max_bad_steps", "collective_timeout_s")
+        if not str(self.output_dir).strip():
+            raise ConfigError("is empty: name the run directory (metrics, checkpoints, logs)", key="output_dir")
+        if self.watchdog_s < 0:
+            raise ConfigError(f"must be >= 0 (0 = off), got {self.watchdog_s}", key="watchdog_s")
         if self.save_every < 0:
             raise ConfigError(f"must be >= 0, got {self.save_every}", key="save_every")
         missing = check_available(self.loggers)
@@ -59,7 +70,8 @@ class ValidatedTrainerConfig(TrainerConfig):
         "help": "validate on data.val_files every N steps and after the last step (verl's trainer.test_freq; "
                 "0 = only after the last step)"})
     val_before_train: bool = field(default=True, metadata={
-        "help": "validate the starting weights before the first step (logged as step 0; with data.val_files)"})
+        "help": "validate the starting weights before training (logged as step 0, before the RL job's SFT "
+                "warm-up; with data.val_files)"})
 
     def validate(self) -> None:
         super().validate()

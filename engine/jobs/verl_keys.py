@@ -24,6 +24,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 from hyflow.config import ConfigError
 from hyflow.config.core import parse_override
+from hyflow.models.lora_config import HF_TARGETS, LORA_TARGETS
 
 Kind = Literal["same", "rename", "convert", "ignored", "refused"]
 A, C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -66,6 +67,14 @@ TABLE: tuple[VerlKey, ...] = (
             "true -> full, false -> none"),
     VerlKey("actor_rollout_ref.model.use_remove_padding", "-", "ignored",
             "hyflow pads each micro-batch to its own longest row; actor.pack_sequences=true packs them"),
+    VerlKey("actor_rollout_ref.model.lora_rank", "actor.lora.rank", "convert",
+            "0 (verl's off) -> no LoRA; > 0 trains adapters on the frozen base (README: LoRA)"),
+    VerlKey("actor_rollout_ref.model.lora_alpha", "actor.lora.alpha", "convert",
+            "used when lora_rank > 0; verl's default 16 when not given (hyflow's own default is 32)"),
+    VerlKey("actor_rollout_ref.model.target_modules", "actor.lora.targets", "convert",
+            "all-linear -> the four linears of each layer; HF names -> the fused Megatron layer holding them "
+            "(q/k/v_proj -> linear_qkv, o_proj -> linear_proj, gate/up_proj -> linear_fc1, down_proj -> "
+            "linear_fc2); used when lora_rank > 0"),
     VerlKey("actor_rollout_ref.model.*", "-", "refused", "hyflow reads the architecture from the checkpoint"),
     VerlKey("actor_rollout_ref.hybrid_engine", "-", "ignored", "hyflow always reshards the actor in memory"),
     # the actor
@@ -190,6 +199,8 @@ _BY_KEY = {row.verl: row for row in TABLE}
 _SECTIONS = sorted((row for row in TABLE if row.verl.endswith(".*")), key=lambda r: -len(r.verl))
 #: verl's top-level sections hyflow does not have: any key under them is verl's
 VERL_ONLY = ("actor_rollout_ref.", "custom_reward_function.", "reward_model.")
+#: verl's actor_rollout_ref.model.lora_alpha default (hyflow's actor.lora.alpha defaults to 32)
+VERL_LORA_ALPHA = 16
 
 
 def lookup(key: str) -> Optional[VerlKey]:
@@ -347,6 +358,9 @@ _CONVERT: dict[str, Callable[[Any, Translation], list[tuple[str, Any]]]] = {
     "data.truncation": _truncation,
     "data.reward_fn_key": _only("data.reward_fn_key", "data_source", "hyflow picks the reward per row's "
                                                                       "data_source"),
+    "actor_rollout_ref.model.lora_rank": _defer("lora_rank"),
+    "actor_rollout_ref.model.lora_alpha": _defer("lora_alpha"),
+    "actor_rollout_ref.model.target_modules": _defer("target_modules"),
     "actor_rollout_ref.model.enable_gradient_checkpointing":
         lambda v, out: [("actor.recompute", "full" if _flag(v, "enable_gradient_checkpointing") else "none")],
     f"{A}.optim.lr_warmup_steps": _off_is_zero("actor.optim.warmup_steps"),
@@ -416,6 +430,7 @@ def finalize(data: dict, tr: Translation) -> dict:
     for key in ("clip_ratio_low", "clip_ratio_high"):  # the explicit low / high win over clip_ratio
         if f"actor.{key}" in d:
             _put(data, f"actor.{key}", d[f"actor.{key}"])
+    _lora(data, tr)
     critic_path = d.get("critic.model.path")
     actor_path = _get(data, "actor.checkpoint")
     if critic_path is not None and actor_path is not None and os.path.abspath(critic_path) != \
@@ -441,6 +456,51 @@ def finalize(data: dict, tr: Translation) -> dict:
             tr.notes.append(f"trainer.total_epochs={epochs} -> trainer.total_steps={steps} ({rows} rows / "
                             f"data.train_batch_size={batch} per epoch)")
     return data
+
+
+def _lora(data: dict, tr: Translation) -> None:
+    """verl's ``lora_rank`` / ``lora_alpha`` / ``target_modules`` -> ``actor.lora`` (rank 0: no LoRA)."""
+    d, model = tr.deferred, "actor_rollout_ref.model"
+    given = {k: d[k] for k in ("lora_alpha", "target_modules") if k in d}
+    rank = d.get("lora_rank")
+    if rank is None and not given:
+        return
+    if isinstance(rank, bool) or not isinstance(rank, (int, type(None))) or (rank or 0) < 0:
+        tr.errors.append(_refuse(f"{model}.lora_rank", rank, "a whole number: 0 (no LoRA) or the adapter rank"))
+        return
+    if not rank:
+        tr.notes.append(f"{', '.join(f'{model}.{k}={v}' for k, v in given.items())}: ignored (lora_rank is 0: "
+                        "no LoRA)" if given else f"{model}.lora_rank=0: no LoRA")
+        return
+    if not isinstance(_get(data, "actor.lora"), dict):
+        _put(data, "actor.lora", {})
+    _put(data, "actor.lora.rank", rank)
+    tr.notes.append(f"{model}.lora_rank={rank} -> actor.lora.rank={rank}")
+    alpha = given.get("lora_alpha", VERL_LORA_ALPHA)
+    _put(data, "actor.lora.alpha", alpha)
+    tr.notes.append(f"{model}.lora_alpha={alpha}{'' if 'lora_alpha' in given else ' (verl default)'} -> "
+                    f"actor.lora.alpha={alpha}")
+    if "target_modules" in given:
+        targets = _lora_targets(given["target_modules"], tr)
+        if targets is not None:
+            _put(data, "actor.lora.targets", targets)
+            tr.notes.append(f"{model}.target_modules={given['target_modules']} -> actor.lora.targets={targets}")
+
+
+def _lora_targets(value: Any, tr: Translation) -> Optional[list[str]]:
+    """verl's ``target_modules`` (``all-linear``, or HF / Megatron module names) as Megatron layers; a
+    fused layer adapts all of its projections (q_proj alone still puts the adapter on linear_qkv)."""
+    if value == "all-linear":
+        return list(LORA_TARGETS)
+    names = [value] if isinstance(value, str) else list(value)
+    unknown = [n for n in names if n not in HF_TARGETS and n not in LORA_TARGETS]
+    if unknown:
+        tr.errors.append(_refuse("actor_rollout_ref.model.target_modules", value,
+                                 f"unknown module(s) {unknown}: all-linear, or names among "
+                                 f"{', '.join(list(HF_TARGETS) + list(LORA_TARGETS))}"))
+        return None
+    wanted = {HF_TARGETS.get(n, n) for n in names}
+    return [t for t in LORA_TARGETS if t in wanted]
 
 
 def _count_rows(data: dict, defaults: Any) -> Optional[int]:

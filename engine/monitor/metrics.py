@@ -5,8 +5,10 @@ Values may be Python numbers, numpy scalars or 0-d tensors; non-finite floats ar
 ``null`` (valid JSON), counted in ``bad_values`` and left out of the trackers. TensorBoard needs
 the ``tensorboard`` package; without it only the jsonl is written, after a one-line warning.
 
-On resume, pass ``resume_step``: rows after it (written by the interrupted run after its last
-checkpoint) are dropped so the file stays one row per step, in order.
+On resume, pass ``resume_step``: the file is kept and rewritten atomically with one row per step
+up to it, in order (the last row written for a step wins; rows after it were written by the
+interrupted run after its last checkpoint and are re-run). A fresh run never truncates an earlier
+run's file: it is renamed ``metrics.<time>.jsonl`` first.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import json
 import logging
 import math
 import os
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 __all__ = ["REQUIRED_KEYS", "PHASE_KEYS", "MetricsWriter", "read_metrics", "to_float"]
@@ -90,22 +93,35 @@ class MetricsWriter:
                    experiment=getattr(trainer, "experiment_name", None))
 
     def _prepare_file(self, resume_step: Optional[int]) -> None:
-        if resume_step is None or not os.path.exists(self.path):
-            open(self.path, "w", encoding="utf-8").close()  # a fresh run starts a fresh file
+        if not os.path.exists(self.path):
             return
-        kept = []
+        if resume_step is None:  # a fresh run: the earlier run's rows are kept under another name
+            if os.path.getsize(self.path):
+                stem, ext = os.path.splitext(self.path)
+                stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(self.path)))
+                target, n = f"{stem}.{stamp}{ext}", 1
+                while os.path.exists(target):
+                    n += 1
+                    target = f"{stem}.{stamp}-{n}{ext}"
+                os.rename(self.path, target)
+                _LOG.warning("%s held an earlier run's metrics: moved to %s", self.path, target)
+            return
+        rows: dict[int, str] = {}
         with open(self.path, encoding="utf-8") as f:
             for line in f:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
-                    break  # a torn last line from a crash
+                    continue  # a torn line from a crash
                 if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= resume_step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-        with open(self.path, "w", encoding="utf-8") as f:
+                    rows[row["step"]] = line if line.endswith("\n") else line + "\n"  # the last one wins
+        kept = [rows[step] for step in sorted(rows)]
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)
+        os.replace(tmp, self.path)  # never a moment without the rows
         if kept:
-            self.last_step = json.loads(kept[-1])["step"]
+            self.last_step = max(rows)
 
     @property
     def tensorboard_enabled(self) -> bool:

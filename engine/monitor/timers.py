@@ -16,6 +16,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
 
+from hyflow.monitor import watchdog
 from hyflow.monitor.metrics import PHASE_KEYS
 
 __all__ = ["PhaseTimers"]
@@ -40,6 +41,7 @@ class PhaseTimers:
         """Start timing ``name`` (an error if it is already running)."""
         if name in self._open:
             raise RuntimeError(f"phase {name!r} is already running")
+        watchdog.beat(f"phase {name!r}")
         if self.sync is not None:
             self.sync()
         self._open[name] = self.clock()
@@ -51,6 +53,7 @@ class PhaseTimers:
             raise RuntimeError(f"phase {name!r} was not started")
         if self.sync is not None:
             self.sync()
+        watchdog.beat(f"the step, after phase {name!r}")
         seconds = self.clock() - self._open.pop(name)
         cpu = time.process_time() - self._cpu_open.pop(name)
         self.step_cpu[name] = self.step_cpu.get(name, 0.0) + cpu

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hyflow.checkpoint.trained_model import TrainedModel
 from hyflow.models.builder import build_gpt_model, resolve_spec
 from hyflow.models.description import ModelDescription
+from hyflow.models.lora import adapters_merged, has_adapters
 from hyflow.parallel.layout import pad_vocab_size
 from hyflow.placement.groups import optimizer_agreement_on
 from hyflow.placement.remote_critic import RemoteCritic
@@ -31,7 +32,7 @@ from hyflow.placement.sync_planner import plan_actor_sync
 from hyflow.placement.weight_sync import SyncStats, WeightSync
 from hyflow.rl.batch import MicroBatching, RolloutBatch
 from hyflow.rl.dispatch import sampling_seed, shard_range
-from hyflow.rl.models import RLModels, build_actor, build_other_roles
+from hyflow.rl.models import RLModels, build_actor, build_other_roles, model_spec
 from hyflow.roles import RolloutCapabilities, WeightPathCapabilities
 from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
@@ -58,8 +59,12 @@ class WeightSender:
     def capabilities_for(cls, cfg) -> WeightPathCapabilities:
         return cls.CAPABILITIES
 
-    def __init__(self, sync: WeightSync) -> None:
+    def __init__(self, sync: WeightSync, model: Optional[torch.nn.Module] = None) -> None:
         self.sync = sync
+        # A LoRA actor sends W + s B A, merged in the training layout for the send and unmerged exactly
+        # after it: full-weight sync (the generation pool holds a plain model; adapter-only sync to a
+        # pool is not built yet)
+        self.model = model if model is not None and has_adapters(model) else None
         self.capabilities = self.CAPABILITIES
         self.stats = _Stats()  # the colocated metrics' reshard/* read it (nothing received here)
         self.last: SyncStats = SyncStats()
@@ -77,7 +82,11 @@ class WeightSender:
         return self.sync.plan.summary()
 
     def send(self) -> SyncStats:
-        self.last = self.sync.run()
+        if self.model is None:
+            self.last = self.sync.run()
+        else:
+            with adapters_merged(self.model):
+                self.last = self.sync.run()
         self.stats.seconds = self.last.seconds
         return self.last
 
@@ -132,6 +141,11 @@ class RemoteRollouts:
         self.last = got
         return GatheredRollout(samples=got.samples, stats=RolloutStats(samples=len(got.samples)))
 
+    def generate_trajectories(self, agent, records: Sequence, n: int, *, seed: int, request_offset: int,
+                              sampling: Optional[SamplingConfig] = None):
+        raise RuntimeError("the generation pool does not run multi-turn trajectories (capabilities.multi_turn "
+                           "is False; the preflight refuses rollout.multi_turn with placement pools)")
+
     def rescore(self, batch: RolloutBatch, batching: MicroBatching, *, temperature: float, fused: bool,
                 train_mode: bool) -> torch.Tensor:
         raise RuntimeError("the training pool holds no generation model: re-score in the training layout "
@@ -143,8 +157,8 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
     desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
     actor, chunks, optimizer, scheduler = build_actor(cfg, desc, groups, optimizer_scope=optimizer_agreement_on(pool_group))
     plan = plan_actor_sync(placement, desc, actor.config.params_dtype.itemsize,
-                           fused_norms=resolve_spec(cfg.actor.spec) == "te")
-    sender = WeightSender(WeightSync(plan, actor, sync_group))
+                           fused_norms=resolve_spec(model_spec(cfg)) == "te")
+    sender = WeightSender(WeightSync(plan, actor, sync_group), model=actor)
     rollouts = RemoteRollouts(groups, GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
                               placement, row_group, current_weights=cfg.trainer.mode == "sync")
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=sender,
@@ -165,13 +179,13 @@ class GenerationSide:
         desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
         self.placement, self.groups, self.desc = placement, groups, desc
         actor = placement.roles["actor"]
-        self.model = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
+        self.model = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=model_spec(cfg),
                                      config_overrides={"perform_initialization": False},
                                      padded_vocab_size=pad_vocab_size(desc.vocab_size, actor.layout.tp))
         self.model.requires_grad_(False)
         self.model.eval()
         plan = plan_actor_sync(placement, desc, self.model.config.params_dtype.itemsize,
-                               fused_norms=resolve_spec(cfg.actor.spec) == "te")
+                               fused_norms=resolve_spec(model_spec(cfg)) == "te")
         self.sync = WeightSync(plan, self.model, sync_group)
         self.rollout_config = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
         self.trainer_seed = cfg.trainer.seed

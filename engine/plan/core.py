@@ -20,6 +20,7 @@ from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
 from hyflow.hybrid.reshard_plan import PP_STAGING_SLOT, ReshardPlan, plan_reshard, staging_bytes_per_rank
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.layout import Layout
+from hyflow.plan import lora as plan_lora
 from hyflow.plan import memory_estimate as mem
 from hyflow.plan.group_check import RankCheck, check_partition, layout_enumerations, summarize, verify_rank
 from hyflow.plan.role_plan import RolePlan
@@ -72,6 +73,7 @@ class PlanResult:
     checks: list[RankCheck] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the config buys (e.g. LoRA's memory saved)
     timings: dict[str, float] = field(default_factory=dict)
     distributed_optimizer: bool = False
     compute: dict[str, Any] = field(default_factory=dict)  #: :func:`hyflow.plan.stages.compute_plan`
@@ -156,7 +158,7 @@ def _plan_preference(cfg: Any, world: int, opts: PlanOptions, result: PlanResult
         notes.append("reference_free: no reference model")
     elif cfg.algorithm.precompute_ref_logprobs:
         notes.append("precompute_ref_logprobs: the reference scores the dataset once, then is freed")
-    else:
+    elif cfg.actor.lora is None:
         ref = _role("reference", layout, model, dtype, False)
         result.roles.append(ref)
         frozen.append(("reference weights", max(ref.stage_params) * mem.DTYPE_BYTES[dtype], f"frozen, {dtype}"))
@@ -168,6 +170,12 @@ def _plan_preference(cfg: Any, world: int, opts: PlanOptions, result: PlanResult
         attention=_attention(cfg.actor.spec, opts.device), recompute=cfg.actor.recompute,
         distributed_optimizer=cfg.actor.optim.distributed_optimizer, logits_copies=2,  # vocab-parallel log-probs
         phase=f"{cfg.job} update")
+    if cfg.actor.lora is not None:
+        full, train = train, plan_lora.adapt_estimates(train, model, layout, cfg.actor.lora, dtype=dtype,
+                                                       distributed_optimizer=cfg.actor.optim.distributed_optimizer)
+        saved_reference = 0 if cfg.algorithm.precompute_ref_logprobs or getattr(cfg.algorithm, "reference_free", False) \
+            else max(mem.stage_params(model, layout)) * mem.DTYPE_BYTES[dtype]
+        result.notes.append(plan_lora.savings_note("actor", full, train, cfg.actor.lora, saved_reference))
     result.phases.append(_with_resident(train, frozen, f"{cfg.job} update"))
 
 
@@ -195,7 +203,7 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
 
     # Frozen and auxiliary roles, resident in every phase (worst stage each: an upper bound).
     frozen: list[tuple[str, int, str]] = []
-    if cfg.reference.enable:
+    if cfg.reference.enable and cfg.actor.lora is None:  # a LoRA actor's reference is its base: no copy
         ref_layout = cfg.reference.layout.with_dp_for(world) if cfg.reference.layout else layout
         ref = _role("reference", ref_layout, model, dtype, False)
         result.roles.append(ref)
@@ -220,6 +228,12 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         n_micro=mini // (layout.dp * cfg.actor.micro_batch_size), attention=attention,
         recompute=cfg.actor.recompute, distributed_optimizer=cfg.actor.optim.distributed_optimizer,
         logits_copies=3, phase="actor update")  # log-prob exp; entropy exp and mask (always logged)
+    if cfg.actor.lora is not None:
+        full, actor_train = actor_train, plan_lora.adapt_estimates(
+            actor_train, model, layout, cfg.actor.lora, dtype=dtype,
+            distributed_optimizer=cfg.actor.optim.distributed_optimizer)
+        reference = max(mem.stage_params(model, layout)) * pbytes if cfg.reference.enable else 0
+        result.notes.append(plan_lora.savings_note("actor", full, actor_train, cfg.actor.lora, reference))
     actor_static = max(e.get("weights") + e.get("grads") + e.get("optimizer") for e in actor_train)
     # What stays in device memory while generating (rollout.offload_* free the rest).
     actor_state = max((0 if cfg.rollout.offload_grad_buffers else e.get("grads"))
@@ -234,6 +248,11 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
             attention=attention, recompute=cfg.actor.recompute,
             distributed_optimizer=cfg.critic.optim.distributed_optimizer, head="value",
             phase="critic update")
+        if cfg.critic.lora is not None:  # the value head trains whole
+            full, critic_train = critic_train, plan_lora.adapt_estimates(
+                critic_train, critic.model, critic.layout, cfg.critic.lora, dtype=dtype,
+                distributed_optimizer=cfg.critic.optim.distributed_optimizer, trained_extra=critic.model.hidden_size)
+            result.notes.append(plan_lora.savings_note("critic", full, critic_train, cfg.critic.lora))
         cstat = max(e.get("weights") + e.get("grads") + e.get("optimizer") for e in critic_train)
         critic_static = [("critic weights+grads+optimizer", cstat, "resident")]
         result.phases.append(_with_resident(
@@ -289,6 +308,9 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     if opts.device == "gpu" and max(plan.scratch_bytes):
         est.add("reshard all-gather staging", max(plan.scratch_bytes), "bucketed TP-merge all-gather (transition only)")
     est.add("actor grads+optimizer", actor_state, "resident during generation (minus rollout.offload_*)")
+    if cfg.actor.lora is not None and (gen.tp, gen.pp) != (layout.tp, layout.pp):
+        for phase in result.phases:  # the base stays in the generation buffer between transitions
+            phase.add("generation weights (LoRA)", max(plan.gen_bytes), "the base in the generation layout, kept")
     for name, nbytes, note in frozen + critic_static:
         est.add(name, nbytes, note)
     gen_layers = max(plan.gen_split)  # the generation stage with the most layers

@@ -60,7 +60,7 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         {"rank": c.rank, "megatron_groups_created": c.megatron_groups_created,
          "generation_groups_created": c.generation_groups_created, "megatron": c.megatron,
          "generation": c.generation, "ok": not c.mismatches} for c in result.checks]
-    out["errors"], out["warnings"] = result.errors, result.warnings
+    out["errors"], out["warnings"], out["notes"] = result.errors, result.warnings, result.notes
     out["timings"] = {k: round(v, 3) for k, v in result.timings.items()}
     return out
 
@@ -149,6 +149,8 @@ def format_table(result: PlanResult) -> str:
         from hyflow.plan.throughput import format_projection
 
         lines += format_projection(result.throughput)
+    for note in result.notes:
+        lines.append(f"note: {note}")
     for w in result.warnings:
         lines.append(f"warning: {w}")
     for e in result.errors:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from hyflow.rewards.rules import DEFAULT_FORMAT_PATTERN, RULES, format_match
 from hyflow.rewards.user_function import RewardError, coerce_score, load_user_function
+from hyflow.rewards.worker import TIMED_OUT, FunctionPool
 
 __all__ = ["RewardBatch", "RewardManager", "RewardModelFn"]
 
@@ -36,6 +37,7 @@ class RewardBatch:
     scores: list[float]
     data_sources: list[str]
     extras: dict[str, list[float]] = field(default_factory=dict)  # NaN where a sample lacks the key
+    timeouts: int = 0  # calls of a user function stopped at reward.timeout_s, scored timeout_score
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
         """``reward/mean|std|min|max``, ``reward/<data_source>/mean`` when there are several
@@ -75,9 +77,11 @@ class RewardManager:
     """
 
     def __init__(self, kind: str, name: str, scorer: Optional[Callable[..., tuple[float, dict]]] = None,
-                 model_fn: Optional[RewardModelFn] = None, model_coef: float = 1.0) -> None:
-        if kind in ("rule", "function") and scorer is None:
+                 model_fn: Optional[RewardModelFn] = None, model_coef: float = 1.0,
+                 pool: Optional[FunctionPool] = None, timeout_score: float = 0.0) -> None:
+        if kind in ("rule", "function") and scorer is None and pool is None:
             raise ValueError(f"reward kind {kind!r} needs a scorer")
+        self.pool, self.timeout_score = pool, float(timeout_score)
         if kind == "model" and model_fn is None:
             raise RewardError("reward.kind=model: the trainer must pass the reward model's scoring "
                               "function (model_fn) to RewardManager.from_config")
@@ -113,10 +117,21 @@ class RewardManager:
         return cls("rule", f"rule:{rule}", scorer=score)
 
     @classmethod
-    def from_function(cls, path: str, name: str = "compute_score") -> "RewardManager":
-        """A manager calling the user function ``name`` from the file ``path``."""
+    def from_function(cls, path: str, name: str = "compute_score", timeout_s: float = 0.0,
+                      batch_timeout_s: float = 0.0, workers: int = 1, timeout_score: float = 0.0) -> "RewardManager":
+        """A manager calling the user function ``name`` from the file ``path``: in worker processes
+        with a time limit per call (and per batch) when ``timeout_s`` > 0 (:mod:`hyflow.rewards.worker`),
+        else in this process."""
+        if timeout_s > 0:
+            pool = FunctionPool(path, name, workers=workers, timeout_s=timeout_s, batch_timeout_s=batch_timeout_s)
+            return cls("function", f"function:{name}", pool=pool, timeout_score=timeout_score)
         fn = load_user_function(path, name)
         return cls("function", f"function:{fn.name}", scorer=fn)
+
+    def close(self) -> None:
+        """Stop the worker processes of a user function (no-op otherwise)."""
+        if self.pool is not None:
+            self.pool.close()
 
     @classmethod
     def from_config(cls, cfg: Any, model_fn: Optional[RewardModelFn] = None) -> "RewardManager":
@@ -133,7 +148,9 @@ class RewardManager:
             out = cls.from_rule(cfg.rule, format_score=getattr(cfg, "format_score", 0.0) or 0.0,
                                 format_pattern=getattr(cfg, "format_pattern", None))
         elif cfg.kind == "function":
-            out = cls.from_function(cfg.function_path, cfg.function_name)
+            out = cls.from_function(cfg.function_path, cfg.function_name, timeout_s=getattr(cfg, "timeout_s", 0.0),
+                                    batch_timeout_s=getattr(cfg, "batch_timeout_s", 0.0),
+                                    workers=getattr(cfg, "workers", 1), timeout_score=getattr(cfg, "timeout_score", 0.0))
         else:
             raise RewardError(f"unknown reward.kind {cfg.kind!r}")
         if getattr(cfg, "model_checkpoint", None):
@@ -170,23 +187,34 @@ class RewardManager:
             return base
         model = self._score_model(solutions, data_sources, prompts, where, sequences, coef=1.0)
         scores = [b + self.model_coef * m for b, m in zip(base.scores, model.scores)]
-        return RewardBatch(scores, base.data_sources, dict(base.extras, reward_model=model.scores))
+        return RewardBatch(scores, base.data_sources, dict(base.extras, reward_model=model.scores),
+                           timeouts=base.timeouts)
 
     def _score_scorer(self, solutions: Sequence[str], data_sources: Sequence[str], ground_truths: Sequence[Any],
                       extra_infos: Sequence[Optional[dict]], where: Sequence[str]) -> RewardBatch:
         n = len(solutions)
-        assert self.scorer is not None
         scores: list[float] = []
         extras: dict[str, list[float]] = {}
+        timeouts = 0
+        if self.pool is not None:
+            results = self.pool.map([(data_sources[i], solutions[i], ground_truths[i], extra_infos[i], where[i])
+                                     for i in range(n)])
         for i in range(n):
-            s, ex = self.scorer(data_sources[i], solutions[i], ground_truths[i], extra_infos[i], where=where[i])
+            if self.pool is None:
+                assert self.scorer is not None
+                s, ex = self.scorer(data_sources[i], solutions[i], ground_truths[i], extra_infos[i], where=where[i])
+            elif results[i] is TIMED_OUT:
+                s, ex = self.timeout_score, {}
+                timeouts += 1
+            else:
+                s, ex = results[i]
             scores.append(s)
             for key, value in ex.items():
                 extras.setdefault(key, [math.nan] * i).append(value)
             for vals in extras.values():
                 if len(vals) < i + 1:
                     vals.append(math.nan)
-        return RewardBatch(scores, list(data_sources), extras)
+        return RewardBatch(scores, list(data_sources), extras, timeouts=timeouts)
 
     def _score_model(self, solutions: Sequence[str], data_sources: Sequence[str],
                      prompts: Optional[Sequence[str]], where: Sequence[str],

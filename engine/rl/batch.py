@@ -33,6 +33,7 @@ import torch
 
 from hyflow.models.builder import resolve_spec
 from hyflow.models.context_parallel import sequence_bounds, shard_micro_batch
+from hyflow.models.lora import lora_spec
 
 Plan = list[list[int]]  # rows of each micro-batch
 
@@ -73,12 +74,21 @@ class RolloutBatch:
         """Host copy of ``lengths`` for planning micro-batches (one sync)."""
         return self.lengths.tolist()
 
+    def response_positions(self) -> torch.Tensor:
+        """[B, S] bool: every position after the prompt (``response_mask`` without its holes: a
+        multi-turn trajectory's observations included), the layout of the data plane's log-probs."""
+        cols = torch.arange(self.tokens.shape[1], device=self.device).unsqueeze(0)
+        return (cols >= self.prompt_lengths.unsqueeze(1)) & (cols < self.lengths.unsqueeze(1))
+
 
 def build_rollout_batch(flat_tokens: torch.Tensor, flat_logprobs: torch.Tensor, prompt_lengths: torch.Tensor,
                         response_lengths: torch.Tensor, group_ids: torch.Tensor, sample_ids: torch.Tensor,
-                        truncated: torch.Tensor, pad_id: int = 0) -> RolloutBatch:
+                        truncated: torch.Tensor, pad_id: int = 0,
+                        flat_mask: Optional[torch.Tensor] = None) -> RolloutBatch:
     """A padded batch from samples stored back to back: ``flat_tokens`` holds each row's prompt and
     response, ``flat_logprobs`` each row's response log-probs (the data plane's wire format).
+    ``flat_mask`` (as ``flat_logprobs``): 0 on response tokens the sampler did not produce (a
+    multi-turn trajectory's observations): they stay in the row, out of ``response_mask``.
     Built where the inputs are, without a host round trip."""
     device = flat_tokens.device
     lengths = prompt_lengths + response_lengths
@@ -94,6 +104,8 @@ def build_rollout_batch(flat_tokens: torch.Tensor, flat_logprobs: torch.Tensor, 
     lp_index = (lp_starts.unsqueeze(1) + cols - prompt_lengths.unsqueeze(1)).clamp(
         min=0, max=max(flat_logprobs.numel() - 1, 0))
     logprobs = flat_logprobs[lp_index] if flat_logprobs.numel() else torch.zeros_like(lp_index, dtype=torch.float32)
+    if flat_mask is not None and flat_mask.numel():
+        response = response & (flat_mask[lp_index] > 0)
     return RolloutBatch(
         tokens=tokens.long(), response_mask=response.float(),
         rollout_logprobs=torch.where(response, logprobs.float(), 0.0),
@@ -325,7 +337,7 @@ def pad_multiple(groups) -> int:
 
 def _thd(cfg) -> bool:
     """Packed rows go to Transformer Engine's THD attention when the model uses the TE spec."""
-    return cfg.actor.pack_sequences and resolve_spec(cfg.actor.spec) == "te"
+    return cfg.actor.pack_sequences and resolve_spec(lora_spec(cfg.actor.spec, cfg.actor.lora, cfg.critic.lora)) == "te"
 
 
 def batching_for(cfg, role: str, groups, pad_id: int) -> MicroBatching:
@@ -341,4 +353,5 @@ def batching_for(cfg, role: str, groups, pad_id: int) -> MicroBatching:
     cp_group = groups.pgs.cp if groups.layout.cp > 1 else None
 
     return MicroBatching(size, budget, actor.pack_sequences, pad_multiple=pad_multiple(groups), pad_id=pad_id,
-                         thd=_thd(cfg), cp_group=cp_group, bounds=resolve_spec(actor.spec) == "sdpa")
+                         thd=_thd(cfg), cp_group=cp_group,
+                         bounds=resolve_spec(lora_spec(actor.spec, actor.lora, cfg.critic.lora)) == "sdpa")

@@ -33,7 +33,7 @@ from hyflow.rl.batch import MicroBatching, RolloutBatch
 from hyflow.rl.exact_logprobs import rescore_in_generation_layout
 from hyflow.roles import RolloutCapabilities
 from hyflow.rollout.config import GenerationConfig, SamplingConfig
-from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
+from hyflow.rollout.dp import GatheredRollout, SampleTensors, generate_data_parallel
 from hyflow.rollout.engine import GenerationEngine
 
 
@@ -81,7 +81,7 @@ class RolloutDispatcher:
         """What the dispatcher :func:`hyflow.rl.models.build_rl_models` builds for ``cfg`` can do."""
         return RolloutCapabilities(greedy=True,
                                    exact_rescore=HybridEngine.capabilities_for(cfg).exact_in_generation_layout,
-                                   current_weights=not cfg.rollout.force_staleness)
+                                   current_weights=not cfg.rollout.force_staleness, multi_turn=True)
 
     def __init__(self, hybrid: HybridEngine, train_groups, rollout_config: GenerationConfig, desc, vocab_size: int,
                  eos_token_ids: Sequence[int], *, current_weights: bool = True):
@@ -94,7 +94,7 @@ class RolloutDispatcher:
         comm.register_group(self.micro_dp_group, "data")  # the data plane's sample exchange
         self.capabilities = RolloutCapabilities(
             greedy=True, exact_rescore=hybrid.capabilities.exact_in_generation_layout,
-            current_weights=current_weights)
+            current_weights=current_weights, multi_turn=True)
         self._engine: Optional[GenerationEngine] = None
 
     @property
@@ -140,6 +140,21 @@ class RolloutDispatcher:
             sampling = sampling.replace(max_new_tokens=max_new_tokens)
         return generate_data_parallel(self.engine, [list(p) for p in prompts], self.micro_dp_group,
                                       sampling, request_offset=request_offset, device=self.groups.device)
+
+    def generate_trajectories(self, agent, records: Sequence, n: int, *, seed: int, request_offset: int,
+                              sampling: Optional[SamplingConfig] = None) -> SampleTensors:
+        """``n`` multi-turn trajectories of each of this DP shard's ``records``: the prompts are
+        split over the micro-DP replicas, each runs the agent's loop with this replica's engine
+        (its leader, generation TP rank 0 of stage 0, runs the tools and environments and shares
+        their answers with the replica's other ranks), and the trajectories are gathered back over
+        the micro-DP group (:meth:`hyflow.agent.agent.MultiTurnAgent.rollout`)."""
+        gen = self.hybrid.gen_groups
+        engine = self.engine
+        return agent.rollout(engine, records, n, seed=seed, request_offset=request_offset,
+                             sampling=(sampling or self.rollout_config.sampling).replace(n=1, seed=seed),
+                             max_seq_len=getattr(engine, "max_seq_len", None) or self.desc.context_length,
+                             device=self.groups.device, dp_group=self.micro_dp_group,
+                             replica_groups=[gen.pgs.tp, gen.pgs.pp], pad_id=self.rollout_config.pad_token_id)
 
     def rescore(self, batch: RolloutBatch, batching: MicroBatching, *, temperature: float, fused: bool,
                 train_mode: bool) -> torch.Tensor:

@@ -125,7 +125,8 @@ def _assemble(rounds: list[Optional[Round]], chosen: list[tuple[int, int]], firs
         extras[key] = [v for i, g in chosen
                        for v in (rounds[i].scored.extras.get(key) or [math.nan] * rounds[i].scores.shape[0])
                        [g * n:(g + 1) * n]]
-    samples = SampleTensors(meta=torch.cat([p.meta for p in parts]), tokens=torch.cat([p.tokens for p in parts]),
-                            logprobs=torch.cat([p.logprobs for p in parts]))
-    return Round(samples=samples, scored=RewardBatch(scores, sources, extras), scores=torch.cat(values), n=n)
+    samples = SampleTensors.concat(parts)  # with multi-turn masks and counters when the rounds have them
+    timeouts = sum(rnd.scored.timeouts for rnd in rounds if rnd is not None)  # every round's calls were made
+    return Round(samples=samples, scored=RewardBatch(scores, sources, extras, timeouts=timeouts),
+                 scores=torch.cat(values), n=n)
 

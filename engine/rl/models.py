@@ -9,18 +9,21 @@ the pooled ones.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from hyflow.checkpoint.model import adapter_base
 from hyflow.checkpoint.starting_weights import check_starting_weights, load_starting_weights, \
     starting_description
 from hyflow.checkpoint.trained_model import TrainedModel
 from hyflow.hybrid.executor import HybridEngine
 from hyflow.models.builder import build_gpt_model
 from hyflow.models.description import ModelDescription
+from hyflow.models.lora import BaseModelView, apply_lora, lora_spec
 from hyflow.models.weights import load_full_state_dict, random_full_state_dict
 from hyflow.parallel.groups import ParallelGroups, init_training_groups
 from hyflow.rl.critic import LocalCritic
@@ -110,7 +113,7 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
                          f"({tokenizer.vocab_size}); use a model/tokenizer pair that match")
     actor, chunks, optimizer, scheduler = build_actor(cfg, desc, groups)
     hybrid = HybridEngine(chunks[0], desc, groups, (cfg.rollout.layout.tp, cfg.rollout.layout.pp),
-                          dtype=cfg.actor.dtype, spec=cfg.actor.spec, optimizer=optimizer,
+                          dtype=cfg.actor.dtype, spec=model_spec(cfg), optimizer=optimizer,
                           offload_grad_buffers=cfg.rollout.offload_grad_buffers,
                           offload_optimizer=cfg.rollout.offload_optimizer,
                           # a forced-stale sampler swaps older weights into a buffer of its own
@@ -118,6 +121,8 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
     sample_vocab = min(desc.vocab_size, tokenizer.vocab_size)
     eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
     generation = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
+    if cfg.rollout.multi_turn.enable:  # a multi-turn context outgrows the prompt limit; its budget bounds it
+        generation = dataclasses.replace(generation, max_prompt_length=None)
     dispatcher = RolloutDispatcher(hybrid, groups, generation, desc, sample_vocab, eos,
                                    current_weights=not cfg.rollout.force_staleness)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=hybrid,
@@ -133,9 +138,11 @@ FROZEN_INIT = {"perform_initialization": False}
 def build_actor(cfg, desc: ModelDescription, groups: ParallelGroups, optimizer_scope=None):
     """The actor in its training layout with its initial weights, DDP-wrapped: (module, chunks,
     optimizer, scheduler). ``optimizer_scope``: see :func:`build_other_roles`."""
-    actor = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec,
+    actor = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=model_spec(cfg),
                             config_overrides=dict(FROZEN_INIT, **_recompute(cfg.actor.recompute)))
     _initial_state(cfg, desc, actor, groups, cfg.actor.checkpoint)
+    if cfg.actor.lora is not None:  # the base is frozen: DDP and the optimizer see the adapters only
+        apply_lora(actor, cfg.actor.lora, seed=cfg.trainer.seed, base=adapter_base(cfg.actor.checkpoint, cfg.trainer.seed))
     chunks = wrap_ddp([actor], groups, cfg.actor.optim.distributed_optimizer)
     total_updates = cfg.trainer.total_steps * cfg.actor.ppo_epochs * max(
         1, cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.mini_batch_size) + cfg.actor.sft_warmup_steps
@@ -153,8 +160,10 @@ def build_other_roles(cfg, models: RLModels, actor, tokenizer, optimizer_scope=N
     group); ``roles``: the ones built here (placement pools run the others elsewhere)."""
     frozen = FROZEN_INIT
     groups, desc = models.groups, models.desc
-    if cfg.reference.enable and "reference" in roles:  # also measures the reported KL when no KL term is optimised
-        reference = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, config_overrides=frozen)
+    if cfg.reference.enable and "reference" in roles and cfg.actor.lora is not None and actor is not None:
+        models.reference = BaseModelView(actor)  # the base with the adapters off: no second copy
+    elif cfg.reference.enable and "reference" in roles:  # also measures the reported KL when no KL term is optimised
+        reference = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=model_spec(cfg), config_overrides=frozen)
         reference.requires_grad_(False)
         reference.eval()
         models.reference = reference
@@ -175,19 +184,28 @@ def build_critic(cfg, desc: ModelDescription, groups: ParallelGroups, trunk: Opt
     steady state with its optimizer)."""
     frozen = FROZEN_INIT
     if trunk is None:
-        trunk = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, config_overrides=frozen)
+        trunk = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=model_spec(cfg), config_overrides=frozen)
         _initial_state(cfg, desc, trunk, groups, cfg.actor.checkpoint, write_cache=False)
-    critic = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=cfg.actor.spec, value_head=True,
+    critic = build_gpt_model(desc, groups, dtype=cfg.actor.dtype, spec=model_spec(cfg), value_head=True,
                              config_overrides=dict(frozen, **_recompute(cfg.actor.recompute)))
     untouched = _copy_matching(trunk, critic, skip=("output_layer.weight",))
     assert set(untouched) <= {"output_layer.weight"}, untouched
     del trunk
     _init_value_head(critic, desc.init_method_std, cfg.trainer.seed + 17)
+    if cfg.critic.lora is not None:  # adapters on the frozen trunk; the value head trains whole
+        apply_lora(critic, cfg.critic.lora, seed=cfg.trainer.seed + 17, trainable=("output_layer.weight",),
+                   base=adapter_base(cfg.actor.checkpoint, cfg.trainer.seed))
     critic_chunks = wrap_ddp([critic], groups, cfg.critic.optim.distributed_optimizer)
     with optimizer_scope if optimizer_scope is not None else contextlib.nullcontext():
         critic_optimizer, critic_scheduler = build_optimizer(
             critic_chunks, cfg.critic.optim, _critic_updates(cfg), critic.config.params_dtype, groups=groups)
     return TrainedModel(critic_chunks, critic_optimizer, critic_scheduler)
+
+
+def model_spec(cfg) -> str:
+    """The layer spec of every model of the run (one for all: the critic copies the actor's trunk by
+    parameter name), LoRA-safe when the actor or the critic has adapters."""
+    return lora_spec(cfg.actor.spec, cfg.actor.lora, cfg.critic.lora)
 
 
 def _critic_updates(cfg) -> int:

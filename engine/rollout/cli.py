@@ -65,6 +65,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"score each response against its row's reward_model.ground_truth and report the mean "
                         f"(prompts in the RL data format, e.g. from hyflow make-task): a rule "
                         f"({', '.join(rule_names())}) or a Python file defining verl's compute_score")
+    p.add_argument("--multi-turn", metavar="CONFIG", default=None,
+                   help="run multi-turn, tool-using trajectories with the rollout.multi_turn section of this RL "
+                        "config (tools, environment, budgets; --max-new-tokens per turn) on rows in the RL data "
+                        "format; with --reward the final turns are scored (hyflow.agent)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -197,12 +201,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from hyflow.cli_support import run_ranks_here
 
         return run_ranks_here("generate", world)
+    import torch.distributed as dist
+
+    from hyflow.launch.rank_report import LOG_DIR_ENV, run_reporting
     from hyflow.parallel.distributed import init_distributed, shutdown
 
     init_distributed()
     try:
+        if launched_by_torchrun() and os.environ.get(LOG_DIR_ENV):  # a rank: the launcher reports failures
+            return run_reporting(lambda: _generate(args), dist.get_rank())
         return _generate(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"hyflow generate: {e}", file=sys.stderr)
         return 2
     finally:
@@ -259,6 +268,18 @@ def _generate(args: argparse.Namespace) -> int:
             if args.tokenizer:  # asked for explicitly: a real error
                 raise ValueError(str(e)) from None
             print(f"hyflow generate: no tokenizer ({e}); prompts must be token ids", file=sys.stderr)
+    if args.multi_turn:
+        if tokenizer is None:
+            raise ValueError("--multi-turn renders chats and observations: it needs a tokenizer (--tokenizer)")
+        from hyflow.agent.cli import generate_multi_turn  # the agent's tools and environments, only when asked
+
+        eos = list(dict.fromkeys(list(desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
+        engine = GenerationEngine(model, _configs(args), vocab_size=desc.vocab_size, eos_token_ids=eos,
+                                  tp_group=groups.pgs.tp, max_position_embeddings=desc.context_length,
+                                  pp_group=groups.pgs.pp)
+        generate_multi_turn(args.multi_turn, args.prompts, engine, groups, tokenizer, args.n, args.seed,
+                            reward_manager(args.reward) if args.reward else None, args.output, dist.get_rank())
+        return 0
     prompts = read_prompts(args.prompts, tokenizer, args.chat)
     truths = read_ground_truths(args.prompts) if args.reward else None
     reward = reward_manager(args.reward) if args.reward else None

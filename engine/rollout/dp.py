@@ -56,11 +56,18 @@ class SampleTensors:
             response length, finish reason (0 none, 1 stop, 2 length), prompt tokens truncated.
         tokens: [sum(prompt + response lengths)] int64, each sample's prompt then response.
         logprobs: [sum(response lengths)] float32, the sampler's log-probs of the response tokens.
+        mask: None (every response token was sampled), or [sum(response lengths)] float32: 1 on
+            sampled tokens, 0 on tokens the sampler did not produce (a multi-turn trajectory's
+            observations, :mod:`hyflow.agent`), which are context only.
+        stats: None, or [N, k] float64 per-sample counters gathered with the samples (a
+            multi-turn trajectory's turns, tool calls, end reason, ...: :mod:`hyflow.agent.trajectory`).
     """
 
     meta: torch.Tensor
     tokens: torch.Tensor
     logprobs: torch.Tensor
+    mask: Optional[torch.Tensor] = None
+    stats: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.meta.shape[0]
@@ -94,7 +101,23 @@ class SampleTensors:
         lengths = self.column("prompt_len") + self.column("response_len")
         tok = _gather_runs(self.tokens, lengths, order)
         lp = _gather_runs(self.logprobs, self.column("response_len"), order)
-        return SampleTensors(meta=self.meta[order], tokens=tok, logprobs=lp)
+        mask = None if self.mask is None else _gather_runs(self.mask, self.column("response_len"), order)
+        return SampleTensors(meta=self.meta[order], tokens=tok, logprobs=lp, mask=mask,
+                             stats=None if self.stats is None else self.stats[order])
+
+    @classmethod
+    def concat(cls, parts: Sequence["SampleTensors"]) -> "SampleTensors":
+        """The samples of ``parts`` one after another (masks and stats kept when every part has them)."""
+        def cat(name: str) -> Optional[torch.Tensor]:
+            values = [getattr(p, name) for p in parts]
+            return None if any(v is None for v in values) else torch.cat(values)
+
+        return cls(meta=cat("meta"), tokens=cat("tokens"), logprobs=cat("logprobs"), mask=cat("mask"),
+                   stats=cat("stats"))
+
+    def replace_logprobs(self, logprobs: torch.Tensor) -> "SampleTensors":
+        """The same samples with other response log-probs (flat, as ``logprobs``)."""
+        return SampleTensors(self.meta, self.tokens, logprobs, self.mask, self.stats)
 
     def to_outputs(self) -> list[SampleOutput]:
         """Host ``SampleOutput`` objects (for ``hyflow generate`` and tests)."""
@@ -133,7 +156,8 @@ def _all_gather_padded(t: torch.Tensor, sizes: list[int], group) -> list[torch.T
 
 
 def all_gather_samples(local: SampleTensors, group) -> SampleTensors:
-    """The samples of every rank of ``group``, concatenated in group-rank order (4 collectives)."""
+    """The samples of every rank of ``group``, concatenated in group-rank order (4 collectives; one more
+    each for a mask and stats)."""
     if group is None or group.size() == 1:
         return local
     device = local.meta.device
@@ -144,7 +168,9 @@ def all_gather_samples(local: SampleTensors, group) -> SampleTensors:
     meta = torch.cat(_all_gather_padded(local.meta, n, group))
     tokens = torch.cat(_all_gather_padded(local.tokens, t, group))
     logprobs = torch.cat(_all_gather_padded(local.logprobs, r, group))
-    return SampleTensors(meta=meta, tokens=tokens, logprobs=logprobs)
+    mask = None if local.mask is None else torch.cat(_all_gather_padded(local.mask, r, group))
+    stats = None if local.stats is None else torch.cat(_all_gather_padded(local.stats, n, group))
+    return SampleTensors(meta=meta, tokens=tokens, logprobs=logprobs, mask=mask, stats=stats)
 
 
 def stats_tensor(stats: RolloutStats, device: torch.device) -> torch.Tensor:

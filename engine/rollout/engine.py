@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence as Seq
+from typing import Callable, Optional, Sequence as Seq
 
 import torch
 
@@ -147,11 +147,13 @@ class GenerationEngine:
 
     # -------------------------------------------------------------- generate
     def generate(self, requests: Seq, sampling: Optional[SamplingConfig] = None,
-                 request_offset: int = 0) -> RolloutResult:
+                 request_offset: int = 0, on_finish: Optional[Callable[[SampleOutput], None]] = None) -> RolloutResult:
         """Generate every sample of ``requests`` (token-id lists or :class:`GenerationRequest`).
 
         Collective over the replica's TP (and PP) groups. Returns samples ordered by
-        (request, sample) with per-call :class:`RolloutStats`.
+        (request, sample) with per-call :class:`RolloutStats`. ``on_finish(sample)`` is called
+        with each sample as soon as it is complete, while the others still decode (multi-turn
+        rollouts start the sample's tool calls there: :mod:`hyflow.agent.rollout`).
         """
         start = time.perf_counter()
         seqs, truncated = self.prepare(requests, sampling, request_offset)
@@ -159,7 +161,7 @@ class GenerationEngine:
                              prompt_tokens=sum(len(s.prompt) for s in seqs))
         if seqs:
             cache = self.runner.new_cache(min(self.config.max_concurrent, len(seqs)), capacity_needed(seqs))
-            scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats)
+            scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats, on_finish=on_finish)
             # the decode loop's TP all-reduces (two per layer per token) are counted, not CUDA-timed
             with torch.inference_mode(), self.runner.attach(cache, self.config.cpu_weight_packing), comm.untimed():
                 scheduler.run(seqs)

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable, Optional
+
 import torch
 
 from hyflow.rollout.config import GenerationConfig, SamplingConfig
@@ -84,6 +86,7 @@ class Scheduler:
     cache: KVCache
     config: GenerationConfig
     stats: RolloutStats = field(default_factory=RolloutStats)
+    on_finish: Optional[Callable[[SampleOutput], None]] = None  # called with each completed sample
 
     def __post_init__(self) -> None:
         self._device = self.runner.device
@@ -138,6 +141,8 @@ class Scheduler:
             self.stats.compactions += 1
 
     def _release(self, seq: Sequence, free: list[int], active: dict[int, Sequence]) -> None:
+        if self.on_finish is not None:
+            self.on_finish(seq.out)
         active.pop(seq.slot, None)
         free.append(seq.slot)
         prefix = self._prefixes.get(seq.group)

@@ -20,3 +20,20 @@ def write_tiny_hf_tokenizer(path: str) -> str:
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
     tok.save_pretrained(path)
     return path
+
+
+def engine_greedy_tokens(model_dir: str, prompts: list, new_tokens: int, tp: int = 2) -> list:
+    """Rank function: hyflow's generation engine's greedy tokens (``new_tokens`` each, EOS ignored) for
+    ``prompts`` on the model checkpoint ``model_dir`` at ``tp`` (the reference HF exports are compared to)."""
+    from hyflow.checkpoint.model import load_model_from_checkpoint
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.rollout.config import GenerationConfig, SamplingConfig
+    from hyflow.rollout.engine import GenerationEngine
+
+    groups = init_training_groups(Layout(tp=tp))
+    model, desc, _ = load_model_from_checkpoint(model_dir, groups)
+    model.eval()
+    config = GenerationConfig(sampling=SamplingConfig(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+    engine = GenerationEngine.from_description(model, desc, config, tp_group=groups.pgs.tp)
+    return [s.token_ids for s in engine.generate(prompts).samples]

@@ -12,8 +12,8 @@
             break                                 # then raise supervisor.divergence_error(...) if diverged
     supervisor.uninstall()
 
-* SIGTERM and SIGUSR1 (Slurm's warning before the time limit, see :mod:`hyflow.launch.preemption`)
-  only set a flag. :meth:`StepSupervisor.end_step` all-reduces (MAX) the flags of every rank at the
+* SIGTERM, SIGUSR1 (Slurm's warning before the time limit, see :mod:`hyflow.launch.preemption`),
+  SIGHUP and the first SIGINT (Ctrl-C) only set a flag; a second SIGINT aborts at once. :meth:`StepSupervisor.end_step` all-reduces (MAX) the flags of every rank at the
   step boundary, so all ranks stop after the same step even when the signal reached only some of
   them, and nothing ever exits inside a collective.
 * :class:`NonFiniteGradGuard` makes the Megatron optimizers skip an update whose gradients hold a
@@ -39,7 +39,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
+#: Signals that ask for a save-and-exit at the next step boundary: SIGTERM, Slurm's SIGUSR1, a
+#: closed terminal's SIGHUP and the first Ctrl-C (a second SIGINT aborts: KeyboardInterrupt).
+STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
 class DivergenceError(RuntimeError):
@@ -131,16 +133,26 @@ class NonFiniteGradGuard:
             self.optimizer.prepare_grads = self._original
 
 
+#: Metric names whose non-finite value makes a step bad: losses, KL terms, entropies and
+#: log-probability statistics (a NaN in the weights or the logits shows in these first, even when
+#: the loss itself is masked or clipped to a finite number).
+_WATCHED = ("loss", "kl", "entropy", "logprob", "log_prob")
+
+
 def _not_finite_losses(metrics: Mapping[str, Any]) -> list[str]:
-    """Names of loss metrics that are NaN / inf, and of infinite gradient norms (a NaN norm
-    alone means "not computed": Megatron reports none without clipping or on a skip)."""
+    """Names of loss / KL / entropy / log-prob metrics that are NaN / inf, and of infinite
+    gradient norms (a NaN norm alone means "not computed": Megatron reports none without
+    clipping or on a skip)."""
     bad = []
     for key, value in metrics.items():
         try:
             value = float(value)
         except (TypeError, ValueError):
             continue
-        if ("loss" in key and not math.isfinite(value)) or (key.endswith("grad_norm") and math.isinf(value)):
+        if key.endswith("grad_norm"):
+            if math.isinf(value):
+                bad.append(key)
+        elif any(w in key.lower() for w in _WATCHED) and not math.isfinite(value):
             bad.append(key)
     return bad
 
@@ -171,10 +183,12 @@ class StepSupervisor:
         self.device = device if device is not None else torch.device("cpu")
         self.requested = False
         self.signal_name: Optional[str] = None
+        self._interrupts = 0
         self._announced = False
         self.bad_steps_total = 0
         self.consecutive_bad = 0
         self.bad_step_numbers: list[int] = []
+        self.bad_reasons: list[str] = []  # this rank's view of the last step: what was not finite
         self._guards: list[NonFiniteGradGuard] = []
         self._trip = _Trip()
         self._previous: dict[int, Any] = {}
@@ -211,6 +225,10 @@ class StepSupervisor:
 
     def _handle(self, signum: int, frame: Any) -> None:
         # Only set flags: printing here could re-enter a write the main thread is in.
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:  # the second Ctrl-C: abort, no save
+                raise KeyboardInterrupt
         if not self.requested:
             self.signal_name = signal.Signals(signum).name
         self.requested = True
@@ -240,9 +258,12 @@ class StepSupervisor:
         """
         if self.requested and not self._announced:
             self._announced = True
+            again = " (Ctrl-C again to abort without saving)" if self.signal_name == "SIGINT" else ""
             print(f"[hyflow] rank {os.environ.get('RANK', '?')}: received {self.signal_name}; saving a "
-                  "checkpoint after this step, then exiting", file=sys.stderr, flush=True)
-        bad_local = self.skipped_updates > self._skipped_before or bool(_not_finite_losses(metrics))
+                  f"checkpoint after this step, then exiting{again}", file=sys.stderr, flush=True)
+        skipped = self.skipped_updates > self._skipped_before
+        self.bad_reasons = _not_finite_losses(metrics) + (["gradients (update skipped)"] if skipped else [])
+        bad_local = bool(self.bad_reasons)
         self._trip.tripped, self._trip.in_step = False, False
         flags = torch.tensor([float(self.requested), float(bad_local)], device=self.device)
         if dist.is_initialized():
@@ -261,6 +282,13 @@ class StepSupervisor:
         metrics["training/bad_step"] = float(bad)
         metrics["training/bad_steps_total"] = float(self.bad_steps_total)
         return StepOutcome(bad=bad, preempted=preempted, diverged=self.consecutive_bad >= self.max_bad_steps)
+
+    def bad_step_line(self, step: int) -> str:
+        """The console line of a bad step: what was not finite (as this rank saw it) and the count."""
+        seen = ", ".join(self.bad_reasons[:6]) + (", ..." if len(self.bad_reasons) > 6 else "") \
+            if self.bad_reasons else "values on another rank"
+        return (f"[hyflow] step {step} is bad: non-finite {seen}; its updates were skipped ("
+                f"{self.consecutive_bad} of trainer.max_bad_steps={self.max_bad_steps} consecutive)")
 
     def divergence_error(self, checkpoint: Optional[str] = None) -> DivergenceError:
         """The error that ends a diverged run, naming the steps and the checkpoint."""

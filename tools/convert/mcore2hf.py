@@ -95,6 +95,7 @@ def export_rank(job: ExportJob) -> ProcessMemory:
                     total += tensors[hf].numel() * tensors[hf].element_size()
                 param.data = torch.empty(0, dtype=param.dtype)  # release as we go
             save_file(tensors, os.path.join(job.out_dir, file), metadata={"format": "pt"})
+            _readable_like_config(os.path.join(job.out_dir, file))
             del tensors
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -102,6 +103,14 @@ def export_rank(job: ExportJob) -> ProcessMemory:
                 json.dump(index, f, indent=2, sort_keys=True)
         del model, params
     return memory.result
+
+
+def _readable_like_config(path: str) -> None:
+    """safetensors writes through a 0600 temporary file: give the weights config.json's mode (the
+    umask's), so whoever may read the config (a serving user) may read the model too."""
+    config = os.path.join(os.path.dirname(path), "config.json")
+    mode = os.stat(config).st_mode & 0o777 if os.path.exists(config) else 0o644
+    os.chmod(path, mode)
 
 
 def write_hf_metadata(ckpt_dir: str, out_dir: str, desc, dtype: str, log=print) -> None:
@@ -158,13 +167,25 @@ def mcore2hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, force: bo
     anything for a missing or incomplete checkpoint or a non-empty ``out_dir``.
     """
     from hyflow.tools.convert.launch import run_ranks
+    from hyflow.tools.convert.preflight import check_output_dir, looks_like_hf_export
 
+    # Written into a sibling directory and moved into place at the end: a failure (a non-finite
+    # tensor, a full disk) leaves ``out_dir`` as it was, and --force replaces a previous export only
+    # once the new one is complete.
+    check_output_dir(out_dir, force, (ckpt_dir,), looks_like_hf_export, "model directory hyflow export wrote")
+    staging = f"{os.path.normpath(out_dir)}.partial-{os.getpid()}"
     with Stopwatch() as clock:
-        plan, job = prepare_export(ckpt_dir, out_dir, dtype=dtype, force=force,
-                                   max_shard_bytes=max_shard_bytes, log=log)
-        log(f"hyflow convert: {plan.desc.family} checkpoint written at tp={plan.info.tp} "
-            f"pp={plan.info.pp} -> HF {plan.dtype} in {out_dir}")
-        ranks = run_ranks(export_rank, 1, job)
+        try:
+            plan, job = prepare_export(ckpt_dir, staging, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                                       log=lambda message: log(message.replace(staging, out_dir)))
+            log(f"hyflow convert: {plan.desc.family} checkpoint written at tp={plan.info.tp} "
+                f"pp={plan.info.pp} -> HF {plan.dtype} in {out_dir}")
+            ranks = run_ranks(export_rank, 1, job)
+            if os.path.exists(out_dir):
+                shutil.rmtree(out_dir)
+            os.rename(staging, out_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return MemoryReport(direction="mcore2hf", model_bytes=plan.model_bytes, processes=ranks,
                         seconds=clock.seconds,
                         details={"checkpoint": f"{ckpt_dir} (tp={plan.info.tp} pp={plan.info.pp} "

@@ -22,8 +22,25 @@ from hyflow.models.sources.model_source import ModelSource, check_tensors, open_
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def check_output_dir(out_dir: str, force: bool, inputs: tuple[str, ...] = ()) -> None:
-    """``out_dir`` must be absent or empty, or ``force`` given; it may not hold an input."""
+def looks_like_hf_export(out_dir: str) -> bool:
+    """What ``--force`` may replace for ``hyflow export``: a flat directory with config.json and
+    safetensors files (a model directory as export writes it)."""
+    entries = list(os.scandir(out_dir))
+    names = {e.name for e in entries}
+    return "config.json" in names and any(n.endswith(".safetensors") for n in names) and \
+        not any(e.is_dir(follow_symlinks=False) for e in entries)
+
+
+def looks_like_mcore_checkpoint(out_dir: str) -> bool:
+    """What ``--force`` may replace for ``hyflow convert hf2mcore``: a hyflow model checkpoint."""
+    names = set(os.listdir(out_dir))
+    return bool(names & {"hyflow_checkpoint.json", ".metadata", "manifest.json"})
+
+
+def check_output_dir(out_dir: str, force: bool, inputs: tuple[str, ...] = (), looks_like=None,
+                     kind: str = "converted model") -> None:
+    """``out_dir`` must be absent or empty, or ``force`` given and ``looks_like(out_dir)`` true
+    (``--force`` replaces a previous output, never unrelated files); it may not hold an input."""
     out = os.path.realpath(out_dir)
     for path in inputs:
         src = os.path.realpath(path)
@@ -36,6 +53,10 @@ def check_output_dir(out_dir: str, force: bool, inputs: tuple[str, ...] = ()) ->
         if os.listdir(out_dir) and not force:
             raise ConversionError(f"output directory {out_dir} exists and is not empty; "
                                   "pass --force to replace its contents")
+        if os.listdir(out_dir) and looks_like is not None and not looks_like(out_dir):
+            raise ConversionError(f"output directory {out_dir} does not look like a {kind} (--force replaces "
+                                  "only a previous output, never unrelated files): choose a new or empty "
+                                  "directory")
 
 
 @dataclass
@@ -77,7 +98,7 @@ def plan_hf2mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: s
     from hyflow.models.hf_mapping import description_from_hf_config, hf_config_warnings
     from hyflow.parallel.layout import Layout
 
-    check_output_dir(out_dir, force, (hf_path,))
+    check_output_dir(out_dir, force, (hf_path,), looks_like_mcore_checkpoint, "hyflow model checkpoint")
     source = open_model_source(hf_path)
     try:
         desc = description_from_hf_config(source.config)
@@ -125,7 +146,7 @@ def plan_mcore2hf(ckpt_dir: str, out_dir: str, dtype: Optional[str] = None,
     from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info, read_description, \
         verify_model_checkpoint
 
-    check_output_dir(out_dir, force, (ckpt_dir,))
+    check_output_dir(out_dir, force, (ckpt_dir,), looks_like_hf_export, "model directory hyflow export wrote")
     try:
         info = read_checkpoint_info(ckpt_dir)
         desc = read_description(ckpt_dir)
