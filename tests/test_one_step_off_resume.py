@@ -19,13 +19,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from hyflow.checkpoint.discovery import checkpoint_status, step_dir_name
 from hyflow.testing import run_on_ranks
-from hyflow.testing.resume import checkpoint_tensors, process_descendants
+from hyflow.testing.resume import checkpoint_tensors, kill_9_when
 
 pytestmark = pytest.mark.multirank
 
@@ -116,22 +115,8 @@ def test_kill_9_after_a_save_then_resume_equals_the_straight_run(run_a, tmp_path
     out = str(tmp_path / "run")
     args = [sys.executable, "-m", "hyflow.cli", "train", QUICKSTART, *OVERRIDES, f"trainer.output_dir={out}"]
     step2 = os.path.join(out, "checkpoints", step_dir_name(2))
-    log_path = str(tmp_path / "launch.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.time() + float(os.environ.get("HYFLOW_TEST_TIMEOUT", 600))
-            while not checkpoint_status(step2)[0]:
-                assert proc.poll() is None, open(log_path).read()[-3000:]
-                assert time.time() < deadline, "the run did not save step 2"
-                time.sleep(0.02)
-        finally:
-            for pid in [proc.pid] + process_descendants(proc.pid):  # kill -9, launcher and every rank
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
+    kill_9_when(args, lambda: checkpoint_status(step2)[0], str(tmp_path / "launch.log"),
+                float(os.environ.get("HYFLOW_TEST_TIMEOUT", 600)))
     killed_at = sorted(_rows(out))
     assert killed_at[:2] == [1, 2] and killed_at[-1] < 3, killed_at
     resumed = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

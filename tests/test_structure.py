@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the training step", ("hyflow.training",)),
     ("checkpoints", ("hyflow.checkpoint",)),
     ("generation and the hybrid engine", ("hyflow.rollout", "hyflow.hybrid")),
+    ("vLLM as the generation engine", ("hyflow.vllm_backend",)),
     ("the RL step's parts", ("hyflow.rl",)),
     ("multi-turn rollouts: trajectories, tools, environments", ("hyflow.agent",)),
     ("validation on held-out data", ("hyflow.validation",)),

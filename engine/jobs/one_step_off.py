@@ -45,7 +45,7 @@ from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.jobs.step_end import save_due
 from hyflow.monitor import comm
 from hyflow.monitor.memory import memory_summary
-from hyflow.placement.groups import build_pool_groups, build_sync_group
+from hyflow.placement.groups import build_pool_groups, build_sync_group, pool_enumerations
 from hyflow.placement.inflight import Control, GenerationCheckpoints, InFlight, control
 from hyflow.placement.pool_models import GenerationSide, RemoteRollouts, WeightSender, build_training_models
 from hyflow.placement.remote_critic import has_remote_critic, serve_critic
@@ -53,6 +53,7 @@ from hyflow.placement.rows import row_routes, send_rows
 from hyflow.rewards.manager import RewardManager
 from hyflow.rl.state import RLState
 from hyflow.training.supervisor import StepSupervisor
+from hyflow.vllm_backend.groups import init_vllm_groups, local_rank
 
 
 def _setup_data(cfg: RLJobConfig):
@@ -71,6 +72,8 @@ def run(cfg: RLJobConfig) -> list[dict]:
     sync_group = build_sync_group(actor.pool, gen.pool)
     # this rank's pool: the supervisor's flags, set-up agreements, the distributed optimizer's instance
     pool_group = groups.pool_group
+    if cfg.rollout.backend == "vllm":  # vLLM's groups: every rank creates them, the generation pool uses them
+        init_vllm_groups(pool_enumerations(placement)["tp"], local_rank(groups.device))
     if has_remote_critic(placement) and rank in placement.roles["critic"].pool:
         serve_critic(cfg, placement, groups, pool_group,
                      lambda: control(Control(go=False), placement, rank, groups.device).go)
@@ -129,7 +132,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
             loader.load_state_dict(resumed.loader)
         if not control(Control(go=False), placement, rank, groups.device).go:
             return
-        side.sync.run()  # w_0, or w_t after a resume from step t
+        side.receive_weights()  # w_0, or w_t after a resume from step t
         version = 0 if resumed is None else resumed.step - 1  # the weights held (updates applied)
 
         def generate(step: int):
@@ -149,7 +152,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group) -> None:
                 following = generate(step + 1)  # overlaps the update on batch `step`
             msg = control(Control(go=False), placement, rank, groups.device)
             if msg.go:
-                side.sync.run()
+                side.receive_weights()
             if msg.save:
                 samples, seconds, made_with = following or (None, 0.0, version)
                 ckpts.save(msg, InFlight(step=step + 1, samples=samples, version=made_with, gen_seconds=seconds,

@@ -312,12 +312,12 @@ def generate_round(cfg: RLJobConfig, state: RLState, job: "StepJob", shard, firs
     stale = _stale_weights(cfg, state)
     exact = cfg.rollout.exact_logprobs  # report the training forward's log-probs (hyflow.rl.exact_logprobs)
     scoring = batching_for(cfg, "reference", models.groups, job.pad_id)
-    with timers.phase("reshard"):
+    with timers.phase("reshard"):  # the whole train -> generate transition, the backend's weight load too
         weights.to_generation()
-    with timers.phase("gen"):
         if stale is not None:  # rollout.force_staleness: sample with older weights (tests, benchmarks)
             stale.swap_in(weights)
         rollouts.prepare_for_generation()
+    with timers.phase("gen"):
         prompts = [r.prompt_ids for r in shard]
         if job.agent is not None:  # multi-turn trajectories: assistant turns and observations (hyflow.agent)
             samples = rollouts.generate_trajectories(job.agent, shard, cfg.rollout.n, seed=seed, request_offset=first)
@@ -331,10 +331,10 @@ def generate_round(cfg: RLJobConfig, state: RLState, job: "StepJob", shard, firs
                 batch, scoring, temperature=cfg.rollout.temperature, fused=cfg.actor.fused_output_layer,
                 train_mode=models.actor.chunks[0].training))
             exact = False
+    with timers.phase("reshard"):
         rollouts.finish_generation()
         if stale is not None:
             stale.swap_out(weights)
-    with timers.phase("reshard"):
         weights.to_training()
     if exact:  # sampled with the current weights: the training layout re-scores them exactly
         with timers.phase("gen"):

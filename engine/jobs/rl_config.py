@@ -25,6 +25,7 @@ from hyflow.rollout.config import GenerationSettings, redefault
 from hyflow.placement.config import PlacementConfig
 from hyflow.training.optim_config import OptimConfig
 from hyflow.validation.config import ValKwargs
+from hyflow.vllm_backend.config import VLLMConfig, check_vllm_installed, check_vllm_model
 
 
 
@@ -46,6 +47,11 @@ class RolloutConfig(GenerationSettings):
     the job's own keys (layouts, offloading, exact mode)."""
 
     layout: GenerationLayout = field(default_factory=GenerationLayout)
+    backend: Literal["hyflow", "vllm"] = field(default="hyflow", metadata={
+        "help": "the generation engine: hyflow (its own KV-cache engine over the Megatron generation model; the "
+                "CPU default and the exact log-probs reference) or vllm (vLLM in the training ranks, fed the "
+                "generation layout's weights in memory every step; rollout.vllm holds its options)"})
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     # the job's defaults for three settings (the engine alone: 1 response, 256 tokens, no prompt limit)
     n: int = redefault(GenerationSettings, "n", 4)
     max_new_tokens: int = redefault(GenerationSettings, "max_new_tokens", 64)
@@ -75,6 +81,14 @@ class RolloutConfig(GenerationSettings):
         check_finite(self, "temperature", "top_p")
         if self.force_staleness < 0:
             raise ConfigError(f"must be >= 0, got {self.force_staleness}", key="force_staleness")
+        if self.backend not in ("hyflow", "vllm"):
+            raise ConfigError(f"must be hyflow or vllm, got {self.backend!r}", key="backend")
+        if self.backend == "vllm":
+            check_vllm_installed()
+            if self.layout.pp != 1:
+                raise ConfigError(f"rollout.backend=vllm generates with tensor parallelism only (vLLM's pipeline "
+                                  f"stages do not run inside the training ranks): set rollout.layout.pp=1, got "
+                                  f"{self.layout.pp}", key="layout.pp")
         super().validate()  # sampling, lengths, chunking, concurrency: the generation engine's own checks
 
 
@@ -456,6 +470,15 @@ class RLJobConfig:
             if note not in self.notes:
                 self.notes.append(note)
         gen = self.rollout.layout
+        if self.rollout.backend == "vllm":
+            try:
+                check_vllm_model(self.model.head_dim)
+            except ConfigError as e:
+                raise ConfigError(str(e), key="rollout.backend") from None
+            if not placement.colocated and placement.roles["rollout"].layout.pp > 1:
+                raise ConfigError(f"rollout.backend=vllm generates with tensor parallelism only: the generation pool's "
+                                  f"layout has pp={placement.roles['rollout'].layout.pp}; give it pp=1",
+                                  key="placement.rollout")
         if placement.colocated:
             if train.tp % gen.tp or train.pp % gen.pp:
                 raise ConfigError(

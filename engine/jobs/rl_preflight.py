@@ -16,6 +16,7 @@ import os
 from typing import Any, Optional
 
 from hyflow.config import ConfigError
+from hyflow.vllm_backend.config import check_vllm_imports
 
 #: Rows of each data file checked here (the ranks check every row when they load the file).
 PREVIEW_ROWS = 1000
@@ -38,6 +39,8 @@ def preflight(cfg: Any) -> None:
 def _preflight(cfg: Any) -> None:
     check_pooled_supported(cfg)  # placement pools and trainer.mode=one_step_off: what runs today
     check_role_capabilities(cfg)
+    if cfg.rollout.backend == "vllm":  # the config checked it is installed; a broken install fails here
+        check_vllm_imports("rollout.backend")
     _check_context_parallel(cfg)
     _check_task(cfg.data)
     vocab = _check_tokenizer(cfg)
@@ -81,9 +84,10 @@ def role_classes(cfg: Any) -> tuple[type, type]:
     # imported here: torch and Megatron, seconds the preflight pays only when a capability is needed
     if cfg.resolved_placement().colocated:
         from hyflow.rl.dispatch import RolloutDispatcher
+        from hyflow.rl.vllm_rollouts import VLLMRollouts
         from hyflow.hybrid.executor import HybridEngine
 
-        return HybridEngine, RolloutDispatcher
+        return HybridEngine, VLLMRollouts if cfg.rollout.backend == "vllm" else RolloutDispatcher
     from hyflow.placement.pool_models import RemoteRollouts, WeightSender
 
     return WeightSender, RemoteRollouts
@@ -99,8 +103,9 @@ REQUIREMENTS = (
      "with older weights and holds no generation model to re-score with)",
      "set rollout.exact_logprobs=false, or trainer.mode=sync"),
     ("rollout.multi_turn.enable", lambda cfg: cfg.rollout.multi_turn.enable, "rollouts",
-     lambda caps: caps.multi_turn, "multi-turn trajectories (its generation pool runs single responses)",
-     "run colocated (trainer.mode=sync, placement.pools empty), or set rollout.multi_turn.enable=false"),
+     lambda caps: caps.multi_turn, "multi-turn trajectories",
+     "run them colocated (trainer.mode=sync, placement.pools empty) on rollout.backend=hyflow, or set "
+     "rollout.multi_turn.enable=false"),
     ("rollout.force_staleness", lambda cfg: cfg.rollout.force_staleness > 0, "weights",
      lambda caps: caps.stale_weights, "sampling with older weights (it holds no generation weights of its own)",
      "set rollout.force_staleness=0, or run colocated"),

@@ -25,7 +25,7 @@ from hyflow.models.builder import build_gpt_model, resolve_spec
 from hyflow.models.description import ModelDescription
 from hyflow.models.lora import adapters_merged, has_adapters
 from hyflow.parallel.layout import pad_vocab_size
-from hyflow.placement.groups import optimizer_agreement_on
+from hyflow.placement.groups import optimizer_agreement_on, pool_enumerations
 from hyflow.placement.remote_critic import RemoteCritic
 from hyflow.placement.rows import ReceivedRows, recv_rows, row_routes
 from hyflow.placement.sync_planner import plan_actor_sync
@@ -38,6 +38,8 @@ from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
 from hyflow.rollout.engine import GenerationEngine
 from hyflow.rollout.request import RolloutStats
+from hyflow.vllm_backend.engine import VLLMEngine
+from hyflow.vllm_backend.weights import vllm_weights
 
 
 @dataclass
@@ -190,10 +192,25 @@ class GenerationSide:
         self.rollout_config = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
         self.trainer_seed = cfg.trainer.seed
         eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
-        self.engine = GenerationEngine(self.model, self.rollout_config, vocab_size=min(desc.vocab_size,
-                                                                                       tokenizer.vocab_size),
-                                       eos_token_ids=eos, tp_group=groups.pgs.tp, pp_group=groups.pgs.pp,
-                                       max_position_embeddings=desc.max_position_embeddings)
+        vocab = min(desc.vocab_size, tokenizer.vocab_size)
+        if cfg.rollout.backend == "vllm":  # vLLM on this pool, fed the synced generation-layout weights in memory
+            budget = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
+            self.engine = VLLMEngine(desc, self.rollout_config, cfg.rollout.vllm, vocab_size=vocab,
+                                     eos_token_ids=eos, tp_groups=pool_enumerations(placement)["tp"],
+                                     dtype=cfg.actor.dtype, seed=cfg.trainer.seed,
+                                     device=groups.device, seq_budget=budget)
+        else:
+            self.engine = GenerationEngine(self.model, self.rollout_config, vocab_size=vocab, eos_token_ids=eos,
+                                           tp_group=groups.pgs.tp, pp_group=groups.pgs.pp,
+                                           max_position_embeddings=desc.max_position_embeddings)
+
+    def receive_weights(self) -> SyncStats:
+        """The training pool's newest weights into this pool's generation model (the weight sync,
+        collective with the training pool), and from it into vLLM's model when it generates."""
+        stats = self.sync.run()
+        if isinstance(self.engine, VLLMEngine):
+            self.engine.load_weights(vllm_weights(self.model, self.desc, self.engine.vocab_size, self.groups.pgs.tp))
+        return stats
 
     @property
     def replica(self) -> int:

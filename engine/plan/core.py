@@ -314,13 +314,16 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     for name, nbytes, note in frozen + critic_static:
         est.add(name, nbytes, note)
     gen_layers = max(plan.gen_split)  # the generation stage with the most layers
-    est.add("KV cache", mem.kv_cache_bytes(model, gen.tp, gen.pp, slots, capacity, dtype, layers=gen_layers),
-            f"{slots} sequences x {capacity} tokens, {model.num_query_groups // gen.tp} "
-            f"KV group(s) x {gen_layers} layer(s)")
-    est.add("forward transient", mem.generation_transient(
-        model, gen.tp, prefill_tokens=prefill, rows=slots, dtype=dtype, context=capacity,
-        chunked=chunk < cfg.rollout.max_prompt_length),
-        f"prefill of {prefill} tokens over a {capacity}-token cache, logits + sampling of {slots} rows")
+    if cfg.rollout.backend == "vllm":
+        _vllm_memory(cfg, model, est, result, plan, opts, slots, capacity)
+    else:
+        est.add("KV cache", mem.kv_cache_bytes(model, gen.tp, gen.pp, slots, capacity, dtype, layers=gen_layers),
+                f"{slots} sequences x {capacity} tokens, {model.num_query_groups // gen.tp} "
+                f"KV group(s) x {gen_layers} layer(s)")
+        est.add("forward transient", mem.generation_transient(
+            model, gen.tp, prefill_tokens=prefill, rows=slots, dtype=dtype, context=capacity,
+            chunked=chunk < cfg.rollout.max_prompt_length),
+            f"prefill of {prefill} tokens over a {capacity}-token cache, logits + sampling of {slots} rows")
     result.phases.append(est)
     if opts.device == "cpu" and plan.tp_ratio > 1:  # the TP merge's shared-memory staging, mapped for the run
         own = max(plan.bytes_recv) // (plan.tp_ratio - 1)
@@ -339,6 +342,33 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         "rollout_rows_per_rank": rows, "rollout_data_bytes": data[1],
     }
     _project(cfg, model, world, opts, result, placement)
+
+
+def _vllm_memory(cfg: Any, model: ModelDescription, est: mem.MemoryEstimate, result: PlanResult, plan: Any,
+                 opts: PlanOptions, slots: int, capacity: int) -> None:
+    """``rollout.backend: vllm``: vLLM's own memory beside the generation buffer (its staging). On GPU
+    vLLM takes ``gpu_memory_utilization`` of the device while generating (weights, KV cache,
+    activations) and its sleep mode gives it back for training (level 2; level 1 keeps nothing on
+    the device either, level 0 keeps it all); vLLM's CPU build has no sleep mode, so its weights and
+    KV cache stay for the whole run (:mod:`hyflow.vllm_backend.engine`)."""
+    options, gen = cfg.rollout.vllm, cfg.rollout.layout
+    if opts.device == "gpu":
+        share = int(options.gpu_memory_utilization * result.gpu_memory_bytes)
+        est.add("vLLM engine", share,
+                f"weights + KV cache + activations: rollout.vllm.gpu_memory_utilization="
+                f"{options.gpu_memory_utilization} of the device")
+        resident = share if options.sleep_level == 0 else 0
+        note = "rollout.vllm.sleep_level=0: vLLM keeps its memory while training"
+    else:
+        tokens = max((options.max_num_seqs or cfg.rollout.max_concurrent) * capacity, model.context_length)
+        kv = options.kv_cache_memory_bytes or mem.kv_cache_bytes(model, gen.tp, 1, 1, tokens, cfg.actor.dtype)
+        resident = max(plan.gen_bytes) + kv
+        est.add("vLLM engine", resident, f"weights + KV cache: its copy of the generation shard, a KV cache of "
+                                         f"{tokens} tokens")
+        note = "vLLM's CPU build has no sleep mode: its weights and KV cache stay"
+    if resident:
+        for phase in result.phases:
+            phase.add("vLLM (resident)", resident, note)
 
 
 def _project(cfg: Any, model: ModelDescription, world: int, opts: PlanOptions, result: PlanResult,

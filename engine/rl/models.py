@@ -29,6 +29,7 @@ from hyflow.parallel.groups import ParallelGroups, init_training_groups
 from hyflow.rl.critic import LocalCritic
 from hyflow.rl.dispatch import RolloutDispatcher
 from hyflow.rl.reward_model import RewardModel, build_reward_model, check_reward_model_checkpoint
+from hyflow.rl.vllm_rollouts import VLLMRollouts
 from hyflow.roles import Critic, Rollouts, WeightPath
 from hyflow.rollout.config import GenerationConfig
 from hyflow.training.optimizer import build_optimizer, wrap_ddp
@@ -123,8 +124,11 @@ def build_rl_models(cfg, tokenizer) -> RLModels:
     generation = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
     if cfg.rollout.multi_turn.enable:  # a multi-turn context outgrows the prompt limit; its budget bounds it
         generation = dataclasses.replace(generation, max_prompt_length=None)
-    dispatcher = RolloutDispatcher(hybrid, groups, generation, desc, sample_vocab, eos,
-                                   current_weights=not cfg.rollout.force_staleness)
+    if cfg.rollout.backend == "vllm":  # vLLM in these ranks, fed the hybrid engine's generation shards
+        dispatcher = VLLMRollouts.from_config(cfg, hybrid, groups, generation, desc, sample_vocab, eos)
+    else:
+        dispatcher = RolloutDispatcher(hybrid, groups, generation, desc, sample_vocab, eos,
+                                       current_weights=not cfg.rollout.force_staleness)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=hybrid,
                       rollouts=dispatcher, sample_vocab=sample_vocab)
     build_other_roles(cfg, models, actor, tokenizer)

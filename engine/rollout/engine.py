@@ -99,51 +99,10 @@ class GenerationEngine:
         Returns (sequences, number of truncated prompts). ``request_offset`` is the
         index of ``requests[0]`` in the whole batch (seeds and output indices use it).
         """
-        default = sampling or self.config.sampling
-        default.validate()
-        seqs: list[Sequence] = []
-        truncated = 0
-        too_long = []
-        for i, req in enumerate(as_requests(requests)):
-            index = request_offset + i
-            params = req.sampling or default
-            params.validate()
-            prompt = [int(t) for t in req.prompt_ids]
-            if not prompt:
-                raise ValueError(f"request {index}: empty prompt (at least one token is needed)")
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"request {index}: token ids {bad[:4]} outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
-            cut = 0
-            if len(prompt) > self.max_prompt_length:
-                if not self.config.truncate_long_prompts:
-                    too_long.append((index, len(prompt)))
-                    continue
-                cut = len(prompt) - self.max_prompt_length
-                prompt = prompt[cut:]
-                truncated += 1
-            # A request's own seed gives the same samples wherever the request sits in the batch.
-            seed = req.seed if req.seed is not None else stream_seed(params.seed, index, 0)
-            max_new = min(params.max_new_tokens, self.max_seq_len - len(prompt))
-            stops = stop_ids(params, self.eos_token_ids)
-            for j in range(params.n):
-                out = SampleOutput(request_index=index, sample_index=j, prompt_ids=prompt,
-                                   prompt_truncated=cut)
-                seqs.append(Sequence(out=out, params=params, stream=stream_seed(seed, 0, j),
-                                     stops=stops, max_new=max_new))
-        if too_long:
-            shown = ", ".join(f"request {i}: {n} tokens" for i, n in too_long[:5])
-            raise PromptTooLongError(
-                f"{len(too_long)} prompt(s) exceed the prompt limit of {self.max_prompt_length} tokens "
-                f"(max_prompt_length, at most the context limit max_seq_len={self.max_seq_len} minus one "
-                f"new token): {shown}. "
-                "Shorten them, raise max_seq_len, or set truncate_long_prompts=true to keep their last "
-                f"{self.max_prompt_length} tokens.")
-        if truncated:
-            LOG.warning("truncated %d prompt(s) to their last %d tokens (truncate_long_prompts)",
-                        truncated, self.max_prompt_length)
-        return seqs, truncated
+        return prepare_requests(requests, sampling or self.config.sampling, request_offset,
+                                vocab_size=self.vocab_size, max_prompt_length=self.max_prompt_length,
+                                max_seq_len=self.max_seq_len, truncate=self.config.truncate_long_prompts,
+                                eos_token_ids=self.eos_token_ids)
 
     # -------------------------------------------------------------- generate
     def generate(self, requests: Seq, sampling: Optional[SamplingConfig] = None,
@@ -175,3 +134,57 @@ class GenerationEngine:
         """Convenience: one prompt, one sample, sampling fields as keywords."""
         params = (self.config.sampling.replace(**sampling) if sampling else self.config.sampling)
         return self.generate([GenerationRequest(prompt_ids, sampling=params.replace(n=1))]).samples[0]
+
+
+def prepare_requests(requests: Seq, default: SamplingConfig, request_offset: int, *, vocab_size: int,
+                     max_prompt_length: int, max_seq_len: int, truncate: bool,
+                     eos_token_ids: Seq[int]) -> tuple[list[Sequence], int]:
+    """Validate ``requests`` and expand them into one :class:`Sequence` per sample: the prompt
+    (left-truncated to ``max_prompt_length`` when ``truncate``, else an error), its sampling
+    settings, stop ids, token budget and random stream (keyed by the global request index
+    ``request_offset + i`` and the sample index). Every generation backend starts here, so they
+    agree on what a request means. Returns (sequences, number of truncated prompts)."""
+    default.validate()
+    seqs: list[Sequence] = []
+    truncated = 0
+    too_long = []
+    for i, req in enumerate(as_requests(requests)):
+        index = request_offset + i
+        params = req.sampling or default
+        params.validate()
+        prompt = [int(t) for t in req.prompt_ids]
+        if not prompt:
+            raise ValueError(f"request {index}: empty prompt (at least one token is needed)")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"request {index}: token ids {bad[:4]} outside the vocabulary "
+                             f"[0, {vocab_size})")
+        cut = 0
+        if len(prompt) > max_prompt_length:
+            if not truncate:
+                too_long.append((index, len(prompt)))
+                continue
+            cut = len(prompt) - max_prompt_length
+            prompt = prompt[cut:]
+            truncated += 1
+        # A request's own seed gives the same samples wherever the request sits in the batch.
+        seed = req.seed if req.seed is not None else stream_seed(params.seed, index, 0)
+        max_new = min(params.max_new_tokens, max_seq_len - len(prompt))
+        stops = stop_ids(params, list(eos_token_ids))
+        for j in range(params.n):
+            out = SampleOutput(request_index=index, sample_index=j, prompt_ids=prompt,
+                               prompt_truncated=cut)
+            seqs.append(Sequence(out=out, params=params, stream=stream_seed(seed, 0, j),
+                                 stops=stops, max_new=max_new))
+    if too_long:
+        shown = ", ".join(f"request {i}: {n} tokens" for i, n in too_long[:5])
+        raise PromptTooLongError(
+            f"{len(too_long)} prompt(s) exceed the prompt limit of {max_prompt_length} tokens "
+            f"(max_prompt_length, at most the context limit max_seq_len={max_seq_len} minus one "
+            f"new token): {shown}. "
+            "Shorten them, raise max_seq_len, or set truncate_long_prompts=true to keep their last "
+            f"{max_prompt_length} tokens.")
+    if truncated:
+        LOG.warning("truncated %d prompt(s) to their last %d tokens (truncate_long_prompts)",
+                    truncated, max_prompt_length)
+    return seqs, truncated

@@ -1,8 +1,13 @@
-"""Helpers for tests that kill and resume runs: a process tree, a checkpoint's tensors."""
+"""Helpers for tests that kill and resume runs: a process tree, a run killed once it saved, a
+checkpoint's tensors."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import time
+from typing import Callable, Sequence
 
 
 def process_descendants(pid: int) -> list[int]:
@@ -22,6 +27,27 @@ def process_descendants(pid: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def kill_9_when(args: Sequence[str], ready: Callable[[], bool], log_path: str, timeout: float) -> None:
+    """Start ``args`` (a ``hyflow train`` command line), wait until ``ready()`` (e.g. a checkpoint is
+    complete), then SIGKILL the launcher and every process below it. The output goes to
+    ``log_path``; the run ending or ``timeout`` seconds passing first fails with its log's tail."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + timeout
+            while not ready():
+                assert proc.poll() is None, open(log_path).read()[-3000:]
+                assert time.time() < deadline, f"not ready after {timeout:g} s: {open(log_path).read()[-3000:]}"
+                time.sleep(0.02)
+        finally:
+            for pid in [proc.pid] + process_descendants(proc.pid):  # kill -9, launcher and every rank
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
 
 
 def checkpoint_tensors(model_dir: str, tmp: str) -> dict:

@@ -7,6 +7,10 @@ three alternatives on the same model and ranks, in one run:
   layout;
 * (c) a naive all-gather of every full parameter on every rank.
 
+``--vllm`` adds ``rollout.backend: vllm``'s transition: the same train -> generation reshard, then
+the generation shards written into a vLLM engine in memory through its weight loaders
+(:mod:`hyflow.vllm_backend`), against the reshard alone (``vllm_transition_ratio``).
+
 Prints a table, then one JSON line. Launches its own ranks (``--nproc``) through torchrun
 unless already launched.
 """
@@ -38,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed round trips per method (the median is reported)")
     parser.add_argument("--skip", default="",
                         help="comma list of rows to skip: swap,ckpt,naive,collective")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also time rollout.backend=vllm's transition (reshard + in-memory load into vLLM)")
     parser.add_argument("--transport", default="auto", choices=("auto", "collective", "shared_memory"),
                         help="hybrid engine transport of the TP and PP merges (auto: shared memory for CPU ranks "
                              "on one host; collective: bucketed all-gathers and PP point-to-point, the GPU code path)")
@@ -190,6 +196,8 @@ def _bench(args: argparse.Namespace) -> int:
                 dist.all_gather(out, mine)
 
         result["naive_allgather_s"] = _timed(naive, args.repeats, barrier)
+    if args.vllm:
+        result.update(_vllm_transition(engine, desc, gen_groups, args.repeats, barrier, result["train_to_gen_s"]))
     for key in ("swap_model_weights_s", "ckpt_roundtrip_s", "naive_allgather_s"):
         base = result.get(key)
         if base:
@@ -204,7 +212,10 @@ def _bench(args: argparse.Namespace) -> int:
                 ("hybrid engine gen->train (collective, PP p2p)", result.get("collective_gen_to_train_s")),
                 ("(a) swap_model_weights", result.get("swap_model_weights_s")),
                 ("(b) dist-ckpt round trip", result.get("ckpt_roundtrip_s")),
-                ("(c) naive all-gather", result.get("naive_allgather_s"))]
+                ("(c) naive all-gather", result.get("naive_allgather_s")),
+                ("vLLM: train->gen + load into vLLM", result.get("vllm_train_to_gen_s")),
+                ("vLLM: of which the load (vLLM's loaders, repacking)", result.get("vllm_load_s")),
+                ("hyflow engine: oneDNN packing at generate start", result.get("hyflow_pack_s"))]
         print(f"reshard {args.layers} layers x hidden {args.hidden} ({desc.num_parameters() / 1e6:.0f}M params), "
               f"tp={args.tp} pp={args.pp} -> tp={args.tp_gen} pp={args.pp_gen} on {world} ranks")
         print(f"{'method':56s} {'seconds':>10s}")
@@ -214,10 +225,60 @@ def _bench(args: argparse.Namespace) -> int:
               f"formula {result['formula_bytes']:.0f})")
         print(f"transport {result['transport']}: {result['staging_bytes']} staging bytes per rank (fixed); "
               f"planned peak extra {result['peak_extra_bytes']} bytes")
+        if args.vllm:
+            ratio = result["vllm_transition_ratio"]
+            shown = "-" if ratio is None else f"{ratio:.2f}x"
+            print(f"vLLM transition / hybrid engine train->gen: {shown}; / train->gen + hyflow's packing: "
+                  f"{result['vllm_vs_hyflow_with_packing']:.2f}x")
         print(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _vllm_transition(engine, desc, gen_groups, repeats: int, barrier, to_gen: float) -> dict:
+    """Median seconds of train -> generation plus the load of the generation shards into vLLM (the
+    vLLM backend's transition), and of the load alone, over ``repeats`` round trips."""
+    import torch
+
+    from hyflow.hybrid.generation_groups import generation_enumerations
+    from hyflow.rollout.config import GenerationConfig
+    from hyflow.vllm_backend.config import VLLMConfig, check_vllm_imports
+    from hyflow.vllm_backend.engine import VLLMEngine
+    from hyflow.vllm_backend.weights import vllm_weights
+
+    check_vllm_imports()
+    vllm = VLLMEngine(desc, GenerationConfig(max_concurrent=8), VLLMConfig(), vocab_size=desc.vocab_size,
+                      eos_token_ids=[], tp_groups=generation_enumerations(engine.plan)["tp"],
+                      device=torch.device("cpu"), seq_budget=256)
+    from hyflow.rollout.cpu_pack import PackedLinears
+
+    loads, totals, packs = [], [], []
+    for i in range(repeats + 1):  # the first round is a warm-up
+        barrier()
+        start = time.perf_counter()
+        engine.to_generation()
+        load = vllm.load_weights(vllm_weights(engine.gen_model, desc, desc.vocab_size, gen_groups.pgs.tp))
+        barrier()
+        total = time.perf_counter() - start
+        # what hyflow's engine does with the same weights at the start of a generate call (CPU, fp32):
+        # the oneDNN packing vLLM's load includes
+        start = time.perf_counter()
+        with PackedLinears(engine.gen_model):
+            pass
+        pack = time.perf_counter() - start
+        engine.to_training()
+        if i:
+            loads.append(load)
+            totals.append(total)
+            packs.append(pack)
+    vllm.close()
+    out = {"vllm_train_to_gen_s": statistics.median(totals), "vllm_load_s": statistics.median(loads),
+           "hyflow_pack_s": statistics.median(packs)}
+    out["vllm_transition_ratio"] = out["vllm_train_to_gen_s"] / to_gen if to_gen > 0 else None
+    with_pack = to_gen + out["hyflow_pack_s"]
+    out["vllm_vs_hyflow_with_packing"] = out["vllm_train_to_gen_s"] / with_pack if with_pack > 0 else None
+    return out
 
 
 if __name__ == "__main__":

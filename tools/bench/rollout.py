@@ -1,12 +1,13 @@
-"""``hyflow bench rollout``: generation tokens/s of hyflow's engine vs ``transformers``.
+"""``hyflow bench rollout``: generation tokens/s of hyflow's engine vs ``transformers`` (and vLLM).
 
-Same weights (the HF model is converted into a Megatron ``GPTModel``), same
-prompts, same batch, greedy, KV cache on for both, exactly ``--new-tokens`` new
-tokens per prompt for both (EOS disabled on both sides, so the work is equal).
-Runs are interleaved (ours, HF, ours, HF, ...) and the best of ``--repeats`` is
-kept, which makes the ratio robust on a shared machine (medians are printed too). The last
-line of output is one JSON object with ``tokens_per_s``, ``hf_tokens_per_s``, ``speedup`` and
-their ``*_median`` counterparts.
+Same weights (the HF model is converted into a Megatron ``GPTModel``; vLLM, with ``--backend``
+naming it, is fed that model's weights in memory as the RL job feeds it), same prompts, same
+batch, greedy, KV cache on for all, exactly ``--new-tokens`` new tokens per prompt (EOS disabled
+everywhere, so the work is equal). Runs are interleaved (ours, HF, vLLM, ours, ...) and the best
+of ``--repeats`` is kept, which makes the ratios robust on a shared machine (medians are printed
+too). The last line of output is one JSON object with ``tokens_per_s``, ``hf_tokens_per_s``,
+``speedup`` (hyflow over HF) and their ``*_median`` counterparts, plus ``vllm_tokens_per_s``,
+``vllm_speedup`` (vLLM over hyflow) and ``vllm_load_s`` (one in-memory weight load) with vLLM.
 
 ``--compare-batching`` adds a second measurement: sampled responses with EOS on
 (lengths vary), generated with continuous batching and with static batches, to
@@ -45,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="model dtype")
     p.add_argument("--profile", action="store_true",
                    help="print a torch profiler table of one decode-heavy run of each engine")
+    p.add_argument("--backend", default="hyflow,hf",
+                   help="engines to time, comma-separated: hyflow, hf (transformers generate), vllm "
+                        "(needs vLLM installed; rollout.backend=vllm's engine); hyflow is always timed")
     p.add_argument("--compare-batching", action="store_true",
                    help="also time continuous vs static batching on sampled, variable-length responses")
 
@@ -137,57 +141,87 @@ def run(args: argparse.Namespace) -> int:
                                 logprobs=True)
         engine = GenerationEngine.from_description(
             model, desc, GenerationConfig(max_concurrent=args.batch, sampling=greedy))
-        # Warm-up (allocator, first-call dispatch) on both sides.
+        backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+        unknown = sorted(set(backends) - {"hyflow", "hf", "vllm"})
+        if unknown:
+            raise SystemExit(f"--backend: unknown engine(s) {unknown}; choose from hyflow, hf, vllm")
+        runners = {"hyflow": lambda: _timed(lambda: _ours(engine, prompts))}
+        if "hf" in backends and not args.no_hf:
+            runners["hf"] = lambda: _hf_generate(hf, prompts, args.new_tokens, pad_id)
+        vllm_load = None
+        if "vllm" in backends:
+            vllm_engine, vllm_load = _vllm_engine(model, desc, groups, prompts, args)
+            runners["vllm"] = lambda: _timed(lambda: _ours(vllm_engine, prompts, greedy))
+        # Warm-up (allocator, first-call dispatch) on every side.
         engine.generate(prompts[:2], greedy.replace(max_new_tokens=4))
-        if not args.no_hf:
+        if "hf" in runners:
             _hf_generate(hf, prompts[:2], 4, pad_id)
+        if "vllm" in runners:
+            vllm_engine.generate(prompts[:2], greedy.replace(max_new_tokens=4))
         if args.profile:
             _profile(engine, hf, prompts, pad_id, args)
-        ours_t, hf_t, ours_cpu, hf_cpu = [], [], [], []
-        ours_out = hf_out = None
+        times = {k: [] for k in runners}
+        cpus = {k: [] for k in runners}
+        outs: dict = {}
         for _ in range(args.repeats):
-            cpu = time.process_time()
-            res = engine.generate(prompts)
-            ours_cpu.append(time.process_time() - cpu)
-            ours_t.append(res.stats.seconds)
-            ours_out = [s.token_ids for s in res.samples]
-            seconds, cpu_s, hf_out = _hf_generate(hf, prompts, args.new_tokens, pad_id) if not args.no_hf else \
-                (float("nan"), float("nan"), ours_out)
-            hf_t.append(seconds)
-            hf_cpu.append(cpu_s)
+            for name, fn in runners.items():
+                seconds, cpu_s, outs[name] = fn()
+                times[name].append(seconds)
+                cpus[name].append(cpu_s)
         tokens = args.batch * args.new_tokens
-        best, hf_best = min(ours_t), min(hf_t)
-        med, hf_med = statistics.median(ours_t), statistics.median(hf_t)
-        match = sum(a == b for a, b in zip(ours_out, hf_out))
+        ours_t = times["hyflow"]
+        best, med = min(ours_t), statistics.median(ours_t)
         row = {
             "bench": "rollout", "model": args.model, "batch": args.batch, "new_tokens": args.new_tokens,
             "dtype": args.dtype, "threads": torch.get_num_threads(),
-            "prompt_tokens": sum(len(p) for p in prompts),
-            "tokens_per_s": round(tokens / best, 2), "hf_tokens_per_s": round(tokens / hf_best, 2),
-            "speedup": round(hf_best / best, 3), "seconds": round(best, 3), "hf_seconds": round(hf_best, 3),
-            "tokens_per_s_median": round(tokens / med, 2), "hf_tokens_per_s_median": round(tokens / hf_med, 2),
-            "speedup_median": round(hf_med / med, 3),
-            "cpu_speedup": round(min(hf_cpu) / min(ours_cpu), 3),
-            "greedy_match": f"{match}/{args.batch}" if not args.no_hf else None, "load_s": round(load_s, 1),
+            "prompt_tokens": sum(len(p) for p in prompts), "backends": list(runners),
+            "tokens_per_s": round(tokens / best, 2), "seconds": round(best, 3),
+            "tokens_per_s_median": round(tokens / med, 2), "load_s": round(load_s, 1),
             # what a decode step reads at least (every weight once), for the HBM roofline
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "runs_s": [round(t, 2) for t in ours_t], "hf_runs_s": [round(t, 2) for t in hf_t],
-            "cpu_runs_s": [round(t, 2) for t in ours_cpu], "hf_cpu_runs_s": [round(t, 2) for t in hf_cpu],
+            "runs_s": [round(t, 2) for t in ours_t], "cpu_runs_s": [round(t, 2) for t in cpus["hyflow"]],
         }
+        for name in ("hf", "vllm"):
+            if name not in runners:
+                continue
+            b, m = min(times[name]), statistics.median(times[name])
+            match = sum(a == b_ for a, b_ in zip(outs["hyflow"], outs[name]))
+            row.update({f"{name}_tokens_per_s": round(tokens / b, 2), f"{name}_seconds": round(b, 3),
+                        f"{name}_tokens_per_s_median": round(tokens / m, 2),
+                        f"{name}_runs_s": [round(t, 2) for t in times[name]],
+                        f"{name}_cpu_runs_s": [round(t, 2) for t in cpus[name]],
+                        f"{name}_greedy_match": f"{match}/{args.batch}"})
+        if "hf" in runners:  # hyflow over transformers (the historical keys)
+            hf_best, hf_med = min(times["hf"]), statistics.median(times["hf"])
+            row.update(speedup=round(hf_best / best, 3), speedup_median=round(hf_med / med, 3),
+                       cpu_speedup=round(min(cpus["hf"]) / min(cpus["hyflow"]), 3),
+                       greedy_match=row["hf_greedy_match"])
+        if "vllm" in runners:  # vLLM over hyflow
+            v_best, v_med = min(times["vllm"]), statistics.median(times["vllm"])
+            row.update(vllm_speedup=round(best / v_best, 3), vllm_speedup_median=round(med / v_med, 3),
+                       vllm_load_s=round(vllm_load, 3))
         print(f"rollout benchmark: {args.model}, batch {args.batch}, {args.new_tokens} new tokens, greedy, "
               f"{args.dtype}, {row['threads']} threads, {row['prompt_tokens']} prompt tokens")
-        print(f"{'engine':<26}{'best s':>9}{'tokens/s':>11}{'median tok/s':>14}{'runs (s)':>30}")
-        print(f"{'hyflow GenerationEngine':<26}{best:>9.2f}{row['tokens_per_s']:>11.1f}"
-              f"{row['tokens_per_s_median']:>14.1f}{str(row['runs_s']):>30}")
-        print(f"{'transformers generate':<26}{hf_best:>9.2f}{row['hf_tokens_per_s']:>11.1f}"
-              f"{row['hf_tokens_per_s_median']:>14.1f}{str(row['hf_runs_s']):>30}")
-        print(f"speedup {row['speedup']:.2f}x (process CPU time: {row['cpu_speedup']:.2f}x); "
-              f"greedy outputs identical for {row['greedy_match']} prompts")
+        print(f"{'engine':<26}{'best s':>9}{'tokens/s':>11}{'median tok/s':>14}{'greedy = hyflow':>17}"
+              f"{'runs (s)':>30}")
+        labels = {"hyflow": "hyflow GenerationEngine", "hf": "transformers generate", "vllm": "vLLM (in-process)"}
+        for name in runners:
+            b, m = min(times[name]), statistics.median(times[name])
+            same = "-" if name == "hyflow" else row[f"{name}_greedy_match"]
+            print(f"{labels[name]:<26}{b:>9.2f}{tokens / b:>11.1f}{tokens / m:>14.1f}{same:>17}"
+                  f"{str([round(t, 2) for t in times[name]]):>30}")
+        if "hf" in runners:
+            print(f"hyflow over transformers {row['speedup']:.2f}x (process CPU time: {row['cpu_speedup']:.2f}x)")
+        if "vllm" in runners:
+            print(f"vLLM over hyflow {row['vllm_speedup']:.2f}x; one in-memory weight load into vLLM "
+                  f"{row['vllm_load_s']:.3f} s")
         if args.compare_batching:
             # The random tiny model almost never samples its EOS: give it 1 stop id in 40 so
             # response lengths vary as they do for a real model.
             stops = list(range(0, desc.vocab_size, 40)) if args.model == "tiny" else None
             row["batching"] = _compare_batching(engine, prompts, args, stops)
+        if "vllm" in runners:
+            vllm_engine.close()
         print(json.dumps(row), flush=True)
     finally:
         shutdown()
@@ -221,6 +255,36 @@ def _compare_batching(engine: Any, prompts: list[list[int]], args: argparse.Name
     engine.config.batching = "continuous"
     print("* row-forwards a static batch needs if finished rows stay in the batch (as in HF generate)")
     return out
+
+
+def _timed(fn) -> tuple[float, float, Any]:
+    """(wall s, process CPU s, result) of ``fn()``."""
+    start, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - start, time.process_time() - cpu, out
+
+
+def _ours(engine: Any, prompts: list[list[int]], sampling: Any = None) -> list[list[int]]:
+    return [s.token_ids for s in engine.generate(prompts, sampling).samples]
+
+
+def _vllm_engine(model: Any, desc: Any, groups: Any, prompts: list[list[int]],
+                 args: argparse.Namespace) -> tuple[Any, float]:
+    """rollout.backend=vllm's engine on this one rank, fed ``model``'s weights in memory; returns it
+    and the seconds of that weight load (the second one: the first is a warm-up)."""
+    from hyflow.rollout import GenerationConfig, SamplingConfig
+    from hyflow.vllm_backend.config import VLLMConfig, check_vllm_imports
+    from hyflow.vllm_backend.engine import VLLMEngine
+    from hyflow.vllm_backend.weights import vllm_weights
+
+    check_vllm_imports()
+    greedy = SamplingConfig(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
+    config = GenerationConfig(max_concurrent=args.batch, sampling=greedy)
+    engine = VLLMEngine(desc, config, VLLMConfig(), vocab_size=desc.vocab_size, eos_token_ids=[],
+                        tp_groups=[[0]], dtype=args.dtype, device=groups.device,
+                        seq_budget=max(len(p) for p in prompts) + args.new_tokens)
+    engine.load_weights(vllm_weights(model, desc, desc.vocab_size))
+    return engine, engine.load_weights(vllm_weights(model, desc, desc.vocab_size))
 
 
 def _profile(engine: Any, hf: Any, prompts: list[list[int]], pad_id: int, args: argparse.Namespace) -> None:
