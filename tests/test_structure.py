@@ -52,7 +52,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("planning, diagnostics, test helpers", ("hyflow.plan", "hyflow.doctor", "hyflow.testing")),
 )
 #: imports inside functions / all imports, engine + launch + tools + kernels (31.0% on 2026-11-28
-#: before issue 32's first moves, 27.7% after them, 25.1% with the shared job loop, 19.3% with the
+#: before issue 32's first moves, 27.7% after them, 25.1% with the shared job loop, 19.8% with the
 #: bench / CLI / monitor / testing / model-source moves; the target is <= 10%)
 MAX_FUNCTION_IMPORTS = 0.20
 #: modules whose every import inside a function carries a comment saying why (one line: an optional
