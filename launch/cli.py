@@ -17,6 +17,12 @@ import os
 import sys
 
 from hyflow.cli_support import IntermixedParser
+from hyflow.checkpoint.manifest import NO_VERIFY_ENV
+from hyflow.config import ConfigError
+from hyflow.jobs.registry import load_job_config
+from hyflow.launch.local import LaunchError, check_before_launch, launch_local, resolve_target
+from hyflow.launch.slurm import SlurmOptions, render_sbatch, run_dir_for, shared_fs_warning, submit, write_sbatch
+from hyflow.plan.core import PlanOptions, build_plan
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -31,17 +37,12 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from hyflow.config import ConfigError
-    from hyflow.launch.local import LaunchError, check_before_launch, launch_local, resolve_target
-
     nproc = args.nproc
     _no_verify(args)
     try:
         if nproc is None:
             nproc = 1
             if args.target.endswith((".yaml", ".yml")):
-                from hyflow.jobs.registry import load_job_config
-
                 nproc = load_job_config(args.target, args.args).trainer.nproc
         target = resolve_target(args.target, args.args, nproc)
         check_before_launch(target)
@@ -56,16 +57,10 @@ def cmd_local(args: argparse.Namespace) -> int:
 def _no_verify(args: argparse.Namespace) -> None:
     """``--no-verify``: the ranks skip checkpoint checksums (they inherit the environment)."""
     if getattr(args, "no_verify", False):
-        from hyflow.checkpoint.manifest import NO_VERIFY_ENV
-
         os.environ[NO_VERIFY_ENV] = "1"
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
-    from hyflow.config import ConfigError
-    from hyflow.launch.local import LaunchError, check_before_launch, resolve_target
-    from hyflow.launch.slurm import SlurmOptions, render_sbatch, submit, write_sbatch
-
     opts = SlurmOptions(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, partition=args.partition,
         time=args.time, account=args.account, container_image=args.container_image,
@@ -79,8 +74,6 @@ def cmd_slurm(args: argparse.Namespace) -> int:
             check_before_launch(target)
         if target.command == "train" and not args.no_plan_check:
             _plan_check(target, opts)
-        from hyflow.launch.slurm import run_dir_for, shared_fs_warning
-
         warning = shared_fs_warning(run_dir_for(target, os.path.abspath(opts.workdir or os.getcwd())), opts.nodes)
         if warning:
             print(f"hyflow launch: warning: {warning}", file=sys.stderr)
@@ -100,9 +93,6 @@ def cmd_slurm(args: argparse.Namespace) -> int:
 
 def _plan_check(target, opts) -> None:
     """Refuse to submit a job that ``hyflow plan`` already knows cannot run."""
-    from hyflow.launch.local import LaunchError
-    from hyflow.plan.core import PlanOptions, build_plan
-
     result = build_plan(target.config, target.args,
                         PlanOptions(world_size=opts.world_size, megatron_ranks=()))
     if result.errors:

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from hyflow.checkpoint.discovery import MARKER_FILE, checkpoints_root, list_checkpoints
+
 MIN_GRACE_S = 60
 MARGIN_S = 30
 #: Write bandwidth assumed for an unmeasured save: per rank, and for the whole job (a shared
@@ -49,8 +51,6 @@ class Grace:
 
 def measured_save_seconds(output_dir: str) -> Optional[float]:
     """The longest ``save_seconds`` among the run's complete checkpoints, or None."""
-    from hyflow.checkpoint.discovery import MARKER_FILE, checkpoints_root, list_checkpoints
-
     times = []
     for entry in list_checkpoints(checkpoints_root(output_dir)):
         if not entry.complete:

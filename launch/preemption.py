@@ -28,6 +28,9 @@ import os
 import signal
 from typing import Any, Iterable, Optional
 
+import torch
+import torch.distributed as dist
+
 
 class PreemptionFlag:
     """Set by SIGUSR1 (or another signal given to :meth:`install`); never cleared."""
@@ -56,9 +59,6 @@ class PreemptionFlag:
 
         Without an initialised process group this is just :attr:`requested`.
         """
-        import torch
-        import torch.distributed as dist
-
         if not dist.is_available() or not dist.is_initialized():
             return self.requested
         device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"

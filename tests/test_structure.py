@@ -52,12 +52,25 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("planning, diagnostics, test helpers", ("hyflow.plan", "hyflow.doctor", "hyflow.testing")),
 )
 #: imports inside functions / all imports, engine + launch + tools + kernels (31.0% on 2026-11-28
-#: before issue 32's first moves, 27.7% after them, 25.1% with the shared job loop; the target is <= 10%)
-MAX_FUNCTION_IMPORTS = 0.26
+#: before issue 32's first moves, 27.7% after them, 25.1% with the shared job loop, 19.8% with the
+#: bench / CLI / monitor / testing / model-source moves; the target is <= 10%)
+MAX_FUNCTION_IMPORTS = 0.20
 #: modules whose every import inside a function carries a comment saying why (one line: an optional
 #: heavy dependency, a cycle, the preflight staying light); grows as modules are cleaned
 JUSTIFIED = ("hyflow.rl.", "hyflow.placement.pool_models", "hyflow.jobs.rl", "hyflow.rollout.config",
-             "hyflow.roles")
+             "hyflow.roles", "hyflow.doctor.", "hyflow.models.sources.",
+             "hyflow.tools.bench.longctx", "hyflow.tools.bench.micro_batches", "hyflow.tools.bench.exact_logprobs",
+             "hyflow.tools.bench.trl_grpo", "hyflow.tools.bench.rl", "hyflow.tools.bench.scaling",
+             "hyflow.tools.bench.head", "hyflow.tools.bench.manifest", "hyflow.tools.convert.launch",
+             "hyflow.tools.convert.memory", "hyflow.tools.gpu_check", "hyflow.launch.cli", "hyflow.launch.grace",
+             "hyflow.launch.preemption", "hyflow.validation.cli", "hyflow.data.cli", "hyflow.data.preference",
+             "hyflow.plan.cli", "hyflow.plan.flops", "hyflow.monitor.trackers", "hyflow.monitor.progress",
+             "hyflow.monitor.comm", "hyflow.monitor.comm_groups", "hyflow.monitor.plot", "hyflow.monitor.memory",
+             "hyflow.rewards.spec", "hyflow.rollout", "hyflow.rollout.runner", "hyflow.rollout.loading",
+             "hyflow.rollout.decode_forward", "hyflow.rollout.cpu_pack", "hyflow.testing.rl",
+             "hyflow.testing.trackers", "hyflow.testing.multirank", "hyflow.checkpoint.rng",
+             "hyflow.checkpoint.optimizer_state", "hyflow.checkpoint.architecture", "hyflow.training.output_head",
+             "hyflow.models.ulysses_attention", "hyflow.models.sdpa_attention")
 
 
 def _modules() -> dict[str, str]:
@@ -346,14 +359,18 @@ def test_imports_inside_functions_stay_few():
 
 
 def unjustified_imports(name: str, source: str) -> list[str]:
-    """Imports inside functions of ``source`` with no comment on their line or the line above."""
+    """Imports inside functions of ``source`` with no comment on their line or above them: one
+    comment line may head a block of imports (blank lines inside the block allowed)."""
     lines = source.splitlines()
     _, found = function_imports(ast.parse(source))
+    import_lines = {i for node in found for i in range(node.lineno, node.end_lineno + 1)}
     out = []
     for node in found:
         here = lines[node.lineno - 1:node.end_lineno]
-        above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
-        if not any("#" in line for line in here) and not above.startswith("#"):
+        above = node.lineno - 1  # 1-based number of the line above
+        while above > 0 and (above in import_lines or not lines[above - 1].strip()):
+            above -= 1
+        if not any("#" in line for line in here) and not (above > 0 and lines[above - 1].strip().startswith("#")):
             out.append(f"{name}:{node.lineno}: {lines[node.lineno - 1].strip()}")
     return out
 
@@ -366,6 +383,9 @@ def test_imports_inside_functions_say_why():
     assert bad == []
     assert unjustified_imports("x", "def f():\n    import os\n") == ["x:2: import os"]
     assert unjustified_imports("x", "def f():\n    # optional heavy dependency\n    import vllm\n") == []
+    block = "def f():\n    # optional heavy dependencies\n    import vllm\n\n    from vllm import x\n"
+    assert unjustified_imports("x", block) == []
+    assert unjustified_imports("x", "def f():\n    # why\n    y = 1\n    import os\n") == ["x:4: import os"]
 
 
 def test_size_is_a_warning_only():

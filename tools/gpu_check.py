@@ -37,6 +37,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
+import shlex
+
+import torch
+
+from hyflow.models.builder import fusion_backends
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -176,8 +181,6 @@ def run_command(argv: list, timeout: float, env: Optional[dict] = None) -> tuple
 
 def command_line(argv: list) -> str:
     """``argv`` as a user types it (``hyflow ...`` for this interpreter's ``-m hyflow.cli``)."""
-    import shlex
-
     if argv[:3] == [sys.executable, "-m", "hyflow.cli"]:
         argv = ["hyflow", *argv[3:]]
     return shlex.join(str(a) for a in argv)
@@ -376,9 +379,6 @@ def environment() -> Outcome:
     if missing:
         return Outcome("environment", "failed", time.perf_counter() - start,
                        "cannot import " + "; ".join(missing) + " (the image lacks it, or the wheelhouse)")
-    import torch
-
-    from hyflow.models.builder import fusion_backends
 
     figures = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda or "none",
                "fusions": ",".join(fusion_backends()) or "none"}
@@ -410,7 +410,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         f.write(json.dumps(env.record()) + "\n")
     if env.status != "ok":
         return 1
-    import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     name = torch.cuda.get_device_name(0) if gpus else ""

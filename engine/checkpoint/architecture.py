@@ -15,6 +15,7 @@ import os
 from typing import Optional
 
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription, ModelDescriptionError
+from hyflow.data.tasks import task_info
 
 
 def read_checkpoint_architecture(ckpt_dir: str) -> Optional[ModelDescription]:
@@ -55,8 +56,6 @@ def adopt_model_tokenizer(data, model: ModelDescription) -> Optional[str]:
     if data.tokenizer or not model.tokenizer:
         return None
     if getattr(data, "task", None):
-        from hyflow.data.tasks import task_info
-
         if task_info(data.task).tokenizer:
             return None
     data.tokenizer = model.tokenizer

@@ -6,6 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.optimizer import distrib_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 
 def optimizer_format() -> str:
@@ -14,8 +18,6 @@ def optimizer_format() -> str:
     ``dp_reshardable``: Megatron 0.16's fully reshardable loader drops that Adam's per-parameter
     ``step``, so there the state loads only into the same TP / PP (any DP). The plain
     (non-distributed) optimizer is keyed by the model's parameters and loads anywhere."""
-    from megatron.core.optimizer import distrib_optimizer
-
     return "fully_reshardable" if distrib_optimizer.HAVE_APEX_OR_TE else "dp_reshardable"
 
 
@@ -26,16 +28,11 @@ def optimizer_metadata(fmt: str) -> dict[str, Any]:
 
 def has_tensors(sharded: Any) -> bool:
     """Whether a sharded state dict holds any sharded tensor (an unstepped optimizer's has none)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
-
     return any(isinstance(v, ShardedBase) for v in nested_values(sharded))
 
 
 def distributed_parts(optimizer: Any) -> list:
     """The Megatron ``DistributedOptimizer`` parts of ``optimizer`` (chained or not)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     return [o for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]
             if isinstance(o, DistributedOptimizer)]
 

@@ -13,8 +13,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from hyflow.checkpoint.errors import CheckpointError
+from hyflow.checkpoint.trust import unpickling_detail
+from hyflow.compat import cpu
 
 RNG_FORMAT = "hyflow-rng"
 RNG_VERSION = 2
@@ -22,10 +25,6 @@ RNG_VERSION = 2
 
 def capture_rng() -> dict[str, Any]:
     """This rank's random streams: python, numpy, torch (CPU, CUDA) and Megatron's tracker."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    from hyflow.compat import cpu
-
     state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                              "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and not cpu.is_active():
@@ -37,8 +36,6 @@ def capture_rng() -> dict[str, Any]:
 
 def restore_rng(state: dict[str, Any]) -> None:
     """Undo everything drawn since :func:`capture_rng` returned ``state``."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -107,8 +104,6 @@ def load_rng(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
     except Exception as e:  # noqa: BLE001 - UnpicklingError for anything but plain data
-        from hyflow.checkpoint.trust import unpickling_detail
-
         raise CheckpointError(
             f"{path} holds Python objects other than tensors and plain data ({unpickling_detail(e)}): refused, hyflow "
             "never runs code from a checkpoint. If you wrote it with an older hyflow and trust it, delete "

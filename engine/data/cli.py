@@ -17,10 +17,12 @@ import inspect
 import sys
 from typing import Any
 
+from hyflow.cli_support import make_intermixed
+from hyflow.data.dataset import DatasetError, write_rows
+from hyflow.data.tasks import TASKS, make_task_rows
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from hyflow.cli_support import make_intermixed
-
     p = make_intermixed(subparsers.add_parser("make-task", help="write a synthetic task's rows (jsonl / parquet)",
                                               description=__doc__.split("\n\n")[2] if __doc__ else None))
     p.add_argument("task", help="task name (hyflow make-task --list)", nargs="?")
@@ -48,9 +50,6 @@ def _parse_options(items: list[str]) -> dict[str, Any]:
 
 
 def cmd_make_task(args: argparse.Namespace) -> int:
-    from hyflow.data.dataset import DatasetError, write_rows
-    from hyflow.data.tasks import TASKS, make_task_rows
-
     if args.list or not args.task:
         for info in TASKS.values():
             kind = " [preference: job dpo / kto]" if info.kind == "preference" else ""

@@ -38,6 +38,7 @@ import numpy as np
 
 from hyflow.data.dataset import DatasetError, _format_errors, _messages, _RowError, read_rows
 from hyflow.data.tokenizer import Tokenizer
+from hyflow.data.tasks import make_preference_rows
 
 __all__ = [
     "PreferencePair", "KTOExample", "PreferenceStats", "PreferenceDataset", "validate_dpo_row",
@@ -354,8 +355,6 @@ def build_preference_dataset(data: Any, tokenizer: Tokenizer, kind: PreferenceKi
     kwargs = dict(max_prompt_length=data.max_prompt_length, max_completion_length=data.max_completion_length,
                   truncate=data.truncate_long, seed=data.seed)
     if data.task:
-        from hyflow.data.tasks import make_preference_rows
-
         rows = make_preference_rows(data.task, data.task_size, kind, seed=data.seed, **dict(data.task_options))
         return PreferenceDataset.from_rows(rows, tokenizer, kind, source=f"task:{data.task}", **kwargs)
     return PreferenceDataset.from_files(list(data.train_files), tokenizer, kind, **kwargs)
@@ -371,6 +370,7 @@ def sequence_tensors(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], p
     ``tokens`` [n, S], ``position_ids`` and ``completion_mask`` (1 on completion tokens, aligned
     like :func:`hyflow.training.logprobs.shifted_token_logprobs`: position j scores token j).
     Built on the host, then moved to ``device`` in one copy per tensor."""
+    # torch stays out of config loading (`hyflow --help`, validation import this module)
     import torch
 
     S = max(len(p) + len(c) for p, c in sequences) if length is None else length

@@ -54,6 +54,7 @@ def bus_factor(op: str, n: int) -> float:
 
 def host_of_ranks() -> list[str]:
     """Hostname of every rank (collective)."""
+    # torch loads only when the command runs: `hyflow --help` imports this module
     import torch.distributed as dist
 
     names: list[Any] = [None] * dist.get_world_size()
@@ -74,6 +75,7 @@ def node_groups(hosts: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]
 
 
 def _time_op(op: str, group: Any, n: int, size: int, iters: int, warmup: int, device: Any) -> float:
+    # torch loads only when the command runs: `hyflow --help` imports this module
     import torch
     import torch.distributed as dist
 
@@ -103,6 +105,7 @@ def _time_op(op: str, group: Any, n: int, size: int, iters: int, warmup: int, de
 
 def check_all_reduce(group: Any, n: int, device: Any) -> Optional[str]:
     """A message when a sum all-reduce of ones does not give ``n`` everywhere."""
+    # torch loads only when the command runs: `hyflow --help` imports this module
     import torch
     import torch.distributed as dist
 
@@ -118,6 +121,7 @@ def measure_groups(named: dict[str, list[list[int]]], sizes: Sequence[int], *, i
                    thresholds: Optional[dict[str, float]] = None) -> tuple[list[Row], list[str]]:
     """Measure each kind of groups (all of its groups at once). Collective: every rank calls
     it with the same arguments. ``local[kind]`` says whether each group sits on one node."""
+    # torch loads only when the command runs: `hyflow --help` imports this module
     import torch
     import torch.distributed as dist
 
@@ -177,6 +181,7 @@ def measure_pairs(size: int, *, iters: int, warmup: int, hosts: Sequence[str], o
     """Bandwidth of every ring-neighbour rank pair: both ranks send ``size`` bytes to each other
     at once (``batch_isend_irecv``); GB/s = size / time per direction, time = the slower rank's.
     Collective. Each pair is checked against the threshold for its locality."""
+    # torch loads only when the command runs: `hyflow --help` imports this module
     import torch
     import torch.distributed as dist
 

@@ -26,12 +26,13 @@ from typing import Any, Optional
 
 from hyflow.cli_support import make_intermixed
 from hyflow.config.units import format_bytes, parse_size
+from hyflow.doctor import bandwidth as bw, env
+from hyflow.jobs.registry import load_job_config
 
 
 def _layout_groups(config: Optional[str], overrides: list[str], world: int) -> dict[str, list[list[int]]]:
     if not config:
         return {}
-    from hyflow.jobs.registry import load_job_config
 
     cfg = load_job_config(config, [o for o in overrides if not o.startswith("trainer.nproc=")]
                           + [f"trainer.nproc={world}"])
@@ -44,8 +45,6 @@ _THRESHOLD_NAMES = {"intra": "gpu_intra_node", "inter": "gpu_inter_node", "cpu":
 
 def thresholds_of(args: argparse.Namespace) -> dict[str, float]:
     """Pass/warn thresholds in GB/s by link kind, from the defaults and the options."""
-    from hyflow.doctor import bandwidth as bw
-
     out = dict(bw.THRESHOLDS_GBPS)
     if getattr(args, "warn_below", None) is not None:
         out = {k: args.warn_below for k in out}
@@ -63,11 +62,9 @@ def thresholds_of(args: argparse.Namespace) -> dict[str, float]:
 
 def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
     """Collect everything (collective when launched as ranks); returns the JSON object."""
-    from hyflow.doctor import bandwidth as bw
-    from hyflow.doctor import env
-
     report: dict[str, Any] = {"versions": env.versions(), "cpu": env.cpu_info(), "gpus": env.gpus(),
                               "topology": env.topology(), "env": env.relevant_env()}
+    # torch loads only when the command runs: `hyflow --help` imports this module
     from hyflow.parallel.distributed import launched_by_torchrun
 
     thresholds = thresholds_of(args)
@@ -77,6 +74,7 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
                       note="one process: start with `hyflow launch local doctor --nproc N` to "
                            "measure collective bandwidth")
         return report
+    # torch loads only when the command runs: `hyflow --help` imports this module
     import torch
     import torch.distributed as dist
 
@@ -214,6 +212,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(json.dumps(report, separators=(",", ":")), flush=True)
         else:
             print(format_report(report), flush=True)
+    # torch loads only when the command runs: `hyflow --help` imports this module
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -10,6 +10,8 @@ import shutil
 import subprocess
 from typing import Any, Optional
 
+import psutil
+
 PACKAGES = ("hyflow", "torch", "megatron-core", "transformer-engine", "triton", "numpy")
 #: Environment prefixes / names worth showing (never anything that looks like a secret).
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED", "CUDA_", "OMP_", "MKL_", "GLOO_",
@@ -30,6 +32,7 @@ def versions() -> dict[str, str]:
         except md.PackageNotFoundError:
             out[pkg] = "not installed"
     try:
+        # torch loads only when the command runs: `hyflow --help` imports this module
         import torch
 
         out["cuda (torch build)"] = torch.version.cuda or "none (CPU build)"
@@ -47,6 +50,7 @@ def versions() -> dict[str, str]:
 
 def gpus() -> list[dict[str, Any]]:
     """One entry per visible GPU (empty without CUDA)."""
+    # torch loads only when the command runs: `hyflow --help` imports this module
     import torch
 
     if not torch.cuda.is_available():
@@ -86,11 +90,9 @@ def cpu_info() -> dict[str, Any]:
     """CPU count and memory of this machine."""
     info: dict[str, Any] = {"cpus": os.cpu_count()}
     try:
-        import psutil
-
         info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
         info["affinity"] = len(psutil.Process().cpu_affinity() or [])
-    except (ImportError, AttributeError):
+    except AttributeError:  # cpu_affinity: not on every platform
         pass
     return info
 
@@ -100,12 +102,7 @@ def network_interfaces() -> list[str]:
     try:
         return sorted(os.listdir("/sys/class/net"))
     except OSError:
-        try:
-            import psutil
-
-            return sorted(psutil.net_if_addrs())
-        except ImportError:  # pragma: no cover
-            return []
+        return sorted(psutil.net_if_addrs())
 
 
 def _ifname_matches(spec: str, interfaces: list[str]) -> list[str]:

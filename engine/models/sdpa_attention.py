@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 class SDPAttention(MegatronModule):
@@ -43,8 +44,6 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention does not implement context parallelism; with cp > 1 the "
                              "builder uses UlyssesAttention (or TE's attention with the te spec)")
         if pg_collection is None:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         tp = pg_collection.tp.size()
         self.heads = config.num_attention_heads // tp

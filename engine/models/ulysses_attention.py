@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from hyflow.models.context_parallel import cp_order
 
@@ -85,8 +86,6 @@ class UlyssesAttention(MegatronModule):
                  cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config=config)
         if pg_collection is None:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.cp_group = pg_collection.cp
         tp, cp = pg_collection.tp.size(), self.cp_group.size()

@@ -119,6 +119,7 @@ def untimed() -> Iterator[None]:
 
 def _new_events() -> tuple:
     """A (start, end) pair of timing CUDA events."""
+    # torch stays out of config loading (`hyflow --help`, validation import this module)
     import torch
 
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -129,6 +130,7 @@ _PATCHED: list[tuple[Any, str, Any]] = []   # (owner, attribute, original)
 def _size(group: Any) -> int:
     size = _STATS.sizes.get(id(group))
     if size is None:
+        # torch stays out of config loading (`hyflow --help`, validation import this module)
         import torch.distributed as dist
 
         size = _STATS.sizes[id(group)] = dist.get_world_size(group)
@@ -375,6 +377,7 @@ def install() -> None:
     one by name (``from torch.distributed import _coalescing_manager``). Idempotent."""
     if _PATCHED:
         return
+    # torch stays out of config loading (`hyflow --help`, validation import this module)
     import torch.distributed.distributed_c10d as c10d
 
     _C10D_WORLD[0] = c10d._world

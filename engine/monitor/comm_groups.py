@@ -63,6 +63,7 @@ def group_kind(group: Any) -> str:
         return "world"
     kind = _GUESSED.get(id(group))
     if kind is None:
+        # torch stays out of config loading (`hyflow --help`, validation import this module)
         import torch.distributed as dist
 
         kind = _GUESSED[id(group)] = "world" if group is dist.group.WORLD else "other"

@@ -17,6 +17,9 @@ import resource
 import sys
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 __all__ = ["memory_summary", "peak_rss_bytes"]
 
 GIB = float(1 << 30)
@@ -30,9 +33,6 @@ def peak_rss_bytes() -> int:
 
 def memory_summary(device: Any, group: Any = None) -> dict[str, float]:
     """Peak memory, maximum over the ranks of ``group`` (default: all); collective."""
-    import torch
-    import torch.distributed as dist
-
     device = torch.device(device)
     alloc = reserved = 0.0
     if device.type == "cuda":

@@ -52,9 +52,11 @@ def auto_smooth_window(num_points: int) -> int:
 
 
 def _draw(series: dict[str, list], out_path: str, title: str, window: int = 1) -> None:
+    # optional dependency: matplotlib (the logging extra)
     import matplotlib
 
     matplotlib.use("Agg", force=False)
+    # optional dependency: matplotlib (the logging extra)
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(series), 1, figsize=(8, 2.6 * len(series)), sharex=True, squeeze=False)

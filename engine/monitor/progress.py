@@ -126,6 +126,7 @@ class Progress:
         return " | ".join(parts)
 
     def _open_bar(self) -> None:
+        # optional dependency: tqdm (the logging extra)
         from tqdm import tqdm
         from tqdm.contrib import DummyTqdmFile
         from tqdm.contrib.logging import logging_redirect_tqdm

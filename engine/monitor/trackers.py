@@ -27,6 +27,7 @@ import importlib.util
 import logging
 import os
 from typing import Any, Mapping, Optional, Sequence
+import time
 
 import yaml
 
@@ -70,6 +71,7 @@ def _save_id(output_dir: str, name: str, run_id: str) -> None:
 
 class TensorBoardTracker:
     def __init__(self, output_dir: str, resume_step: Optional[int], config_text: Optional[str]) -> None:
+        # optional dependency (tensorboard / wandb / mlflow), imported only when that tracker is chosen
         from torch.utils.tensorboard import SummaryWriter
 
         kwargs = {"purge_step": resume_step + 1} if resume_step is not None else {}
@@ -89,6 +91,7 @@ class TensorBoardTracker:
 class WandbTracker:
     def __init__(self, output_dir: str, resume_step: Optional[int], config_text: Optional[str],
                  project: str, name: str) -> None:
+        # optional dependency (tensorboard / wandb / mlflow), imported only when that tracker is chosen
         import wandb
 
         run_id = _saved_id(output_dir, "wandb", resume_step is not None)
@@ -116,6 +119,7 @@ def mlflow_name(key: str) -> str:
 class MlflowTracker:
     def __init__(self, output_dir: str, resume_step: Optional[int], config_text: Optional[str],
                  project: str, name: str) -> None:
+        # optional dependency (tensorboard / wandb / mlflow), imported only when that tracker is chosen
         from mlflow.tracking import MlflowClient
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
@@ -130,6 +134,7 @@ class MlflowTracker:
             self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
             if config_text:
                 self.client.log_text(self.run_id, config_text, "config.resolved.yaml")
+                # optional dependency (tensorboard / wandb / mlflow), imported only when that tracker is chosen
                 from mlflow.entities import Param
 
                 params = [Param(k, str(v)[:500]) for k, v in _flatten(yaml.safe_load(config_text)).items()]
@@ -138,8 +143,7 @@ class MlflowTracker:
         _save_id(output_dir, "mlflow", self.run_id)
 
     def log(self, step: int, row: Mapping[str, float]) -> None:
-        import time
-
+        # optional dependency (tensorboard / wandb / mlflow), imported only when that tracker is chosen
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

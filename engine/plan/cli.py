@@ -16,12 +16,11 @@ import json
 import sys
 
 from hyflow.cli_support import make_intermixed
+from hyflow.plan.core import PlanOptions, build_plan
+from hyflow.plan.report import format_table, to_json
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hyflow.plan.core import PlanOptions, build_plan
-    from hyflow.plan.report import format_table, to_json
-
     ranks = None
     if args.megatron_rank:
         ranks = tuple(args.megatron_rank)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
+import json
 
 from hyflow.rewards.rules import rule_names
 
@@ -34,6 +35,4 @@ def reward_spec(text: str) -> dict[str, Any]:
 
 def reward_overrides(text: str) -> list[str]:
     """:func:`reward_spec` as ``reward.<key>=<value>`` config overrides."""
-    import json
-
     return [f"reward.{key}={json.dumps(value)}" for key, value in reward_spec(text).items()]

@@ -12,6 +12,8 @@ classes load on first access.
 
 from hyflow.rollout.config import GenerationConfig, SamplingConfig
 
+import importlib
+
 _LAZY = {
     "GenerationEngine": "hyflow.rollout.engine",
     "PromptTooLongError": "hyflow.rollout.engine",
@@ -26,8 +28,6 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hyflow.rollout' has no attribute {name!r}")
 

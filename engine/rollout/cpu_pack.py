@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 LOG = logging.getLogger("hyflow.rollout")
 
@@ -50,8 +51,6 @@ class PackedLinears:
         self.nbytes = 0
 
     def _targets(self) -> list[tuple[torch.nn.Module, torch.Tensor]]:
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
         out = []
         tied = None
         m = self.model

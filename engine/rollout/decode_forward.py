@@ -27,6 +27,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
 
 #: ``linear(module, weight, x)``: the product of a parallel linear's local shard.
 LinearFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -34,9 +36,6 @@ LinearFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     """Why the lean path cannot run ``model`` (None when it can)."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.identity_op import IdentityOp
-
     cfg = model.config
     if cfg.normalization != "RMSNorm" or cfg.layernorm_zero_centered_gamma:
         return f"normalization {cfg.normalization} (zero-centered={cfg.layernorm_zero_centered_gamma})"

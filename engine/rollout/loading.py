@@ -16,6 +16,11 @@ import torch
 
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.groups import ParallelGroups
+from hyflow.compat import cpu
+from hyflow.checkpoint.model import load_model_from_checkpoint
+from hyflow.models.builder import build_gpt_model
+from hyflow.models.hf_mapping import description_from_hf_config, hf_to_megatron
+from hyflow.models.weights import load_full_state_dict
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,8 +46,6 @@ def cpu_compat_suspended() -> Iterator[None]:
     varies from run to run) although its state dict is right; loading with the
     patches lifted avoids it. The forward itself is fine under the patches.
     """
-    from hyflow.compat import cpu
-
     active = cpu.is_active()
     if active:
         cpu.deactivate()
@@ -55,6 +58,7 @@ def cpu_compat_suspended() -> Iterator[None]:
 
 def load_hf(path: str, dtype: str = "fp32", tokenizer: bool = True) -> tuple[Any, Any]:
     """(HF causal LM in eval mode, tokenizer or None) from a directory or a ``.gguf`` file."""
+    # optional dependency: transformers (the HF reference path only)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {}
@@ -70,10 +74,6 @@ def load_hf(path: str, dtype: str = "fp32", tokenizer: bool = True) -> tuple[Any
 def megatron_from_hf(hf_model: Any, groups: ParallelGroups, *, dtype: str = "fp32",
                      spec: str = "local") -> tuple[torch.nn.Module, ModelDescription]:
     """This rank's Megatron ``GPTModel`` with the HF model's weights, in ``groups``' layout."""
-    from hyflow.models.builder import build_gpt_model
-    from hyflow.models.hf_mapping import description_from_hf_config, hf_to_megatron
-    from hyflow.models.weights import load_full_state_dict
-
     desc = description_from_hf_config(hf_model.config.to_dict())
     model = build_gpt_model(desc, groups, dtype=dtype, spec=spec)
     load_full_state_dict(model, hf_to_megatron(hf_model.state_dict(), desc), desc, groups)
@@ -83,15 +83,5 @@ def megatron_from_hf(hf_model: Any, groups: ParallelGroups, *, dtype: str = "fp3
 def load_checkpoint(ckpt_dir: str, groups: ParallelGroups, *, dtype: Optional[str] = None,
                     spec: str = "local") -> tuple[torch.nn.Module, ModelDescription]:
     """Build and load a hyflow model checkpoint (``hyflow convert hf2mcore`` output) in any layout."""
-    try:
-        from hyflow.checkpoint.model import load_model_from_checkpoint
-    except ImportError:  # older trees: only load_model_checkpoint(model, dir, groups)
-        from hyflow.models.builder import build_gpt_model
-        from hyflow.checkpoint.model import load_model_checkpoint
-
-        desc = ModelDescription.load(ckpt_dir)
-        model = build_gpt_model(desc, groups, dtype=dtype or "fp32", spec=spec)
-        load_model_checkpoint(model, ckpt_dir, groups)
-        return model, desc
     model, desc, _ = load_model_from_checkpoint(ckpt_dir, groups, dtype=dtype, spec=spec)
     return model, desc

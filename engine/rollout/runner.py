@@ -39,6 +39,8 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
 from hyflow.rollout.kv_cache import CachedAttention, ForwardBatch, KVCache
+from hyflow.rollout.cpu_pack import PackedLinears
+from hyflow.rollout.decode_forward import LeanDecoder, unsupported_reason
 
 
 class GenerationLayoutError(ValueError):
@@ -130,8 +132,6 @@ class ModelRunner:
         if layer_impl not in ("auto", "lean", "megatron"):
             raise ValueError(f"layer_impl must be auto, lean or megatron, got {layer_impl!r}")
         if layer_impl != "megatron":
-            from hyflow.rollout.decode_forward import LeanDecoder, unsupported_reason
-
             reason = unsupported_reason(m)
             if reason is None:
                 self.lean = LeanDecoder(m, self.tp_group)
@@ -162,8 +162,6 @@ class ModelRunner:
         was_training = self.model.training
         packer = contextlib.nullcontext()
         if pack_weights and self.device.type == "cpu":
-            from hyflow.rollout.cpu_pack import PackedLinears
-
             packer = PackedLinears(self.model)
         with packer:
             if self.lean is not None:

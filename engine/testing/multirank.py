@@ -43,6 +43,8 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
+from hyflow.compat import cpu
+
 __all__ = ["MultiRankError", "run_on_ranks", "run_on_ranks_fresh", "shutdown_pools", "default_timeout"]
 
 _HOST = "127.0.0.1"
@@ -81,6 +83,7 @@ def _watch_parent() -> None:
 
 def _reset_state(baseline_pgs: set, env: Dict[str, str], cwd: str, threads: int) -> None:
     """Undo the global state a task may have left behind (see the module docstring)."""
+    # torch loads only when the command runs: `hyflow --help` imports this module
     import torch
     import torch.distributed as dist
 
@@ -128,9 +131,9 @@ def _worker_main(rank: int, world_size: int, conn: Connection, out: Connection) 
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=_HOST,
                       OMP_NUM_THREADS=str(threads))
 
+    # torch loads only when the command runs: `hyflow --help` imports this module
     import torch
     import torch.distributed as dist
-    from hyflow.compat import cpu
 
     cpu.maybe_activate()
     torch.set_num_threads(threads)

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import os
 from typing import Callable, Optional, Sequence
+from types import SimpleNamespace
 
 import torch
+
+from hyflow.jobs.registry import load_job_config
+from hyflow.monitor.timers import PhaseTimers
+from hyflow.rl.batch import make_micro_batches, plan_fixed
+from hyflow.rl.step_losses import forward_score
+from hyflow.rl.step_losses import loss_weights
+import hyflow.jobs.rl as rl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
@@ -13,9 +21,6 @@ QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
 
 def rl_setup(overrides: Sequence[str], config: str = QUICKSTART):
     """``(cfg, state, job)`` of the RL job for ``config`` with ``overrides`` (call on every rank)."""
-    import hyflow.jobs.rl as rl
-    from hyflow.jobs.registry import load_job_config
-
     cfg = load_job_config(config, list(overrides))
     state, job = rl.setup(cfg)
     return cfg, state, job
@@ -24,9 +29,6 @@ def rl_setup(overrides: Sequence[str], config: str = QUICKSTART):
 def rl_step(cfg, state, job, records=None):
     """One step of the RL job (the next batch of the loader unless ``records``); returns
     ``(metrics, data)`` and advances ``state.step``."""
-    import hyflow.jobs.rl as rl
-    from hyflow.monitor.timers import PhaseTimers
-
     records = state.loader.next_batch() if records is None else records
     metrics, data = rl.rl_step(cfg, state, records, job, PhaseTimers())
     state.step += 1
@@ -37,9 +39,6 @@ def score_rows(chunks, groups, tokens: torch.Tensor, scorer: Callable,
                lengths: Optional[Sequence[int]] = None) -> torch.Tensor:
     """``scorer(output, micro-batch)`` over all rows of ``tokens`` [B, S] in one micro-batch, as
     [B, S] on every rank of the model's pipeline."""
-    from hyflow.rl.batch import make_micro_batches, plan_fixed
-    from hyflow.rl.step_losses import forward_score
-
     B, S = tokens.shape
     lengths = list(lengths) if lengths is not None else [S] * B
     micro = make_micro_batches({"tokens": tokens}, lengths, plan_fixed(B, B))
@@ -51,10 +50,6 @@ def random_policy_batch(lengths: Sequence[int], vocab: int, seed: int = 4, promp
     ``vocab``, responses after ``prompt`` tokens, random old log-probs and advantages, token-mean
     weights): the columns :func:`hyflow.rl.batch.make_micro_batches` cuts, the config
     :class:`hyflow.rl.step_losses.PolicyLoss` reads."""
-    from types import SimpleNamespace
-
-    from hyflow.rl.step_losses import loss_weights
-
     gen = torch.Generator().manual_seed(seed)
     B, S = len(lengths), max(lengths)
     tokens = torch.randint(0, vocab, (B, S), generator=gen)

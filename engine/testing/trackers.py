@@ -11,6 +11,7 @@ import struct
 
 def mlflow_metrics(run_dir: str):
     """(run, ``{name: [(step, value)]}`` in MLflow's names, the config text) of the run's MLflow file store."""
+    # optional dependency: the tracker's own package, read only by its tests
     from mlflow.tracking import MlflowClient
 
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -26,6 +27,7 @@ def mlflow_metrics(run_dir: str):
 def wandb_history(run_dir: str):
     """Rows logged to the offline run, read back from its .wandb file: LevelDB's log format (a
     7-byte file header, 32 KiB blocks of records with a 7-byte header each) of protobuf Records."""
+    # optional dependency: the tracker's own package, read only by its tests
     from wandb.proto import wandb_internal_pb2
 
     (path,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
@@ -54,6 +56,7 @@ def wandb_history(run_dir: str):
 
 def tensorboard_scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
     """``(step, value)`` of scalar ``tag`` in the run's ``tensorboard/`` events."""
+    # optional dependency: the tracker's own package, read only by its tests
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})

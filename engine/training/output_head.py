@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+
+from hyflow.training.logprobs import fused_logprobs_entropy
 
 
 @dataclass
@@ -72,9 +75,6 @@ def hidden_states(model: torch.nn.Module) -> Iterator[_Capture]:
         return
 
     def forward(input_, weight=None, runtime_gather_output=None):
-        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                            gather_from_sequence_parallel_region)
-
         capture.weight = layer.weight if weight is None else weight
         group = layer.tp_group
         if getattr(layer, "sequence_parallel", False):
@@ -105,8 +105,6 @@ def label_logprobs_entropy(hidden: Hidden, labels: torch.Tensor, scored: torch.T
     """log p(labels[:, i]) from the states at position i and that distribution's entropy, [b, s]
     float32, only where ``scored`` is true (0 elsewhere): the label-aligned form a context-parallel
     share uses (:func:`hyflow.models.context_parallel.shard_micro_batch`)."""
-    from hyflow.training.logprobs import fused_logprobs_entropy
-
     sel = scored.bool()
     lp, ent = fused_logprobs_entropy(hidden.states[sel], hidden.weight, labels[sel], vocab_size, tp_group,
                                      temperature)

@@ -29,6 +29,7 @@ from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.rewards.spec import reward_overrides
 from hyflow.rewards.user_function import RewardError
 from hyflow.rollout.cli import resolve_model_dir
+from hyflow.checkpoint.manifest import NO_VERIFY_ENV
 
 PLACEHOLDER_NOTE = "data.train_files: the validation files stand in (hyflow eval reads no training data)"
 
@@ -65,6 +66,7 @@ def saved_config(model_dir: str) -> Optional[str]:
 
 def eval_config(args: argparse.Namespace, model_dir: str) -> Any:
     """The RL job config ``hyflow eval`` validates with (see the module docstring)."""
+    # torch loads only when the command runs: `hyflow --help` imports this module
     from hyflow.checkpoint.model import read_description
 
     path = args.config or saved_config(model_dir)
@@ -79,14 +81,13 @@ def eval_config(args: argparse.Namespace, model_dir: str) -> Any:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    # torch loads only when the command runs: `hyflow --help` imports this module
     from hyflow.parallel.distributed import launched_by_torchrun
 
     if min(args.tp, args.pp, args.dp) < 1:
         print("hyflow eval: --tp, --pp and --dp must be >= 1", file=sys.stderr)
         return 2
     if args.no_verify:
-        from hyflow.checkpoint.manifest import NO_VERIFY_ENV
-
         os.environ[NO_VERIFY_ENV] = "1"  # the ranks inherit it
     world = args.tp * args.pp * args.dp
     try:
@@ -102,6 +103,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if world > 1 and not launched_by_torchrun():
         return run_ranks_here("eval", world)
     from hyflow.parallel.distributed import init_distributed, shutdown  # torch: only when evaluating
+    # torch loads only when the command runs: `hyflow --help` imports this module
     from hyflow.validation.standalone import evaluate
 
     init_distributed()

@@ -25,6 +25,13 @@ import json
 import statistics
 import sys
 from typing import Sequence
+import os
+import time
+
+from hyflow.config import ConfigError
+from hyflow.jobs.registry import load_job_config
+from hyflow.testing import run_on_ranks
+from hyflow.tools.bench.rl import machine
 
 INTERMIXED = True
 
@@ -38,8 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _measure(config: str, overrides: Sequence[str], repeats: int):
-    import time
-
+    # torch and Megatron load only when the bench runs: `hyflow --help` imports this module
     import torch
 
     from hyflow.jobs.rl import _rollout_batch
@@ -77,13 +83,6 @@ def _measure(config: str, overrides: Sequence[str], repeats: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
-    from hyflow.jobs.registry import load_job_config
-    from hyflow.config import ConfigError
-    from hyflow.testing import run_on_ranks
-    from hyflow.tools.bench.rl import machine
-
     try:
         cfg = load_job_config(args.config, list(args.overrides))
     except ConfigError as e:

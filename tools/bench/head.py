@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch and Megatron load only when the bench runs: `hyflow --help` imports this module
     import torch
 
     from hyflow.training.logprobs import block_shape, shifted_entropy, shifted_token_logprobs

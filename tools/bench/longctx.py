@@ -30,9 +30,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
+
+from hyflow.data.dataset import build_dataset
+from hyflow.data.loader import PromptLoader
+from hyflow.data.tasks import load_data_tokenizer
+from hyflow.jobs.registry import load_job_config
+from hyflow.models.description import tiny_llama
+from hyflow.monitor.timers import PhaseTimers
+from hyflow.parallel.layout import Layout
+from hyflow.plan.memory_estimate import generation_transient, kv_cache_bytes
+from hyflow.rewards.manager import RewardManager
+from hyflow.tools.convert.launch import run_ranks
 
 MIB = 2 ** 20
 
@@ -53,8 +65,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _tiny(num_layers: int = 4, max_pos: int = 8192):
-    from hyflow.models.description import tiny_llama
-
     return tiny_llama(num_layers=num_layers, vocab_size=256, max_position_embeddings=max_pos)
 
 
@@ -62,13 +72,13 @@ def _tiny(num_layers: int = 4, max_pos: int = 8192):
 
 
 def _prefill_rank(prompt_len: int, chunks: list[int], repeats: int) -> dict:
+    # torch and Megatron load only when the bench runs: `hyflow --help` imports this module
     import torch
 
     from hyflow.models.builder import build_gpt_model
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
     from hyflow.plan.measure import TensorMemoryTracker
-    from hyflow.rollout import GenerationEngine, GenerationConfig, SamplingConfig
+    from hyflow.rollout import GenerationConfig, GenerationEngine, SamplingConfig
 
     groups = init_training_groups(Layout())
     desc = _tiny()
@@ -94,9 +104,6 @@ def _prefill_rank(prompt_len: int, chunks: list[int], repeats: int) -> dict:
 
 
 def _prefill(args: argparse.Namespace) -> dict:
-    from hyflow.plan.memory_estimate import generation_transient, kv_cache_bytes
-    from hyflow.tools.convert.launch import run_ranks
-
     chunks = [int(c) for c in args.chunks.split(",")]
     res = run_ranks(_prefill_rank, 1, args.prompt, chunks, args.repeats)[0]
     desc = _tiny()
@@ -121,8 +128,7 @@ def _prefill(args: argparse.Namespace) -> dict:
 
 
 def _recompute_rank(recompute: str) -> dict:
-    import os
-
+    # torch and Megatron load only when the bench runs: `hyflow --help` imports this module
     from hyflow.plan.measure import measure_lm
 
     config = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "lm_tiny.yaml")
@@ -132,8 +138,6 @@ def _recompute_rank(recompute: str) -> dict:
 
 
 def _recompute(args: argparse.Namespace) -> dict:
-    from hyflow.tools.convert.launch import run_ranks
-
     out = {}
     print("recompute: lm_tiny, 256-token sequences x 4 per micro-batch, bf16, TP=2 on 2 ranks (rank 0)")
     print(f"{'recompute':>10s} {'step transient MiB':>19s} {'plan MiB':>9s} {'ratio':>6s} "
@@ -154,13 +158,13 @@ def _recompute(args: argparse.Namespace) -> dict:
 
 
 def _cp_rank(cp: int, seq: int, recompute: str, repeats: int, threads: int) -> dict:
+    # torch and Megatron load only when the bench runs: `hyflow --help` imports this module
     import torch
     import torch.distributed as dist
 
     from hyflow.models.builder import build_gpt_model, recompute_overrides
     from hyflow.models.context_parallel import cp_token_mean, next_token_labels, split_for_cp
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
     from hyflow.plan.measure import TensorMemoryTracker
     from hyflow.training.optimizer import wrap_ddp
     from hyflow.training.step import forward_backward
@@ -202,8 +206,6 @@ def _cp_rank(cp: int, seq: int, recompute: str, repeats: int, threads: int) -> d
 
 
 def _cp(args: argparse.Namespace) -> dict:
-    from hyflow.tools.convert.launch import run_ranks
-
     seq = args.cp_tokens
     cases = [(1, "none"), (2, "none"), (2, "selective"), (2, "full")]
     out = {}
@@ -241,20 +243,13 @@ def _rl_overrides(cp: int, recompute: str, prompt: int) -> list[str]:
 
 
 def _rl_rank(cp: int, recompute: str, prompt: int, repeats: int, threads: int) -> dict:
-    import os
-
+    # torch and Megatron load only when the bench runs: `hyflow --help` imports this module
     import torch
     import torch.distributed as dist
 
     import hyflow.jobs.rl as rl
     from hyflow.algorithms.kl import make_kl_controller
-    from hyflow.jobs.registry import load_job_config
-    from hyflow.data.dataset import build_dataset
-    from hyflow.data.loader import PromptLoader
-    from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.monitor.timers import PhaseTimers
     from hyflow.plan.measure import TensorMemoryTracker
-    from hyflow.rewards.manager import RewardManager
     from hyflow.rl.models import build_rl_models
     from hyflow.rl.state import RLState
     from hyflow.training.supervisor import StepSupervisor
@@ -302,8 +297,6 @@ def _rl_rank(cp: int, recompute: str, prompt: int, repeats: int, threads: int) -
 
 
 def _rl(args: argparse.Namespace) -> dict:
-    from hyflow.tools.convert.launch import run_ranks
-
     cases = [(int(c.split(":")[0]), c.split(":")[1]) for c in args.rl_layouts.split(",")]
     out = {}
     print(f"RL step at context parallelism: GRPO, quickstart tiny Llama, {args.rl_prompt}-token prompts + "

@@ -17,6 +17,8 @@ import statistics
 import tempfile
 import time
 
+from hyflow.checkpoint.manifest import MANIFEST_FILE, verify_manifest, write_manifest
+
 DEFAULT_SIZES_MB = (2, 540, 1620)  # quickstart step; SmolLM2-135M fp32 weights; + Adam moments
 
 
@@ -57,8 +59,6 @@ def _size(root: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hyflow.checkpoint.manifest import MANIFEST_FILE, verify_manifest, write_manifest
-
     rows = []
     with tempfile.TemporaryDirectory(prefix="hyflow-bench-manifest-") as tmp:
         for mb in args.size_mb:

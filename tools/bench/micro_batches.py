@@ -24,6 +24,9 @@ import statistics
 import sys
 import time
 
+from hyflow.models.description import tiny_llama
+from hyflow.parallel.layout import Layout
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=64, help="rows in the batch (default 64)")
@@ -46,14 +49,13 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch and Megatron load only when the bench runs: `hyflow --help` imports this module
     import torch
 
     from hyflow.models.builder import build_gpt_model
-    from hyflow.models.description import tiny_llama
     from hyflow.models.weights import load_full_state_dict, random_full_state_dict
     from hyflow.parallel.distributed import init_distributed, shutdown
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
     from hyflow.rl.batch import MicroBatching, make_micro_batches, plan_fixed
     from hyflow.rl.step_losses import PolicyLoss, loss_weights
     from hyflow.training.optimizer import wrap_ddp

@@ -32,6 +32,12 @@ import sys
 import tempfile
 from typing import Any, Optional, Sequence
 
+from hyflow.config import ConfigError
+from hyflow.jobs.registry import load_job_config
+from hyflow.monitor import comm
+from hyflow.monitor.metrics import read_metrics
+from hyflow.plan.flops import device_peak, step_flops
+
 #: phase -> alternatives, each a tuple of metric keys summed (today's names, then verl's).
 PHASES: dict[str, tuple[tuple[str, ...], ...]] = {
     "reshard": (("time/reshard",), ("timing_s/reshard",)),
@@ -113,6 +119,7 @@ def _sum(rows: list[dict], alternatives) -> float:
 def machine() -> str:
     """One line naming this machine's accelerator or CPU."""
     try:
+        # torch and Megatron load only when the bench runs: `hyflow --help` imports this module
         import torch
 
         if torch.cuda.is_available():
@@ -131,10 +138,6 @@ def machine() -> str:
 def analyse(run_dir: str, warmup: int, peak_per_rank: Optional[float] = None, peak_source: str = "",
             overhead_per_call: Optional[float] = None) -> dict[str, Any]:
     """The figures of ``run_dir``'s steps after the first ``warmup``."""
-    from hyflow.jobs.registry import load_job_config
-    from hyflow.monitor.metrics import read_metrics
-    from hyflow.plan.flops import step_flops
-
     rows = [r for r in read_metrics(run_dir) if r.get("step", 0) > warmup]
     if not rows:
         raise RuntimeError(f"{run_dir} has no steps after the {warmup} warm-up step(s)")
@@ -255,10 +258,6 @@ def measure(config: str, overrides: Sequence[str], nproc: Optional[int], steps: 
             output_dir: Optional[str] = None, peak_tflops: Optional[float] = None,
             quiet: bool = False) -> dict[str, Any]:
     """Run the job and analyse it (what ``bench rl`` and ``bench scaling`` share)."""
-    from hyflow.jobs.registry import load_job_config
-    from hyflow.monitor import comm
-    from hyflow.plan.flops import device_peak
-
     cfg = load_job_config(config, list(overrides) + ([f"trainer.nproc={nproc}"] if nproc else []))
     nproc = nproc or cfg.trainer.nproc
     if peak_tflops:
@@ -278,8 +277,6 @@ def measure(config: str, overrides: Sequence[str], nproc: Optional[int], steps: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from hyflow.config import ConfigError
-
     try:
         if args.collect:
             peak = args.peak_tflops * 1e12 if args.peak_tflops else None

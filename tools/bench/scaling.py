@@ -28,6 +28,10 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
+from hyflow.config import ConfigError
+from hyflow.jobs.registry import load_job_config
+from hyflow.tools.bench.rl import analyse, machine, measure
+
 
 #: ``key=value`` overrides may come before or after the options
 INTERMIXED = True
@@ -106,10 +110,6 @@ def _submit(config: str, overrides: list[str], ranks: int, total: int, run_dir: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from hyflow.jobs.registry import load_job_config
-    from hyflow.config import ConfigError
-    from hyflow.tools.bench.rl import analyse, machine, measure
-
     try:
         ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
         if not ranks or min(ranks) < 1:

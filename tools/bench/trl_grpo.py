@@ -29,6 +29,13 @@ import json
 import statistics
 import time
 
+import torch
+
+from hyflow.data.loader import EpochSampler
+from hyflow.data.tasks import make_task_rows
+from hyflow.data.tokenizer import load_tokenizer
+from hyflow.rewards.rules import numeric_match
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -45,14 +52,10 @@ def main(argv=None) -> int:
     p.add_argument("--output-dir", default="runs/trl_grpo")
     args = p.parse_args(argv)
 
-    import torch
+    # optional: TRL and its datasets / transformers are not hyflow's dependencies (`--help` works without them)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    from hyflow.data.loader import EpochSampler
-    from hyflow.data.tasks import make_task_rows
-    from hyflow.data.tokenizer import load_tokenizer
-    from hyflow.rewards.rules import numeric_match
 
     torch.set_num_threads(args.threads)
     # hyflow's prompts in hyflow's order (data.seed=1: the task's draw and the loader's first-epoch

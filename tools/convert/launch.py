@@ -17,6 +17,9 @@ import threading
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
+import datetime
+
+from hyflow.compat import cpu
 
 
 class RankFailure(RuntimeError):
@@ -39,6 +42,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: t
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS=str(threads))
     try:
+        # torch and Megatron load only in the ranks: `hyflow --help` imports this module (bench, convert)
         import torch
 
         torch.set_num_threads(threads)
@@ -57,8 +61,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: t
 
 
 def _init_gloo(rank: int, world: int, port: int) -> None:
-    import datetime
-
+    # torch and Megatron load only in the ranks: `hyflow --help` imports this module (bench, convert)
     import torch.distributed as dist
 
     from hyflow.compat.cpu import maybe_activate
@@ -69,6 +72,7 @@ def _init_gloo(rank: int, world: int, port: int) -> None:
 
 
 def _shutdown() -> None:
+    # torch and Megatron load only in the ranks: `hyflow --help` imports this module (bench, convert)
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -78,6 +82,7 @@ def _shutdown() -> None:
 
 
 def _in_process(fn: Callable[..., Any], args: tuple) -> list[Any]:
+    # torch and Megatron load only in the ranks: `hyflow --help` imports this module (bench, convert)
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -85,7 +90,7 @@ def _in_process(fn: Callable[..., Any], args: tuple) -> list[Any]:
             raise RuntimeError("run_ranks(world_size=1) inside a multi-rank job; call the rank "
                                "function directly on every rank instead")
         return [fn(*args)]
-    from hyflow.compat import cpu
+    # torch and Megatron load only in the ranks: `hyflow --help` imports this module (bench, convert)
     from hyflow.parallel.distributed import free_port
 
     was_active = cpu.is_active()
@@ -102,6 +107,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """``[fn(*args) on rank r for r in range(world_size)]``; ``fn`` must be module-level."""
     if world_size == 1:
         return _in_process(fn, args)
+    # torch and Megatron load only in the ranks: `hyflow --help` imports this module (bench, convert)
     from hyflow.parallel.distributed import free_port
 
     ctx = mp.get_context("spawn")

@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+import psutil
+
 
 def _status_kib(key: str) -> Optional[int]:
     try:
@@ -35,7 +37,6 @@ def current_rss() -> int:
     kib = _status_kib("VmRSS")
     if kib is not None:
         return kib * 1024
-    import psutil
 
     return int(psutil.Process().memory_info().rss)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
+import mmap
 
 import torch
 
@@ -59,6 +60,7 @@ def hf_name(gguf_name: str) -> str:
 
 def _open_reader(path: str):
     try:
+        # optional dependency: gguf (GGUF files only)
         import gguf
     except ImportError:
         raise ConversionError("reading .gguf files needs the `gguf` package (pip install gguf)") from None
@@ -153,6 +155,7 @@ class GGUFSource(WeightSource):
 
     def _dequantize(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` as float32, dequantized in blocks to bound temporaries."""
+        # optional dependency: gguf (GGUF files only)
         from gguf.quants import dequantize
 
         t = self._tensors[name]
@@ -186,8 +189,6 @@ class GGUFSource(WeightSource):
     def release(self) -> None:
         mapping = getattr(self._reader.data, "_mmap", None)
         if mapping is not None and hasattr(mapping, "madvise"):
-            import mmap
-
             mapping.madvise(mmap.MADV_DONTNEED)
 
 

@@ -13,10 +13,16 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 from hyflow.config import ConfigError
 from hyflow.models.description import ModelDescription
 from hyflow.models.sources.errors import ConversionError
 from hyflow.models.sources.source import WeightSource
+from hyflow.models.hf_mapping import IGNORED_HF_TENSORS, hf_parameter_shapes
+from hyflow.models.sources.gguf_source import GGUFSource, is_gguf
+from hyflow.models.sources.safetensors_source import find_safetensors
+from hyflow.models.sources.torchbin_source import find_torch_bin
 
 #: Files of an HF tokenizer (whichever exist are copied next to the checkpoint).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -65,6 +71,7 @@ class ModelSource:
         """
         if self.format == "gguf":
             try:
+                # optional dependency: transformers (tokenizers of HF folders only)
                 from transformers import AutoTokenizer
             except ImportError:
                 return False
@@ -117,9 +124,6 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _open_hf_directory(path: str) -> ModelSource:
-    from hyflow.models.sources.safetensors_source import find_safetensors
-    from hyflow.models.sources.torchbin_source import find_torch_bin
-
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise ConversionError(f"{path} has no config.json; pass an HF model directory or a .gguf file")
@@ -141,8 +145,6 @@ def _open_hf_directory(path: str) -> ModelSource:
 
 def open_model_source(path: str) -> ModelSource:
     """Open ``path`` (HF directory or ``.gguf`` file) and check its files."""
-    from hyflow.models.sources.gguf_source import GGUFSource, is_gguf
-
     if not os.path.exists(path):
         raise ConversionError(f"{path} does not exist")
     if os.path.isdir(path):
@@ -155,8 +157,6 @@ def open_model_source(path: str) -> ModelSource:
 
 def check_tensors(source: ModelSource, desc) -> None:
     """Every tensor the description needs exists with the right shape; nothing unexplained."""
-    from hyflow.models.hf_mapping import IGNORED_HF_TENSORS, hf_parameter_shapes
-
     weights = source.weights
     expected = hf_parameter_shapes(desc)
     present = set(weights.names())
@@ -191,7 +191,6 @@ def resolve_dtype(requested: str, source: ModelSource) -> str:
         raise ConversionError(f"--dtype {requested!r} is not one of {', '.join(DTYPE_CHOICES)}")
     if requested != "auto":
         return requested
-    import torch
 
     dtypes = {source.weights.dtype(n) for n in source.weights.names()}
     return "bf16" if dtypes == {torch.bfloat16} else "fp32"

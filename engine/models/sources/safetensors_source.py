@@ -16,6 +16,7 @@ import struct
 from typing import Any, Optional
 
 import torch
+from safetensors import safe_open
 
 from hyflow.models.sources.errors import ConversionError
 from hyflow.models.sources.source import WeightSource
@@ -110,8 +111,6 @@ class SafetensorsSource(WeightSource):
         path = self._file_of[name]
         handle = self._open.get(path)
         if handle is None:
-            from safetensors import safe_open
-
             handle = self._open[path] = safe_open(path, framework="pt")
         return handle.get_slice(name)
 
