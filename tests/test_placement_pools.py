@@ -125,3 +125,18 @@ def test_critic_on_its_own_pool_equals_colocated_sync(tmp_path, ranks, colocated
     for key in ("critic/vf_loss", "critic/values/mean", "critic/returns/mean", "critic/grad_norm"):
         assert all(key in m for m in pooled), key
     assert pooled[2]["critic/vf_loss"] != pooled[0]["critic/vf_loss"]  # the critic trained
+
+
+def test_a_mixture_of_experts_actor_on_pools_is_refused_before_launch():
+    from hyflow.config import ConfigError
+    from hyflow.jobs.registry import load_job_config
+    from hyflow.jobs.rl_preflight import check_pooled_supported
+    from hyflow.testing.rl import QUICKSTART
+
+    moe = QUICKSTART.replace("quickstart.yaml", "moe_quickstart.yaml")
+    colocated = load_job_config(moe, ["trainer.nproc=4"])
+    check_pooled_supported(colocated)  # colocated sync: runs
+    cfg = load_job_config(moe, ["trainer.nproc=4", "trainer.mode=one_step_off", "actor.layout.tp=1"])
+    with pytest.raises(ConfigError, match="mixture-of-experts actor runs colocated") as e:
+        check_pooled_supported(cfg)
+    assert e.value.key == "trainer.mode"
