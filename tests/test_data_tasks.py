@@ -31,10 +31,12 @@ def test_rows_are_valid_verl_format_and_deterministic(name):
     for i, r in enumerate(rows):
         messages, source, gt, extra = validate_row(r)
         assert source == f"hyflow/{name}" and isinstance(gt, str) and gt
-        assert messages[0]["role"] == "user" and extra["answer"] == gt and extra["index"] == i
+        roles = [m["role"] for m in messages]  # a tool task opens with a system message naming its tools
+        assert roles[-1] == "user" and set(roles) <= {"system", "user"}
+        assert extra["answer"] == gt and extra["index"] == i
     assert make_task_rows(name, 40, seed=5) == rows
     assert make_task_rows(name, 40, seed=6) != rows
-    assert len({r["prompt"][0]["content"] for r in rows}) > 10     # not one prompt repeated
+    assert len({r["prompt"][-1]["content"] for r in rows}) > 10     # not one prompt repeated
 
 
 def _digits(row) -> str:
@@ -80,7 +82,8 @@ def test_arithmetic_word_problems():
 
 def test_reference_answers_score_one_and_wrong_answers_zero():
     for name, info in TASKS.items():
-        ds = PromptDataset.from_rows(make_task_rows(name, 30, seed=0), CharTokenizer(), max_prompt_length=128)
+        # max_prompt_length: a tool task's system message counts too (characters here)
+        ds = PromptDataset.from_rows(make_task_rows(name, 30, seed=0), CharTokenizer(), max_prompt_length=4096)
         rm = RewardManager.from_rule(info.reward_rule)
         rm.check_records(ds.records)
         good = rm.score_records(ds.records, [r.reference for r in ds])

@@ -52,10 +52,10 @@ def test_preflight_refuses_data_whose_prompts_are_all_too_long(tmp_path):
     from hyflow.jobs.preflight import preflight
 
     path = str(tmp_path / "train.jsonl")
-    write_rows(make_task_rows("digit_add", 20, seed=1), path)
+    write_rows(make_task_rows("digit_add", 40, seed=1), path)  # more than one batch of 32
     base = ["data.task=null", f"data.train_files=[{path}]", "data.tokenizer=char",
             f"trainer.output_dir={tmp_path / 'run'}"]
-    with pytest.raises(ConfigError, match=r"all 20 prompts read here are longer than rollout.max_prompt_length=3 "
+    with pytest.raises(ConfigError, match=r"all 40 prompts read here are longer than rollout.max_prompt_length=3 "
                                           r"tokens.*raise rollout.max_prompt_length \(verl: data.max_prompt_length\)"):
         preflight(load_job_config(QUICKSTART, base + ["rollout.max_prompt_length=3"]))
     preflight(load_job_config(QUICKSTART, base + ["rollout.max_prompt_length=3", "rollout.truncate_long_prompts=true"]))

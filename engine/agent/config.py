@@ -69,7 +69,7 @@ class MultiTurnConfig:
         "help": "a tool call that times out fails the trajectory (failure_policy) instead of showing the model "
                 "a timeout error"})
     max_tool_response_length: int = field(default=1024, metadata={
-        "help": "characters of a tool result kept in the observation"})
+        "unit": "characters", "help": "characters of a tool result kept in the observation"})
     tool_response_truncate_side: Literal["left", "middle", "right"] = field(default="middle", metadata={
         "help": "which part of a long tool result is cut: left keeps the start, right keeps the end, middle both"})
     tool_workers: int = field(default=16, metadata={"help": "tool calls running at once per generation replica"})
