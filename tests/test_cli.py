@@ -68,7 +68,7 @@ def test_train_runs_two_ranks_and_writes_metrics(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3
     resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
     assert resolved["trainer"]["total_steps"] == 12 and resolved["actor"]["layout"]["tp"] == 2
-    assert "launching 2 ranks" in out.stdout and "step 12/12" in out.stdout
+    assert "launching 2 ranks" in out.stdout and "step 12/12" in out.stderr  # the progress line: stderr
 
 
 QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")

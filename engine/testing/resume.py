@@ -42,12 +42,32 @@ def kill_9_when(args: Sequence[str], ready: Callable[[], bool], log_path: str, t
                 assert time.time() < deadline, f"not ready after {timeout:g} s: {open(log_path).read()[-3000:]}"
                 time.sleep(0.02)
         finally:
-            for pid in [proc.pid] + process_descendants(proc.pid):  # kill -9, launcher and every rank
+            pids = [proc.pid] + process_descendants(proc.pid)
+            for pid in pids:  # kill -9, launcher and every rank
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             proc.wait()
+            _wait_gone(pids, timeout=60.0)  # a rank still exiting holds the run directory's lock
+
+
+def _wait_gone(pids: Sequence[int], timeout: float) -> None:
+    """Wait until every process of ``pids`` has exited (gone, or a zombie: its files are closed)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive:
+            return
+        time.sleep(0.05)
 
 
 def checkpoint_tensors(model_dir: str, tmp: str) -> dict:
