@@ -126,9 +126,9 @@ class InPlaceLoader:
         if target.numel() == tensor.numel():  # vLLM keeps this tensor: write in place
             if write.rows is None:
                 target.data.copy_(tensor)
-            elif target.dtype == tensor.dtype:
+            elif target.dtype == tensor.dtype and target.is_contiguous():
                 torch.index_select(tensor, 0, write.rows, out=target.data)
-            else:  # e.g. a bias the CPU build keeps in fp32 beside bf16 weights
+            else:  # a bias the CPU build keeps in fp32 beside bf16 weights, a weight kept transposed
                 target.data.copy_(tensor.index_select(0, write.rows))
             return
         # vLLM's CPU build packed this weight and dropped the plain one: pack again from ours
@@ -236,4 +236,9 @@ def plan_in_place(vllm_model: torch.nn.Module, vllm_config, gen_model: torch.nn.
             return f"vLLM's {vname} would not be written"
     if head is not None and type(getattr(head, "quant_method", None)) is not UnquantizedEmbeddingMethod:
         return f"vLLM's output layer runs {type(getattr(head, 'quant_method', None)).__name__}"
+    embed = next((w.layer for w in writes.values() if w.vocab and w.layer is not head), None)
+    if embed is not None and callable(getattr(embed, "cpu_linear", None)):
+        # the CPU build packed the input embedding for a GEMM it never runs (the lookup reads the
+        # plain weight; the output layer has its own packed copy): a vocabulary matrix freed
+        embed.cpu_linear = None
     return InPlaceLoader(writes, skipped, head, vocab_rows, tp_group)
