@@ -39,6 +39,7 @@ from hyflow.checkpoint.checkpointer import Checkpointer
 from hyflow.data.dataset import build_dataset
 from hyflow.data.loader import PromptLoader
 from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
+from hyflow.jobs.fully_async import AsyncGeneration, version_metrics
 from hyflow.jobs.loop import open_run, run_job
 from hyflow.jobs.rl import RLSteps, StepJob, frozen_models, sft_warmup
 from hyflow.jobs.rl_config import RLJobConfig
@@ -85,24 +86,23 @@ def run(cfg: RLJobConfig) -> list[dict]:
     return _training_loop(cfg, placement, groups, sync_group, pool_group, ctl)
 
 
-def checkpointing(placement) -> bool:
+def checkpointing(placement, cfg=None) -> bool:
     """Whether this pooled run writes and resumes checkpoints: not with a critic on a pool of its own
     (its pool does not join the checkpoint yet; :func:`~hyflow.placement.remote_critic.check_remote_roles`
-    refuses saving and resuming such a run before launch)."""
-    return not has_remote_critic(placement)
+    refuses saving and resuming such a run before launch), nor in ``trainer.mode: async`` yet."""
+    return not has_remote_critic(placement) and (cfg is None or cfg.trainer.mode != "async")
 
 
 class _NoCheckpoints:
     """Stands for the :class:`~hyflow.checkpoint.checkpointer.Checkpointer` of a run that writes none
     (:func:`checkpointing`): a stop signal ends the run after its step without a save."""
 
-    def __init__(self, lead: bool) -> None:
-        self.lead = lead
+    def __init__(self, lead: bool, why: str) -> None:
+        self.lead, self.why = lead, why
 
     def log(self, message: str) -> None:  # StepEnd's word on a stop: there is nothing to resume from
         if self.lead:
-            print("[hyflow] stopped on a stop signal; no checkpoint is written (the critic's pool is not "
-                  "checkpointed yet)", flush=True)
+            print(f"[hyflow] stopped on a stop signal; no checkpoint is written ({self.why})", flush=True)
 
     def poll(self) -> None:
         pass
@@ -122,7 +122,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
     # A stop signal must not end a generation rank: the training pool (signalled as well) agrees on
     # the stop, and this pool joins its last save before leaving.
     held = StepSupervisor(1, device=groups.device).install()
-    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc) if checkpointing(placement) else None
+    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc) if checkpointing(placement, cfg) else None
     overlap = cfg.trainer.mode == "one_step_off"  # sync: batch t+1 waits for w_t
     try:
         resumed = ckpts.resume(cfg.trainer.resume) if ckpts else None  # collective with the training pool's
@@ -134,6 +134,10 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
         if not control(Control(go=False), placement, rank, groups.device, ctl).go:
             return
         side.receive_weights()  # w_0, or w_t after a resume from step t
+        if cfg.trainer.mode == "async":  # its own loop (hyflow.jobs.fully_async)
+            AsyncGeneration(cfg, side, loader, routes,
+                            lambda: control(Control(go=False), placement, rank, groups.device, ctl)).run()
+            return
         version = 0 if resumed is None else resumed.step - 1  # the weights held (updates applied)
 
         def generate(step: int):
@@ -184,9 +188,11 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group,
     # Synchronous saves: a background save's completion is agreed over the world at step ends,
     # which would tie the generation pool's loop to the training pool's.
     lead = rank == placement.roles["actor"].pool.start
-    saves = checkpointing(placement)
+    saves = checkpointing(placement, cfg)
+    why = "trainer.mode=async does not checkpoint yet" if cfg.trainer.mode == "async" else \
+        "the critic's pool is not checkpointed yet"
     ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
-                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead)
+                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead, why)
     steps = PooledSteps(cfg, state, job, ckpt, placement, train_group, ctl, saves)
     try:
         run = open_run(cfg, ckpt, supervisor, steps.resume, lead)  # the resume is collective with the generation pool
@@ -263,6 +269,13 @@ class PooledSteps(RLSteps):
             "perf/overlap_ratio": step_seconds / max(rows.gen_seconds, update, 1e-9),
         })
         metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_seconds * dist.get_world_size())
+        metrics["perf/train_pool_utilization"] = update / max(step_seconds, 1e-9)
+        # one batch per step: the generation pool's busy share of the step (async: at the steady state)
+        metrics["perf/gen_pool_utilization"] = min(1.0, rows.gen_seconds / max(step_seconds, 1e-9))
+        metrics["timing_s/gen_wait"] = rows.wait_seconds  # the generation pool's waits for this pool
+        if rows.samples.versions is not None:  # tokens tagged with the weight version that sampled them
+            metrics.update(version_metrics(rows.samples, step, self.cfg.trainer.max_staleness,
+                                           self.state.models.groups.pgs.dp, self._device))
         return go
 
     def save(self, step: int):
