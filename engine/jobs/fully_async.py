@@ -37,14 +37,70 @@ and the generation pool still never waits for an update it does not need.
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from hyflow.checkpoint.errors import CheckpointError
+from hyflow.placement.inflight import INFLIGHT_DIR, inflight_file, load_inflight_data
 from hyflow.placement.rows import send_rows
 from hyflow.rollout.dp import SampleTensors
+
+ASYNC_FORMAT, ASYNC_VERSION = "hyflow-inflight-async", 1
+_TENSORS = ("meta", "tokens", "logprobs", "versions")
+
+
+@dataclass
+class AsyncInFlight:
+    """A generation rank's state when the training pool saves after update ``step - 1``: the complete
+    batches not sent yet, the batch half generated (its samples as they stand: finished, half done
+    with their tokens' versions, not started), and the prompt loader's position."""
+
+    step: int  # the next batch to send (the checkpoint's step + 1)
+    loader: dict  # the prompt loader's position before ``next_batch``'s prompts
+    next_batch: int  # the batch to generate next (the half-generated one when ``partial`` is set)
+    queue: dict = field(default_factory=dict)  # step -> (SampleTensors, generation seconds, oldest version)
+    partial: Optional[SampleTensors] = None
+    waited: float = 0.0
+
+
+def _pack(t: SampleTensors) -> dict:
+    return {k: getattr(t, k).detach().cpu() for k in _TENSORS if getattr(t, k) is not None}
+
+
+def _unpack(d: dict, device) -> SampleTensors:
+    return SampleTensors(**{k: d[k].to(device) for k in _TENSORS if k in d})
+
+
+def write_async_inflight(path: str, rank: int, state: AsyncInFlight, pool: Any, layout: Any) -> None:
+    """This generation rank's ``inflight/rank_<rank>.pt``: tensors and plain data only (read with
+    ``weights_only=True``), hashed in the checkpoint's manifest like the rest."""
+    data = {"format": ASYNC_FORMAT, "version": ASYNC_VERSION, "step": int(state.step),
+            "next_batch": int(state.next_batch), "waited": float(state.waited),
+            "loader": {str(k): v for k, v in state.loader.items()},
+            "pool": [int(pool.start), int(pool.stop)], "layout": [int(layout.tp), int(layout.pp), int(layout.dp)],
+            "queue": [{"step": int(b), "seconds": float(sec), "oldest": int(old), **_pack(t)}
+                      for b, (t, sec, old) in sorted(state.queue.items())],
+            "partial": _pack(state.partial) if state.partial is not None else None}
+    os.makedirs(os.path.join(path, INFLIGHT_DIR), exist_ok=True)
+    torch.save(data, inflight_file(path, rank))
+
+
+def read_async_inflight(path: str, rank: int, pool: Any, layout: Any, device: torch.device) -> AsyncInFlight:
+    """What :func:`write_async_inflight` wrote (a wrong file raises :class:`CheckpointError`)."""
+    data = load_inflight_data(path, rank, pool, layout, ASYNC_FORMAT, ASYNC_VERSION)
+    try:
+        queue = {int(b["step"]): (_unpack(b, device), float(b["seconds"]), int(b["oldest"])) for b in data["queue"]}
+        partial = _unpack(data["partial"], device) if data["partial"] is not None else None
+        return AsyncInFlight(step=int(data["step"]), loader=dict(data["loader"]), next_batch=int(data["next_batch"]),
+                             queue=queue, partial=partial, waited=float(data["waited"]))
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{inflight_file(path, rank)} is not an async in-flight file this hyflow reads "
+                              f"({type(e).__name__}: {e})") from None
 
 
 class AsyncGeneration:
@@ -52,31 +108,44 @@ class AsyncGeneration:
     :class:`~hyflow.placement.pool_models.GenerationSide`; ``exchange_control()``: the training lead's
     control message (:func:`hyflow.placement.inflight.control`, collective with it)."""
 
-    def __init__(self, cfg, side, loader, routes, exchange_control: Callable) -> None:
+    def __init__(self, cfg, side, loader, routes, exchange_control: Callable, ckpts=None) -> None:
         t = cfg.trainer
         self.total, self.k, self.after, self.partial = t.total_steps, t.max_staleness, t.update_after_tokens, \
             t.partial_rollout
         self.n = cfg.rollout.n
         self.side, self.loader, self.routes, self.control = side, loader, routes, exchange_control
+        self.ckpts = ckpts  # GenerationCheckpoints: this rank joins the training pool's saves
+        self.device = side.groups.device
         self.rank = dist.get_rank()
         self.received = 0  # the newest weight version received (w_0 before the loop)
         self.sent = 0  # the last batch sent
         self.queue: dict[int, tuple[SampleTensors, float, int]] = {}  # complete batches: samples, seconds, oldest
         self.stopped = False
         self.waited = 0.0  # seconds waiting for the training pool since the last send
+        self.generated = 0  # the last complete batch
 
-    def run(self, first: int = 1) -> None:
+    def run(self, resumed: Optional[AsyncInFlight] = None) -> None:
+        """Every batch, then the exchanges due after the last one. ``resumed``: the state a
+        checkpoint saved (the weights of its step were received just before, as at the save)."""
+        first, partial = 1, None
+        if resumed is not None:
+            self.received = self.sent = resumed.step - 1
+            self.queue, self.waited = dict(resumed.queue), resumed.waited
+            first, partial = resumed.next_batch, resumed.partial
+            self.generated = first - 1
+            self._send_ready()
         for step in range(first, self.total + 1):
-            self._batch(step)
+            self._batch(step, partial.to_outputs() if partial is not None and step == first else None)
             if self.stopped:
                 return
         while not self.stopped:  # the versions due after the last batch, then the stop
             self._exchange()
 
-    def _batch(self, step: int) -> None:
+    def _batch(self, step: int, resume=None) -> None:
         due = step - self.k  # w_due is received while this batch is sampled
         mid = self.after > 0 and self.k > 0 and due >= 1
-        decoded, fired, paused = 0, False, 0.0
+        # a resumed half-generated batch: its exchange was the save's
+        decoded, fired, paused = 0, resume is not None, 0.0
 
         def on_decode(scheduler) -> Optional[int]:
             nonlocal decoded, fired, paused
@@ -85,24 +154,27 @@ class AsyncGeneration:
                 return None
             fired = True
             start = time.perf_counter()
-            go = self._exchange()
+            go = self._exchange(scheduler, step)
             paused += time.perf_counter() - start
             return self.received if go else None
 
         start = time.perf_counter()
-        out = self.side.generate(self.loader.next_batch(), step, self.n, version=self.received,
-                                 on_decode=on_decode, partial=self.partial)
+        self.drawn_from = self.loader.state_dict()  # a save in this batch resumes drawing it again
+        out = self.side.generate(self.loader.next_batch(), step, self.n, version=self.received, on_decode=on_decode,
+                                 partial=self.partial, resume=resume)
         seconds = time.perf_counter() - start - paused
         samples = out.samples
         v = samples.versions
         oldest = int(v.min()) if v is not None and v.numel() else self.received
         self.queue[step] = (samples, seconds, oldest)
+        self.generated = step
         self._send_ready()
         if due >= 1 and not fired and not self.stopped:
             self._exchange()
 
-    def _exchange(self) -> bool:
-        """Receive the next weight version (the control message first); then send what may go."""
+    def _exchange(self, scheduler=None, step: int = 0) -> bool:
+        """Receive the next weight version (the control message first), join a save the training
+        pool writes now; then send what may go. ``scheduler``: the batch ``step`` half generated."""
         start = time.perf_counter()
         # the weight sync writes the model in place: outside the engine's inference mode, so its
         # buffers stay ordinary tensors
@@ -110,6 +182,13 @@ class AsyncGeneration:
             msg = self.control()
             if msg.go:
                 self.side.receive_weights()
+            if msg.save:
+                half = SampleTensors.from_samples(scheduler.outputs, self.device) if scheduler else None
+                state = AsyncInFlight(step=msg.step + 1,
+                                      loader=self.drawn_from if scheduler else self.loader.state_dict(),
+                                      next_batch=step if scheduler else self.generated + 1,
+                                      queue=dict(self.queue), partial=half, waited=self.waited)
+                self.ckpts.save(msg, state, write=write_async_inflight)
         self.waited += time.perf_counter() - start
         if not msg.go:
             self.stopped = True

@@ -39,7 +39,7 @@ from hyflow.checkpoint.checkpointer import Checkpointer
 from hyflow.data.dataset import build_dataset
 from hyflow.data.loader import PromptLoader
 from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
-from hyflow.jobs.fully_async import AsyncGeneration, version_metrics
+from hyflow.jobs.fully_async import AsyncGeneration, read_async_inflight, version_metrics
 from hyflow.jobs.loop import open_run, run_job
 from hyflow.jobs.rl import RLSteps, StepJob, frozen_models, sft_warmup
 from hyflow.jobs.rl_config import RLJobConfig
@@ -47,7 +47,7 @@ from hyflow.jobs.step_end import save_due
 from hyflow.monitor import comm
 from hyflow.monitor.memory import memory_summary
 from hyflow.placement.groups import build_pool_groups, build_sync_group, pool_enumerations
-from hyflow.placement.inflight import Control, GenerationCheckpoints, InFlight, control, control_group
+from hyflow.placement.inflight import Control, GenerationCheckpoints, InFlight, control, control_group, read_inflight
 from hyflow.placement.pool_models import GenerationSide, RemoteRollouts, WeightSender, build_training_models
 from hyflow.placement.remote_critic import has_remote_critic, serve_critic
 from hyflow.placement.rows import row_routes, send_rows
@@ -86,23 +86,24 @@ def run(cfg: RLJobConfig) -> list[dict]:
     return _training_loop(cfg, placement, groups, sync_group, pool_group, ctl)
 
 
-def checkpointing(placement, cfg=None) -> bool:
+def checkpointing(placement) -> bool:
     """Whether this pooled run writes and resumes checkpoints: not with a critic on a pool of its own
     (its pool does not join the checkpoint yet; :func:`~hyflow.placement.remote_critic.check_remote_roles`
-    refuses saving and resuming such a run before launch), nor in ``trainer.mode: async`` yet."""
-    return not has_remote_critic(placement) and (cfg is None or cfg.trainer.mode != "async")
+    refuses saving and resuming such a run before launch)."""
+    return not has_remote_critic(placement)
 
 
 class _NoCheckpoints:
     """Stands for the :class:`~hyflow.checkpoint.checkpointer.Checkpointer` of a run that writes none
     (:func:`checkpointing`): a stop signal ends the run after its step without a save."""
 
-    def __init__(self, lead: bool, why: str) -> None:
-        self.lead, self.why = lead, why
+    def __init__(self, lead: bool) -> None:
+        self.lead = lead
 
     def log(self, message: str) -> None:  # StepEnd's word on a stop: there is nothing to resume from
         if self.lead:
-            print(f"[hyflow] stopped on a stop signal; no checkpoint is written ({self.why})", flush=True)
+            print("[hyflow] stopped on a stop signal; no checkpoint is written (the critic's pool is not "
+                  "checkpointed yet)", flush=True)
 
     def poll(self) -> None:
         pass
@@ -122,10 +123,12 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
     # A stop signal must not end a generation rank: the training pool (signalled as well) agrees on
     # the stop, and this pool joins its last save before leaving.
     held = StepSupervisor(1, device=groups.device).install()
-    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc) if checkpointing(placement, cfg) else None
+    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc) if checkpointing(placement) else None
     overlap = cfg.trainer.mode == "one_step_off"  # sync: batch t+1 waits for w_t
     try:
-        resumed = ckpts.resume(cfg.trainer.resume) if ckpts else None  # collective with the training pool's
+        fully_async = cfg.trainer.mode == "async"
+        read = read_async_inflight if fully_async else read_inflight
+        resumed = ckpts.resume(cfg.trainer.resume, read=read) if ckpts else None  # collective with the training pool's
         if resumed is None:
             for _ in range(cfg.actor.sft_warmup_steps):  # the training pool's warm-up draws these batches
                 loader.next_batch()
@@ -134,9 +137,9 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
         if not control(Control(go=False), placement, rank, groups.device, ctl).go:
             return
         side.receive_weights()  # w_0, or w_t after a resume from step t
-        if cfg.trainer.mode == "async":  # its own loop (hyflow.jobs.fully_async)
+        if fully_async:  # its own loop (hyflow.jobs.fully_async)
             AsyncGeneration(cfg, side, loader, routes,
-                            lambda: control(Control(go=False), placement, rank, groups.device, ctl)).run()
+                            lambda: control(Control(go=False), placement, rank, groups.device, ctl), ckpts).run(resumed)
             return
         version = 0 if resumed is None else resumed.step - 1  # the weights held (updates applied)
 
@@ -188,11 +191,9 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group,
     # Synchronous saves: a background save's completion is agreed over the world at step ends,
     # which would tie the generation pool's loop to the training pool's.
     lead = rank == placement.roles["actor"].pool.start
-    saves = checkpointing(placement, cfg)
-    why = "trainer.mode=async does not checkpoint yet" if cfg.trainer.mode == "async" else \
-        "the critic's pool is not checkpointed yet"
+    saves = checkpointing(placement)
     ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
-                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead, why)
+                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead)
     steps = PooledSteps(cfg, state, job, ckpt, placement, train_group, ctl, saves)
     try:
         run = open_run(cfg, ckpt, supervisor, steps.resume, lead)  # the resume is collective with the generation pool

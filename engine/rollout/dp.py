@@ -144,6 +144,10 @@ class SampleTensors:
             t, l_ = t + plen + rlen, l_ + rlen
             out.append(SampleOutput(request_index=req, sample_index=smp, prompt_ids=prompt, token_ids=resp,
                                     logprobs=lps, finish_reason=_FINISH_NAME[fin], prompt_truncated=trunc))
+        if self.versions is not None:
+            versions, v = self.versions.tolist(), 0
+            for o in out:
+                o.versions, v = versions[v:v + len(o.token_ids)], v + len(o.token_ids)
         if self.routing is not None:
             starts = (torch.cumsum(self.column("prompt_len") + self.column("response_len"), 0)).tolist()
             for o, end in zip(out, starts):

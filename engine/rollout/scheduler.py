@@ -109,6 +109,9 @@ class Scheduler:
     #: loaded new weights into the model, else None (``trainer.mode: async``)
     on_decode: Optional[Callable[["Scheduler"], Optional[int]]] = None
     partial: str = "continue"  # after new weights: continue the running samples, or abort and re-queue them
+    #: every sample of the call (finished ones included; their ``out`` is filled in place): what a
+    #: checkpoint taken at a token boundary saves (``trainer.mode: async``)
+    outputs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._device = self.runner.device
@@ -116,13 +119,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ loop
     def run(self, seqs: list[Sequence]) -> None:
-        """Generate every sequence (fills ``seq.out`` in place)."""
-        self._pending = pending = deque(seqs)
+        """Generate every sequence (fills ``seq.out`` in place). A sequence whose ``out`` holds tokens
+        already (a sample half generated when a checkpoint was taken) continues: its prompt and
+        response but the last token are prefilled into a slot, and the next decode step feeds that
+        token, as after a weight update (:meth:`_new_weights`)."""
+        self._pending = pending = deque(s for s in seqs if not s.out.token_ids)
         remaining: dict[int, int] = {}
-        for s in seqs:
+        for s in pending:
             remaining[s.group] = remaining.get(s.group, 0) + 1
         self._free = free = list(range(self.cache.slots))
         self._active = active = {}
+        resumed = [s for s in seqs if s.out.token_ids]
+        if resumed:
+            for seq, slot in zip(resumed, free):
+                seq.slot, seq.last = slot, seq.out.token_ids[-1]
+                seq.context = (seq.prompt + seq.out.token_ids)[:-1]
+                seq.length = len(seq.context)
+                active[slot] = seq
+            del free[:len(resumed)]
+            self._prefill(resumed)
+            for seq in resumed:
+                seq.context = None
         continuous = self.config.batching == "continuous"
         while pending or active:
             if pending and free and (continuous or not active):
@@ -162,7 +179,8 @@ class Scheduler:
         self.version = version
         for prefix in self._prefixes.values():
             prefix.slot = -1
-        running = [self._active[s] for s in sorted(self._active)]
+        # (request, sample) order, the order a resumed batch re-feeds them in (same prefill groups)
+        running = sorted(self._active.values(), key=lambda q: (q.out.request_index, q.out.sample_index))
         if self.partial == "abort":
             for seq in reversed(running):
                 self._active.pop(seq.slot)
