@@ -10,7 +10,10 @@ does in the async generation loop. The three samples running then drew 5 tokens 
   the other's; the tokens before the switch are the version-0 run's;
 * ``abort``: the running samples restart under version 1, so every sample equals a run made with
   version 1 from the start (the random streams are keyed by sample and token index), and the
-  restarts are counted.
+  restarts are counted;
+* resume: the samples as they stood at the switch (what an async checkpoint saves: finished, half
+  generated with their versions, not started), continued with version 1 in a new call, equal the
+  uninterrupted call's.
 """
 from __future__ import annotations
 
@@ -58,6 +61,8 @@ def _generate() -> dict:
 
 
 def _one(engine, model, hfs, v0, v1, partial: str) -> dict:
+    from hyflow.rollout.dp import SampleTensors
+
     def load(weights):
         with torch.no_grad():
             for k, v in model.state_dict().items():
@@ -65,16 +70,21 @@ def _one(engine, model, hfs, v0, v1, partial: str) -> dict:
                     v.copy_(weights[k])
 
     load(v0)
-    calls = []
+    calls, snapshot = [], []
 
     def on_decode(scheduler):  # the async loop's hook: new weights after the 4th decode step
         calls.append(scheduler.running)
         if len(calls) == SWITCH_AFTER:
+            # what a checkpoint taken here saves: every sample as it stands (through the wire format)
+            snapshot.append(SampleTensors.from_samples(scheduler.outputs, torch.device("cpu")))
             load(v1)
             return 1
         return None
 
     res = engine.generate(PROMPTS, version=0, on_decode=on_decode, partial=partial)
+    # resumed from the snapshot with the new weights: the same samples as the uninterrupted call
+    again = engine.generate(PROMPTS, version=1, on_decode=lambda _: None, partial=partial,
+                            resume=snapshot[0].to_outputs()).samples
     load(v0)
     pure0 = engine.generate(PROMPTS, version=0).samples
     load(v1)
@@ -89,7 +99,10 @@ def _one(engine, model, hfs, v0, v1, partial: str) -> dict:
             "pure0": [s.token_ids for s in pure0], "pure1": [s.token_ids for s in pure1],
             "pure_versions": [s.versions for s in pure1], "lp_err": lp_err,
             "other_gap_median": sorted(other_gap)[len(other_gap) // 2],
-            "aborted": res.stats.aborted_samples, "running_at_switch": calls[SWITCH_AFTER - 1]}
+            "aborted": res.stats.aborted_samples, "running_at_switch": calls[SWITCH_AFTER - 1],
+            "resumed_same": [(s.token_ids, s.versions) for s in again] == [(s.token_ids, s.versions) for s in res.samples],
+            "resumed_lp_err": max(abs(a - b) for x, y in zip(again, res.samples) for a, b in zip(x.logprobs, y.logprobs)),
+            "snapshot_half": int(((snapshot[0].column("finish") == 0) & (snapshot[0].column("response_len") > 0)).sum())}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +122,7 @@ def test_continue_records_each_tokens_version_and_its_behaviour_logprob(runs):
         assert got[:head] == pure[:head]
     assert r["tokens"][SLOTS:] == r["pure1"][SLOTS:]  # admitted after the switch: the version-1 samples
     assert r["aborted"] == 0
+    assert r["snapshot_half"] == SLOTS and r["resumed_same"] and r["resumed_lp_err"] < 1e-5
     assert r["pure_versions"] == [[1] * NEW] * (len(PROMPTS) * 2)
 
 
@@ -117,4 +131,5 @@ def test_abort_requeues_the_running_samples_under_the_new_weights(runs):
     assert r["versions"] == [[1] * NEW] * (len(PROMPTS) * 2)
     assert r["tokens"] == r["pure1"]
     assert r["aborted"] == SLOTS
+    assert r["resumed_same"]
     assert r["lp_err"] < 1e-4
