@@ -73,7 +73,7 @@ def test_async_k2_partial_rollouts_staleness_and_versions(tmp_path):
 
 
 @pytest.mark.parametrize("override, key", [
-    (["algorithm.dynamic_sampling.enable=true"], "algorithm.dynamic_sampling.enable: trainer.mode=async"),
+    (["algorithm.dynamic_sampling.enable=true"], "'algorithm.dynamic_sampling.enable': trainer.mode=async does not"),
     (["trainer.max_staleness=-1"], "max_staleness"),
     (["trainer.update_after_tokens=-1"], "update_after_tokens"),
 ])
