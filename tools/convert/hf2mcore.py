@@ -147,7 +147,8 @@ def hf2mcore(hf_path: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str
         ranks = run_ranks(convert_rank, plan.world_size, job)
     # One rank runs in this process and measures itself; otherwise add the parent.
     processes = ranks if plan.world_size == 1 else [parent.result] + ranks
+    names = [f"rank {r}" for r in range(plan.world_size)]
     return MemoryReport(direction="hf2mcore", model_bytes=plan.model_bytes, processes=processes,
-                        seconds=clock.seconds,
+                        names=names if plan.world_size == 1 else ["launcher"] + names, seconds=clock.seconds,
                         details={"source": f"{hf_path} ({plan.source.weights.kind})",
                                  "layout": f"tp={tp} pp={pp} ep={ep}", "dtype": plan.dtype})
