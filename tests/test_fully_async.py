@@ -2,6 +2,7 @@
 
 * ``max_staleness=0`` is the synchronous run: every step's metrics equal the colocated ``sync`` run's
   on 2 ranks (1e-5), which needs every update's weights equal too;
+* ``max_staleness=1`` taking new weights only between batches is ``one_step_off`` (every metric, 1e-5);
 * ``max_staleness=2`` with new weights after 2 decode steps: batch ``s`` starts with ``w_(s-3)`` and
   takes ``w_(s-2)`` mid-sample, so the samples' staleness is exactly 0, 1, 2, 2 and from step 3 on
   samples span two versions (the per-token versions arrived with the rows); the run passes NCCL's
@@ -70,6 +71,19 @@ def test_async_k2_partial_rollouts_staleness_and_versions(tmp_path):
         assert sum(m[f"fully_async/staleness_hist/{j}"] for j in range(3)) == pytest.approx(1.0)
         assert 0.0 < m["perf/gen_pool_utilization"] <= 1.0 and 0.0 < m["perf/train_pool_utilization"] <= 1.0
     assert hist[2]["rollout_corr/rollout_is_max"] != pytest.approx(1.0, abs=1e-4)  # the correction is at work
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_async_k1_between_batches_is_one_step_off(tmp_path):
+    steps = ["trainer.nproc=4", "trainer.total_steps=3"]
+    off = run_on_ranks(_run, 4, [*steps, "trainer.mode=one_step_off"], str(tmp_path / "off"))[0][0]
+    k1 = run_on_ranks(_run, 4, [*steps, "trainer.mode=async", "trainer.max_staleness=1",
+                                "trainer.update_after_tokens=0"], str(tmp_path / "k1"))[0][0]
+    assert [m["staleness"] for m in k1] == [m["staleness"] for m in off] == [0.0, 1.0, 1.0]
+    for a, b in zip(off, k1):
+        for key in (*COMPARED, "rollout_corr/rollout_is_max", "rollout_corr/kl"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (a["step"], key, a[key], b[key])
 
 
 @pytest.mark.parametrize("override, key", [
