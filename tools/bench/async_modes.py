@@ -5,7 +5,7 @@ once per mode: pooled ``sync``, ``one_step_off`` and ``async`` (``--staleness``,
 ``--update-after`` tokens). No SFT warm-up and a wide response budget: the random model rarely
 samples EOS, so response lengths are geometric (the longest of a batch is ~10x the shortest: the
 long tail the async modes are for). Reports per mode, over the steps after the first (start-up
-excluded): samples per second of wall time, the generation and training pools' utilisation
+excluded; medians of ``--repeats`` interleaved rounds): samples per second of step time, the generation and training pools' utilisation
 (``perf/gen_pool_utilization``, ``perf/train_pool_utilization``), the mean staleness and the
 response length spread. A table, then one JSON line.
 
@@ -76,17 +76,28 @@ def main(argv=None) -> int:
     parser.add_argument("--update-after", type=int, default=8, help="async trainer.update_after_tokens (default: "
                         "%(default)s)")
     parser.add_argument("--modes", default="sync,one_step_off,async", help="comma-separated (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over the modes, interleaved; medians are "
+                        "reported (default: %(default)s)")
     args = parser.parse_args(argv)
-    root = tempfile.mkdtemp(prefix="hyflow-bench-async-")
-    try:
-        results = [_measure(mode, args, root) for mode in args.modes.split(",")]
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    modes = args.modes.split(",")
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(args.repeats):
+        for mode in modes:
+            root = tempfile.mkdtemp(prefix="hyflow-bench-async-")
+            try:
+                runs[mode].append(_measure(mode, args, root))
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+    results = [{"mode": m, "repeats": len(rs), **{k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "mode"},
+                "samples_per_s_all": [round(r["samples_per_s"], 2) for r in rs]} for m, rs in runs.items()]
     print(f"{'mode':<14}{'samples/s':>10}{'gen util':>10}{'train util':>11}{'staleness':>10}{'len min-max':>13}"
           f"{'score':>8}")
     for r in results:
         print(f"{r['mode']:<14}{r['samples_per_s']:>10.2f}{r['gen_util']:>10.2f}{r['train_util']:>11.2f}"
               f"{r['staleness']:>10.2f}{r['len_min']:>6.0f}-{r['len_max']:<6.0f}{r['score']:>8.3f}")
+    base = results[0]["samples_per_s"]
+    for r in results[1:]:
+        print(f"{r['mode']} / {results[0]['mode']}: {r['samples_per_s'] / base:.2f}x samples/s (medians)")
     print(json.dumps({"bench": "async_modes", "results": results}))
     return 0
 
