@@ -47,7 +47,7 @@ def test_async_k0_equals_sync(tmp_path):
     for a, b in zip(sync, k0):
         for key in COMPARED:
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (a["step"], key, a[key], b[key])
-        assert b["fully_async/staleness/max"] == 0.0 and b["fully_async/version_spread/max"] == 0.0
+        assert b["fully_async/staleness/max"] == 0.0 and b["fully_async/partial/max_partial_span"] == 0.0
     assert sync[-1]["actor/grad_norm"] > 0
 
 
@@ -63,10 +63,11 @@ def test_async_k2_partial_rollouts_staleness_and_versions(tmp_path):
     assert [m["fully_async/staleness/max"] for m in hist] == [0.0, 1.0, 2.0, 2.0]
     assert [m["staleness"] for m in hist] == [0.0, 1.0, 2.0, 2.0]
     # steps 1-2: sampled with w_0 throughout; 3-4: w_(s-3) then w_(s-2) after 2 tokens
-    assert [m["fully_async/version_spread/max"] for m in hist] == [0.0, 0.0, 1.0, 1.0]
+    assert [m["fully_async/partial/max_partial_span"] for m in hist] == [0.0, 0.0, 1.0, 1.0]
     assert hist[0]["fully_async/partial/total_partial_num"] == 0.0
     assert hist[2]["fully_async/partial/total_partial_num"] > 0
     assert hist[2]["fully_async/staleness_hist/2"] > 0
+    assert hist[0]["fully_async/count/stale_samples_processed"] == 0 and hist[1]["fully_async/count/stale_samples_processed"] == 32
     for m in hist:
         assert sum(m[f"fully_async/staleness_hist/{j}"] for j in range(3)) == pytest.approx(1.0)
         assert 0.0 < m["perf/gen_pool_utilization"] <= 1.0 and 0.0 < m["perf/train_pool_utilization"] <= 1.0

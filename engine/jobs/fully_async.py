@@ -213,7 +213,8 @@ def version_metrics(samples: SampleTensors, step: int, max_staleness: int, dp_gr
     """Staleness of the rows a training rank received for ``step`` (per sample: its oldest token's
     version; ``step - 1`` versions are applied before the update), summed over the training
     data-parallel ranks (every rank of a DP rank holds the same rows): the mean, max and histogram of
-    the samples' staleness, the tokens' mean staleness, and how many versions a sample spans."""
+    the samples' staleness, the tokens' mean staleness, and how many versions a sample spans (verl's
+    ``fully_async/partial/*`` and ``fully_async/count/stale_samples_processed`` where it has the name)."""
     lens = samples.column("response_len").tolist()
     parts = [p for p in torch.split(samples.versions, lens) if p.numel()]
     oldest = torch.stack([p.min() for p in parts]) if parts else torch.zeros(0, dtype=torch.long)
@@ -239,10 +240,11 @@ def version_metrics(samples: SampleTensors, step: int, max_staleness: int, dp_gr
         "fully_async/staleness/mean": stale_sum / max(n, 1),
         "fully_async/staleness/max": highs[0].item(),
         "fully_async/staleness/token_mean": token_sum / max(tokens, 1),
+        "fully_async/count/stale_samples_processed": n - hist[0],  # verl's names where it has them
         "fully_async/partial/total_partial_num": partial,
         "fully_async/partial/partial_ratio": partial / max(n, 1),
         "fully_async/version_spread/mean": spread_sum / max(n, 1),
-        "fully_async/version_spread/max": highs[1].item(),
+        "fully_async/partial/max_partial_span": highs[1].item(),
     }
     for j, count in enumerate(hist[:buckets]):
         out[f"fully_async/staleness_hist/{j}"] = count / max(n, 1)

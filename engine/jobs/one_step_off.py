@@ -273,6 +273,7 @@ class PooledSteps(RLSteps):
         metrics["perf/train_pool_utilization"] = update / max(step_seconds, 1e-9)
         # one batch per step: the generation pool's busy share of the step (async: at the steady state)
         metrics["perf/gen_pool_utilization"] = min(1.0, rows.gen_seconds / max(step_seconds, 1e-9))
+        metrics["fully_async/rollouter/idle_ratio"] = 1.0 - metrics["perf/gen_pool_utilization"]  # verl's name
         metrics["timing_s/gen_wait"] = rows.wait_seconds  # the generation pool's waits for this pool
         if rows.samples.versions is not None:  # tokens tagged with the weight version that sampled them
             metrics.update(version_metrics(rows.samples, step, self.cfg.trainer.max_staleness,
