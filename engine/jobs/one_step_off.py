@@ -26,6 +26,10 @@ generation pool samples batch ``t+1`` after receiving ``w_t`` (staleness 0 every
 rollout correction unless set), so its metrics equal the colocated run's. A critic on a pool of
 its own answers the training pool step by step (:mod:`hyflow.placement.remote_critic`); such a run
 writes no checkpoint yet.
+
+``trainer.mode: async`` runs the same training loop; its generation pool runs the loop of
+:mod:`hyflow.jobs.fully_async` (up to ``trainer.max_staleness`` batches ahead, new weights at a
+token boundary) and its checkpoints hold that loop's in-flight state.
 """
 
 from __future__ import annotations
@@ -273,9 +277,9 @@ class PooledSteps(RLSteps):
         metrics["perf/train_pool_utilization"] = update / max(step_seconds, 1e-9)
         # one batch per step: the generation pool's busy share of the step (async: at the steady state)
         metrics["perf/gen_pool_utilization"] = min(1.0, rows.gen_seconds / max(step_seconds, 1e-9))
-        metrics["fully_async/rollouter/idle_ratio"] = 1.0 - metrics["perf/gen_pool_utilization"]  # verl's name
         metrics["timing_s/gen_wait"] = rows.wait_seconds  # the generation pool's waits for this pool
         if rows.samples.versions is not None:  # tokens tagged with the weight version that sampled them
+            metrics["fully_async/rollouter/idle_ratio"] = 1.0 - metrics["perf/gen_pool_utilization"]  # verl's name
             metrics.update(version_metrics(rows.samples, step, self.cfg.trainer.max_staleness,
                                            self.state.models.groups.pgs.dp, self._device))
         return go
