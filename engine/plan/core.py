@@ -293,8 +293,7 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
         problem = check_partition(kind, enums[kind], world)
         if problem:
             result.errors.append("generation " + problem)
-    gen_layout = Layout(tp=gen.tp, pp=gen.pp, dp=plan.gen_dp_size,
-                        stage_layers=plan.gen_split if plan.train.stage_layers is not None else None)
+    gen_layout = plan.gen
     capacity = seq
     # the engine sizes its cache for min(max_concurrent, the samples of its replica)
     per_replica = -(-cfg.data.train_batch_size * cfg.rollout.n // plan.gen_dp_size)
