@@ -45,8 +45,9 @@ def _holdings(specs, full, layout):
         for stage in sp.stages(layout.pp, L, split):
             name = megatron_local_name(sp, layout.pp, L, stage, split)
             for dp in range(layout.dp):
-                for t in range(layout.tp):
-                    out[layout.rank_of(tp=t, pp=stage, dp=dp)][name] = _shard(sp, full[sp.name], layout.tp, t)
+                for c in range(layout.cp):  # context-parallel ranks hold the same shards
+                    for t in range(layout.tp):
+                        out[layout.rank_of(tp=t, cp=c, pp=stage, dp=dp)][name] = _shard(sp, full[sp.name], layout.tp, t)
     return out
 
 
@@ -124,6 +125,24 @@ def test_uneven_stage_splits_sync_exactly(src_shape, dst_shape):
                      "decoder.layers.1.mlp.linear_fc2.weight"}
     with pytest.raises(SyncPlanError, match="does not fill"):
         plan_weight_sync(specs, _at(0, 1, 2, 1, (1, 2)), dst, L)
+
+
+def test_a_context_parallel_actor_sends_from_the_stage_that_holds_the_layer():
+    """A pooled actor with cp=2 and pp=2: its second stage starts at pool rank tp*cp*dp = 2 (Megatron's
+    order), which the pool's Layout knows (the removed ModelLayout dropped cp and read rank 1, the
+    first stage's CP peer)."""
+    specs = _specs(tied=True)
+    full = _full(specs)
+    src, dst = Layout(tp=1, cp=2, pp=2, start=0), _at(4, 1, 1, 2)
+    plan = plan_weight_sync(specs, src, dst, L)
+    expect = _holdings(specs, full, dst)
+    got, hits, _ = _run(plan, _holdings(specs, full, src), dst, expect)
+    for r in dst.ranks:
+        for name in expect[r]:
+            np.testing.assert_array_equal(got[r][name], expect[r][name], err_msg=f"rank {r} {name}")
+            assert (hits[r][name] == 1).all()
+    layer3 = {b.src_rank for b in plan.buckets for p in b.pieces if p.name.startswith("decoder.layers.3.")}
+    assert layer3 == {2}  # stage 1, cp 0
 
 
 def test_sources_spread_over_replicas_and_stay_in_the_source_pool():
