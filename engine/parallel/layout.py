@@ -293,7 +293,7 @@ class Layout:
         return {"num_layers_in_first_pipeline_stage": split[0], "num_layers_in_last_pipeline_stage": split[-1]}
 
     # ---------------------------------------------------------- rank algebra
-    # The one rank <-> coordinate mapping of hyflow (tests/test_structure.py keeps it here).
+    # The one rank <-> coordinate mapping of hyflow (tests/test_layout.py fails on a second one).
     def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """Global rank of the given coordinates."""
         return self.start + tp + self.tp * (cp + self.cp * (dp + self.dp * pp))

@@ -227,7 +227,7 @@ def resolve_placement(cfg: Any, world: Optional[int] = None) -> Placement:
         if base.start:
             raise ConfigError(f"layout.start={base.start}: the placement sets where a role's layout starts (its "
                               "pool's first rank); leave start unset", key=key)
-        layout = dataclasses.replace(base, dp=pool.size // per_copy, start=pool.start)
+        layout = dataclasses.replace(base, dp=pool.size // per_copy).at(pool.start)
         try:
             layout.check_model(cfg.model, training=role in ("actor", "critic"))  # the others run forwards only
         except LayoutError as e:
