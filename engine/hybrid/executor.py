@@ -59,7 +59,7 @@ from hyflow.models.lora import has_adapters
 from hyflow.models.weights import is_expert_param
 from hyflow.monitor import comm
 from hyflow.parallel.groups import ParallelGroups
-from hyflow.parallel.layout import Layout, pad_vocab_size
+from hyflow.parallel.layout import pad_vocab_size
 from hyflow.roles import WeightPathCapabilities
 
 
@@ -130,13 +130,8 @@ class HybridEngine:
         self.padded_vocab = pad_vocab_size(desc.vocab_size, layout.tp)
         specs = model_param_specs(desc, self.padded_vocab, first.element_size(),
                                   fused_norms=resolve_spec(spec) == "te")
-        # CP ranks hold the same weight shards and, in Megatron's rank order (tp-cp-dp-pp), sit where
-        # the ranks of tp x (cp * dp) x pp would: for the weights CP is more data parallelism (the
-        # generation layout has no CP; hyflow plan reshards the same way).
-        self.plan: ReshardPlan = plan_reshard(
-            specs, Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp * layout.cp,
-                          stage_layers=layout.stage_layers if layout.pp > 1 else None),
-            generation, num_layers=desc.num_layers)
+        # for the weights CP is more data parallelism (the generation layout has no CP)
+        self.plan: ReshardPlan = plan_reshard(specs, layout.cp_as_dp(), generation, num_layers=desc.num_layers)
         self.gen_layout = self.plan.gen  # the generation layout (tp, pp; dp = DP x micro-DP)
         rank = dist.get_rank()
         self.table: RankTable = table if table is not None else rank_table(self.plan, rank)

@@ -140,6 +140,12 @@ class Layout:
         """The global ranks the layout occupies, ``[start, start + world_size)``."""
         return range(self.start, self.start + self.world_size)
 
+    def cp_as_dp(self) -> "Layout":
+        """The layout as its weights see it: CP ranks hold the same weight shards and, in Megatron's
+        order (tp-cp-dp-pp), sit where the ranks of tp x (cp * dp) x pp would, so for the weights CP
+        is more data parallelism (the hybrid engine's reshard, ``hyflow plan``'s)."""
+        return dataclasses.replace(self, dp=self.dp * self.cp, cp=1)
+
     def at(self, start: int) -> "Layout":
         """This layout on the ranks from ``start`` on (a placement pool's first rank)."""
         return dataclasses.replace(self, start=start)

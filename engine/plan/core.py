@@ -8,7 +8,6 @@ to change; :mod:`hyflow.plan.report` prints them.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -279,14 +278,8 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     # a slice of it); grads and optimizer state stay where they are.
     gen = cfg.rollout.layout
     specs = model_param_specs(model, mem.padded_vocab(model, layout.tp), pbytes)
-    reshard_layout = layout
-    if layout.cp > 1:
-        # CP ranks hold the same weight shards, and in Megatron's rank order (tp-cp-dp-pp) a
-        # tp x cp x dp x pp layout puts them exactly where tp x (cp * dp) x pp would: for the
-        # weights' reshard CP is more data parallelism (so does the RL job's hybrid engine).
-        reshard_layout = dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1)
-    plan = plan_reshard(specs, reshard_layout, (gen.tp, gen.pp), world_size=world,
-                        num_layers=model.num_layers)
+    # for the weights CP is more data parallelism, as in the RL job's hybrid engine
+    plan = plan_reshard(specs, layout.cp_as_dp(), (gen.tp, gen.pp), world_size=world, num_layers=model.num_layers)
     result.reshard = plan
     enums = generation_enumerations(plan)
     for kind in ("tp", "pp", "dp", "micro_dp"):
