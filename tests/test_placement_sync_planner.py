@@ -69,6 +69,20 @@ def _run(plan, src_hold, dst_layout, dst_expect):
     return got, hits, received
 
 
+def _synced_exactly(specs, src, dst):
+    """The plan of ``src`` -> ``dst``, run on numpy: every destination element equals the independent
+    sharding's, written once."""
+    full = _full(specs)
+    plan = plan_weight_sync(specs, src, dst, L)
+    expect = _holdings(specs, full, dst)
+    got, hits, _ = _run(plan, _holdings(specs, full, src), dst, expect)
+    for r in dst.ranks:
+        for name in expect[r]:
+            np.testing.assert_array_equal(got[r][name], expect[r][name], err_msg=f"rank {r} {name}")
+            assert (hits[r][name] == 1).all()
+    return plan
+
+
 CASES = [
     ((2, 1, 1), (1, 1, 2)),  # the acceptance shape: TP=2 training -> two TP_g=1 replicas
     ((1, 1, 2), (2, 1, 1)),  # generation wider than training
@@ -109,16 +123,9 @@ def test_uneven_stage_splits_sync_exactly(src_shape, dst_shape):
     """Layout.stage_layers on either side: each layer travels from the stage holding it to the
     stage that holds it there, under that stage's local layer number."""
     specs = _specs(tied=True)
-    full = _full(specs)
     src = _at(0, *src_shape)
     dst = _at(src.world_size, *dst_shape)
-    plan = plan_weight_sync(specs, src, dst, L)
-    expect = _holdings(specs, full, dst)
-    got, hits, _ = _run(plan, _holdings(specs, full, src), dst, expect)
-    for r in dst.ranks:
-        for name in expect[r]:
-            np.testing.assert_array_equal(got[r][name], expect[r][name], err_msg=f"rank {r} {name}")
-            assert (hits[r][name] == 1).all()
+    plan = _synced_exactly(specs, src, dst)
     # layer 1 lives on stage 1 (local 0) of a 1/3 split, on stage 0 (local 1) of a 3/1 split
     first = {p.src_name for b in plan.buckets for p in b.pieces if p.name == "decoder.layers.1.mlp.linear_fc2.weight"}
     assert first == {"decoder.layers.0.mlp.linear_fc2.weight" if src.stage_layers == (1, 3) else
@@ -131,16 +138,8 @@ def test_a_context_parallel_actor_sends_from_the_stage_that_holds_the_layer():
     """A pooled actor with cp=2 and pp=2: its second stage starts at pool rank tp*cp*dp = 2 (Megatron's
     order), which the pool's Layout knows (the removed ModelLayout dropped cp and read rank 1, the
     first stage's CP peer)."""
-    specs = _specs(tied=True)
-    full = _full(specs)
     src, dst = Layout(tp=1, cp=2, pp=2, start=0), _at(4, 1, 1, 2)
-    plan = plan_weight_sync(specs, src, dst, L)
-    expect = _holdings(specs, full, dst)
-    got, hits, _ = _run(plan, _holdings(specs, full, src), dst, expect)
-    for r in dst.ranks:
-        for name in expect[r]:
-            np.testing.assert_array_equal(got[r][name], expect[r][name], err_msg=f"rank {r} {name}")
-            assert (hits[r][name] == 1).all()
+    plan = _synced_exactly(_specs(tied=True), src, dst)
     layer3 = {b.src_rank for b in plan.buckets for p in b.pieces if p.name.startswith("decoder.layers.3.")}
     assert layer3 == {2}  # stage 1, cp 0
 
