@@ -15,7 +15,14 @@ import json
 import os
 from typing import Any, Optional
 
+from hyflow.checkpoint.discovery import checkpoint_candidates
+from hyflow.checkpoint.errors import CheckpointError
 from hyflow.config import ConfigError
+from hyflow.data.dataset import DatasetError, read_rows, validate_row
+from hyflow.data.tasks import load_data_tokenizer, make_task_rows, task_info, tokenizer_spec_for
+from hyflow.data.tokenizer import CharTokenizer
+from hyflow.rewards.user_function import RewardError
+from hyflow.rewards.worker import DEFAULT_IMPORT_TIMEOUT_S, probe_user_function
 from hyflow.vllm_backend.config import check_vllm_imports
 
 #: Rows of each data file checked here (the ranks check every row when they load the file).
@@ -151,8 +158,6 @@ def _check_context_parallel(cfg: Any) -> None:
 def _check_task(data: Any) -> None:
     if not data.task:
         return
-    from hyflow.data.tasks import make_task_rows, task_info
-
     task_info(data.task)  # ConfigError naming data.task and listing the tasks
     try:
         make_task_rows(data.task, 1, seed=data.seed, **dict(data.task_options or {}))
@@ -166,12 +171,8 @@ def _check_tokenizer(cfg: Any) -> Optional[int]:
     """The tokenizer's vocabulary size when the files tell it cheaply (``tokenizer.json``), else
     None; a tokenizer path that does not exist or holds no tokenizer is an error. (Loading it
     would import transformers: seconds the ranks pay anyway.)"""
-    from hyflow.data.tasks import tokenizer_spec_for
-
     spec = tokenizer_spec_for(cfg.data)
     if spec == "char":
-        from hyflow.data.tokenizer import CharTokenizer
-
         return CharTokenizer().vocab_size
     path = os.path.expanduser(spec)
     looks_like_path = spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or spec.endswith((".gguf", ".model"))
@@ -202,8 +203,6 @@ def _tokenizer_json_vocab(path: str) -> Optional[int]:
 
 
 def _check_data_files(cfg: Any) -> None:
-    from hyflow.data.dataset import DatasetError, read_rows, validate_row
-
     needs_truth = cfg.reward.kind != "model"
     files = [] if cfg.data.task else [(f"data.train_files[{i}]", p) for i, p in enumerate(cfg.data.train_files)]
     files += [(f"data.val_files[{i}]", p) for i, p in enumerate(cfg.data.val_files)]
@@ -230,8 +229,6 @@ def _check_data_files(cfg: Any) -> None:
                 raise _error(key, f"{path}: row {row}{where}: {getattr(e, 'message', e)}") from None
         if not cfg.rollout.truncate_long_prompts:
             if tokenizer is None:
-                from hyflow.data.tasks import load_data_tokenizer
-
                 tokenizer = load_data_tokenizer(cfg.data)  # seconds here, not a launch that ends with no prompt
             _check_prompt_lengths(key, path, prompts, tokenizer, cfg.rollout.max_prompt_length)
     if not cfg.data.task and whole and total < cfg.data.train_batch_size:
@@ -252,9 +249,6 @@ def _check_prompt_lengths(key: str, path: str, prompts: list, tokenizer: Any, li
 
 def _check_reward(reward: Any) -> None:
     if reward.kind == "function":
-        from hyflow.rewards.user_function import RewardError
-        from hyflow.rewards.worker import DEFAULT_IMPORT_TIMEOUT_S, probe_user_function
-
         try:  # in a worker process: a file that hangs at import fails here instead of hanging the launcher
             probe_user_function(reward.function_path, reward.function_name,
                                 max(DEFAULT_IMPORT_TIMEOUT_S, reward.timeout_s))
@@ -270,7 +264,6 @@ def _check_reward(reward: Any) -> None:
 
 
 def _check_model_checkpoint(key: str, path: str) -> None:
-    from hyflow.checkpoint.errors import CheckpointError
     from hyflow.checkpoint.model import read_checkpoint_info
     from hyflow.checkpoint.starting_weights import check_starting_weights, is_hf_model
 
@@ -292,9 +285,6 @@ def _check_model_checkpoint(key: str, path: str) -> None:
 def _check_resume(resume: str) -> None:
     if resume in ("auto", "never"):
         return
-    from hyflow.checkpoint.discovery import checkpoint_candidates
-    from hyflow.checkpoint.errors import CheckpointError
-
     try:
         checkpoint_candidates(resume, lambda m: None)
     except CheckpointError as e:
