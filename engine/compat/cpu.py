@@ -58,6 +58,7 @@ import os
 from typing import Any, Callable
 
 import torch
+from torch.utils._device import _device_constructors
 
 __all__ = ["activate", "deactivate", "is_active", "maybe_activate", "CpuCompatError"]
 
@@ -321,8 +322,6 @@ def activate() -> None:
     # `with torch.device(...)` recognises factories by identity in a set cached on first use:
     # cache torch's own functions before wrapping them, or meta-device model construction
     # (transformers' from_pretrained) silently builds some buffers on the CPU instead.
-    from torch.utils._device import _device_constructors
-
     _device_constructors()
     for name in _FACTORIES:
         _patch(torch, name, _wrap_factory(getattr(torch, name)))

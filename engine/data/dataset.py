@@ -21,6 +21,7 @@ import logging
 import os
 from typing import Any, Iterable, Optional, Sequence
 
+from hyflow.data.tasks import make_task_rows
 from hyflow.data.tokenizer import Tokenizer
 
 __all__ = [
@@ -356,8 +357,6 @@ def build_dataset(data: Any, rollout: Any, tokenizer: Tokenizer, require_ground_
     kwargs = dict(max_prompt_length=rollout.max_prompt_length, truncate=rollout.truncate_long_prompts,
                   prompt_key=data.prompt_key, require_ground_truth=require_ground_truth)
     if data.task:
-        from hyflow.data.tasks import make_task_rows
-
         options = dict(getattr(data, "task_options", None) or {})  # e.g. {max_digits: 4}, when the key exists
         rows = make_task_rows(data.task, data.task_size, seed=data.seed, **options)
         kwargs["prompt_key"] = "prompt"

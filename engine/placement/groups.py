@@ -26,6 +26,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from hyflow.config import ConfigError
+from hyflow.monitor import comm
 from hyflow.parallel import group_registry
 from hyflow.parallel.distributed import eager_init, rank_device
 from hyflow.parallel.layout import Layout
@@ -90,7 +91,6 @@ def build_pool_groups(placement: Placement, backend: Optional[str] = None):
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from hyflow.monitor import comm
     from hyflow.parallel.groups import ParallelGroups
 
     if dist.get_world_size() != placement.world:
@@ -158,8 +158,6 @@ def _install_megatron_globals(pgs, enums: dict[str, list[list[int]]], rank: int)
 def build_sync_group(src: Pool, dst: Pool, backend: Optional[str] = None):
     """The group of the weight sync from ``src`` to ``dst`` (collective: every rank calls it; its
     communicator is created here, as ranks without buckets skip rounds of the sync)."""
-    from hyflow.monitor import comm
-
     ranks = sorted(set(src.ranks) | set(dst.ranks))
     group = group_registry.group(ranks, backend=backend, purpose="reshard")
     if dist.get_rank() in ranks:

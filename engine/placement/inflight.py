@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 from hyflow.checkpoint.errors import CheckpointError
+from hyflow.parallel import group_registry
+from hyflow.rollout.dp import SampleTensors
 
 INFLIGHT_DIR = "inflight"
 INFLIGHT_FORMAT = "hyflow-inflight"
@@ -57,8 +59,6 @@ class Control:
 def control_group(placement):
     """The group :func:`control` broadcasts over: the training pool's first rank and every rank of
     the other pools (collective: every rank calls it, in the same order)."""
-    from hyflow.parallel import group_registry
-
     train = placement.roles["actor"].pool
     return group_registry.group([train.start] + [r for r in range(placement.world) if r not in train],
                                 purpose="control")
@@ -114,8 +114,6 @@ def write_inflight(path: str, rank: int, state: InFlight, pool: Any, layout: Any
 def read_inflight(path: str, rank: int, pool: Any, layout: Any, device: torch.device) -> InFlight:
     """The in-flight state this rank wrote into checkpoint ``path`` (read with ``weights_only=True``;
     a wrong structure, another placement or layout raises :class:`CheckpointError`)."""
-    from hyflow.rollout.dp import SampleTensors
-
     source = inflight_file(path, rank)
     if not os.path.exists(source):
         raise CheckpointError(f"{source} is missing: checkpoint {path} was not written by this placement's "
