@@ -142,6 +142,7 @@ def read_rows(path: str, limit: Optional[int] = None) -> list[Any]:
 
 def _pyarrow_parquet(path: str) -> Any:
     try:
+        # optional dependency (pyarrow): only this path needs it
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise DatasetError(f"{path}: reading/writing parquet needs pyarrow: `pip install pyarrow` "
@@ -159,6 +160,7 @@ def write_rows(rows: Sequence[dict], path: str) -> str:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     elif ext in (".parquet", ".pq"):
         pq = _pyarrow_parquet(path)
+        # optional dependency (pyarrow): only this path needs it
         import pyarrow as pa
 
         pq.write_table(pa.Table.from_pylist(list(rows)), path)

@@ -63,6 +63,7 @@ def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = N
     generation mp and tp at PP_g=1, ...) is that group, singletons are the rank's self group; the
     merge groups are their own (their traffic is counted as ``reshard``). ``experts``: also the
     groups a mixture-of-experts generation model reads (EP_g = 1: :func:`hyflow.parallel.groups.build_groups`)."""
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from hyflow.parallel.groups import build_groups
     enums = enums or generation_enumerations(plan)
     tp_merge = group_registry.subgroups(enums["tp_merge"], purpose="reshard")

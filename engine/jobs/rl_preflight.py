@@ -71,6 +71,7 @@ def check_pooled_supported(cfg: Any) -> None:
     placement = cfg.resolved_placement()
     if placement.colocated:
         return
+    # Megatron (seconds) only when this runs: the preflight imports this module
     from hyflow.placement.remote_critic import check_remote_roles
 
     check_remote_roles(cfg, placement)  # roles on a pool apart from the actor's: the critic only
@@ -94,11 +95,13 @@ def role_classes(cfg: Any) -> tuple[type, type]:
     on placement pools. Each declares what it can do for a config (``capabilities_for(cfg)``)."""
     # imported here: torch and Megatron, seconds the preflight pays only when a capability is needed
     if cfg.resolved_placement().colocated:
+        # Megatron (seconds) only when this runs: the preflight imports this module
         from hyflow.rl.dispatch import RolloutDispatcher
         from hyflow.rl.vllm_rollouts import VLLMRollouts
         from hyflow.hybrid.executor import HybridEngine
 
         return HybridEngine, VLLMRollouts if cfg.rollout.backend == "vllm" else RolloutDispatcher
+    # Megatron (seconds) only when this runs: the preflight imports this module
     from hyflow.placement.pool_models import RemoteRollouts, WeightSender
 
     return WeightSender, RemoteRollouts
@@ -147,6 +150,7 @@ def _check_context_parallel(cfg: Any) -> None:
         raise _error("actor.policy_loss", f"gspo's sequence-level ratio needs a whole response on one rank; "
                                           f"at actor.layout.cp={cp} each rank holds 1/{cp} of it: use vanilla or "
                                           "cispo, or cp: 1")
+    # Megatron (seconds) only when this runs: the preflight imports this module
     from hyflow.models.builder import resolve_spec
 
     if cfg.actor.pack_sequences and resolve_spec(cfg.actor.spec) == "te":
@@ -258,12 +262,14 @@ def _check_reward(reward: Any) -> None:
                 "not found" in text
             raise _error("reward.function_path" if in_file else "reward.function_name", text) from None
     if reward.model_checkpoint:
+        # Megatron (seconds) only when this runs: the preflight imports this module
         from hyflow.rl.reward_model import check_reward_model_checkpoint
 
         check_reward_model_checkpoint(reward.model_checkpoint)  # ConfigError naming the key
 
 
 def _check_model_checkpoint(key: str, path: str) -> None:
+    # Megatron (seconds) only when this runs: the preflight imports this module
     from hyflow.checkpoint.model import read_checkpoint_info
     from hyflow.checkpoint.starting_weights import check_starting_weights, is_hf_model
 

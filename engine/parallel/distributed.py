@@ -132,6 +132,7 @@ def free_port() -> int:
 
 def shutdown() -> None:
     """Tear down Megatron state and the default group."""
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

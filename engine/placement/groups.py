@@ -88,6 +88,7 @@ def pool_expert_enumerations(placement: Placement) -> dict[str, list[list[int]]]
 def build_pool_groups(placement: Placement, backend: Optional[str] = None):
     """This rank's :class:`~hyflow.parallel.groups.ParallelGroups` on its pool (collective: every rank
     calls it). ``coords`` are the rank's coordinates inside its pool's layout; ``.pool`` is added."""
+    # Megatron (seconds) only on this path: this module's other users do not need it
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -133,6 +134,7 @@ def _install_megatron_globals(pgs, enums: dict[str, list[list[int]]], rank: int)
     """Make this rank's pool groups Megatron's global state (every rank lives in one pool, so each
     rank's globals are well defined). hyflow passes groups explicitly; this is for the Megatron
     code that still reads the globals (its vocab-parallel cross entropy, used by the SFT warm-up)."""
+    # Megatron (seconds) only on this path: this module's other users do not need it
     from megatron.core import parallel_state as ps
 
     def mine(kind: str) -> list[int]:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 from hyflow.checkpoint.errors import CheckpointError
+from hyflow.checkpoint.trust import unpickling_detail
 from hyflow.parallel import group_registry
 from hyflow.rollout.dp import SampleTensors
 
@@ -122,8 +123,6 @@ def read_inflight(path: str, rank: int, pool: Any, layout: Any, device: torch.de
     try:
         data = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - UnpicklingError for anything but plain data
-        from hyflow.checkpoint.trust import unpickling_detail
-
         raise CheckpointError(f"{source} holds Python objects other than tensors and plain data "
                               f"({unpickling_detail(e)}): refused, hyflow never runs code from a checkpoint") from None
     try:

@@ -71,6 +71,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     try:
         yield
     finally:
+        # Megatron (seconds) only when this runs: `hyflow --help` imports this module
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
@@ -134,6 +135,7 @@ class RankCheck:
 
 
 def _megatron_groups() -> dict[str, list[int]]:
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from megatron.core import parallel_state as ps
 
     getters = {
@@ -154,6 +156,7 @@ def _megatron_groups() -> dict[str, list[int]]:
 
 
 def _megatron_expert_groups() -> dict[str, list[int]]:
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from megatron.core import parallel_state as ps
 
     getters = {"ep": ps.get_expert_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group,

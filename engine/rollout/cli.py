@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from hyflow.agent.cli import generate_multi_turn
 from hyflow.checkpoint.discovery import model_checkpoint_dir
 from hyflow.checkpoint.errors import CheckpointError
 from hyflow.checkpoint.manifest import NO_VERIFY_ENV
@@ -217,6 +216,7 @@ def resolve_model_dir(path: str, verify: bool = False) -> str:
     (as ``hyflow export --ckpt``). Its files are present with their sizes; ``verify`` checks
     them against the manifest here (one process; with several ranks each checks a share
     before loading)."""
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from hyflow.checkpoint.model import read_checkpoint_info, verify_model_checkpoint
 
     def warn(message: str) -> None:
@@ -231,6 +231,7 @@ def resolve_model_dir(path: str, verify: bool = False) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from hyflow.parallel.groups import init_training_groups
     from hyflow.rollout.engine import GenerationEngine
     from hyflow.rollout.loading import load_checkpoint, load_hf, megatron_from_hf
@@ -258,6 +259,9 @@ def _generate(args: argparse.Namespace) -> int:
     if args.multi_turn:
         if tokenizer is None:
             raise ValueError("--multi-turn renders chats and observations: it needs a tokenizer (--tokenizer)")
+        # the agent's tools and environments (0.14 s): only with --multi-turn
+        from hyflow.agent.cli import generate_multi_turn
+
         eos = list(dict.fromkeys(list(desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
         engine = GenerationEngine(model, _configs(args), vocab_size=desc.vocab_size, eos_token_ids=eos,
                                   tp_group=groups.pgs.tp, max_position_embeddings=desc.context_length,

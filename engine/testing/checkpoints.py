@@ -9,12 +9,13 @@ import shutil
 import torch
 
 from hyflow.checkpoint.discovery import step_dir_name
+from hyflow.checkpoint.errors import CheckpointError
+from hyflow.models.description import ModelDescription
+from hyflow.parallel.layout import Layout
 
 
 def tiny_description():
     """One layer, hidden 16, vocabulary 16: a checkpoint of a few hundred KB."""
-    from hyflow.models.description import ModelDescription
-
     return ModelDescription(family="llama", vocab_size=16, hidden_size=16, num_layers=1, num_attention_heads=2,
                             num_query_groups=1, ffn_hidden_size=32, max_position_embeddings=32)
 
@@ -23,8 +24,6 @@ def build_tiny(dp: int = 1):
     """``(groups, model)``: the tiny model on this rank's training groups (seeded: same weights each time)."""
     from hyflow.models.builder import build_gpt_model
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
-
     torch.manual_seed(0)
     groups = init_training_groups(Layout(dp=dp))
     return groups, build_gpt_model(tiny_description(), groups)
@@ -35,8 +34,6 @@ def resume_tiny(out: str, resume: str, no_verify: bool = False, dp: int = 1) -> 
     (``no_verify``: as ``--no-verify``) into the tiny model; report what happened: ``error``, its
     ``type`` and ``tensor`` (a non-finite one), the resume ``warnings``, the ``path`` and ``job`` state."""
     from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
-    from hyflow.checkpoint.errors import CheckpointError
-
     if no_verify:
         os.environ["HYFLOW_NO_VERIFY"] = "1"  # the multirank pool restores the environment after the task
     groups, model = build_tiny(dp)

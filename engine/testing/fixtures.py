@@ -1,6 +1,9 @@
 """Small files that tests build on the fly (no model hub at test time)."""
 from __future__ import annotations
 
+from hyflow.parallel.layout import Layout
+from hyflow.rollout.config import GenerationConfig, SamplingConfig
+
 #: The words of :func:`write_tiny_hf_tokenizer`'s vocabulary, in id order.
 TINY_HF_WORDS = ("<unk>", "<eos>", "<|im_start|>", "<|im_end|>", "user", "assistant", "what", "is", "2", "+",
                  "3", "?")
@@ -27,8 +30,6 @@ def engine_greedy_tokens(model_dir: str, prompts: list, new_tokens: int, tp: int
     ``prompts`` on the model checkpoint ``model_dir`` at ``tp`` (the reference HF exports are compared to)."""
     from hyflow.checkpoint.model import load_model_from_checkpoint
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
-    from hyflow.rollout.config import GenerationConfig, SamplingConfig
     from hyflow.rollout.engine import GenerationEngine
 
     groups = init_training_groups(Layout(tp=tp))
