@@ -2,8 +2,9 @@
 
 A 41.6M-parameter (159 MiB fp32) Llama in two safetensors shards, written directly with
 safetensors, goes through both CLI commands; the round trip must be bit-identical, the
-tokenizer files must travel along, and the peak host memory each command reports (sum over its
-processes, above their import-time baseline) must stay under 2x the model size.
+tokenizer files must travel along, and the peak host memory each command reports (per process,
+above its import-time baseline) must stay within what the layout needs: each TP rank about its half
+of the model, the launching process nothing, under 1.75x the model in all.
 """
 from __future__ import annotations
 
@@ -88,12 +89,26 @@ def test_cli_round_trip_with_memory_report(tmp_path) -> None:
         config = json.load(f)
     assert {k: config[k] for k in CONFIG} == CONFIG
 
+    model = 41_558_528 * 4
+    reports = {}
     for report in ("to_mcore.json", "to_hf.json"):
         with open(tmp_path / report) as f:
-            data = json.load(f)
+            data = reports[report] = json.load(f)
         print(f"\n{report}: model {data['model_bytes'] / 2**20:.1f} MiB, conversion peak "
-              f"{data['above_baseline'] / 2**20:.1f} MiB = {data['ratio']:.2f}x, {data['seconds']:.1f}s")
-        assert data["model_bytes"] == 41_558_528 * 4
-        # Sum over the ranks of RSS above each one's baseline: 1.5-1.9x before the MoE merge, 2.9-3.1x
-        # after it on this 166 MB model (rank 0 twice rank 1's); the cause is open (stop 41's note).
-        assert 0.5 < data["ratio"] < 3.5, data
+              f"{data['above_baseline'] / 2**20:.1f} MiB = {data['ratio']:.2f}x, {data['seconds']:.1f}s, "
+              + ", ".join(f"{n} {(p['peak'] - p['baseline']) / 2**20:.1f} MiB"
+                          for n, p in zip(data["names"], data["processes"])))
+        assert data["model_bytes"] == model
+    # Peak RSS above each process's baseline (27.11.2026, this 159 MiB model). hf2mcore --tp 2: the
+    # launcher 0.1 MiB, each rank 115-120 MiB (its half of the model, one 16 MiB read block, Megatron's
+    # save), 1.45-1.51x in all. Between the MoE merge and its fix the pre-flight loaded Megatron in the
+    # launcher (+232 MiB there: 2.9x in all), which the launcher's bound catches.
+    to_mcore = reports["to_mcore.json"]
+    assert to_mcore["names"] == ["launcher", "rank 0", "rank 1"]
+    launcher, *ranks = (p["peak"] - p["baseline"] for p in to_mcore["processes"])
+    assert launcher < 0.1 * model, to_mcore
+    assert all(model / 4 < rank < model / 2 + 64 * 2**20 for rank in ranks), to_mcore
+    assert to_mcore["ratio"] < 1.75, to_mcore
+    # mcore2hf: one process holds the model at TP=1 (the HF files are whole tensors), plus Megatron's
+    # load (its gate / up merge copies linear_fc1) and the Q/K/V copies: 1.31-1.36x.
+    assert 0.9 < reports["to_hf.json"]["ratio"] < 1.6, reports["to_hf.json"]

@@ -35,6 +35,7 @@ import torch
 from hyflow.kernels.reshard_reference import grouped_to_qkv, qkv_to_grouped
 from hyflow.models.description import (ROPE_TYPES, ModelDescription, ModelDescriptionError, MoEDescription,
                                        RopeScaling)
+from hyflow.models.weights import full_parameter_shapes  # Megatron-free: the pre-flight imports this module
 
 _ARCH_FAMILY = {
     "LlamaForCausalLM": "llama",
@@ -341,8 +342,6 @@ def name_map(desc: ModelDescription) -> dict[str, list[str]]:
 def hf_parameter_shapes(desc: ModelDescription) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of ``desc`` -> the shape its checkpoint must have (read off the
     Megatron shapes through :func:`name_map`: a fused tensor's parts split its first dim)."""
-    from hyflow.models.weights import full_parameter_shapes  # weights imports Megatron; pre-flight need not
-
     shapes: dict[str, tuple[int, ...]] = {}
     d = desc.head_dim
     q_rows, kv_rows = desc.num_attention_heads * d, desc.num_query_groups * d

@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from hyflow.models.description import ModelDescription
-from hyflow.parallel.groups import ParallelGroups
+
+if TYPE_CHECKING:  # annotations only: groups imports Megatron, and the converters' pre-flight
+    # (hf_mapping.hf_parameter_shapes -> full_parameter_shapes) runs in the launching process, which
+    # must not load it (+230 MiB resident there, counted in every conversion's peak)
+    from hyflow.parallel.groups import ParallelGroups
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")

@@ -187,6 +187,6 @@ def mcore2hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, force: bo
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return MemoryReport(direction="mcore2hf", model_bytes=plan.model_bytes, processes=ranks,
-                        seconds=clock.seconds,
+                        names=["rank 0"], seconds=clock.seconds,
                         details={"checkpoint": f"{ckpt_dir} (tp={plan.info.tp} pp={plan.info.pp} "
                                                f"{plan.info.dtype})", "dtype": plan.dtype})

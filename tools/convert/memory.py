@@ -104,6 +104,7 @@ class MemoryReport:
         processes: per-process baseline / peak (ranks in order).
         seconds: wall time of the conversion.
         details: free-form facts (source, layout, dtype...).
+        names: what each process is (``launcher``, ``rank 0``...; default ``process i``).
     """
 
     direction: str
@@ -111,6 +112,7 @@ class MemoryReport:
     processes: list[ProcessMemory] = field(default_factory=list)
     seconds: float = 0.0
     details: dict[str, Any] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)
 
     @property
     def above_baseline(self) -> int:
@@ -133,7 +135,8 @@ class MemoryReport:
         lines += [f"  {k}: {v}" for k, v in self.details.items()]
         for i, p in enumerate(self.processes):
             how = "exact" if p.exact else "sampled"
-            lines.append(f"  process {i}: baseline {p.baseline / mib:.1f} MiB, peak {p.peak / mib:.1f} "
+            name = self.names[i] if i < len(self.names) else f"process {i}"
+            lines.append(f"  {name}: baseline {p.baseline / mib:.1f} MiB, peak {p.peak / mib:.1f} "
                          f"MiB ({how}), conversion {p.above_baseline / mib:.1f} MiB")
         lines.append(f"  peak memory for the conversion (sum over processes, above baseline): "
                      f"{self.above_baseline / mib:.1f} MiB = {self.ratio:.2f} x model size")
