@@ -65,6 +65,7 @@ def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = N
     groups a mixture-of-experts generation model reads (EP_g = 1: :func:`hyflow.parallel.groups.build_groups`)."""
     # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from hyflow.parallel.groups import build_groups
+
     enums = enums or generation_enumerations(plan)
     tp_merge = group_registry.subgroups(enums["tp_merge"], purpose="reshard")
     pp_merge = group_registry.subgroups(enums["pp_merge"], purpose="reshard")

@@ -24,6 +24,7 @@ def build_tiny(dp: int = 1):
     """``(groups, model)``: the tiny model on this rank's training groups (seeded: same weights each time)."""
     from hyflow.models.builder import build_gpt_model
     from hyflow.parallel.groups import init_training_groups
+
     torch.manual_seed(0)
     groups = init_training_groups(Layout(dp=dp))
     return groups, build_gpt_model(tiny_description(), groups)
@@ -34,6 +35,7 @@ def resume_tiny(out: str, resume: str, no_verify: bool = False, dp: int = 1) -> 
     (``no_verify``: as ``--no-verify``) into the tiny model; report what happened: ``error``, its
     ``type`` and ``tensor`` (a non-finite one), the resume ``warnings``, the ``path`` and ``job`` state."""
     from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
+
     if no_verify:
         os.environ["HYFLOW_NO_VERIFY"] = "1"  # the multirank pool restores the environment after the task
     groups, model = build_tiny(dp)

@@ -20,11 +20,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from hyflow.hybrid.generation_groups import generation_enumerations
+from hyflow.models.description import ModelDescription
+from hyflow.parallel.distributed import init_distributed
+from hyflow.parallel.layout import Layout
+from hyflow.rollout.config import GenerationConfig
+from hyflow.vllm_backend.config import VLLMConfig, check_vllm_imports
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,16 +100,9 @@ def _cycle(engine, repeats: int, barrier) -> tuple[float, float]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import psutil
-    import torch
-    import torch.distributed as dist
-
     from hyflow.hybrid.executor import HybridEngine
     from hyflow.models.builder import build_gpt_model
-    from hyflow.models.description import ModelDescription
-    from hyflow.parallel.distributed import init_distributed
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
 
     rank, world = init_distributed()
     desc = ModelDescription(family="llama", vocab_size=args.vocab, hidden_size=args.hidden,
@@ -166,8 +171,6 @@ def _bench(args: argparse.Namespace) -> int:
 
             def round_trip():
                 if rank == 0 and os.path.isdir(path):
-                    import shutil
-
                     shutil.rmtree(path)
                 barrier()
                 os.makedirs(path, exist_ok=True)
@@ -239,11 +242,6 @@ def _bench(args: argparse.Namespace) -> int:
 def _vllm_transition(engine, desc, gen_groups, repeats: int, barrier, to_gen: float) -> dict:
     """Median seconds of train -> generation plus the load of the generation shards into vLLM (the
     vLLM backend's transition), and of the load alone, over ``repeats`` round trips."""
-    import torch
-
-    from hyflow.hybrid.generation_groups import generation_enumerations
-    from hyflow.rollout.config import GenerationConfig
-    from hyflow.vllm_backend.config import VLLMConfig, check_vllm_imports
     from hyflow.vllm_backend.engine import VLLMEngine
     from hyflow.vllm_backend.weights import vllm_weights
 

@@ -18,6 +18,8 @@ import argparse
 import os
 import sys
 
+from hyflow.checkpoint.discovery import model_checkpoint_dir
+
 ROLE = "actor"
 
 
@@ -27,8 +29,6 @@ def find_model_checkpoint(path: str, role: str = ROLE) -> str:
 
     Raises :class:`~hyflow.checkpoint.errors.CheckpointError` when there is none.
     """
-    from hyflow.checkpoint.discovery import model_checkpoint_dir
-
     def warn(message: str) -> None:
         print(f"hyflow export: warning: {message}", file=sys.stderr, flush=True)
 
