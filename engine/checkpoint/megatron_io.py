@@ -14,6 +14,8 @@ import warnings
 from multiprocessing.managers import SyncManager
 from typing import Iterator
 
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
 
 @contextlib.contextmanager
 def quiet_dist_checkpointing() -> Iterator[None]:
@@ -64,8 +66,6 @@ def stop_signal_proof_writer_queue() -> None:
     Slurm signals every process of a job step, so the manager would die on the very signal that
     asks for a last save, and that save would fail with "Broken pipe". (The manager is still
     shut down with the rank, and SIGKILL still ends it.)"""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))

@@ -63,6 +63,7 @@ CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>"]
 
 def _trained_bpe():
     """A byte-level BPE tokenizer trained on a few sentences (no files, no network)."""
+    # optional dependency (transformers, tokenizers): the agent tests' tokenizer only
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -81,6 +82,7 @@ def _trained_bpe():
 def chat_tokenizer(template: Optional[str] = None, specials: Sequence[str] = ()):
     """A :class:`hyflow.data.tokenizer.HFTokenizer` with ``template`` (None: SmolLM2's own) and
     ``specials`` added as special tokens; the end-of-turn token is the EOS."""
+    # optional dependency (transformers, tokenizers): the agent tests' tokenizer only
     from transformers import AutoTokenizer
 
     if os.path.isdir(SMOLLM2_TOKENIZER):

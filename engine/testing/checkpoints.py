@@ -22,6 +22,7 @@ def tiny_description():
 
 def build_tiny(dp: int = 1):
     """``(groups, model)``: the tiny model on this rank's training groups (seeded: same weights each time)."""
+    # Megatron (seconds) only when a test builds the model: importing this helper stays light
     from hyflow.models.builder import build_gpt_model
     from hyflow.parallel.groups import init_training_groups
 
@@ -34,6 +35,7 @@ def resume_tiny(out: str, resume: str, no_verify: bool = False, dp: int = 1) -> 
     """Rank function: find and load what ``trainer.resume=<resume>`` names in run directory ``out``
     (``no_verify``: as ``--no-verify``) into the tiny model; report what happened: ``error``, its
     ``type`` and ``tensor`` (a non-finite one), the resume ``warnings``, the ``path`` and ``job`` state."""
+    # Megatron (seconds) only when a test builds the model: importing this helper stays light
     from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 
     if no_verify:

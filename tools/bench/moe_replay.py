@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _measure(config: str, overrides: Sequence[str], repeats: int):
+    # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
     from hyflow.jobs.rl import _rollout_batch, generate_round, sft_warmup
     from hyflow.rl.batch import batching_for
     from hyflow.rl.step_losses import forward_score, logprob_scorer

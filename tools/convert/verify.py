@@ -44,6 +44,7 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor, vocab_size: int
 
 
 def _setup(ckpt_dir: str, tp: int, pp: int, dtype: Optional[str], ep: int = 1, etp: Optional[int] = None):
+    # Megatron (seconds) only in the ranks that load the checkpoint
     from hyflow.checkpoint.model import load_model_from_checkpoint
     from hyflow.parallel.groups import init_training_groups
 
