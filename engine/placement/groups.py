@@ -31,6 +31,7 @@ from hyflow.config import ConfigError
 from hyflow.monitor import comm
 from hyflow.parallel import group_registry
 from hyflow.parallel.distributed import eager_init, rank_device
+from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import Layout
 from hyflow.placement.config import ROLES, Placement, Pool
 
@@ -90,8 +91,6 @@ def pool_expert_enumerations(placement: Placement) -> dict[str, list[list[int]]]
 def build_pool_groups(placement: Placement, backend: Optional[str] = None):
     """This rank's :class:`~hyflow.parallel.groups.ParallelGroups` on its pool (collective: every rank
     calls it). ``coords`` are the rank's coordinates inside its pool's layout; ``.pool`` is added."""
-    from hyflow.parallel.groups import ParallelGroups
-
     if dist.get_world_size() != placement.world:
         raise ConfigError(f"the placement covers {placement.world} ranks but {dist.get_world_size()} were launched")
     rank, device = dist.get_rank(), rank_device()
