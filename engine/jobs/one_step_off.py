@@ -26,6 +26,10 @@ generation pool samples batch ``t+1`` after receiving ``w_t`` (staleness 0 every
 rollout correction unless set), so its metrics equal the colocated run's. A critic on a pool of
 its own answers the training pool step by step (:mod:`hyflow.placement.remote_critic`); such a run
 writes no checkpoint yet.
+
+``trainer.mode: async`` runs the same training loop; its generation pool runs the loop of
+:mod:`hyflow.jobs.fully_async` (up to ``trainer.max_staleness`` batches ahead, new weights at a
+token boundary) and its checkpoints hold that loop's in-flight state.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from hyflow.checkpoint.checkpointer import Checkpointer
 from hyflow.data.dataset import build_dataset
 from hyflow.data.loader import PromptLoader
 from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
+from hyflow.jobs.fully_async import AsyncGeneration, read_async_inflight, version_metrics
 from hyflow.jobs.loop import open_run, run_job
 from hyflow.jobs.rl import RLSteps, StepJob, frozen_models, sft_warmup
 from hyflow.jobs.rl_config import RLJobConfig
@@ -46,7 +51,7 @@ from hyflow.jobs.step_end import save_due
 from hyflow.monitor import comm
 from hyflow.monitor.memory import memory_summary
 from hyflow.placement.groups import build_pool_groups, build_sync_group, pool_enumerations
-from hyflow.placement.inflight import Control, GenerationCheckpoints, InFlight, control, control_group
+from hyflow.placement.inflight import Control, GenerationCheckpoints, InFlight, control, control_group, read_inflight
 from hyflow.placement.pool_models import GenerationSide, RemoteRollouts, WeightSender, build_training_models
 from hyflow.placement.remote_critic import has_remote_critic, serve_critic
 from hyflow.placement.rows import row_routes, send_rows
@@ -125,7 +130,9 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
     ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc) if checkpointing(placement) else None
     overlap = cfg.trainer.mode == "one_step_off"  # sync: batch t+1 waits for w_t
     try:
-        resumed = ckpts.resume(cfg.trainer.resume) if ckpts else None  # collective with the training pool's
+        fully_async = cfg.trainer.mode == "async"
+        read = read_async_inflight if fully_async else read_inflight
+        resumed = ckpts.resume(cfg.trainer.resume, read=read) if ckpts else None  # collective with the training pool's
         if resumed is None:
             for _ in range(cfg.actor.sft_warmup_steps):  # the training pool's warm-up draws these batches
                 loader.next_batch()
@@ -134,6 +141,10 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
         if not control(Control(go=False), placement, rank, groups.device, ctl).go:
             return
         side.receive_weights()  # w_0, or w_t after a resume from step t
+        if fully_async:  # its own loop (hyflow.jobs.fully_async)
+            AsyncGeneration(cfg, side, loader, routes,
+                            lambda: control(Control(go=False), placement, rank, groups.device, ctl), ckpts).run(resumed)
+            return
         version = 0 if resumed is None else resumed.step - 1  # the weights held (updates applied)
 
         def generate(step: int):
@@ -263,6 +274,14 @@ class PooledSteps(RLSteps):
             "perf/overlap_ratio": step_seconds / max(rows.gen_seconds, update, 1e-9),
         })
         metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (step_seconds * dist.get_world_size())
+        metrics["perf/train_pool_utilization"] = update / max(step_seconds, 1e-9)
+        # one batch per step: the generation pool's busy share of the step (async: at the steady state)
+        metrics["perf/gen_pool_utilization"] = min(1.0, rows.gen_seconds / max(step_seconds, 1e-9))
+        metrics["timing_s/gen_wait"] = rows.wait_seconds  # the generation pool's waits for this pool
+        if rows.samples.versions is not None:  # tokens tagged with the weight version that sampled them
+            metrics["fully_async/rollouter/idle_ratio"] = 1.0 - metrics["perf/gen_pool_utilization"]  # verl's name
+            metrics.update(version_metrics(rows.samples, step, self.cfg.trainer.max_staleness,
+                                           self.state.models.groups.pgs.dp, self._device))
         return go
 
     def save(self, step: int):

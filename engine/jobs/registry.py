@@ -77,6 +77,6 @@ def run_rl(cfg: Any) -> Any:
     """The RL job: colocated ``sync`` (:mod:`hyflow.jobs.rl`), or on placement pools (``one_step_off``,
     or ``sync`` with ``placement.pools``: :mod:`hyflow.jobs.one_step_off`, whose loops reuse the sync
     job's step)."""
-    pooled = cfg.trainer.mode == "one_step_off" or bool(cfg.placement.pools)
+    pooled = cfg.trainer.mode != "sync" or bool(cfg.placement.pools)
     module = "hyflow.jobs.one_step_off" if pooled else "hyflow.jobs.rl"
     return importlib.import_module(module).run(cfg)

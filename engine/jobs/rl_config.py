@@ -388,17 +388,39 @@ class RLTrainerConfig(ValidatedTrainerConfig):
     log_samples: int = field(default=0, metadata={
         "help": "print this many prompt / response / ground truth / score lines of the step's batch every "
                 "log_every steps (verl's trainer.log_val_generations; 0 = none)"})
-    mode: Literal["sync", "one_step_off"] = field(default="sync", metadata={
+    mode: Literal["sync", "one_step_off", "async"] = field(default="sync", metadata={
         "help": "sync: generate, then train on it (with placement.pools: the generation pool samples step t+1 "
                 "after receiving the weights of step t); one_step_off: the generation pool samples step t+1 with the "
                 "weights of step t while the training pool updates on step t (token-level truncated importance "
                 "sampling, actor.rollout_correction (token_tis when left off), corrects the one-step "
-                "staleness); needs a generation pool of its own (placement; without pools the ranks split in half)"})
+                "staleness); async: the generation pool samples ahead of the training pool, up to "
+                "trainer.max_staleness weight versions, and takes new weights at a token boundary "
+                "(trainer.update_after_tokens, trainer.partial_rollout; hyflow.jobs.fully_async). one_step_off and "
+                "async need a generation pool of its own (placement; without pools the ranks split in half)"})
+    max_staleness: int = field(default=2, metadata={
+        "help": "trainer.mode=async: the most weight versions a trained token may lag the weights being updated "
+                "(verl's async staleness bound): batch t is sampled starting with the weights of update t-1-k "
+                "and the generation pool takes w_(t-k) while sampling it; 0 = the pooled sync run"})
+    partial_rollout: Literal["continue", "abort"] = field(default="continue", metadata={
+        "help": "trainer.mode=async, when new weights arrive while samples are half generated: continue them "
+                "with the new weights (their caches recomputed; every token records the version that sampled "
+                "it, and the rollout correction uses each token's own log-prob), or abort and re-generate them "
+                "from the start with the new weights"})
+    update_after_tokens: int = field(default=8, metadata={
+        "help": "trainer.mode=async with max_staleness >= 1: the generation pool takes the next weights after "
+                "this many decode steps (tokens) of the batch it is sampling (a token boundary: samples are "
+                "half generated then; the schedule is fixed, so runs are reproducible and resumable); 0 = only "
+                "between batches (no partial rollouts; async k=1 is then one_step_off)"})
 
     def validate(self) -> None:
         super().validate()
         if self.log_samples < 0:
             raise ConfigError(f"must be >= 0, got {self.log_samples}", key="log_samples")
+        if self.max_staleness < 0:
+            raise ConfigError(f"must be >= 0 weight versions, got {self.max_staleness}", key="max_staleness")
+        if self.update_after_tokens < 0:
+            raise ConfigError(f"must be >= 0 tokens (0 = between batches), got {self.update_after_tokens}",
+                              key="update_after_tokens")
 
 
 @dataclass
@@ -479,6 +501,20 @@ class RLJobConfig:
             raise ConfigError("rollout.record_routing compares the routing in the old-log-prob forward: set "
                               "actor.old_logprobs=recompute")
 
+    def _check_async(self) -> None:
+        """What ``trainer.mode=async`` does not run yet, refused by name."""
+        refusals = (
+            ("rollout.backend", self.rollout.backend != "hyflow", "samples with hyflow's engine only (its weights "
+             "change at token boundaries): set rollout.backend=hyflow"),
+            ("algorithm.dynamic_sampling.enable", self.algorithm.dynamic_sampling.enable,
+             "does not refill batches with dynamic sampling yet: set algorithm.dynamic_sampling.enable=false"),
+            ("rollout.record_routing", self.rollout.record_routing or self.rollout.routing_replay,
+             "does not record experts across a weight update: drop rollout.record_routing / routing_replay"),
+        )
+        for key, bad, why in refusals:
+            if bad:
+                raise ConfigError(f"trainer.mode=async {why}", key=key)
+
     def validate(self) -> None:
         if self.actor.checkpoint:  # the run's architecture is the checkpoint's model.json (when here)
             self.model, note = adopt_checkpoint_architecture(self.actor.checkpoint, self.model, tiny_llama())
@@ -518,16 +554,20 @@ class RLJobConfig:
                         f"{role}.layout tp={own.tp} pp={own.pp}: colocated roles share the actor's training "
                         f"layout (tp={train.tp} pp={train.pp}); leave {role}.layout null, or run the {role} on "
                         f"a pool of its own (placement.pools, placement.{role})")
-        if self.trainer.mode == "one_step_off":
+        if self.trainer.mode == "async":
+            self._check_async()
+        stale = self.trainer.mode == "one_step_off" or (self.trainer.mode == "async" and self.trainer.max_staleness)
+        if stale:
+            mode = self.trainer.mode
             if self.actor.old_logprobs == "rollout":
                 raise ConfigError(
-                    "trainer.mode=one_step_off samples with weights one update behind: PPO's old log-probs must be "
+                    f"trainer.mode={mode} samples with weights behind the update: PPO's old log-probs must be "
                     "recomputed by the trainer (actor.old_logprobs=recompute); the sampler's are the behaviour "
                     "policy of the importance correction")
             if self.actor.rollout_correction.mode == "off":  # the stale sampler always needs a correction
                 self.actor.rollout_correction.mode = "token_tis"
-                note = ("trainer.mode=one_step_off: actor.rollout_correction.mode off -> token_tis "
-                        f"(cap {self.actor.rollout_correction.cap}) corrects the one-step-stale sampler")
+                note = (f"trainer.mode={mode}: actor.rollout_correction.mode off -> token_tis "
+                        f"(cap {self.actor.rollout_correction.cap}) corrects the stale sampler")
                 if note not in self.notes:
                     self.notes.append(note)
         if self.algorithm.adv_estimator == "gae" and not self.critic.enable:

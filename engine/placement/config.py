@@ -171,7 +171,7 @@ def _pools(cfg: Any, world: int) -> dict[str, Pool]:
     if place.pools:
         return {name: Pool(name, b[0], b[1]) for name, b in place.pools.items()}
     if world < 2 or world % 2:
-        raise ConfigError(f"trainer.mode=one_step_off without placement.pools splits the ranks in half "
+        raise ConfigError(f"trainer.mode={cfg.trainer.mode} without placement.pools splits the ranks in half "
                           f"(training, generation): trainer.nproc={world} must be even; or define "
                           "placement.pools", key="trainer.mode")
     return {"train": Pool("train", 0, world // 2), "gen": Pool("gen", world // 2, world)}

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -115,25 +115,8 @@ def write_inflight(path: str, rank: int, state: InFlight, pool: Any, layout: Any
 def read_inflight(path: str, rank: int, pool: Any, layout: Any, device: torch.device) -> InFlight:
     """The in-flight state this rank wrote into checkpoint ``path`` (read with ``weights_only=True``;
     a wrong structure, another placement or layout raises :class:`CheckpointError`)."""
-    source = inflight_file(path, rank)
-    if not os.path.exists(source):
-        raise CheckpointError(f"{source} is missing: checkpoint {path} was not written by this placement's "
-                              f"generation rank {rank} (trainer.mode=one_step_off resumes only with the placement "
-                              "it saved with)")
+    data = load_inflight_data(path, rank, pool, layout, INFLIGHT_FORMAT, INFLIGHT_VERSION)
     try:
-        data = torch.load(source, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - UnpicklingError for anything but plain data
-        raise CheckpointError(f"{source} holds Python objects other than tensors and plain data "
-                              f"({unpickling_detail(e)}): refused, hyflow never runs code from a checkpoint") from None
-    try:
-        if data.get("format") != INFLIGHT_FORMAT or int(data.get("version", 0)) > INFLIGHT_VERSION:
-            raise ValueError(f"format {data.get('format')!r} version {data.get('version')}")
-        here = ([pool.start, pool.stop], [layout.tp, layout.pp, layout.dp])
-        if (list(data["pool"]), list(data["layout"])) != here:
-            raise CheckpointError(
-                f"checkpoint {path} was written by a generation pool on ranks {data['pool']} with (tp, pp, dp)="
-                f"{tuple(data['layout'])}; this run's is on ranks {here[0]} with {tuple(here[1])}: resume "
-                "trainer.mode=one_step_off with the placement it saved with")
         samples = None
         if data["has_batch"]:
             samples = SampleTensors(meta=data["meta"].to(device), tokens=data["tokens"].to(device),
@@ -141,7 +124,36 @@ def read_inflight(path: str, rank: int, pool: Any, layout: Any, device: torch.de
         return InFlight(step=int(data["step"]), samples=samples, version=int(data["weight_version"]),
                         gen_seconds=float(data["gen_seconds"]), loader=dict(data["loader"]))
     except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{source} is not an in-flight batch file this hyflow reads "
+        raise CheckpointError(f"{inflight_file(path, rank)} is not an in-flight batch file this hyflow reads "
+                              f"({type(e).__name__}: {e})") from None
+
+
+def load_inflight_data(path: str, rank: int, pool: Any, layout: Any, fmt: str, version: int) -> dict:
+    """The plain data of this rank's in-flight file in checkpoint ``path`` (``fmt`` at most ``version``),
+    checked to come from this placement and layout: one :class:`CheckpointError` naming the cause else."""
+    source = inflight_file(path, rank)
+    if not os.path.exists(source):
+        raise CheckpointError(f"{source} is missing: checkpoint {path} was not written by this placement's "
+                              f"generation rank {rank} (placement pools resume only with the placement and "
+                              "trainer.mode they saved with)")
+    try:
+        data = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError for anything but plain data
+        raise CheckpointError(f"{source} holds Python objects other than tensors and plain data "
+                              f"({unpickling_detail(e)}): refused, hyflow never runs code from a checkpoint") from None
+    try:
+        if data.get("format") != fmt or int(data.get("version", 0)) > version:
+            raise ValueError(f"format {data.get('format')!r} version {data.get('version')} (this run reads "
+                             f"{fmt!r} up to version {version}: resume with the trainer.mode it saved with)")
+        here = ([pool.start, pool.stop], [layout.tp, layout.pp, layout.dp])
+        if (list(data["pool"]), list(data["layout"])) != here:
+            raise CheckpointError(
+                f"checkpoint {path} was written by a generation pool on ranks {data['pool']} with (tp, pp, dp)="
+                f"{tuple(data['layout'])}; this run's is on ranks {here[0]} with {tuple(here[1])}: resume "
+                "with the placement it saved with")
+        return data
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{source} is not an in-flight file this hyflow reads "
                               f"({type(e).__name__}: {e})") from None
 
 
@@ -162,13 +174,15 @@ class GenerationCheckpoints:
         self.ckpt = Checkpointer(cfg.trainer.output_dir, groups, desc, cfg.trainer.keep_last, async_save=False,
                                  layout=placement.roles["actor"].layout, reshard=False)
 
-    def save(self, msg: Control, state: InFlight) -> str:
+    def save(self, msg: Control, state: Any, write: Callable = write_inflight) -> str:
+        """Join the training pool's save of step ``msg.step``, writing ``state`` with ``write(path, rank,
+        state, pool, layout)`` (:func:`write_inflight`; ``trainer.mode: async`` has its own)."""
         rank = dist.get_rank()
         trained, frozen = absent_models(msg.models)
         return self.ckpt.save(msg.step, trained, {}, frozen=frozen or None,
-                              own_files=lambda path: write_inflight(path, rank, state, self.pool, self.layout))
+                              own_files=lambda path: write(path, rank, state, self.pool, self.layout))
 
-    def resume(self, resume: str) -> Optional[InFlight]:
+    def resume(self, resume: str, read: Callable = read_inflight) -> Optional[Any]:
         """The in-flight state of the checkpoint ``trainer.resume`` names (None: a fresh run)."""
         path = self.ckpt.find_resume(resume)
         if path is None:
@@ -176,7 +190,7 @@ class GenerationCheckpoints:
         written = self.ckpt._read_state(path)
         trained, frozen = absent_models((*written["models"], *written.get("frozen", {})))
         saved = self.ckpt.load(path, trained, frozen=frozen or None)
-        state = read_inflight(path, dist.get_rank(), self.pool, self.layout, self.groups.device)
+        state = read(path, dist.get_rank(), self.pool, self.layout, self.groups.device)
         if state.step != int(saved["step"]) + 1:
             raise CheckpointError(f"{inflight_file(path, dist.get_rank())} holds the batch of step {state.step}, "
                                   f"but the checkpoint is at step {saved['step']}")

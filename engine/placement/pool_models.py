@@ -42,6 +42,12 @@ from hyflow.vllm_backend.engine import VLLMEngine
 from hyflow.vllm_backend.weights import vllm_weights
 
 
+def samples_current_weights(cfg) -> bool:
+    """Whether the generation pool samples every batch with the weights the training pool holds when it
+    trains on it: ``sync``, and ``async`` with ``max_staleness`` 0."""
+    return cfg.trainer.mode == "sync" or (cfg.trainer.mode == "async" and cfg.trainer.max_staleness == 0)
+
+
 @dataclass
 class _Stats:
     bytes_received: int = 0
@@ -110,7 +116,7 @@ class RemoteRollouts:
 
     @classmethod
     def capabilities_for(cls, cfg) -> RolloutCapabilities:
-        return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=cfg.trainer.mode == "sync")
+        return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=samples_current_weights(cfg))
 
     @property
     def capabilities(self) -> RolloutCapabilities:
@@ -165,7 +171,7 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
                           summarize_actor_sync(placement, desc, actor.config.params_dtype.itemsize, fused_norms=fused),
                           model=actor)
     rollouts = RemoteRollouts(groups, GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
-                              placement, row_group, current_weights=cfg.trainer.mode == "sync")
+                              placement, row_group, current_weights=samples_current_weights(cfg))
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=sender,
                       rollouts=rollouts, sample_vocab=min(desc.vocab_size, tokenizer.vocab_size))
     here = tuple(r for r in ("reference", "critic", "reward") if r not in placement.roles
@@ -219,11 +225,12 @@ class GenerationSide:
     def replica(self) -> int:
         return self.groups.dp_rank
 
-    def generate(self, records, step: int, n: int):
+    def generate(self, records, step: int, n: int, **partial):
         """This replica's samples of ``records`` (the step's prompts) with the seeds the colocated
-        job uses for ``step`` (keyed by the global prompt index), sorted."""
+        job uses for ``step`` (keyed by the global prompt index), sorted. ``partial``: the engine's
+        weight updates at token boundaries (``trainer.mode: async``, :mod:`hyflow.jobs.fully_async`)."""
         first, stop = shard_range(len(records), self.groups.layout.dp, self.replica)
         seed = sampling_seed(self.trainer_seed, step)
         sampling = self.rollout_config.sampling.replace(n=n, seed=seed)
         return generate_data_parallel(self.engine, [list(r.prompt_ids) for r in records[first:stop]], None,
-                                      sampling, request_offset=first, device=self.groups.device)
+                                      sampling, request_offset=first, device=self.groups.device, **partial)

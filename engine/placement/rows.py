@@ -9,8 +9,9 @@ samples of a prompt travel together); nothing crosses to a rank that does not ow
 no rank ever holds the whole batch unless it owns it.
 
 One message per (sender, receiver) pair: an int64 header (rows, tokens, log-probs, weight
-version, generation microseconds), then the three tensors of
-:class:`~hyflow.rollout.dp.SampleTensors`; both rounds are one ``batch_isend_irecv`` on each rank.
+version, generation microseconds, per-token versions, waiting microseconds), then the tensors of
+:class:`~hyflow.rollout.dp.SampleTensors` (the per-token weight versions when the sender recorded
+them: ``trainer.mode: async``); both rounds are one ``batch_isend_irecv`` on each rank.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from hyflow.rl.dispatch import shard_range
 from hyflow.rollout.dp import META, SampleTensors
 
-HEADER = 5  # rows, tokens, logprobs, weight version, generation microseconds
+HEADER = 7  # rows, tokens, logprobs, weight version, generation microseconds, versions, waiting microseconds
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,10 @@ def _exchange(ops: list) -> None:
 
 
 def send_rows(samples: SampleTensors, routes: list[RowRoute], rank: int, version: int, gen_seconds: float,
-              group=None) -> int:
-    """Send this replica's ``samples`` (sorted, global request indices) along its routes; returns bytes sent."""
+              group=None, wait_seconds: float = 0.0) -> int:
+    """Send this replica's ``samples`` (sorted, global request indices) along its routes; returns bytes
+    sent. ``version``: the oldest weight version that sampled them; ``gen_seconds`` / ``wait_seconds``:
+    the replica's time generating them and waiting for the training pool since its previous send."""
     mine = [r for r in routes if r.src == rank]
     request = samples.column("request")
     parts = []
@@ -68,13 +71,14 @@ def send_rows(samples: SampleTensors, routes: list[RowRoute], rank: int, version
         index = torch.nonzero((request >= r.first) & (request < r.stop)).flatten()
         parts.append(samples.select(index))
     device = samples.meta.device
-    headers = [torch.tensor([len(p), p.tokens.numel(), p.logprobs.numel(), version, int(gen_seconds * 1e6)],
+    headers = [torch.tensor([len(p), p.tokens.numel(), p.logprobs.numel(), version, int(gen_seconds * 1e6),
+                             0 if p.versions is None else p.versions.numel(), int(wait_seconds * 1e6)],
                             dtype=torch.long, device=device) for p in parts]
     _exchange([dist.P2POp(dist.isend, h, r.dst, group=group) for h, r in zip(headers, mine)])
     ops, sent = [], 0
     for p, r in zip(parts, mine):
-        for t in (p.meta.contiguous(), p.tokens, p.logprobs):
-            if t.numel():
+        for t in (p.meta.contiguous(), p.tokens, p.logprobs, p.versions):
+            if t is not None and t.numel():
                 ops.append(dist.P2POp(dist.isend, t, r.dst, group=group))
                 sent += t.numel() * t.element_size()
     _exchange(ops)
@@ -87,6 +91,7 @@ class ReceivedRows:
     version: int  # the weight version that generated them (updates applied before sampling)
     gen_seconds: float  # generation time of the slowest sending replica
     nbytes: int
+    wait_seconds: float = 0.0  # the sending replicas' waits for the training pool since their previous send (most)
 
 
 def recv_rows(routes: list[RowRoute], rank: int, device: torch.device, group=None) -> ReceivedRows:
@@ -96,20 +101,28 @@ def recv_rows(routes: list[RowRoute], rank: int, device: torch.device, group=Non
     _exchange([dist.P2POp(dist.irecv, h, r.src, group=group) for h, r in zip(headers, mine)])
     ops, parts, nbytes = [], [], 0
     for h, r in zip(headers, mine):
-        n, t, l_ = (int(x) for x in h[:3].tolist())
+        n, t, l_, v = (int(h[i]) for i in (0, 1, 2, 5))
         part = SampleTensors(meta=torch.empty(n, len(META), dtype=torch.long, device=device),
                              tokens=torch.empty(t, dtype=torch.long, device=device),
-                             logprobs=torch.empty(l_, dtype=torch.float32, device=device))
-        for x in (part.meta, part.tokens, part.logprobs):
+                             logprobs=torch.empty(l_, dtype=torch.float32, device=device),
+                             versions=torch.empty(v, dtype=torch.long, device=device) if v else None)
+        for x in (part.meta, part.tokens, part.logprobs, *([part.versions] if v else [])):
             if x.numel():
                 ops.append(dist.P2POp(dist.irecv, x, r.src, group=group))
                 nbytes += x.numel() * x.element_size()
         parts.append(part)
     _exchange(ops)
-    versions = {int(h[3]) for h in headers}
-    if len(versions) > 1:
-        raise RuntimeError(f"rank {rank}: rows of one step from different weight versions {sorted(versions)}")
+    tagged = [p for p in parts if len(p)]
+    if any(p.versions is None for p in tagged) or not tagged:  # the versions of a step, one per batch
+        versions = {int(h[3]) for h in headers}
+        if len(versions) > 1:
+            raise RuntimeError(f"rank {rank}: rows of one step from different weight versions {sorted(versions)}")
+        per_token = None
+    else:  # per-token versions (trainer.mode: async): the oldest token's is the batch's
+        versions = {min(int(h[3]) for h, p in zip(headers, parts) if len(p))}
+        per_token = torch.cat([p.versions for p in tagged])
     samples = SampleTensors(meta=torch.cat([p.meta for p in parts]), tokens=torch.cat([p.tokens for p in parts]),
-                            logprobs=torch.cat([p.logprobs for p in parts]))
+                            logprobs=torch.cat([p.logprobs for p in parts]), versions=per_token)
     return ReceivedRows(samples=samples, version=versions.pop() if versions else 0,
-                        gen_seconds=max((int(h[4]) for h in headers), default=0) / 1e6, nbytes=nbytes)
+                        gen_seconds=max((int(h[4]) for h in headers), default=0) / 1e6, nbytes=nbytes,
+                        wait_seconds=max((int(h[6]) for h in headers), default=0) / 1e6)

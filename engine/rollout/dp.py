@@ -65,6 +65,8 @@ class SampleTensors:
         routing: mixture-of-experts models that recorded it: [sum(prompt + response lengths), layers,
             top_k] (uint8 / int32), each token's experts (id + 1; 0 for the last token, which was never fed;
             :mod:`hyflow.models.routing_replay`), aligned with ``tokens``; else None.
+        versions: None, or [sum(response lengths)] int64: the weight version that sampled each
+            response token (``trainer.mode: async``, whose weights change at token boundaries).
     """
 
     meta: torch.Tensor
@@ -73,6 +75,7 @@ class SampleTensors:
     mask: Optional[torch.Tensor] = None
     stats: Optional[torch.Tensor] = None
     routing: Optional[torch.Tensor] = None
+    versions: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.meta.shape[0]
@@ -89,10 +92,13 @@ class SampleTensors:
         logprobs = []
         for s in samples:
             logprobs.extend(s.logprobs if len(s.logprobs) == len(s.token_ids) else [0.0] * len(s.token_ids))
+        versions = None
+        if samples and all(len(s.versions) == len(s.token_ids) for s in samples) and any(s.versions for s in samples):
+            versions = torch.tensor([v for s in samples for v in s.versions], dtype=torch.long, device=device)
         return cls(meta=torch.tensor(meta, dtype=torch.long, device=device).view(-1, len(META)),
                    tokens=torch.tensor(tokens, dtype=torch.long, device=device),
                    logprobs=torch.tensor(logprobs, dtype=torch.float32, device=device),
-                   routing=_routing_column(samples, device))
+                   routing=_routing_column(samples, device), versions=versions)
 
     def sorted(self) -> "SampleTensors":
         """The samples in (request, sample) order."""
@@ -109,8 +115,10 @@ class SampleTensors:
         lp = _gather_runs(self.logprobs, self.column("response_len"), order)
         routing = _gather_runs(self.routing, lengths, order) if self.routing is not None else None
         mask = None if self.mask is None else _gather_runs(self.mask, self.column("response_len"), order)
+        versions = None if self.versions is None else _gather_runs(self.versions, self.column("response_len"), order)
         return SampleTensors(meta=self.meta[order], tokens=tok, logprobs=lp, mask=mask,
-                             stats=None if self.stats is None else self.stats[order], routing=routing)
+                             stats=None if self.stats is None else self.stats[order], routing=routing,
+                             versions=versions)
 
     @classmethod
     def concat(cls, parts: Sequence["SampleTensors"]) -> "SampleTensors":
@@ -120,11 +128,11 @@ class SampleTensors:
             return None if any(v is None for v in values) else torch.cat(values)
 
         return cls(meta=cat("meta"), tokens=cat("tokens"), logprobs=cat("logprobs"), mask=cat("mask"),
-                   stats=cat("stats"), routing=cat("routing"))
+                   stats=cat("stats"), routing=cat("routing"), versions=cat("versions"))
 
     def replace_logprobs(self, logprobs: torch.Tensor) -> "SampleTensors":
         """The same samples with other response log-probs (flat, as ``logprobs``)."""
-        return SampleTensors(self.meta, self.tokens, logprobs, self.mask, self.stats, self.routing)
+        return SampleTensors(self.meta, self.tokens, logprobs, self.mask, self.stats, self.routing, self.versions)
 
     def to_outputs(self) -> list[SampleOutput]:
         """Host ``SampleOutput`` objects (for ``hyflow generate`` and tests)."""
@@ -136,6 +144,10 @@ class SampleTensors:
             t, l_ = t + plen + rlen, l_ + rlen
             out.append(SampleOutput(request_index=req, sample_index=smp, prompt_ids=prompt, token_ids=resp,
                                     logprobs=lps, finish_reason=_FINISH_NAME[fin], prompt_truncated=trunc))
+        if self.versions is not None:
+            versions, v = self.versions.tolist(), 0
+            for o in out:
+                o.versions, v = versions[v:v + len(o.token_ids)], v + len(o.token_ids)
         if self.routing is not None:
             starts = (torch.cumsum(self.column("prompt_len") + self.column("response_len"), 0)).tolist()
             for o, end in zip(out, starts):
@@ -201,8 +213,9 @@ def all_gather_samples(local: SampleTensors, group) -> SampleTensors:
         routing = torch.cat(_all_gather_padded(local.routing, t, group))
     mask = None if local.mask is None else torch.cat(_all_gather_padded(local.mask, r, group))
     stats = None if local.stats is None else torch.cat(_all_gather_padded(local.stats, n, group))
+    versions = None if local.versions is None else torch.cat(_all_gather_padded(local.versions, r, group))
     return SampleTensors(meta=meta, tokens=tokens, logprobs=logprobs, mask=mask, stats=stats,
-                         routing=routing)
+                         routing=routing, versions=versions)
 
 
 def stats_tensor(stats: RolloutStats, device: torch.device) -> torch.Tensor:
@@ -226,7 +239,8 @@ class GatheredRollout:
 
 
 def generate_data_parallel(engine, requests: Sequence, dp_group=None, sampling: Optional[SamplingConfig] = None,
-                           request_offset: int = 0, device: Optional[torch.device] = None) -> GatheredRollout:
+                           request_offset: int = 0, device: Optional[torch.device] = None,
+                           **partial) -> GatheredRollout:
     """Generate ``requests`` over the replicas of ``dp_group``; every rank gets every sample.
 
     Args:
@@ -236,6 +250,8 @@ def generate_data_parallel(engine, requests: Sequence, dp_group=None, sampling: 
         sampling: sampling settings for requests without their own.
         request_offset: global index of ``requests[0]`` (seeds and request indices use it).
         device: where the gathered tensors live (default: the engine model's device).
+        partial: ``version`` / ``on_decode`` / ``partial`` for the engine's weight updates at token
+            boundaries (:meth:`~hyflow.rollout.engine.GenerationEngine.generate`; ``trainer.mode: async``).
 
     Returns the gathered samples in (request, sample) order; ``stats`` sums the replicas' counters
     (the wall time is this replica's).
@@ -245,7 +261,7 @@ def generate_data_parallel(engine, requests: Sequence, dp_group=None, sampling: 
     rank = dp_group.rank() if dp_group is not None else 0
     device = device or next(engine.runner.model.parameters()).device
     start, stop = split_evenly(len(reqs), size)[rank]
-    result = engine.generate(reqs[start:stop], sampling, request_offset=request_offset + start) \
+    result = engine.generate(reqs[start:stop], sampling, request_offset=request_offset + start, **partial) \
         if stop > start else RolloutResult(samples=[], stats=RolloutStats())
     local = SampleTensors.from_samples(result.samples, device)
     if engine.config.record_routing and local.routing is None:  # an idle replica joins the exchange too

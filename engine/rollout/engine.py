@@ -133,27 +133,45 @@ class GenerationEngine:
 
     # -------------------------------------------------------------- generate
     def generate(self, requests: Seq, sampling: Optional[SamplingConfig] = None,
-                 request_offset: int = 0, on_finish: Optional[Callable[[SampleOutput], None]] = None) -> RolloutResult:
+                 request_offset: int = 0, on_finish: Optional[Callable[[SampleOutput], None]] = None,
+                 version: Optional[int] = None, on_decode: Optional[Callable] = None,
+                 partial: str = "continue", resume: Optional[Seq[SampleOutput]] = None) -> RolloutResult:
         """Generate every sample of ``requests`` (token-id lists or :class:`GenerationRequest`).
 
         Collective over the replica's TP (and PP) groups. Returns samples ordered by
         (request, sample) with per-call :class:`RolloutStats`. ``on_finish(sample)`` is called
         with each sample as soon as it is complete, while the others still decode (multi-turn
-        rollouts start the sample's tool calls there: :mod:`hyflow.agent.rollout`).
+        rollouts start the sample's tool calls there: :mod:`hyflow.agent.rollout`). ``version``: the
+        weight version held, recorded per token; ``on_decode(scheduler)`` runs at every token boundary
+        and returns a new version when it loaded new weights, ``partial`` says what the running samples
+        do then (:class:`~hyflow.rollout.scheduler.Scheduler`; ``trainer.mode: async``). ``resume``: the
+        samples of these requests as a checkpoint saved them half way: finished ones are kept, the
+        others continue from their tokens (``partial=abort``: restart).
         """
         start = time.perf_counter()
         seqs, truncated = self.prepare(requests, sampling, request_offset)
+        todo = seqs
+        if resume is not None:
+            saved = {(o.request_index, o.sample_index): o for o in resume}
+            for s in seqs:
+                s.out = saved.get((s.out.request_index, s.out.sample_index), s.out)
+                if partial == "abort" and s.out.finish_reason is None:
+                    s.out.token_ids, s.out.logprobs, s.out.versions = [], [], []
+            todo = [s for s in seqs if s.out.finish_reason is None]
         stats = RolloutStats(samples=len(seqs), truncated_prompts=truncated,
                              prompt_tokens=sum(len(s.prompt) for s in seqs))
-        if seqs:
-            cache = self.runner.new_cache(min(self.config.max_concurrent, len(seqs)), capacity_needed(seqs))
+        if todo:
+            cache = self.runner.new_cache(min(self.config.max_concurrent, len(todo)), capacity_needed(todo))
             record = recording(self.runner.model) if self.config.record_routing else contextlib.nullcontext()
             # the decode loop's TP all-reduces (two per layer per token) are counted, not CUDA-timed
-            with torch.inference_mode(), self.runner.attach(cache, self.config.cpu_weight_packing), \
+            # packed copies of the weights would go stale when on_decode loads new ones: plain products then
+            pack = self.config.cpu_weight_packing and on_decode is None
+            with torch.inference_mode(), self.runner.attach(cache, pack), \
                     comm.untimed(), record as hooks:
                 scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats, routing_hooks=hooks,
-                                      on_finish=on_finish)
-                scheduler.run(seqs)
+                                      on_finish=on_finish, version=version, on_decode=on_decode, partial=partial,
+                                      outputs=[s.out for s in seqs])
+                scheduler.run(todo)
             for s in seqs:
                 s.finish_routing()
             if self.config.record_routing and self.runner.pp_size > 1:

@@ -45,6 +45,9 @@ class SampleOutput:
         routing: mixture-of-experts models with ``record_routing``: the experts every fed token went
             to, ``[fed tokens, layers, top_k]`` expert id + 1 (the prompt, then each sampled
             token but the last; :mod:`hyflow.models.routing_replay`), else None.
+        versions: the weight version that sampled each response token (``trainer.mode: async``
+            takes new weights at token boundaries, :mod:`hyflow.rollout.scheduler`); empty when
+            the engine was given no version.
     """
 
     request_index: int
@@ -56,6 +59,7 @@ class SampleOutput:
     stop_token: Optional[int] = None
     prompt_truncated: int = 0
     routing: Optional[torch.Tensor] = None
+    versions: list[int] = field(default_factory=list)
 
     @property
     def response_length(self) -> int:
@@ -73,6 +77,7 @@ class RolloutStats:
     prefill_forwards: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # row-forwards spent in decode steps
+    aborted_samples: int = 0  # running samples restarted after new weights (trainer.partial_rollout=abort)
     compactions: int = 0  # running sequences moved to a lower cache slot (keeps decode batches contiguous)
     truncated_prompts: int = 0
     seconds: float = 0.0

@@ -60,6 +60,12 @@ class Sequence:
     length: int = 0  # tokens whose keys / values are in the cache
     last: int = -1  # last sampled token (fed at the next decode step)
     routing: list = field(default_factory=list)  # recorded experts, [layers, tokens, k] per forward
+    context: Optional[list[int]] = None  # what a refresh re-feeds (prompt + response so far), else None
+
+    @property
+    def feed(self) -> list[int]:
+        """The tokens a prefill runs: the prompt, or the context a weight update re-feeds."""
+        return self.prompt if self.context is None else self.context
 
     def finish_routing(self) -> None:
         """The recorded experts as ``out.routing`` ``[fed tokens, layers, k]``."""
@@ -97,6 +103,15 @@ class Scheduler:
     stats: RolloutStats = field(default_factory=RolloutStats)
     routing_hooks: Optional[list] = None  # recording routers (hyflow.models.routing_replay)
     on_finish: Optional[Callable[[SampleOutput], None]] = None  # called with each completed sample
+    #: the weight version sampling now (recorded per token in ``out.versions``); None: not recorded
+    version: Optional[int] = None
+    #: called after every decode step (a token boundary); returns the new weight version when it
+    #: loaded new weights into the model, else None (``trainer.mode: async``)
+    on_decode: Optional[Callable[["Scheduler"], Optional[int]]] = None
+    partial: str = "continue"  # after new weights: continue the running samples, or abort and re-queue them
+    #: every sample of the call (finished ones included; their ``out`` is filled in place): what a
+    #: checkpoint taken at a token boundary saves (``trainer.mode: async``)
+    outputs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._device = self.runner.device
@@ -104,13 +119,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ loop
     def run(self, seqs: list[Sequence]) -> None:
-        """Generate every sequence (fills ``seq.out`` in place)."""
-        pending = deque(seqs)
+        """Generate every sequence (fills ``seq.out`` in place). A sequence whose ``out`` holds tokens
+        already (a sample half generated when a checkpoint was taken) continues: its prompt and
+        response but the last token are prefilled into a slot, and the next decode step feeds that
+        token, as after a weight update (:meth:`_new_weights`)."""
+        self._pending = pending = deque(s for s in seqs if not s.out.token_ids)
         remaining: dict[int, int] = {}
-        for s in seqs:
+        for s in pending:
             remaining[s.group] = remaining.get(s.group, 0) + 1
-        free = list(range(self.cache.slots))
-        active: dict[int, Sequence] = {}
+        self._free = free = list(range(self.cache.slots))
+        self._active = active = {}
+        resumed = [s for s in seqs if s.out.token_ids]
+        if resumed:
+            for seq, slot in zip(resumed, free):
+                seq.slot, seq.last = slot, seq.out.token_ids[-1]
+                seq.context = (seq.prompt + seq.out.token_ids)[:-1]
+                seq.length = len(seq.context)
+                active[slot] = seq
+            del free[:len(resumed)]
+            self._prefill(resumed)
+            for seq in resumed:
+                seq.context = None
         continuous = self.config.batching == "continuous"
         while pending or active:
             if pending and free and (continuous or not active):
@@ -130,6 +159,43 @@ class Scheduler:
                 self._compact(active, free)
                 for seq in self._decode([active[s] for s in range(len(active))]):
                     self._release(seq, free, active)
+                if self.on_decode is not None:
+                    version = self.on_decode(self)
+                    if version is not None:
+                        self._new_weights(version)
+
+    @property
+    def running(self) -> int:
+        """Sequences decoding now."""
+        return len(self._active)
+
+    def _new_weights(self, version: int) -> None:
+        """The model holds weight version ``version`` from this token boundary on. ``continue``: every
+        running sequence's cache is recomputed with them (its prompt and response so far re-fed, as a
+        prefill into its own slot), so each later token's log-prob is exactly the new weights' (the
+        behaviour policy of that token); ``abort``: running sequences drop their tokens and go back to
+        the front of the queue (their random streams restart, so they draw as if first admitted now).
+        Prompts cached for siblings not yet admitted are re-prefilled when those are admitted."""
+        self.version = version
+        for prefix in self._prefixes.values():
+            prefix.slot = -1
+        # (request, sample) order, the order a resumed batch re-feeds them in (same prefill groups)
+        running = sorted(self._active.values(), key=lambda q: (q.out.request_index, q.out.sample_index))
+        if self.partial == "abort":
+            for seq in reversed(running):
+                self._active.pop(seq.slot)
+                self._free.append(seq.slot)
+                seq.slot, seq.length, seq.last = -1, 0, -1
+                seq.out.token_ids, seq.out.logprobs, seq.out.versions = [], [], []
+                self.stats.aborted_samples += 1
+                self._pending.appendleft(seq)
+            return
+        for seq in running:
+            seq.context = (seq.prompt + seq.out.token_ids)[:seq.length]
+        if running:
+            self._prefill(running)
+        for seq in running:
+            seq.context = None
 
     def _compact(self, active: dict[int, Sequence], free: list[int]) -> None:
         """Keep the running sequences in slots ``0..n-1``: move the highest ones into the holes
@@ -204,10 +270,10 @@ class Scheduler:
         out: dict[int, torch.Tensor] = {}
         chunk = self.config.prefill_chunk_size
         budget = self.config.max_prefill_tokens
-        order = sorted(seqs, key=lambda s: -len(s.prompt))
+        order = sorted(seqs, key=lambda s: -len(s.feed))
         i = 0
         while i < len(order):
-            width = min(len(order[i].prompt), chunk) if chunk else len(order[i].prompt)
+            width = min(len(order[i].feed), chunk) if chunk else len(order[i].feed)
             rows = max(1, budget // max(width, 1))
             group = order[i:i + rows]
             i += len(group)
@@ -215,21 +281,21 @@ class Scheduler:
         return out
 
     def _prefill_group(self, group: list[Sequence], out: dict[int, torch.Tensor]) -> None:
-        chunk = self.config.prefill_chunk_size or max(len(s.prompt) for s in group)
-        longest = max(len(s.prompt) for s in group)
+        chunk = self.config.prefill_chunk_size or max(len(s.feed) for s in group)
+        longest = max(len(s.feed) for s in group)
         for start in range(0, longest, chunk):
-            live = [s for s in group if len(s.prompt) > start]
-            width = min(chunk, max(len(s.prompt) for s in live) - start)
+            live = [s for s in group if len(s.feed) > start]
+            width = min(chunk, max(len(s.feed) for s in live) - start)
             flat, ends, rows = [], [], []
             for r, s in enumerate(live):
-                piece = s.prompt[start:start + width]
+                piece = s.feed[start:start + width]
                 flat.append(piece + [0] * (width - len(piece)))
-                if len(s.prompt) <= start + width:  # the prompt ends in this chunk
+                if len(s.feed) <= start + width:  # the prompt ends in this chunk
                     rows.append(r)
-                    ends.append(len(s.prompt) - 1 - start)
+                    ends.append(len(s.feed) - 1 - start)
             batch = self.runner.plan([s.slot for s in live], [start] * len(live), width)
             # one transfer: the rows that end a prompt, their last columns, every row's real length
-            index = to_device(rows + ends + [min(len(s.prompt), start + width) for s in live], torch.long,
+            index = to_device(rows + ends + [min(len(s.feed), start + width) for s in live], torch.long,
                               self._device)
             k = len(rows)
             logits = self.runner.forward(to_device(flat, torch.long, self._device), batch,
@@ -241,7 +307,7 @@ class Scheduler:
             recorded = self._recorded(width, len(live))
             if recorded is not None:  # each row's real prompt tokens
                 for r, s in enumerate(live):
-                    s.routing.append(recorded[:, :min(len(s.prompt) - start, width), r])
+                    s.routing.append(recorded[:, :min(len(s.feed) - start, width), r])
 
     # ---------------------------------------------------------------- decode
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -283,6 +349,8 @@ class Scheduler:
             out.token_ids.append(tok)
             if s.params.logprobs:
                 out.logprobs.append(lp)
+            if self.version is not None:
+                out.versions.append(self.version)
             s.last = tok
             if tok in s.stops:
                 out.finish_reason, out.stop_token = "stop", tok
@@ -290,6 +358,8 @@ class Scheduler:
                     out.token_ids.pop()
                     if s.params.logprobs:
                         out.logprobs.pop()
+                    if self.version is not None:
+                        out.versions.pop()
             elif len(out.token_ids) >= s.max_new:
                 out.finish_reason = "length"
             if out.finish_reason is not None:

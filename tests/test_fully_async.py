@@ -1,0 +1,112 @@
+"""``trainer.mode: async`` on 4 gloo ranks (training TP=2 on ranks 0-1, generation TP_g=1 x 2 on 2-3).
+
+* ``max_staleness=0`` is the synchronous run: every step's metrics equal the colocated ``sync`` run's
+  on 2 ranks (1e-5), which needs every update's weights equal too;
+* ``max_staleness=1`` taking new weights only between batches is ``one_step_off`` (every metric, 1e-5);
+* ``max_staleness=2`` with new weights after 2 decode steps: batch ``s`` starts with ``w_(s-3)`` and
+  takes ``w_(s-2)`` mid-sample, so the samples' staleness is exactly 0, 1, 2, 2 and from step 3 on
+  samples span two versions (the per-token versions arrived with the rows); the run passes NCCL's
+  first-operation rule on every group;
+* the config refuses what async does not run (one line naming the key).
+"""
+
+import math
+
+import pytest
+
+from hyflow.testing import run_on_ranks
+
+SMALL = ["data.train_batch_size=8", "rollout.n=4", "actor.mini_batch_size=16", "actor.micro_batch_size=16",
+         "actor.sft_warmup_steps=2", "trainer.loggers=[]", "actor.optim.distributed_optimizer=true",
+         "actor.entropy_coeff=0.01"]
+COMPARED = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl", "response_length/mean",
+            "critic/score/mean", "critic/advantages/mean", "critic/advantages/max")
+
+
+def _run(overrides, out):
+    import torch.distributed as dist
+
+    from hyflow.jobs.registry import job_runner, load_job_config
+    from hyflow.testing.nccl_rules import FirstOps
+    from hyflow.testing.rl import QUICKSTART
+
+    cfg = load_job_config(QUICKSTART, [*SMALL, f"trainer.output_dir={out}", *overrides])
+    with FirstOps() as ops:
+        history = job_runner("rl")(cfg)
+    return history if dist.get_rank() == 0 else None, ops.first
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_async_k0_equals_sync(tmp_path):
+    steps = ["trainer.total_steps=3"]
+    sync = run_on_ranks(_run, 2, ["trainer.nproc=2", *steps], str(tmp_path / "sync"))[0][0]
+    k0 = run_on_ranks(_run, 4, ["trainer.nproc=4", "trainer.mode=async", "trainer.max_staleness=0", *steps],
+                      str(tmp_path / "k0"))[0][0]
+    assert len(k0) == len(sync) == 3
+    for a, b in zip(sync, k0):
+        for key in COMPARED:
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (a["step"], key, a[key], b[key])
+        assert b["fully_async/staleness/max"] == 0.0 and b["fully_async/partial/max_partial_span"] == 0.0
+    assert sync[-1]["actor/grad_norm"] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_async_k2_partial_rollouts_staleness_and_versions(tmp_path):
+    from hyflow.testing.nccl_rules import first_op_problems
+
+    ranks = run_on_ranks(_run, 4, ["trainer.nproc=4", "trainer.mode=async", "trainer.max_staleness=2",
+                                   "trainer.update_after_tokens=2", "trainer.total_steps=4"], str(tmp_path / "k2"))
+    assert first_op_problems([first for _, first in ranks]) == []
+    hist = ranks[0][0]
+    assert [m["fully_async/staleness/max"] for m in hist] == [0.0, 1.0, 2.0, 2.0]
+    assert [m["staleness"] for m in hist] == [0.0, 1.0, 2.0, 2.0]
+    # steps 1-2: sampled with w_0 throughout; 3-4: w_(s-3) then w_(s-2) after 2 tokens
+    assert [m["fully_async/partial/max_partial_span"] for m in hist] == [0.0, 0.0, 1.0, 1.0]
+    assert hist[0]["fully_async/partial/total_partial_num"] == 0.0
+    assert hist[2]["fully_async/partial/total_partial_num"] > 0
+    assert hist[2]["fully_async/staleness_hist/2"] > 0
+    assert hist[0]["fully_async/count/stale_samples_processed"] == 0 and hist[1]["fully_async/count/stale_samples_processed"] == 32
+    for m in hist:
+        assert sum(m[f"fully_async/staleness_hist/{j}"] for j in range(3)) == pytest.approx(1.0)
+        assert 0.0 < m["perf/gen_pool_utilization"] <= 1.0 and 0.0 < m["perf/train_pool_utilization"] <= 1.0
+    assert hist[2]["rollout_corr/rollout_is_max"] != pytest.approx(1.0, abs=1e-4)  # the correction is at work
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_async_k1_between_batches_is_one_step_off(tmp_path):
+    steps = ["trainer.nproc=4", "trainer.total_steps=3"]
+    off = run_on_ranks(_run, 4, [*steps, "trainer.mode=one_step_off"], str(tmp_path / "off"))[0][0]
+    k1 = run_on_ranks(_run, 4, [*steps, "trainer.mode=async", "trainer.max_staleness=1",
+                                "trainer.update_after_tokens=0"], str(tmp_path / "k1"))[0][0]
+    assert [m["staleness"] for m in k1] == [m["staleness"] for m in off] == [0.0, 1.0, 1.0]
+    for a, b in zip(off, k1):
+        for key in (*COMPARED, "rollout_corr/rollout_is_max", "rollout_corr/kl"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize("override, key", [
+    (["algorithm.dynamic_sampling.enable=true"], "'algorithm.dynamic_sampling.enable': trainer.mode=async does not"),
+    (["trainer.max_staleness=-1"], "max_staleness"),
+    (["trainer.update_after_tokens=-1"], "update_after_tokens"),
+])
+def test_async_refuses_what_it_does_not_run(override, key):
+    from hyflow.config import ConfigError
+    from hyflow.jobs.registry import load_job_config
+    from hyflow.testing.rl import QUICKSTART
+
+    with pytest.raises(ConfigError) as e:
+        load_job_config(QUICKSTART, ["trainer.mode=async", "trainer.nproc=4", *override])
+    assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_async_forces_a_rollout_correction_when_stale():
+    from hyflow.jobs.registry import load_job_config
+    from hyflow.testing.rl import QUICKSTART
+
+    stale = load_job_config(QUICKSTART, ["trainer.mode=async", "trainer.nproc=4", "trainer.max_staleness=2"])
+    assert stale.actor.rollout_correction.mode == "token_tis"
+    fresh = load_job_config(QUICKSTART, ["trainer.mode=async", "trainer.nproc=4", "trainer.max_staleness=0"])
+    assert fresh.actor.rollout_correction.mode == "off"
