@@ -45,8 +45,7 @@ COMMAND_MODULES: tuple[str, ...] = ("hyflow.launch.cli", "hyflow.plan.cli", "hyf
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate and pre-flight check the config, then run: as one rank of a torchrun job, in
     this process (``trainer.nproc=1``), or by starting ``trainer.nproc`` ranks here."""
-    # hyflow.parallel.distributed.launched_by_torchrun's test, without importing torch (seconds)
-    # before the pre-flight checks
+    # a rank of a torchrun / srun job (hyflow.parallel.distributed.launched_by_torchrun's test)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if "=" in args.config and not os.path.exists(args.config):  # no file: `hyflow train k=v ...` (verl's form)
         args.config, args.overrides = None, [args.config, *args.overrides]
