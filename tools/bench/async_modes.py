@@ -66,8 +66,7 @@ def _measure(mode: str, args, root: str) -> dict:
             "score": statistics.mean(r["critic/score/mean"] for r in rows)}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hyflow.tools.bench.async_modes", description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=6, help="RL steps per mode (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=8, help="prompts per step (default: %(default)s)")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (default: %(default)s)")
@@ -78,7 +77,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="sync,one_step_off,async", help="comma-separated (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over the modes, interleaved; medians are "
                         "reported (default: %(default)s)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     modes = args.modes.split(",")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(args.repeats):
@@ -100,6 +101,12 @@ def main(argv=None) -> int:
         print(f"{r['mode']} / {results[0]['mode']}: {r['samples_per_s'] / base:.2f}x samples/s (medians)")
     print(json.dumps({"bench": "async_modes", "results": results}))
     return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hyflow.tools.bench.async_modes", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
