@@ -40,6 +40,7 @@ import zlib
 from typing import Any, Callable, Optional
 
 from hyflow.config import ConfigError
+from hyflow.data.tokenizer import load_tokenizer
 
 __all__ = ["TaskInfo", "TASKS", "task_info", "task_options", "check_task_options", "make_task_rows",
            "make_preference_rows", "tokenizer_spec_for", "load_data_tokenizer", "QUICKSTART_TASK",
@@ -367,6 +368,4 @@ def tokenizer_spec_for(data: Any) -> str:
 
 def load_data_tokenizer(data: Any) -> Any:
     """Load the tokenizer a ``DataConfig`` names (see :func:`tokenizer_spec_for`)."""
-    from hyflow.data.tokenizer import load_tokenizer
-
     return load_tokenizer(tokenizer_spec_for(data))

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyflow.hybrid.reshard_plan import ReshardPlan
+from hyflow.monitor import comm
+from hyflow.parallel import group_registry
+from hyflow.parallel.layout import Layout
 
 __all__ = ["MEGATRON_KINDS", "GenerationGroups", "generation_enumerations", "build_generation_groups", "cp_micro_dp",
            "build_micro_dp_group"]
@@ -60,10 +63,8 @@ def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = N
     generation mp and tp at PP_g=1, ...) is that group, singletons are the rank's self group; the
     merge groups are their own (their traffic is counted as ``reshard``). ``experts``: also the
     groups a mixture-of-experts generation model reads (EP_g = 1: :func:`hyflow.parallel.groups.build_groups`)."""
-    from hyflow.monitor import comm
-    from hyflow.parallel import group_registry
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from hyflow.parallel.groups import build_groups
-    from hyflow.parallel.layout import Layout
 
     enums = enums or generation_enumerations(plan)
     tp_merge = group_registry.subgroups(enums["tp_merge"], purpose="reshard")
@@ -98,6 +99,4 @@ def cp_micro_dp(plan, cp: int) -> list[list[int]]:
 def build_micro_dp_group(plan: ReshardPlan, cp: int):
     """This rank's micro-DP group of the data plane (:func:`cp_micro_dp`; collective: every rank of
     the world calls it), its traffic counted as ``data``."""
-    from hyflow.parallel import group_registry
-
     return group_registry.subgroups(cp_micro_dp(plan, cp), purpose="data")

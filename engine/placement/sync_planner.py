@@ -42,8 +42,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from hyflow.hybrid.param_specs import (ExpertSpec, ParamSpec, ReshardPlanError, expert_param_specs,
-                                       megatron_local_name, stage_of_layer, stage_split)
+from hyflow.hybrid.param_specs import (ExpertSpec, ParamSpec, ReshardPlanError, expert_param_specs, gpt_param_specs,
+                                       megatron_local_name, model_param_specs, stage_of_layer, stage_split)
+from hyflow.parallel.layout import pad_vocab_size
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -435,8 +436,6 @@ def model_experts(desc, dtype_bytes: int) -> dict:
 
 def model_specs(desc, padded_vocab: int, dtype_bytes: int, value_head: bool = False) -> list[ParamSpec]:
     """The parameters of ``desc``'s GPTModel (what the weight sync moves)."""
-    from hyflow.hybrid.param_specs import gpt_param_specs
-
     specs = gpt_param_specs(desc.num_layers, desc.hidden_size, desc.num_attention_heads, desc.num_query_groups,
                             desc.head_dim, desc.ffn_hidden_size, padded_vocab,
                             tied_embeddings=desc.tied_embeddings, qkv_bias=desc.qkv_bias, dtype_bytes=dtype_bytes,
@@ -476,9 +475,6 @@ def summarize_actor_sync(placement, desc, dtype_bytes: int, *, fused_norms: bool
 
 
 def _actor_sync(placement, desc, dtype_bytes: int, fused_norms: bool):
-    from hyflow.hybrid.param_specs import model_param_specs
-    from hyflow.parallel.layout import pad_vocab_size
-
     actor, gen = placement.roles["actor"], placement.roles["rollout"]
     specs = model_param_specs(desc, pad_vocab_size(desc.vocab_size, actor.layout.tp), dtype_bytes,
                               fused_norms=fused_norms)

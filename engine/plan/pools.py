@@ -14,12 +14,11 @@ from hyflow.parallel.layout import Layout
 from hyflow.placement.sync_planner import ModelLayout, model_experts, model_specs, summarize_weight_sync
 from hyflow.plan import memory_estimate as mem
 from hyflow.plan.group_check import layout_enumerations, summarize
+from hyflow.plan.role_plan import RolePlan
 
 
 def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, model, attention: str) -> None:
     """Fill ``result`` (a :class:`~hyflow.plan.core.PlanResult`) for a pooled placement."""
-    from hyflow.plan.role_plan import RolePlan
-
     dtype = cfg.actor.dtype
     pbytes = mem.DTYPE_BYTES[dtype]
     seq = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens

@@ -19,6 +19,7 @@ response tokens only and recomputes its logits in the backward (4x instead of 3x
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -26,6 +27,7 @@ from hyflow.models.stage_split import (  # noqa: F401 - the cost model's pieces,
     balanced_stage_layers, head_flops, head_in_layers, job_head_layers, layer_flops, resolve_stage_layers,
     stage_costs,
 )
+from hyflow.plan.flops import measure_cpu_peak
 
 #: gloo all-reduce between 2 processes on the 2-core dev box (loopback; 2026-11-24, load ~50,
 #: medians of 5): 0.47 ms for 1 KiB, 0.85 GB/s algorithm bandwidth for 32 MiB.
@@ -115,8 +117,6 @@ def compute_plan(cfg: Any, desc: Any, layout: Any, device: str, cores: Optional[
     """What ``hyflow plan`` prints about compute: the actor's stage split (even vs balanced) and,
     on CPU, the ranked layouts for this machine's cores. Sequence lengths are assumed to be half
     the config's bounds (prompt ``max_prompt_length / 2``, response ``max_new_tokens / 2``)."""
-    import os
-
     rollout = getattr(cfg, "rollout", None)
     prompt = (getattr(rollout, "max_prompt_length", None) or getattr(cfg.data, "max_length", 512)) / 2
     response = (getattr(rollout, "max_new_tokens", 0) or 0) / 2
@@ -142,8 +142,6 @@ def compute_plan(cfg: Any, desc: Any, layout: Any, device: str, cores: Optional[
             out["stages"].update(even_cost=stage_costs(even, head), even_factor=bubble_step_factor(even, head, m))
     if device == "cpu":
         cores = cores or len(os.sched_getaffinity(0))
-        from hyflow.plan.flops import measure_cpu_peak
-
         one = measure_cpu_peak(1)  # FLOP/s per CPU-second of one thread
         # per-thread FLOP/s of 2 threads over 1 thread's, both per CPU-second: what threading costs
         # in CPU time (sync, idle spinning), which other load on the machine does not change

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from hyflow.cli_support import make_intermixed
+
 #: name -> (module, one-line help). Add an entry to register a new benchmark.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "rollout": ("hyflow.tools.bench.rollout",
@@ -52,8 +54,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
         importlib.import_module(module).add_arguments(bench)
         if getattr(importlib.import_module(module), "INTERMIXED", False):  # overrides after options
-            from hyflow.cli_support import make_intermixed
-
             make_intermixed(bench)
         bench.set_defaults(func=lambda args, _m=module: _run(_m, args))
     parser.set_defaults(func=lambda args: (parser.print_help(), 0)[1])

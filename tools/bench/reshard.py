@@ -20,11 +20,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from hyflow.hybrid.generation_groups import generation_enumerations
+from hyflow.models.description import ModelDescription
+from hyflow.parallel.distributed import init_distributed
+from hyflow.parallel.layout import Layout
+from hyflow.rollout.config import GenerationConfig
+from hyflow.vllm_backend.config import VLLMConfig, check_vllm_imports
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,16 +100,10 @@ def _cycle(engine, repeats: int, barrier) -> tuple[float, float]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import psutil
-    import torch
-    import torch.distributed as dist
-
+    # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
     from hyflow.hybrid.executor import HybridEngine
     from hyflow.models.builder import build_gpt_model
-    from hyflow.models.description import ModelDescription
-    from hyflow.parallel.distributed import init_distributed
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
 
     rank, world = init_distributed()
     desc = ModelDescription(family="llama", vocab_size=args.vocab, hidden_size=args.hidden,
@@ -147,6 +153,7 @@ def _bench(args: argparse.Namespace) -> int:
                                  padded_vocab_size=engine.padded_vocab)
     if "swap" not in skip:
         try:
+            # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
             from megatron.core.resharding import swap_model_weights
 
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -157,6 +164,7 @@ def _bench(args: argparse.Namespace) -> int:
             result["swap_model_weights_s"] = None
             result["swap_model_weights_error"] = f"{type(exc).__name__}: {exc}"[:300]
     if "ckpt" not in skip:
+        # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
         from megatron.core import dist_checkpointing
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -166,8 +174,6 @@ def _bench(args: argparse.Namespace) -> int:
 
             def round_trip():
                 if rank == 0 and os.path.isdir(path):
-                    import shutil
-
                     shutil.rmtree(path)
                 barrier()
                 os.makedirs(path, exist_ok=True)
@@ -239,11 +245,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _vllm_transition(engine, desc, gen_groups, repeats: int, barrier, to_gen: float) -> dict:
     """Median seconds of train -> generation plus the load of the generation shards into vLLM (the
     vLLM backend's transition), and of the load alone, over ``repeats`` round trips."""
-    import torch
-
-    from hyflow.hybrid.generation_groups import generation_enumerations
-    from hyflow.rollout.config import GenerationConfig
-    from hyflow.vllm_backend.config import VLLMConfig, check_vllm_imports
+    # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
     from hyflow.vllm_backend.engine import VLLMEngine
     from hyflow.vllm_backend.weights import vllm_weights
 
@@ -251,6 +253,7 @@ def _vllm_transition(engine, desc, gen_groups, repeats: int, barrier, to_gen: fl
     vllm = VLLMEngine(desc, GenerationConfig(max_concurrent=8), VLLMConfig(), vocab_size=desc.vocab_size,
                       eos_token_ids=[], tp_groups=generation_enumerations(engine.plan)["tp"],
                       device=torch.device("cpu"), seq_budget=256)
+    # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
     from hyflow.rollout.cpu_pack import PackedLinears
 
     loads, totals, packs = [], [], []
