@@ -315,7 +315,7 @@ class RewardConfig:
 
     kind: Literal["rule", "function", "model"] = field(default="rule", metadata={
         "help": "rule | function | model (model: the reward model's score alone)"})
-    rule: Literal["exact_match", "numeric_match", "format"] = field(default="numeric_match", metadata={
+    rule: Literal["exact_match", "numeric_match", "format", "length_match"] = field(default="numeric_match", metadata={
         "help": "built-in rule scorer when reward.kind=rule"})
     function_path: Optional[str] = field(default=None, metadata={
         "help": "python file defining compute_score(data_source, solution_str, ground_truth, extra_info=None)"})

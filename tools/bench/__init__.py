@@ -35,6 +35,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                    "routing replay: the trainer's log-probs against the sampler's with and without it (MoE)"),
     "longctx": ("hyflow.tools.bench.longctx",
                 "long context: chunked prefill memory, recompute plan vs measured, CP=2 vs CP=1"),
+    "async": ("hyflow.tools.bench.async_modes",
+              "samples/s and pool utilisation of trainer.mode sync vs one_step_off vs async on long-tail lengths"),
 }
 
 
