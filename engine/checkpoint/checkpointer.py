@@ -77,7 +77,10 @@ __all__ = ["Checkpointer", "TrainedModel", "STATE_FORMAT", "STATE_VERSION", "res
 
 
 def _layout_dict(layout: Any) -> dict[str, Any]:
-    return dict(asdict(layout), world_size=dist.get_world_size())
+    fields = asdict(layout)
+    if not fields.get("start"):  # a layout from rank 0 reads as checkpoints written before Layout.start
+        fields.pop("start", None)
+    return dict(fields, world_size=dist.get_world_size())
 
 
 def _describe_layout(layout: dict[str, Any]) -> str:

@@ -41,6 +41,11 @@ class GenerationLayout:
     def validate(self) -> None:
         check_positive(self, "tp", "pp")
 
+    def as_layout(self) -> Layout:
+        """The generation layout as a :class:`~hyflow.parallel.layout.Layout` (dp and start follow from
+        where it runs: the reshard plan's micro-DP replicas, or the generation pool)."""
+        return Layout(tp=self.tp, pp=self.pp)
+
 
 @dataclass
 class RolloutConfig(GenerationSettings):

@@ -1,4 +1,4 @@
-"""Process groups of a pooled placement: each pool's layout, offset to the pool's first rank.
+"""Process groups of a pooled placement: each pool's layout, on the pool's ranks (``Layout.start``).
 
 Every pool runs one layout (the roles that share a pool share its tp/pp, checked by
 :func:`pool_layouts`), so one set of rank partitions covers the world: per group kind, the
@@ -58,13 +58,13 @@ def pool_layouts(placement: Placement) -> dict[str, Layout]:
 
 
 def pool_enumerations(placement: Placement) -> dict[str, list[list[int]]]:
-    """Group kind -> rank lists over the whole world (each pool's layout shifted to its ranks)."""
+    """Group kind -> rank lists over the whole world (each pool's layout on its ranks)."""
     layouts = pool_layouts(placement)
     enums: dict[str, list[list[int]]] = {kind: [] for kind in _KINDS}
     for pool in placement.pools:
         layout = layouts[pool.name]
         for kind in _KINDS:
-            enums[kind] += [[pool.start + r for r in ranks] for ranks in layout.groups(kind)]
+            enums[kind] += layout.groups(kind)
     return enums
 
 
@@ -81,10 +81,8 @@ def pool_expert_enumerations(placement: Placement) -> dict[str, list[list[int]]]
     for pool in placement.pools:
         layout = layouts[pool.name]
         for kind, theirs in _EXPERT_KINDS.items():
-            enums[kind] += [[pool.start + r for r in ranks] for ranks in layout.expert_groups(theirs)]
-        block = layout.tp * layout.cp * layout.dp
-        enums["tp_dp_cp"] += [list(range(pool.start + s * block, pool.start + (s + 1) * block))
-                              for s in range(layout.pp)]
+            enums[kind] += layout.expert_groups(theirs)
+        enums["tp_dp_cp"] += layout.groups("tp_dp_cp")
     return enums
 
 
@@ -120,7 +118,7 @@ def build_pool_groups(placement: Placement, backend: Optional[str] = None):
         ps._set_global_memory_buffer()
     pool = placement.pool_of(rank)
     layout = pool_layouts(placement)[pool.name]
-    groups = ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=layout.coords(rank - pool.start),
+    groups = ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=layout.coords(rank),
                             device=device)
     groups.pool = pool  # type: ignore[attr-defined]
     groups.pool_group = pool_group  # type: ignore[attr-defined]

@@ -8,7 +8,6 @@ to change; :mod:`hyflow.plan.report` prints them.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -282,22 +281,15 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     # a slice of it); grads and optimizer state stay where they are.
     gen = cfg.rollout.layout
     specs = model_param_specs(model, mem.padded_vocab(model, layout.tp), pbytes)
-    reshard_layout = layout
-    if layout.cp > 1:
-        # CP ranks hold the same weight shards, and in Megatron's rank order (tp-cp-dp-pp) a
-        # tp x cp x dp x pp layout puts them exactly where tp x (cp * dp) x pp would: for the
-        # weights' reshard CP is more data parallelism (so does the RL job's hybrid engine).
-        reshard_layout = dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1)
-    plan = plan_reshard(specs, reshard_layout, (gen.tp, gen.pp), world_size=world,
-                        num_layers=model.num_layers)
+    # for the weights CP is more data parallelism, as in the RL job's hybrid engine
+    plan = plan_reshard(specs, layout.cp_as_dp(), (gen.tp, gen.pp), world_size=world, num_layers=model.num_layers)
     result.reshard = plan
     enums = generation_enumerations(plan)
     for kind in ("tp", "pp", "dp", "micro_dp"):
         problem = check_partition(kind, enums[kind], world)
         if problem:
             result.errors.append("generation " + problem)
-    gen_layout = Layout(tp=gen.tp, pp=gen.pp, dp=plan.gen_dp_size,
-                        stage_layers=plan.gen_split if plan.train.stage_layers is not None else None)
+    gen_layout = plan.gen
     capacity = seq
     # the engine sizes its cache for min(max_concurrent, the samples of its replica)
     per_replica = -(-cfg.data.train_batch_size * cfg.rollout.n // plan.gen_dp_size)

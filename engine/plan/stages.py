@@ -19,6 +19,7 @@ response tokens only and recomputes its logits in the backward (4x instead of 3x
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -27,6 +28,7 @@ from hyflow.models.stage_split import (  # noqa: F401 - the cost model's pieces,
     balanced_stage_layers, head_flops, head_in_layers, job_head_layers, layer_flops, resolve_stage_layers,
     stage_costs,
 )
+from hyflow.parallel.layout import Layout
 from hyflow.plan.flops import measure_cpu_peak
 
 #: gloo all-reduce between 2 processes on the 2-core dev box (loopback; 2026-11-24, load ~50,
@@ -44,12 +46,10 @@ def bubble_step_factor(layers: Sequence[int], head_layers: float, micro_batches:
 
 
 @dataclass
-class CpuLayout:
-    """One candidate of :func:`cpu_layouts`."""
+class CpuCandidate:
+    """One candidate of :func:`cpu_layouts`: a layout (its stage split balanced) and its estimates."""
 
-    tp: int
-    pp: int
-    dp: int
+    layout: Layout
     threads: int
     update_s: float          #: estimated update seconds per step
     compute_s: float         #: of which compute (including the pipeline's idle slots)
@@ -59,12 +59,18 @@ class CpuLayout:
 
     @property
     def name(self) -> str:
-        return f"TP={self.tp} PP={self.pp} DP={self.dp}, {self.threads} thread(s) per rank"
+        return f"TP={self.layout.tp} PP={self.layout.pp} DP={self.layout.dp}, {self.threads} thread(s) per rank"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The candidate as plain data (``hyflow plan --json``)."""
+        fields = dataclasses.asdict(self)
+        del fields["layout"]
+        return dict(fields, tp=self.layout.tp, pp=self.layout.pp, dp=self.layout.dp, name=self.name)
 
 
 def cpu_layouts(desc: Any, cores: int, tokens: float, rows: int, response_tokens: float, micro_batch_size: int,
                 per_thread_flops: float, thread_efficiency: float = 1.0, fused: bool = True,
-                latency_s: float = GLOO_LATENCY_S, bytes_per_s: float = GLOO_BYTES_PER_S) -> list[CpuLayout]:
+                latency_s: float = GLOO_LATENCY_S, bytes_per_s: float = GLOO_BYTES_PER_S) -> list[CpuCandidate]:
     """Update-phase time of one RL step (``tokens`` prompt + response tokens in ``rows`` sequences,
     ``response_tokens`` of them scored) for every way to use ``cores`` cores as ranks x threads with
     TP x PP x DP = ranks (TP and PP of 1 or 2 ranks), fastest first.
@@ -107,7 +113,8 @@ def cpu_layouts(desc: Any, cores: int, tokens: float, rows: int, response_tokens
                     comm += 4 * (n / pp) * (m * latency_s + act / bytes_per_s)
                 state = 16 * params / (tp * pp) / (1 << 30)
                 note = f"stages {'/'.join(map(str, layers))}" if pp > 1 else ""
-                out.append(CpuLayout(tp, pp, dp, threads, compute + comm, compute, comm, state, note))
+                layout = Layout(tp=tp, pp=pp, dp=dp, stage_layers=layers if pp > 1 else None)
+                out.append(CpuCandidate(layout, threads, compute + comm, compute, comm, state, note))
     return sorted(out, key=lambda c: c.update_s)
 
 
@@ -149,7 +156,7 @@ def compute_plan(cfg: Any, desc: Any, layout: Any, device: str, cores: Optional[
         ranked = cpu_layouts(desc, cores, rows * mean_seq, rows, rows * response, cfg.actor.micro_batch_size,
                              one, eff, fused)
         out["cpu"] = {"cores": cores, "per_thread_gflops": one / 1e9, "thread_efficiency": eff,
-                      "layouts": [dict(c.__dict__, name=c.name) for c in ranked]}
+                      "layouts": [c.to_dict() for c in ranked]}
     return out
 
 
