@@ -8,13 +8,31 @@ srun) or starts ``trainer.nproc`` ranks on this machine through torchrun.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata as md
 import json
 import os
 import sys
 from typing import Optional, Sequence
 
-from hyflow.cli_support import RANK_ARGV_ENV
+import torch
+import torch.distributed as dist
+
+from hyflow.checkpoint.agree import any_rank
+from hyflow.checkpoint.manifest import NO_VERIFY_ENV, apply_verify_setting
+from hyflow.checkpoint.run_lock import RunDirInUse, RunLock
+from hyflow.cli_support import RANK_ARGV_ENV, make_intermixed
+from hyflow.compat.warnings import quiet_known_warnings
+from hyflow.config import ConfigError, describe, format_config, load_config
+from hyflow.config.core import to_dict
+from hyflow.config.describe import plain_text
 from hyflow.jobs.registry import job_runner, job_schema, load_job_config
+from hyflow.launch.local import LaunchError, Target, check_before_launch, launch_local, new_log_dir
+from hyflow.launch.parent_watch import exit_with_parent
+from hyflow.launch.rank_report import (LOG_DIR_ENV, make_fallback_dir, remove_fallback_dir, resume_hint, run_reporting,
+                                       summarize_failure)
+from hyflow.monitor.watchdog import Watchdog
+from hyflow.parallel.distributed import DEFAULT_TIMEOUT_S, init_distributed, launched_by_torchrun, rank_device, shutdown
 
 #: Modules that add subcommands: each defines ``register(subparsers)`` and sets
 #: ``func`` on its parsers. Imported lazily only to build the parser (keep their
@@ -27,28 +45,19 @@ COMMAND_MODULES: tuple[str, ...] = ("hyflow.launch.cli", "hyflow.plan.cli", "hyf
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate and pre-flight check the config, then run: as one rank of a torchrun job, in
     this process (``trainer.nproc=1``), or by starting ``trainer.nproc`` ranks here."""
-    from hyflow.config import ConfigError
-
-    # hyflow.parallel.distributed.launched_by_torchrun's test, without importing torch (seconds)
-    # before the pre-flight checks
+    # a rank of a torchrun / srun job (hyflow.parallel.distributed.launched_by_torchrun's test)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if "=" in args.config and not os.path.exists(args.config):  # no file: `hyflow train k=v ...` (verl's form)
         args.config, args.overrides = None, [args.config, *args.overrides]
         if not any(o.startswith("job=") for o in args.overrides):
             args.overrides.insert(0, "job=rl")
     if getattr(args, "no_verify", False):
-        from hyflow.checkpoint.manifest import NO_VERIFY_ENV
-
         os.environ[NO_VERIFY_ENV] = "1"  # the ranks inherit it
     try:
         cfg = load_job_config(args.config, args.overrides)
-        from hyflow.checkpoint.manifest import apply_verify_setting
-
         apply_verify_setting(cfg)  # trainer.verify_checkpoints=false: as --no-verify
         if launched:  # a rank: the launcher checked everything already
             return _run_rank(cfg)
-        from hyflow.launch.local import Target, check_before_launch
-
         target = Target(command="train", config=args.config and os.path.abspath(args.config),
                         args=list(args.overrides),
                         job=cfg.job, output_dir=os.path.abspath(cfg.trainer.output_dir), cfg=cfg)
@@ -57,8 +66,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"hyflow: config error: {e}", file=sys.stderr)
         return 2
     if cfg.trainer.nproc > 1:
-        from hyflow.launch.local import LaunchError, launch_local
-
         try:
             return launch_local(target, cfg.trainer.nproc)
         except LaunchError as e:
@@ -70,13 +77,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _run_rank(cfg) -> int:
     """This process is one rank: run the job; an error goes to the rank's log and record for
     the launcher (:mod:`hyflow.launch.rank_report`), the exit code says how it ended."""
-    import torch.distributed as dist
-
-    from hyflow.compat.warnings import quiet_known_warnings
-    from hyflow.launch.parent_watch import exit_with_parent
-    from hyflow.launch.rank_report import run_reporting
-    from hyflow.parallel.distributed import DEFAULT_TIMEOUT_S, init_distributed, launched_by_torchrun, shutdown
-
     if launched_by_torchrun():
         exit_with_parent()  # the launcher killed (kill -9): this rank stops too, never runs on alone
     quiet_known_warnings()  # Megatron's and torch's messages that every run would print
@@ -90,13 +90,6 @@ def _run_rank(cfg) -> int:
 def _locked_run(cfg):
     """The job, with rank 0 holding the run directory's lock (:mod:`hyflow.checkpoint.run_lock`);
     every rank stops with the one that could not take it."""
-    import torch.distributed as dist
-
-    from hyflow.checkpoint.agree import any_rank
-    from hyflow.checkpoint.run_lock import RunDirInUse, RunLock
-    from hyflow.monitor.watchdog import Watchdog
-    from hyflow.parallel.distributed import rank_device
-
     lock, error = None, None
     if dist.get_rank() == 0:
         try:
@@ -121,10 +114,6 @@ def _locked_run(cfg):
 
 def _run_single(cfg) -> int:
     """``trainer.nproc=1``: the one rank runs in this process and reports its own failure."""
-    from hyflow.launch.local import new_log_dir
-    from hyflow.launch.rank_report import (LOG_DIR_ENV, make_fallback_dir, remove_fallback_dir, resume_hint,
-                                           summarize_failure)
-
     log_dir = new_log_dir(os.path.abspath(cfg.trainer.output_dir))
     os.environ[LOG_DIR_ENV] = log_dir
     fallback = make_fallback_dir()  # where the records go when the run directory is full
@@ -139,8 +128,6 @@ def _run_single(cfg) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from hyflow.config import ConfigError, describe, format_config
-
     # Without a config file: the RL job (hyflow's main job) unless job=... says otherwise.
     if args.config and "=" in args.config and not os.path.exists(args.config):  # `hyflow config job=lm`
         args.overrides, args.config = [args.config, *args.overrides], None
@@ -152,8 +139,6 @@ def cmd_config(args: argparse.Namespace) -> int:
         if args.describe:
             cfg = None
             if args.config or args.overrides:
-                from hyflow.config import load_config
-
                 cfg = load_config(schema, args.config, [o for o in overrides if not o.startswith("job=")]
                                   + [f"job={job}"])
             where = f"; [config: ...] marks the values of {args.config or 'the overrides'} that differ" if cfg else ""
@@ -162,8 +147,6 @@ def cmd_config(args: argparse.Namespace) -> int:
         if not args.config:
             print(f"# no config file given: the {job} job's defaults (they need data.task or data.train_files "
                   f"to run); `hyflow config --describe` explains every key", file=sys.stderr)
-            from hyflow.config.core import to_dict
-
             print(format_config(to_dict(schema())))
             return 0
         cfg = load_job_config(args.config, overrides)
@@ -180,10 +163,6 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    import importlib.metadata as md
-
-    import torch
-
     for pkg in ("hyflow", "torch", "megatron-core", "transformer-engine", "triton"):
         try:
             version = md.version(pkg)
@@ -207,13 +186,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
     def _format_text(self, text: str) -> str:
-        from hyflow.config.describe import plain_text
-
         return super()._format_text(plain_text(text))
 
     def _expand_help(self, action: argparse.Action) -> str:
-        from hyflow.config.describe import plain_text
-
         return plain_text(super()._expand_help(action))
 
 
@@ -227,8 +202,6 @@ def _subparsers(parser: argparse.ArgumentParser):
 
 
 def version_text() -> str:
-    import importlib.metadata as md
-
     def version(pkg: str) -> str:
         try:
             return md.version(pkg)
@@ -243,8 +216,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hyflow", description="RL post-training engine on Megatron-Core.")
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from hyflow.cli_support import make_intermixed
-
     train = make_intermixed(sub.add_parser("train", help="run a training job from a YAML config"))
     train.add_argument("config", help="YAML config file (see configs/); without one, the RL job from the "
                                       "overrides alone (verl's keys work: docs/verl.md)")
@@ -264,8 +235,6 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(func=cmd_config)
     info = sub.add_parser("info", help="versions of hyflow and its dependencies")
     info.set_defaults(func=cmd_info)
-    import importlib
-
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(sub)
     for p in _subparsers(parser):

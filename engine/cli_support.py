@@ -16,7 +16,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Any, Optional, Sequence
+
+from hyflow.launch.rank_report import LOG_DIR_ENV
 
 
 class IntermixedParser(argparse.ArgumentParser):
@@ -58,10 +61,6 @@ def run_ranks_here(command: str, world: int) -> int:
     if sys.argv[1:2] != [command]:
         print(f"hyflow: run `hyflow {command} ...` from the command line for several ranks", file=sys.stderr)
         return 2
-    import tempfile
-
-    from hyflow.launch.rank_report import LOG_DIR_ENV
-
     # hyflow's torchrun: a rank's failure is one line (tracebacks in the rank logs), not torchrun's dump
     cmd = [sys.executable, "-m", "hyflow.launch.torchrun", "--standalone", f"--nproc-per-node={world}",
            "-m", "hyflow.cli"]

@@ -29,6 +29,7 @@ def _resolve_backend(kind: str, t: torch.Tensor, backend: str) -> str:
         return "triton"
     if not t.is_cuda:
         return "torch"
+    # optional dependency (triton): only for CUDA tensors, or when asked
     from hyflow.kernels import reshard_triton
 
     return "triton" if reshard_triton.TRITON_AVAILABLE else "torch"
@@ -48,6 +49,7 @@ def assemble(kind: str, gathered: torch.Tensor, out: Optional[torch.Tensor] = No
     if kind != "qkv_regroup" and kwargs:
         raise TypeError(f"assemble({kind!r}) takes no extra arguments, got {sorted(kwargs)}")
     if _resolve_backend(kind, gathered, backend) == "triton":
+        # optional dependency (triton): only for CUDA tensors, or when asked
         from hyflow.kernels import reshard_triton
 
         fn = {"gate_up": reshard_triton.gate_up_deinterleave,

@@ -18,8 +18,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
+
+from hyflow.checkpoint.manifest import apply_verify_setting
+from hyflow.jobs.preflight import preflight
+from hyflow.jobs.registry import load_job_config
+from hyflow.launch.grace import preemption_grace
+from hyflow.launch.torchrun import run
+from hyflow.parallel.distributed import set_rank_env
 
 #: Targets that are hyflow subcommands rather than config files.
 RANK_COMMANDS = ("doctor",)
@@ -70,8 +78,6 @@ def resolve_target(target: str, args: Sequence[str], world_size: int,
     if not os.path.isfile(target):
         raise LaunchError(
             f"{target!r} is neither a config file nor one of {', '.join(RANK_COMMANDS)}")
-    from hyflow.jobs.registry import load_job_config
-
     overrides = [a for a in args if not a.startswith("trainer.nproc=")]
     overrides += [f"trainer.nproc={world_size}", *extra_overrides]
     cfg = load_job_config(target, overrides)
@@ -86,9 +92,6 @@ def check_before_launch(target: Target) -> None:
     path). Notes from validating the config are printed first."""
     if target.cfg is None:
         return
-    from hyflow.checkpoint.manifest import apply_verify_setting
-    from hyflow.jobs.preflight import preflight
-
     apply_verify_setting(target.cfg)  # trainer.verify_checkpoints=false: as --no-verify, here and in the ranks
 
     for note in getattr(target.cfg, "notes", []):
@@ -127,8 +130,6 @@ FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 def new_log_dir(run_dir: str) -> str:
     """``<run_dir>/logs/<YYYYmmdd-HHMMSS>``: where one launch's rank logs go (not created)."""
-    import time
-
     base = os.path.join(run_dir, "logs", time.strftime("%Y%m%d-%H%M%S"))
     path, n = base, 1
     while os.path.exists(path):
@@ -148,8 +149,6 @@ def launch_local(target: Target, nproc: int, dry_run: bool = False) -> int:
             f"use --nproc {gpus} or fewer, or `hyflow launch slurm` for more machines")
     grace_s, grace_note = 300, "300 s"
     if target.cfg is not None and hasattr(target.cfg, "trainer"):
-        from hyflow.launch.grace import preemption_grace
-
         grace = preemption_grace(target.cfg, nproc)
         grace_s, grace_note = grace.seconds, grace.describe()
     cmd = torchrun_command(target, nproc, extra=[f"--shutdown-timeout={grace_s}",
@@ -163,9 +162,6 @@ def launch_local(target: Target, nproc: int, dry_run: bool = False) -> int:
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    from hyflow.launch.torchrun import run
-    from hyflow.parallel.distributed import set_rank_env
-
     set_rank_env()  # CUDA_DEVICE_MAX_CONNECTIONS=1, as the Slurm launcher sets it
 
     return run(cmd[3:], log_dir=log_dir, run_dir=target.output_dir)

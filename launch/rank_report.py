@@ -29,12 +29,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from hyflow.checkpoint.discovery import checkpoints_root, latest_checkpoint
 from hyflow.checkpoint.files import write_json
 
 LOG_DIR_ENV = "HYFLOW_LOG_DIR"
@@ -133,8 +136,6 @@ def record_failure(exc: BaseException, rank: int, log_dir: str) -> dict:
 def make_fallback_dir() -> Optional[str]:
     """A directory in memory (``/dev/shm`` where it exists, else the temp directory) for the ranks'
     records when the run directory is full; exported as ``HYFLOW_RECORD_FALLBACK_DIR``."""
-    import tempfile
-
     for base in ("/dev/shm", None):
         try:
             path = tempfile.mkdtemp(prefix="hyflow-records-", dir=base)
@@ -150,8 +151,6 @@ def remove_fallback_dir(path: Optional[str]) -> None:
     if not path or not os.path.isdir(path):
         return
     if not any(name.endswith(".log") for name in os.listdir(path)):
-        import shutil
-
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -246,8 +245,6 @@ def resume_hint(output_dir: Optional[str], log_dir: Optional[str] = None) -> str
     errors = read_records(log_dir, "error") if log_dir else []
     if any(r.get("type") == "RunDirInUse" for r in errors):
         return ""  # the directory is another run's: nothing of this one to continue
-    from hyflow.checkpoint.discovery import checkpoints_root, latest_checkpoint
-
     entry = latest_checkpoint(checkpoints_root(output_dir), lambda _: None)
     if entry is None:
         return "[hyflow] no checkpoint was saved yet: the same command starts the run over"

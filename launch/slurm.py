@@ -26,6 +26,9 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Optional
 
+from hyflow.config import config_keys
+from hyflow.jobs.registry import job_schema
+from hyflow.launch.grace import preemption_grace
 from hyflow.launch.local import LaunchError, Target
 from hyflow.launch.sbatch_template import TEMPLATE
 
@@ -167,9 +170,6 @@ def _needs_resume(target: Target) -> list[str]:
     """``trainer.resume=auto`` when the job schema has that key and the user did not set it."""
     if target.command != "train" or any(a.startswith("trainer.resume=") for a in target.args):
         return []
-    from hyflow.jobs.registry import job_schema
-    from hyflow.config import config_keys
-
     schema, _ = job_schema(target.config, target.args)
     return ["trainer.resume=auto"] if "trainer.resume" in config_keys(schema) else []
 
@@ -186,8 +186,6 @@ def grace_for(target: Target, opts: SlurmOptions) -> tuple[int, str]:
     if opts.grace_s is not None:
         return opts.grace_s, "--grace"
     if target.cfg is not None and hasattr(target.cfg, "trainer"):
-        from hyflow.launch.grace import preemption_grace
-
         grace = preemption_grace(target.cfg, opts.world_size)
         return grace.seconds, grace.describe()
     return 120, "default for jobs without checkpoints"

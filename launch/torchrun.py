@@ -25,6 +25,11 @@ import sys
 import time
 from typing import Optional, Sequence
 
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing import api
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 from hyflow.launch.rank_report import (LOG_DIR_ENV, Death, make_fallback_dir, read_records, remove_fallback_dir,
                                        resume_hint, summarize_failure)
 
@@ -45,10 +50,6 @@ def run(argv: Sequence[str], log_dir: Optional[str] = None, run_dir: Optional[st
     """Run torchrun's agent with ``argv`` (torchrun's own command line) and return the exit
     code: 0 when every rank exited 0 (after a stop signal, too), 1 after a rank failure, 128 +
     the signal number when a signal stopped ranks that did not exit cleanly."""
-    import torch.distributed.run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     out = out or sys.stderr
     log_dir = log_dir or os.environ.get(LOG_DIR_ENV)
     run_dir = run_dir or os.environ.get(RUN_DIR_ENV)
@@ -90,8 +91,6 @@ def _abort_on_second_interrupt() -> list:
     Its handler is wrapped: from the second SIGINT on, the ranks (this process's children, each
     leading its process group) are killed before it raises. Returns a list that is non-empty once
     that happened."""
-    from torch.distributed.elastic.multiprocessing import api
-
     original = api._terminate_process_handler
     interrupts, aborted = [], []
 

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -23,6 +24,26 @@ def test_help_lists_subcommands():
     assert out.returncode == 0
     for command in ("train", "config", "info"):
         assert command in out.stdout
+
+
+def test_help_a_config_error_and_the_preflight_load_no_megatron():
+    """`hyflow --help`, a config error and the RL preflight stay light: Megatron-Core (seconds, GiB),
+    transformers and vLLM load only where a rank needs them (the imports that keep them out say why)."""
+    code = ("import os, sys\n"
+            "from hyflow.cli import main\n"
+            "from hyflow.jobs.registry import load_job_config\n"
+            "from hyflow.launch.local import Target, check_before_launch\n"
+            "for argv in (['--help'], ['train', 'configs/quickstart.yaml', 'trainer.bogus=1']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "cfg = load_job_config('configs/quickstart.yaml', [f'trainer.output_dir={sys.argv[1]}'])\n"
+            "check_before_launch(Target(command='train', config=os.path.abspath('configs/quickstart.yaml'), args=[],\n"
+            "                           job=cfg.job, output_dir=sys.argv[1], cfg=cfg))\n"
+            "print('loaded:', sorted(m for m in ('megatron', 'transformers', 'vllm') if m in sys.modules))\n")
+    with tempfile.TemporaryDirectory() as out_dir:
+        out = subprocess.run([sys.executable, "-c", code, os.path.join(out_dir, "run")], capture_output=True,
+                             text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "loaded: []", out.stdout[-2000:]
 
 
 def test_misspelled_override_fails_before_any_process_group():

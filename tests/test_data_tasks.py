@@ -89,7 +89,23 @@ def test_reference_answers_score_one_and_wrong_answers_zero():
         good = rm.score_records(ds.records, [r.reference for r in ds])
         assert good.scores == [1.0] * 30, name
         bad = rm.score_records(ds.records, [r.reference + "1" for r in ds])
-        assert bad.scores == [0.0] * 30, name
+        if info.reward_rule == "length_match":  # partial credit: one character too many
+            assert bad.scores == [1.0 - 1.0 / len(r.reference) for r in ds], name
+        else:
+            assert bad.scores == [0.0] * 30, name
+
+
+def test_length_tail_lengths_are_long_tailed():
+    rows = make_task_rows("length_tail", 2000, seed=0)
+    lengths = [len(r["reward_model"]["ground_truth"]) for r in rows]
+    for r, n in zip(rows, lengths):
+        assert r["prompt"][0]["content"] == f"write {n}"
+        assert r["reward_model"]["ground_truth"] == "".join(str((i + 1) % 10) for i in range(n))
+    assert min(lengths) == 3 and max(lengths) == 48
+    assert sorted(lengths)[len(lengths) // 2] <= 8           # most are short ...
+    assert sum(n >= 30 for n in lengths) >= 20              # ... a few are 10x longer
+    with pytest.raises(ValueError, match="min_length < max_length"):
+        make_task_rows("length_tail", 4, min_length=9, max_length=9)
 
 
 def test_arithmetic_accepts_chatty_numeric_answers():

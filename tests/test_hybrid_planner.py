@@ -17,6 +17,12 @@ from hyflow.hybrid.reshard_table import send_moves
 from hyflow.kernels import reference as ref
 
 
+def _train_coord(plan, rank):
+    """(tp, pp, dp) of a rank in the plan's training layout."""
+    c = plan.train.coords(rank)
+    return c["tp"], c["pp"], c["dp"]
+
+
 def _small_gpt(**kw):
     cfg = dict(num_layers=8, hidden=16, num_heads=16, num_query_groups=8, head_dim=4,
                ffn_hidden=32, padded_vocab=64)
@@ -72,7 +78,7 @@ def test_groups_partition_and_strides(lay):
         assert [plan.gen_coord(r)[1] for r in g] == list(range(PPg))
         assert len({(plan.gen_coord(r)[0], plan.gen_coord(r)[2]) for r in g}) == 1
     for g in plan.micro_dp_groups:  # s consecutive tp ranks x p consecutive stages, one dp
-        coords = [plan.train_coord(r) for r in g]
+        coords = [_train_coord(plan, r) for r in g]
         assert len({c[2] for c in coords}) == 1
         assert sorted({c[0] for c in coords}) == list(range(coords[0][0], coords[0][0] + s))
         assert sorted({c[1] for c in coords}) == list(range(coords[0][1], coords[0][1] + p))
@@ -88,7 +94,7 @@ def test_groups_partition_and_strides(lay):
         assert r in rp.micro_dp_group and r in rp.gen_tp_group and r in rp.gen_pp_group
         assert rp.micro_dp_group[rp.micro_dp_rank] == r
         tp, pp, dp = rp.train_coord
-        assert plan.rank_of(tp, pp, dp) == r == pp * DP * TP + dp * TP + tp
+        assert plan.train.rank_of(tp=tp, pp=pp, dp=dp) == r == pp * DP * TP + dp * TP + tp
         assert rp.gen_coord == (tp // s, pp // p, dp * s * p + (pp % p) * s + tp % s)
 
 
@@ -210,10 +216,10 @@ def test_simulated_reshard_is_bit_exact(lay, tied):
     glob = _globals(specs, nq, ng, d, torch.Generator().manual_seed(W * 97 + TPg * 7 + PPg))
     by_name = {sp.name: sp for sp in specs}
     train = [{sp.name: _shard(sp, glob[sp.name], tp, TP) for sp in specs
-              if pp in _stages(sp, PP, L)} for tp, pp, _ in map(plan.train_coord, range(W))]
+              if pp in _stages(sp, PP, L)} for tp, pp, _ in (_train_coord(plan, r) for r in range(W))]
     sent = [0] * W
     for r in range(W):
-        tp, pp, dp = plan.train_coord(r)
+        tp, pp, dp = _train_coord(plan, r)
         tg, pg = tp // s, pp // p
         rp = rank_plan(plan, r)
         expect = {sp.name: _shard(sp, glob[sp.name], tg, TPg) for sp in specs

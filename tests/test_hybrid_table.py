@@ -8,9 +8,15 @@ import pytest
 import torch
 
 from hyflow.hybrid import gpt_param_specs, megatron_local_name, plan_reshard, rank_table
-from hyflow.hybrid.reshard_plan import ParallelShape
 from hyflow.hybrid.reshard_table import VIA_COPY, VIA_PP_MERGE, VIA_TP_MERGE
+from hyflow.parallel.layout import Layout
 from hyflow.kernels import place_shard, take_shard
+
+
+def _train_coord(plan, rank):
+    """(tp, pp, dp) of a rank in the plan's training layout."""
+    c = plan.train.coords(rank)
+    return c["tp"], c["pp"], c["dp"]
 
 
 def _stages(spec, pp, L, split=None):
@@ -59,7 +65,7 @@ def _simulate(TP, PP, DP, TPg, PPg, tied, L=4, split=None):
     """Execute every rank's table as the executor does; check the generation shards and the way back."""
     W = TP * PP * DP
     specs = gpt_param_specs(L, 6, 8, 4, 2, 12, 40, tied_embeddings=tied, qkv_bias=True, dtype_bytes=4)
-    train_layout = (TP, PP, DP) if split is None else ParallelShape(TP, PP, DP, split)
+    train_layout = (TP, PP, DP) if split is None else Layout(tp=TP, pp=PP, dp=DP, stage_layers=split)
     plan = plan_reshard(specs, train_layout, (TPg, PPg), W, num_layers=L)
     tsplit, gsplit = (None, None) if split is None else (plan.train_split, plan.gen_split)
     gen = torch.Generator().manual_seed(W * 31 + TPg * 5 + PPg)
@@ -67,7 +73,7 @@ def _simulate(TP, PP, DP, TPg, PPg, tied, L=4, split=None):
     # Each rank's training model, keyed by its stage-local names (what the executor looks up).
     train = []
     for r in range(W):
-        tp, pp, _ = plan.train_coord(r)
+        tp, pp, _ = _train_coord(plan, r)
         train.append({megatron_local_name(sp, PP, L, pp, tsplit): _shard(sp, glob[sp.name], tp, TP)
                       for sp in specs if pp in _stages(sp, PP, L, tsplit)})
     tables = [rank_table(plan, r) for r in range(W)]
@@ -96,7 +102,7 @@ def _simulate(TP, PP, DP, TPg, PPg, tied, L=4, split=None):
                     views[r][name].copy_(value)
                     recv[r] += value.numel() * 4
     for r, t in enumerate(tables):
-        tp, pp, _ = plan.train_coord(r)
+        tp, pp, _ = _train_coord(plan, r)
         tg, pg, _ = plan.gen_coord(r)
         expect = {megatron_local_name(sp, PPg, L, pg, gsplit): _shard(sp, glob[sp.name], tg, TPg)
                   for sp in specs if pg in _stages(sp, PPg, L, gsplit)}

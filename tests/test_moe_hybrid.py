@@ -146,11 +146,12 @@ def test_weight_sync_plans_every_expert_of_every_replica(src, dst):
     TP shard, each element from exactly one piece, read from the expert grid's holder."""
     from hyflow.hybrid.param_specs import expert_param_specs
     from hyflow.models.description import tiny_moe
-    from hyflow.placement.sync_planner import ModelLayout, plan_weight_sync
+    from hyflow.parallel.layout import Layout
+    from hyflow.placement.sync_planner import plan_weight_sync
 
     desc = tiny_moe(moe=dict(num_experts=8, ffn_hidden_size=32))
     specs = expert_param_specs(desc, 4)
-    s, d = ModelLayout(0, **src), ModelLayout(100, **dst)
+    s, d = Layout(**src), Layout(**dst, start=100)
     plan = plan_weight_sync([], s, d, desc.num_layers, experts=specs, num_experts=8, bucket_bytes=4096)
     gen = torch.Generator().manual_seed(0)
     full = {x.name: torch.randn(x.global_shape, generator=gen) for x in specs}
@@ -166,7 +167,7 @@ def test_weight_sync_plans_every_expert_of_every_replica(src, dst):
             shard = torch.cat([block[a * w:(a + 1) * w], block[F + a * w:F + (a + 1) * w]]) if x.kind == "fc1" \
                 else block[:, a * w:(a + 1) * w]
             for edp in range(s.expert_dp):
-                held[(s.expert_rank(a, x.expert // per, edp, q), local)] = shard
+                held[(s.expert_rank_of(etp=a, ep=x.expert // per, edp=edp, pp=q), local)] = shard
     got, hits = {}, {}
     for b in plan.buckets:
         for p in b.pieces:
@@ -181,7 +182,7 @@ def test_weight_sync_plans_every_expert_of_every_replica(src, dst):
             hits[key].narrow(p.dim, p.dst_offset, p.length).add_(1)
     assert len(got) == d.dp * d.tp * len(specs)  # every rank: its stage's layers, every expert
     for (rank, name), value in got.items():
-        t, qd, _ = d.coords(rank)
+        t, qd = d.coords(rank)["tp"], d.coords(rank)["pp"]
         layer = qd * (desc.num_layers // d.pp) + int(name.split(".")[2])
         expert, kind = int(name.split(".")[6]), name.split(".")[7][len("linear_"):]
         block, w = full[f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_{kind}.weight"], F // d.tp

@@ -125,7 +125,7 @@ def _quickstart(overrides):
 
     import hyflow.jobs.rl as rl
     from hyflow.jobs.registry import load_job_config
-    from hyflow.hybrid.reshard_plan import GenerationShape, gpt_param_specs, plan_reshard
+    from hyflow.hybrid.reshard_plan import gpt_param_specs, plan_reshard
     from hyflow.models.builder import build_gpt_model
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import pad_vocab_size
@@ -136,7 +136,7 @@ def _quickstart(overrides):
     specs = gpt_param_specs(d.num_layers, d.hidden_size, d.num_attention_heads, d.num_query_groups, d.head_dim,
                             d.ffn_hidden_size, pad_vocab_size(d.vocab_size, layout.tp),
                             tied_embeddings=d.tied_embeddings, qkv_bias=d.qkv_bias, dtype_bytes=4)
-    plan = plan_reshard(specs, layout, GenerationShape(cfg.rollout.layout.tp, cfg.rollout.layout.pp))
+    plan = plan_reshard(specs, layout, cfg.rollout.layout.as_layout())
     model = build_gpt_model(d, init_training_groups(layout))
     grad_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)  # fp32 grad buffer
     return history, plan.bytes_recv[dist.get_rank()], grad_bytes

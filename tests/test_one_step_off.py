@@ -44,13 +44,13 @@ def test_rows_go_to_the_ranks_that_own_them(overrides):
     prompts = 32
     routes = row_routes(prompts, gen, actor)
     for rank in actor.pool.ranks:
-        dp = actor.coords(rank)["dp"]
+        dp = actor.layout.coords(rank)["dp"]
         got = sorted(i for r in routes if r.dst == rank for i in range(r.first, r.stop))
         assert got == list(range(*shard_range(prompts, actor.layout.dp, dp))), rank  # its shard, once
     senders = {r.src for r in routes}
-    assert senders == {gen.rank(dp=j) for j in range(gen.layout.dp)}  # one rank per replica sends
+    assert senders == {gen.layout.rank_of(dp=j) for j in range(gen.layout.dp)}  # one rank per replica sends
     for r in routes:  # a replica sends only prompts it generated
-        j = gen.coords(r.src)["dp"]
+        j = gen.layout.coords(r.src)["dp"]
         a, b = shard_range(prompts, gen.layout.dp, j)
         assert a <= r.first < r.stop <= b
     assert all(r.dst in actor.pool for r in routes)

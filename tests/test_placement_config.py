@@ -31,7 +31,18 @@ def test_roles_in_their_own_layouts():
     assert (p.roles["critic"].layout.tp, p.roles["critic"].layout.dp) == (1, 1)
     assert p.roles["critic"].pool.name == "critic" and p.roles["reference"].pool.name == "critic"
     assert cfg.actor_layout().dp == 1  # the actor's dp fills its pool, not the world
-    assert p.roles["actor"].rank(tp=1) == 1 and p.roles["critic"].rank() == 3
+    assert p.roles["actor"].layout.rank_of(tp=1) == 1 and p.roles["critic"].layout.rank_of() == 3
+    # a pool's layout starts at the pool's first rank: the one layout type reads global ranks
+    critic = p.roles["critic"].layout
+    assert critic.start == 3 and list(critic.ranks) == [3] and critic.coords(3)["dp"] == 0
+    assert p.roles["critic"].layout.groups("dp") == [[3]]
+
+
+def test_a_configured_layout_start_is_refused():
+    with pytest.raises(ConfigError, match="layout.start=1: the placement sets where"):
+        _load(*GAE, *POOLS, "critic.layout.start=1").resolved_placement()
+    with pytest.raises(ConfigError, match="layout.start=2: a layout over the whole world starts at rank 0"):
+        _load("actor.layout.start=2").validate()
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -5,9 +5,15 @@ import numpy as np
 import pytest
 
 from hyflow.hybrid.param_specs import gpt_param_specs, megatron_local_name
-from hyflow.placement.sync_planner import ModelLayout, SyncPlanError, plan_weight_sync, summarize_weight_sync
+from hyflow.parallel.layout import Layout
+from hyflow.placement.sync_planner import SyncPlanError, plan_weight_sync, summarize_weight_sync
 
 L = 4
+
+
+def _at(start, tp, pp=1, dp=1, split=None):
+    """A pool's layout: tp x pp x dp from rank ``start``."""
+    return Layout(tp=tp, pp=pp, dp=dp, stage_layers=split, start=start)
 
 
 def _specs(tied=False, qkv_bias=False):
@@ -39,8 +45,9 @@ def _holdings(specs, full, layout):
         for stage in sp.stages(layout.pp, L, split):
             name = megatron_local_name(sp, layout.pp, L, stage, split)
             for dp in range(layout.dp):
-                for t in range(layout.tp):
-                    out[layout.rank(t, stage, dp)][name] = _shard(sp, full[sp.name], layout.tp, t)
+                for c in range(layout.cp):  # context-parallel ranks hold the same shards
+                    for t in range(layout.tp):
+                        out[layout.rank_of(tp=t, cp=c, pp=stage, dp=dp)][name] = _shard(sp, full[sp.name], layout.tp, t)
     return out
 
 
@@ -62,6 +69,20 @@ def _run(plan, src_hold, dst_layout, dst_expect):
     return got, hits, received
 
 
+def _synced_exactly(specs, src, dst):
+    """The plan of ``src`` -> ``dst``, run on numpy: every destination element equals the independent
+    sharding's, written once."""
+    full = _full(specs)
+    plan = plan_weight_sync(specs, src, dst, L)
+    expect = _holdings(specs, full, dst)
+    got, hits, _ = _run(plan, _holdings(specs, full, src), dst, expect)
+    for r in dst.ranks:
+        for name in expect[r]:
+            np.testing.assert_array_equal(got[r][name], expect[r][name], err_msg=f"rank {r} {name}")
+            assert (hits[r][name] == 1).all()
+    return plan
+
+
 CASES = [
     ((2, 1, 1), (1, 1, 2)),  # the acceptance shape: TP=2 training -> two TP_g=1 replicas
     ((1, 1, 2), (2, 1, 1)),  # generation wider than training
@@ -77,8 +98,8 @@ CASES = [
 def test_every_destination_shard_exact_once(src_shape, dst_shape, tied):
     specs = _specs(tied=tied, qkv_bias=True)
     full = _full(specs)
-    src = ModelLayout(0, *src_shape)
-    dst = ModelLayout(src.size, *dst_shape)  # disjoint pools
+    src = _at(0, *src_shape)
+    dst = _at(src.world_size, *dst_shape)  # disjoint pools
     plan = plan_weight_sync(specs, src, dst, L, bucket_bytes=2048)
     expect = _holdings(specs, full, dst)
     got, hits, received = _run(plan, _holdings(specs, full, src), dst, expect)
@@ -102,27 +123,30 @@ def test_uneven_stage_splits_sync_exactly(src_shape, dst_shape):
     """Layout.stage_layers on either side: each layer travels from the stage holding it to the
     stage that holds it there, under that stage's local layer number."""
     specs = _specs(tied=True)
-    full = _full(specs)
-    src = ModelLayout(0, *src_shape)
-    dst = ModelLayout(src.size, *dst_shape)
-    plan = plan_weight_sync(specs, src, dst, L)
-    expect = _holdings(specs, full, dst)
-    got, hits, _ = _run(plan, _holdings(specs, full, src), dst, expect)
-    for r in dst.ranks:
-        for name in expect[r]:
-            np.testing.assert_array_equal(got[r][name], expect[r][name], err_msg=f"rank {r} {name}")
-            assert (hits[r][name] == 1).all()
+    src = _at(0, *src_shape)
+    dst = _at(src.world_size, *dst_shape)
+    plan = _synced_exactly(specs, src, dst)
     # layer 1 lives on stage 1 (local 0) of a 1/3 split, on stage 0 (local 1) of a 3/1 split
     first = {p.src_name for b in plan.buckets for p in b.pieces if p.name == "decoder.layers.1.mlp.linear_fc2.weight"}
     assert first == {"decoder.layers.0.mlp.linear_fc2.weight" if src.stage_layers == (1, 3) else
                      "decoder.layers.1.mlp.linear_fc2.weight"}
     with pytest.raises(SyncPlanError, match="does not fill"):
-        plan_weight_sync(specs, ModelLayout(0, 1, 2, 1, (1, 2)), dst, L)
+        plan_weight_sync(specs, _at(0, 1, 2, 1, (1, 2)), dst, L)
+
+
+def test_a_context_parallel_actor_sends_from_the_stage_that_holds_the_layer():
+    """A pooled actor with cp=2 and pp=2: its second stage starts at pool rank tp*cp*dp = 2 (Megatron's
+    order), which the pool's Layout knows (the removed ModelLayout dropped cp and read rank 1, the
+    first stage's CP peer)."""
+    src, dst = Layout(tp=1, cp=2, pp=2, start=0), _at(4, 1, 1, 2)
+    plan = _synced_exactly(_specs(tied=True), src, dst)
+    layer3 = {b.src_rank for b in plan.buckets for p in b.pieces if p.name.startswith("decoder.layers.3.")}
+    assert layer3 == {2}  # stage 1, cp 0
 
 
 def test_sources_spread_over_replicas_and_stay_in_the_source_pool():
     specs = _specs()
-    src, dst = ModelLayout(0, 1, 1, 2), ModelLayout(2, 1, 1, 2)
+    src, dst = _at(0, 1, 1, 2), _at(2, 1, 1, 2)
     plan = plan_weight_sync(specs, src, dst, L)
     senders = {b.dst_rank: {b.src_rank} for b in plan.buckets}
     assert senders == {2: {0}, 3: {1}}  # replica j reads from source replica j mod DP_src
@@ -131,7 +155,7 @@ def test_sources_spread_over_replicas_and_stay_in_the_source_pool():
 
 def test_same_pool_other_layout_uses_local_copies():
     specs = _specs()
-    src, dst = ModelLayout(0, 2, 1, 1), ModelLayout(0, 1, 1, 2)
+    src, dst = _at(0, 2, 1, 1), _at(0, 1, 1, 2)
     plan = plan_weight_sync(specs, src, dst, L)
     full = _full(specs)
     got, hits, _ = _run(plan, _holdings(specs, full, src), dst, _holdings(specs, full, dst))
@@ -140,17 +164,17 @@ def test_same_pool_other_layout_uses_local_copies():
 
 def test_layout_that_does_not_divide_is_named():
     with pytest.raises(SyncPlanError, match="query groups = 4 is not divisible by the destination tp=8"):
-        plan_weight_sync(_specs(), ModelLayout(0, 2), ModelLayout(2, 8), L)
+        plan_weight_sync(_specs(), _at(0, 2), _at(2, 8), L)
     with pytest.raises(SyncPlanError, match="pp=3 does not divide num_layers=4"):
-        plan_weight_sync(_specs(), ModelLayout(0, 1, 3), ModelLayout(3, 1), L)
+        plan_weight_sync(_specs(), _at(0, 1, 3), _at(3, 1), L)
 
 
 @pytest.mark.parametrize("src,dst", [
-    (ModelLayout(0, 2, 1, 1), ModelLayout(2, 1, 1, 2)),
-    (ModelLayout(0, 2, 2, 2, (1, 3)), ModelLayout(8, 1, 2, 3)),
-    (ModelLayout(0, 4, 1, 1), ModelLayout(4, 2, 2, 2)),
-    (ModelLayout(0, 1, 2, 3), ModelLayout(6, 2, 1, 4)),   # 4 replicas served by 3 source replicas
-    (ModelLayout(0, 2, 1, 1), ModelLayout(0, 1, 1, 2)),   # one pool, two layouts: local copies
+    (_at(0, 2, 1, 1), _at(2, 1, 1, 2)),
+    (_at(0, 2, 2, 2, (1, 3)), _at(8, 1, 2, 3)),
+    (_at(0, 4, 1, 1), _at(4, 2, 2, 2)),
+    (_at(0, 1, 2, 3), _at(6, 2, 1, 4)),   # 4 replicas served by 3 source replicas
+    (_at(0, 2, 1, 1), _at(0, 1, 1, 2)),   # one pool, two layouts: local copies
 ], ids=["tp2-to-2x", "pp2-uneven", "tp4-to-tp2pp2", "dp3-serves-4", "same-pool"])
 def test_each_rank_plans_exactly_its_part_of_the_whole_plan(src, dst):
     """A job's rank plans only what it sends and receives: the same buckets (pieces, order, round)
@@ -183,7 +207,7 @@ def test_per_rank_planning_at_1024_ranks_is_a_rank_s_share():
     from hyflow.parallel.layout import pad_vocab_size
 
     specs = gpt_param_specs(80, 8192, 64, 8, 128, 29568, pad_vocab_size(152064, 8), qkv_bias=True, dtype_bytes=2)
-    src, dst = ModelLayout(0, 8, 4, 16, (19, 21, 21, 19)), ModelLayout(512, 4, 1, 128)
+    src, dst = _at(0, 8, 4, 16, (19, 21, 21, 19)), _at(512, 4, 1, 128)
     summary = summarize_weight_sync(specs, src, dst, 80)
     for rank in (0, 511, 512, 1023):
         mine = plan_weight_sync(specs, src, dst, 80, rank=rank)
@@ -192,7 +216,7 @@ def test_per_rank_planning_at_1024_ranks_is_a_rank_s_share():
         if rank in dst.ranks:  # its slice, once
             assert mine.bytes_recv(rank) == mine.shard_bytes[rank] <= summary.max_recv
         else:  # the 8 replicas it serves
-            assert {dst.coords(b.dst_rank)[2] % src.dp for b in mine.buckets} == {src.coords(rank)[2]}
+            assert {dst.coords(b.dst_rank)["dp"] % src.dp for b in mine.buckets} == {src.coords(rank)["dp"]}
             assert mine.bytes_sent(rank) <= summary.max_sent
     replica0 = [plan_weight_sync(specs, src, dst, 80, rank=r) for r in range(512, 516)]
     assert summary.total_bytes == 128 * sum(p.bytes_recv(r) for p, r in zip(replica0, range(512, 516)))

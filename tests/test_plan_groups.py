@@ -14,7 +14,6 @@ import time
 import pytest
 
 from hyflow.hybrid import gpt_param_specs, plan_reshard, rank_plan
-from hyflow.hybrid.reshard_plan import ParallelShape
 from hyflow.parallel.layout import Layout, pad_vocab_size
 from hyflow.hybrid.generation_groups import generation_enumerations
 from hyflow.plan.group_check import check_partition, digest, layout_enumerations, verify_rank
@@ -41,7 +40,7 @@ def test_plan_1024_matches_the_hybrid_planner():
                             qkv_bias=True, dtype_bytes=2)
     split = report["roles"]["actor"]["layout"]["stage_layers"]  # chosen by the cost model (uneven)
     assert sum(split) == 80 and len(split) == 4
-    plan = plan_reshard(specs, ParallelShape(8, 4, 32, tuple(split)), (4, 1))
+    plan = plan_reshard(specs, Layout(tp=8, pp=4, dp=32, stage_layers=tuple(split)), (4, 1))
     r = report["reshard"]
     assert r["train"] == [8, 4, 32] and r["gen"] == [4, 1]
     assert r["micro_dp_size"] == plan.micro_dp_size == 8 and r["gen_dp_size"] == plan.gen_dp_size == 256
@@ -107,7 +106,7 @@ def test_group_creation_at_1024_ranks_drops_more_than_3x():
     micro-DP = 9,361 (9,265 without the gloo groups, the review's number); now 710 + 1,156 = 1,866."""
     specs = gpt_param_specs(80, 8192, 64, 8, 128, 29568, pad_vocab_size(152064, 8), qkv_bias=True, dtype_bytes=2)
     split = (19, 21, 21, 19)
-    plan = plan_reshard(specs, ParallelShape(8, 4, 32, split), (4, 1))
+    plan = plan_reshard(specs, Layout(tp=8, pp=4, dp=32, stage_layers=split), (4, 1))
     layout = Layout(tp=8, pp=4, dp=32, sequence_parallel=True, stage_layers=split)
     for rank in (0, 777):
         check = verify_rank(layout, rank, plan)

@@ -47,11 +47,12 @@ def test_cpu_layouts_rank_dp_first_when_threads_cost_cpu_time():
     d = _smollm2()
     args = dict(tokens=32 * 50, rows=32, response_tokens=32 * 15, micro_batch_size=4, per_thread_flops=70e9)
     ranked = st.cpu_layouts(d, 2, thread_efficiency=0.75, **args)
-    names = [(c.tp, c.pp, c.dp, c.threads) for c in ranked]
+    names = [(c.layout.tp, c.layout.pp, c.layout.dp, c.threads) for c in ranked]
     assert sorted(names) == sorted([(1, 1, 2, 1), (1, 2, 1, 1), (2, 1, 1, 1), (1, 1, 1, 2)])
     assert names[0] == (1, 1, 2, 1)
-    pp = next(c for c in ranked if c.pp == 2)
+    pp = next(c for c in ranked if c.layout.pp == 2)
     assert pp.state_gib == pytest.approx(ranked[0].state_gib / 2) and pp.note.startswith("stages ")
+    assert pp.note == "stages " + "/".join(map(str, pp.layout.stage_layers))  # the balanced split it costed
     # perfectly scaling threads and no communication would win: the ranking follows its inputs
     assert (st.cpu_layouts(d, 2, thread_efficiency=1.0, **args)[0].threads) == 2
     assert all(c.update_s == pytest.approx(c.compute_s + c.comm_s) for c in ranked)

@@ -16,7 +16,6 @@ import os
 import pytest
 
 from hyflow.hybrid import gpt_param_specs, plan_reshard
-from hyflow.hybrid.reshard_plan import ParallelShape
 from hyflow.jobs.registry import load_job_config
 from hyflow.parallel.layout import Layout, pad_vocab_size
 from hyflow.plan import throughput as tp
@@ -34,7 +33,7 @@ def preset():
     layout = Layout(tp=8, pp=4, dp=32, sequence_parallel=True, stage_layers=SPLIT)
     assert cfg.trained_actor_layout().with_dp_for(1024).stage_layers == SPLIT
     specs = gpt_param_specs(80, 8192, 64, 8, 128, 29568, pad_vocab_size(152064, 8), qkv_bias=True, dtype_bytes=2)
-    return cfg, layout, plan_reshard(specs, ParallelShape(8, 4, 32, SPLIT), (4, 1))
+    return cfg, layout, plan_reshard(specs, Layout(tp=8, pp=4, dp=32, stage_layers=SPLIT), (4, 1))
 
 
 def test_reshard_time_uses_the_network_for_merges_across_nodes(preset):
@@ -49,7 +48,7 @@ def test_reshard_time_uses_the_network_for_merges_across_nodes(preset):
     assert seconds == pytest.approx(by_hand, rel=1e-3)
     assert seconds >= 0.55  # was max(bytes_recv) / NVLink = 0.071 s
     # one node holding whole PP groups (a 4-GPU world, 8 GPUs a node): NVLink only
-    small = plan_reshard(gpt_param_specs(4, 64, 4, 4, 16, 128, 512), ParallelShape(2, 2, 1), (1, 1))
+    small = plan_reshard(gpt_param_specs(4, 64, 4, 4, 16, 128, 512), Layout(tp=2, pp=2, dp=1), (1, 1))
     assert tp.reshard_seconds(small, 8, hw) == pytest.approx(max(small.bytes_recv) / 450e9, rel=0.5)
     assert tp.reshard_seconds(small, 1, hw) > 5 * tp.reshard_seconds(small, 8, hw)
 

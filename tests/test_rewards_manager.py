@@ -99,7 +99,7 @@ def test_config_optional_keys_are_read_when_present():
 
 
 def test_unknown_rule_and_length_mismatch():
-    with pytest.raises(RewardError, match="unknown reward rule 'fuzzy'; available: exact_match, format, numeric_match"):
+    with pytest.raises(RewardError, match="unknown reward rule 'fuzzy'; available: exact_match, format, length_match, numeric_match"):
         RewardManager.from_rule("fuzzy")
     with pytest.raises(ValueError, match="2 solutions but inputs of lengths"):
         RewardManager.from_rule("exact_match").score(["a", "b"], ["s"], ["a", "b"])

@@ -11,6 +11,7 @@ from hyflow.rewards import (
     extract_answer,
     extract_number,
     format_match,
+    length_match,
     numeric_match,
     parse_number,
     rule_names,
@@ -96,8 +97,21 @@ def test_format_match_and_rule_table():
     assert format_match("42") == 1.0 and format_match(" -1,234.5 ") == 1.0
     assert format_match("42 apples") == 0.0 and format_match("") == 0.0
     assert format_match("<think>x</think> 5", r"<think>.*</think>\s*\d+") == 1.0
-    assert rule_names() == ["exact_match", "format", "numeric_match"]
+    assert rule_names() == ["exact_match", "format", "length_match", "numeric_match"]
     assert RULES["format"]("abc", None, {"format_pattern": "[a-c]+"}) == 1.0
     assert RULES["format"]("abc", None, None) == 0.0
     assert RULES["numeric_match"]("x 5", "5", None) == 1.0
     assert RULES["exact_match"]("A", "a", None, case_sensitive=False) == 1.0
+
+
+def test_length_match_scores_the_relative_length_error():
+    assert length_match("1234", "1234") == 1.0
+    assert length_match("  abcd\n", "1234") == 1.0                 # length only, whitespace stripped
+    assert length_match("12", "1234") == 0.5
+    assert length_match("123456", "1234") == 0.5
+    assert length_match("", "1234") == 0.0
+    assert length_match("1" * 20, "1234") == 0.0                    # never negative
+    assert RULES["length_match"]("123", "1234", extra_info={}) == 0.75
+    for bad in ("", "   ", None, 12):
+        with pytest.raises(ValueError, match="length_match: ground truth must be a non-empty string"):
+            length_match("12", bad)

@@ -5,9 +5,9 @@
 * no import cycle between modules, and none between library packages (``hyflow.X``);
 * no two public classes or module-level type aliases share a name (two ``KLKind = Literal[...]``
   drift apart);
-* imports inside functions stay a small share of all imports (:data:`MAX_FUNCTION_IMPORTS`), and in
-  the modules listed in :data:`JUSTIFIED` each one says why in a comment (an optional heavy
-  dependency, a cycle): a module's dependencies are read at its top;
+* imports inside functions stay a small share of all imports (:data:`MAX_FUNCTION_IMPORTS`), and
+  each one says why in a comment (an optional dependency, Megatron kept off a light path such as
+  ``hyflow --help`` or the preflight): a module's dependencies are read at its top;
 * files over :data:`WARN_LINES` lines get a printed warning, not a failure: modules are split by
   concept, never by a line count.
 
@@ -53,24 +53,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 #: imports inside functions / all imports, engine + launch + tools + kernels (31.0% on 2026-11-28
 #: before issue 32's first moves, 27.7% after them, 25.1% with the shared job loop, 19.8% with the
-#: bench / CLI / monitor / testing / model-source moves, 20.3% after the MoE merge; the target is <= 10%)
-MAX_FUNCTION_IMPORTS = 0.21
-#: modules whose every import inside a function carries a comment saying why (one line: an optional
-#: heavy dependency, a cycle, the preflight staying light); grows as modules are cleaned
-JUSTIFIED = ("hyflow.rl.", "hyflow.placement.pool_models", "hyflow.jobs.rl", "hyflow.rollout.config",
-             "hyflow.roles", "hyflow.doctor.", "hyflow.models.sources.",
-             "hyflow.tools.bench.longctx", "hyflow.tools.bench.micro_batches", "hyflow.tools.bench.exact_logprobs",
-             "hyflow.tools.bench.trl_grpo", "hyflow.tools.bench.rl", "hyflow.tools.bench.scaling",
-             "hyflow.tools.bench.head", "hyflow.tools.bench.manifest", "hyflow.tools.convert.launch",
-             "hyflow.tools.convert.memory", "hyflow.tools.gpu_check", "hyflow.launch.cli", "hyflow.launch.grace",
-             "hyflow.launch.preemption", "hyflow.validation.cli", "hyflow.data.cli", "hyflow.data.preference",
-             "hyflow.plan.cli", "hyflow.plan.flops", "hyflow.monitor.trackers", "hyflow.monitor.progress",
-             "hyflow.monitor.comm", "hyflow.monitor.comm_groups", "hyflow.monitor.plot", "hyflow.monitor.memory",
-             "hyflow.rewards.spec", "hyflow.rollout", "hyflow.rollout.runner", "hyflow.rollout.loading",
-             "hyflow.rollout.decode_forward", "hyflow.rollout.cpu_pack", "hyflow.testing.rl",
-             "hyflow.testing.trackers", "hyflow.testing.multirank", "hyflow.checkpoint.rng",
-             "hyflow.checkpoint.optimizer_state", "hyflow.checkpoint.architecture", "hyflow.training.output_head",
-             "hyflow.models.ulysses_attention", "hyflow.models.sdpa_attention")
+#: bench / CLI / monitor / testing / model-source moves, 20.3% after the MoE merge, under 10% once the
+#: imports that were inside functions by habit moved to the top)
+MAX_FUNCTION_IMPORTS = 0.10
+#: modules another branch is rewriting as this rule lands (the why-comment check skips them until then)
+PENDING_WHY = ("hyflow.tools.bench.rollout",)  # issue 31's vLLM bench rewrite
 
 
 def _modules() -> dict[str, str]:
@@ -378,9 +365,9 @@ def unjustified_imports(name: str, source: str) -> list[str]:
 def test_imports_inside_functions_say_why():
     bad = []
     for name, path in MODULES.items():
-        if name in JUSTIFIED or any(j.endswith(".") and (name + ".").startswith(j) for j in JUSTIFIED):
+        if name not in PENDING_WHY:
             bad += unjustified_imports(name, open(path).read())
-    assert bad == []
+    assert bad == [], "an import inside a function needs a comment saying why (or move it to the top)"
     assert unjustified_imports("x", "def f():\n    import os\n") == ["x:2: import os"]
     assert unjustified_imports("x", "def f():\n    # optional heavy dependency\n    import vllm\n") == []
     block = "def f():\n    # optional heavy dependencies\n    import vllm\n\n    from vllm import x\n"

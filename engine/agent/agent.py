@@ -14,6 +14,7 @@ from hyflow.agent.chat import ChatFormat
 from hyflow.agent.config import MultiTurnConfig
 from hyflow.agent.rollout import EngineTurns, MultiTurnRollout
 from hyflow.agent.trajectory import STATS, final_turns, to_sample_tensors
+from hyflow.rewards.manager import RewardBatch
 from hyflow.rollout.config import SamplingConfig
 from hyflow.rollout.dp import SampleTensors, all_gather_samples, split_evenly
 
@@ -55,8 +56,6 @@ class MultiTurnAgent:
         ``(scores [N] float32, RewardBatch)``. ``rollout.multi_turn.reward`` picks the reward
         section's score of the final assistant turn, the environment's rewards, or their sum; a
         dropped trajectory scores 0."""
-        from hyflow.rewards.manager import RewardBatch
-
         meta = samples.meta.tolist()
         recs = [records[row[0] - first] for row in meta]
         env = samples.stats[:, STATS.index("env_reward")].float()

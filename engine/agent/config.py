@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from hyflow.agent.builder import check_agent_config
+from hyflow.agent.tools import BUILTIN_TOOLS
 from hyflow.config import ConfigError
 from hyflow.config.checks import check_finite, check_positive
 
@@ -100,8 +102,6 @@ class MultiTurnConfig:
                 raise ConfigError(f"must be > 0, got {getattr(self, name)}", key=name)
         if self.max_retries < 0:
             raise ConfigError(f"must be >= 0, got {self.max_retries}", key="max_retries")
-        from hyflow.agent.tools import BUILTIN_TOOLS
-
         unknown = [t for t in self.tools if t not in BUILTIN_TOOLS]
         if unknown:
             raise ConfigError(f"unknown built-in tool(s) {unknown}; built-in: {sorted(BUILTIN_TOOLS)} (other tools "
@@ -112,6 +112,4 @@ class MultiTurnConfig:
             raise ConfigError("must be a chat role such as tool or user", key="observation_role")
         self.sandbox.validate()
         if self.enable:  # files and classes are checked only when they will be used
-            from hyflow.agent.builder import check_agent_config
-
             check_agent_config(self)

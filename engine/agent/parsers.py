@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
+from hyflow.agent.loading import load_object
+
 
 @dataclass
 class ToolCall:
@@ -83,8 +85,6 @@ def make_parser(spec: str) -> ToolCallParser:
     """The parser ``spec`` names: a built-in (``hermes``) or ``module:Class`` / ``file.py:Class``."""
     if spec in PARSERS:
         return PARSERS[spec]()
-    from hyflow.agent.loading import load_object
-
     cls = load_object(spec, what="tool-call parser (rollout.multi_turn.format)")
     parser = cls()
     if not callable(getattr(parser, "parse", None)):

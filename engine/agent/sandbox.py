@@ -36,7 +36,7 @@ import tempfile
 import time
 from typing import Any, Optional, Union
 
-from hyflow.agent.tools import Tool, ToolFailure, ToolResult, function_schema
+from hyflow.agent.tools import Tool, ToolConfigError, ToolFailure, ToolResult, function_schema
 
 # Runs in the sandboxed interpreter: limits, then the audit hook, then the code. argv: code file,
 # CPU seconds, address space bytes, file size bytes.
@@ -209,8 +209,6 @@ class PythonTool(Tool):
         super().__init__(config, tool_schema)
         unknown = set(self.config) - set(self.LIMITS)
         if unknown:
-            from hyflow.agent.tools import ToolConfigError
-
             raise ToolConfigError(f"python tool: unknown config key(s) {sorted(unknown)} (known: {self.LIMITS})")
 
     @classmethod

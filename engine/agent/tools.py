@@ -30,6 +30,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from hyflow.agent.loading import LoadError, load_object
+from hyflow.config.core import yaml_load
+
 #: built-in tools by name (``rollout.multi_turn.tools``), loaded on use
 BUILTIN_TOOLS = {"calculator": "hyflow.agent.calculator:Calculator", "python": "hyflow.agent.sandbox:PythonTool"}
 
@@ -134,16 +137,11 @@ def argument_errors(schema: dict, arguments: dict[str, Any]) -> list[str]:
 
 
 def make_builtin(name: str, config: Optional[dict] = None) -> Tool:
-    from hyflow.agent.loading import load_object
-
     return load_object(BUILTIN_TOOLS[name], what=f"built-in tool {name}")(config=config)
 
 
 def load_tool_config(path: str) -> list[Tool]:
     """The tools of a verl-shaped tool YAML (see the module docstring)."""
-    from hyflow.agent.loading import LoadError, load_object
-    from hyflow.config.core import yaml_load
-
     if not os.path.isfile(path):
         raise ToolConfigError(f"tool config not found: {path} (rollout.multi_turn.tool_config_path)")
     with open(path, encoding="utf-8") as f:

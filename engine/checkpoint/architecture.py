@@ -16,14 +16,13 @@ from typing import Optional
 
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription, ModelDescriptionError
 from hyflow.data.tasks import task_info
+from hyflow.models.sources.model_source import hf_description, is_hf_model
 
 
 def read_checkpoint_architecture(ckpt_dir: str) -> Optional[ModelDescription]:
     """``ckpt_dir``'s ``model.json`` (its relative tokenizer path made absolute), or None when
     the checkpoint is not on this machine. A malformed one raises :class:`ModelDescriptionError`.
     An HF model directory or ``.gguf`` file gives the architecture of its config."""
-    from hyflow.models.sources.model_source import hf_description, is_hf_model  # light: no torch to validate
-
     if is_hf_model(ckpt_dir):
         try:
             return hf_description(ckpt_dir)

@@ -36,6 +36,9 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import __version__ as mcore_version, dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from hyflow.checkpoint.adapters import adapter_info, check_adapter_checkpoint
 from hyflow.checkpoint.agree import any_rank, broadcast_json
@@ -48,13 +51,15 @@ from hyflow.checkpoint.files import describe_os_error, find_os_error, full_disk_
 from hyflow.checkpoint.manifest import write_manifest, verify_manifest
 from hyflow.checkpoint.megatron_io import quiet_dist_checkpointing, stop_signal_proof_writer_queue
 from hyflow.checkpoint.model import (CHECKPOINT_INFO_FILE, CheckpointInfo, check_compatible, load_model_checkpoint,
-                                     model_dtype_name, read_checkpoint_info, read_description, store_tokenizer,
-                                     verify_model_checkpoint)
+                                     model_dtype_name, read_checkpoint_info, read_description, save_model_checkpoint,
+                                     store_tokenizer, verify_model_checkpoint)
 from hyflow.checkpoint.optimizer_state import (allocate_distributed_optimizer_state, distributed_parts,
                                                has_tensors, optimizer_format, optimizer_metadata,
                                                restore_adam_steps)
 from hyflow.checkpoint.rng import capture_rng, load_rng, restore_rng, save_rng
 from hyflow.checkpoint.trained_model import TrainedModel
+from hyflow.checkpoint.trust import check_dcp_pickles
+from hyflow.compat import cpu
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription
 from hyflow.monitor import watchdog
 from hyflow.parallel.groups import ParallelGroups
@@ -72,7 +77,10 @@ __all__ = ["Checkpointer", "TrainedModel", "STATE_FORMAT", "STATE_VERSION", "res
 
 
 def _layout_dict(layout: Any) -> dict[str, Any]:
-    return dict(asdict(layout), world_size=dist.get_world_size())
+    fields = asdict(layout)
+    if not fields.get("start"):  # a layout from rank 0 reads as checkpoints written before Layout.start
+        fields.pop("start", None)
+    return dict(fields, world_size=dist.get_world_size())
 
 
 def _describe_layout(layout: dict[str, Any]) -> str:
@@ -121,8 +129,6 @@ class Checkpointer:
     def __init__(self, output_dir: str, groups: ParallelGroups, desc: ModelDescription, keep_last: int = 2, *,
                  async_save: Optional[bool] = None, log: Callable[[str], None] = print,
                  tokenizer: Optional[str] = None, layout: Any = None, reshard: bool = True) -> None:
-        from hyflow.compat import cpu
-
         self.output_dir = output_dir
         self.root = checkpoints_root(output_dir)
         self.groups, self.desc, self.keep_last, self.tokenizer = groups, desc, keep_last, tokenizer
@@ -254,8 +260,6 @@ class Checkpointer:
 
         pending = [r for r in requests if r is not None]
         if pending:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
             pending[-1].add_finalize_fn(finalize)
             self._queue = self._queue or AsyncCallsQueue()
             for request in pending:
@@ -269,8 +273,6 @@ class Checkpointer:
         return any_rank(flag, self.groups.device)
 
     def _dist_save(self, sharded: dict, directory: str) -> Any:
-        from megatron.core import dist_checkpointing
-
         os.makedirs(directory, exist_ok=True)
         # Megatron's access-integrity validation all-gathers every rank's shard metadata (pickled,
         # O(world x shards) per rank). It checks that the layout's shards cover each tensor once,
@@ -283,8 +285,6 @@ class Checkpointer:
                                            validate_access_integrity=validate)
 
     def _model_info(self, module: torch.nn.Module, step: int, name: str) -> CheckpointInfo:
-        from megatron.core import __version__ as mcore_version
-
         layout = self.groups.layout
         return CheckpointInfo(dtype=model_dtype_name(module), tp=layout.tp, pp=layout.pp,
                               num_layers=self.desc.num_layers, vocab_size=self.desc.vocab_size,
@@ -312,8 +312,6 @@ class Checkpointer:
     def _save_frozen(self, name: str, model: torch.nn.Module) -> str:
         """Write a frozen model once per run (synchronously); returns its path relative to the
         step directories."""
-        from hyflow.checkpoint.model import save_model_checkpoint
-
         target = os.path.join(self.root, name)
         saved = False
         if dist.get_rank() == 0:  # rank 0's view decides for everyone
@@ -402,8 +400,6 @@ class Checkpointer:
         error: Optional[CheckpointError] = None
         state: dict[str, Any] = {}
         try:
-            from hyflow.checkpoint.trust import check_dcp_pickles
-
             state = self._read_state(path)
             for name, entry in state["models"].items():
                 check_dcp_pickles(os.path.join(path, name))
@@ -497,9 +493,6 @@ class Checkpointer:
 
     def _join_load(self, directory: str, entry: dict[str, Any]) -> None:
         """A rank without the model: the same dist_checkpointing loads as its holders, empty."""
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.validation import StrictHandling
-
         with quiet_dist_checkpointing():
             dist_checkpointing.load({}, directory, strict=StrictHandling.RAISE_UNEXPECTED)
             if entry.get("optimizer"):
@@ -512,9 +505,6 @@ class Checkpointer:
         if not exact:
             load_model_checkpoint(module, directory, self.groups, self.desc, verify=False)
             return
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.validation import StrictHandling
-
         info = read_checkpoint_info(directory)  # complete, files present
         check_compatible(self.desc, read_description(directory), directory)
         check_adapter_checkpoint(info.extra, module, directory)
@@ -524,8 +514,6 @@ class Checkpointer:
         module.load_state_dict(state, strict=True)
 
     def _load_optimizer(self, model: TrainedModel, directory: str, fmt: str) -> None:
-        from megatron.core import dist_checkpointing
-
         module = model.module
         allocate_distributed_optimizer_state(model.optimizer)
         sharded = model.optimizer.sharded_state_dict(module.sharded_state_dict(), is_loading=True,

@@ -203,6 +203,7 @@ def model_checkpoint_dir(path: str, role: str = "actor", warn: Callable[[str], N
     holds ``hyflow_checkpoint.json``), else ``role``'s model in the step checkpoint that ``path``
     names (a step directory, a checkpoints directory or a run directory: its newest complete
     checkpoint; ``warn`` names skipped incomplete ones). Raises :class:`CheckpointError`."""
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from hyflow.checkpoint.model import CHECKPOINT_INFO_FILE
 
     if os.path.exists(os.path.join(path, CHECKPOINT_INFO_FILE)):

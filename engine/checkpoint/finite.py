@@ -15,13 +15,12 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
 from hyflow.checkpoint.errors import NonFiniteWeights
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    from megatron.core.utils import unwrap_model
-
     return unwrap_model(module)
 
 

@@ -34,6 +34,9 @@ import re
 import stat
 from typing import Any, Iterable, Optional
 
+import torch
+import torch.distributed as dist
+
 from hyflow.checkpoint.errors import CheckpointDamaged, CheckpointError
 from hyflow.checkpoint.files import read_json, write_json
 
@@ -83,8 +86,6 @@ def file_digest(path: str, algorithm: str = ALGORITHM) -> str:
 
 
 def _dist(group: Any = None):
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist, dist.get_rank(group), dist.get_world_size(group)
     return None, 0, 1
@@ -181,8 +182,6 @@ def write_manifest(root: str, exclude: Iterable[str] = (), group: Any = None) ->
     except OSError as e:
         failure = e
     if dist is not None and parts > 1:  # every part is on disk (or some rank failed): one scalar
-        import torch
-
         device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         if device == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
@@ -401,8 +400,6 @@ def verify_manifest(root: str, prefix: str = "", group: Any = None, device: Any 
     parts = manifest["parts"]
     first, listed = _check_parts(root, manifest, range(rank, parts, world), prefix, checksums)
     if dist is not None and world > 1:
-        import torch
-
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
                 else "cpu"
@@ -413,8 +410,6 @@ def verify_manifest(root: str, prefix: str = "", group: Any = None, device: Any 
     if rank == 0 and first is None and len(_on_disk(root, manifest, prefix)) > listed:
         first = _key(parts, 0, "unlisted")
     if dist is not None and world > 1:
-        import torch
-
         value = torch.tensor([none if first is None else first], dtype=torch.int64, device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
         first = None if int(value.item()) == none else int(value.item())

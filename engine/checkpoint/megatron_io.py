@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing as mp
 import os
+import signal
+import threading
 import time
 import warnings
+from multiprocessing.managers import SyncManager
 from typing import Iterator
+
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 
 @contextlib.contextmanager
@@ -39,9 +45,6 @@ def quiet_dist_checkpointing() -> Iterator[None]:
 def _ignore_stop_signals() -> None:
     """Manager initializer: ignore stop signals, and exit as soon as the rank that started it
     is gone (it would be orphaned by a SIGKILLed rank otherwise)."""
-    import signal
-    import threading
-
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     parent = os.getppid()
@@ -63,11 +66,6 @@ def stop_signal_proof_writer_queue() -> None:
     Slurm signals every process of a job step, so the manager would die on the very signal that
     asks for a last save, and that save would fail with "Broken pipe". (The manager is still
     shut down with the rank, and SIGKILL still ends it.)"""
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))

@@ -36,6 +36,9 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import __version__ as mcore_version, dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.utils import unwrap_model  # Megatron DDP / Float16Module wrappers
 
 from hyflow.checkpoint.adapters import (adapter_info, adapter_settings, base_reference, check_adapter_checkpoint,
@@ -46,6 +49,8 @@ from hyflow.checkpoint.files import write_json
 from hyflow.checkpoint.finite import check_finite
 from hyflow.checkpoint.manifest import MANIFEST_FILE, PARTS_DIR, sizes_match, verify_manifest, write_manifest
 from hyflow.checkpoint.megatron_io import quiet_dist_checkpointing
+from hyflow.checkpoint.trust import check_dcp_pickles, read_dcp_index
+from hyflow.models.builder import build_gpt_model
 from hyflow.models.description import DESCRIPTION_FILE, ModelDescription, ModelDescriptionError
 from hyflow.models.lora import apply_lora, lora_spec, merge_and_unload
 from hyflow.models.sources.errors import ConversionError
@@ -111,8 +116,6 @@ def build_model_for_loading(desc: ModelDescription, groups: ParallelGroups, *, d
     Skips Megatron's random initialisation (which draws every full-size matrix on
     every rank), so building a large model for a checkpoint load is cheap.
     """
-    from hyflow.models.builder import build_gpt_model
-
     return build_gpt_model(desc, groups, dtype=dtype, spec=spec,
                            config_overrides={"perform_initialization": False})
 
@@ -197,8 +200,6 @@ def verify_model_checkpoint(ckpt_dir: str, groups: Optional[ParallelGroups] = No
     (:class:`CheckpointDamaged` naming the file for damage, ``ManifestMissing`` without a
     manifest). Returns False, after ``warn`` (default: a logged warning), when the checkpoint has
     no manifest and verification is off (``--no-verify``)."""
-    from hyflow.checkpoint.trust import check_dcp_pickles
-
     root, prefix = manifest_location(ckpt_dir)
     manifest = verify_manifest(root, prefix, device=getattr(groups, "device", None))
     check_dcp_pickles(ckpt_dir)
@@ -213,8 +214,6 @@ def verify_model_checkpoint(ckpt_dir: str, groups: Optional[ParallelGroups] = No
 def _check_dcp_files(ckpt_dir: str) -> None:
     """Every data file named by the torch_dist ``.metadata`` exists and is long enough (the
     index is read with hyflow's restricted unpickler: :mod:`hyflow.checkpoint.trust`)."""
-    from hyflow.checkpoint.trust import read_dcp_index
-
     metadata = read_dcp_index(ckpt_dir)
     needed: dict[str, int] = {}
     for item in (metadata.storage_data or {}).values():
@@ -292,9 +291,6 @@ def save_model_checkpoint(model: Optional[torch.nn.Module], ckpt_dir: str, group
     of it (a rank of another pool, ``trainer.mode: one_step_off``) and joins the collectives
     with nothing to write; rank 0 must hold it.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core import __version__ as mcore_version
-
     if model is None and dist.get_rank() == 0:
         raise CheckpointError("rank 0 must hold the model it saves")
     check_finite({"model": model}, f"saving {ckpt_dir}", device=groups.device)
@@ -344,10 +340,6 @@ def load_model_checkpoint(model: Optional[torch.nn.Module], ckpt_dir: str, group
     the caller has just verified them. ``model=None``: this rank holds no part of it and joins
     the collectives with nothing to read.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
     info = read_checkpoint_info(ckpt_dir)
     ckpt_desc = read_description(ckpt_dir)
     if desc is not None:

@@ -26,6 +26,9 @@ import pickle
 import re
 from typing import Any
 
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
 from hyflow.checkpoint.errors import CheckpointError
 
 _DCP = "torch.distributed.checkpoint"
@@ -50,8 +53,6 @@ class _IndexUnpickler(pickle.Unpickler):
         self.source = source
 
     def find_class(self, module: str, name: str) -> Any:
-        import torch
-
         if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                      torch.dtype)):
             return super().find_class(module, name)
@@ -95,8 +96,6 @@ def unpickling_detail(e: BaseException) -> str:
 def check_plain_pickle(data: bytes, source: str) -> None:
     """Raise :class:`CheckpointError` unless ``data`` (a ``torch.save`` payload) loads with
     ``weights_only=True``: tensors, numbers, strings and containers only."""
-    import torch
-
     try:
         torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -110,8 +109,6 @@ def check_plain_pickle(data: bytes, source: str) -> None:
 def check_dcp_pickles(ckpt_dir: str) -> Any:
     """Check every pickle of the distributed checkpoint in ``ckpt_dir`` (see the module
     docstring); returns its DCP ``Metadata``. Raises :class:`CheckpointError`."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
     metadata = read_dcp_index(ckpt_dir)
     storage = getattr(metadata, "storage_data", None) or {}
     for fqn, item in (getattr(metadata, "state_dict_metadata", None) or {}).items():

@@ -58,6 +58,7 @@ import os
 from typing import Any, Callable
 
 import torch
+from torch.utils._device import _device_constructors
 
 __all__ = ["activate", "deactivate", "is_active", "maybe_activate", "CpuCompatError"]
 
@@ -148,6 +149,7 @@ def _tensor_type(original: Callable) -> Callable:
 
 def _install_rng() -> None:
     """Make the CPU default generator play the role of the CUDA generator."""
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     import megatron.core.tensor_parallel.random as mrandom
 
     def get_rng_state(device: Any = "cuda", *_, **__) -> torch.Tensor:
@@ -237,6 +239,7 @@ class _WgradGemmAccumulate:
 
 
 def _install_wgrad_accumulation() -> None:
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from megatron.core.tensor_parallel import layers
 
     if not layers._grad_accum_fusion_available:
@@ -288,6 +291,7 @@ def _uneven_reduce_scatter(original: Callable) -> Callable:
 
 
 def _install_moe_dispatcher() -> None:
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import token_dispatcher
 
@@ -301,6 +305,7 @@ def _install_moe_dispatcher() -> None:
 def install_without_te() -> None:
     """Megatron-Core's MoE utilities without Transformer Engine (GPU or CPU): define the
     ``te_general_gemm`` name its router tests (None: torch's matmul path)."""
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -321,8 +326,6 @@ def activate() -> None:
     # `with torch.device(...)` recognises factories by identity in a set cached on first use:
     # cache torch's own functions before wrapping them, or meta-device model construction
     # (transformers' from_pretrained) silently builds some buffers on the CPU instead.
-    from torch.utils._device import _device_constructors
-
     _device_constructors()
     for name in _FACTORIES:
         _patch(torch, name, _wrap_factory(getattr(torch, name)))

@@ -21,6 +21,7 @@ import logging
 import os
 from typing import Any, Iterable, Optional, Sequence
 
+from hyflow.data.tasks import make_task_rows
 from hyflow.data.tokenizer import Tokenizer
 
 __all__ = [
@@ -141,6 +142,7 @@ def read_rows(path: str, limit: Optional[int] = None) -> list[Any]:
 
 def _pyarrow_parquet(path: str) -> Any:
     try:
+        # optional dependency (pyarrow): only this path needs it
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise DatasetError(f"{path}: reading/writing parquet needs pyarrow: `pip install pyarrow` "
@@ -158,6 +160,7 @@ def write_rows(rows: Sequence[dict], path: str) -> str:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     elif ext in (".parquet", ".pq"):
         pq = _pyarrow_parquet(path)
+        # optional dependency (pyarrow): only this path needs it
         import pyarrow as pa
 
         pq.write_table(pa.Table.from_pylist(list(rows)), path)
@@ -356,8 +359,6 @@ def build_dataset(data: Any, rollout: Any, tokenizer: Tokenizer, require_ground_
     kwargs = dict(max_prompt_length=rollout.max_prompt_length, truncate=rollout.truncate_long_prompts,
                   prompt_key=data.prompt_key, require_ground_truth=require_ground_truth)
     if data.task:
-        from hyflow.data.tasks import make_task_rows
-
         options = dict(getattr(data, "task_options", None) or {})  # e.g. {max_digits: 4}, when the key exists
         rows = make_task_rows(data.task, data.task_size, seed=data.seed, **options)
         kwargs["prompt_key"] = "prompt"

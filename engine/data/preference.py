@@ -35,6 +35,7 @@ import logging
 from typing import Any, Iterable, Literal, Optional, Sequence
 
 import numpy as np
+import torch
 
 from hyflow.data.dataset import DatasetError, _format_errors, _messages, _RowError, read_rows
 from hyflow.data.tokenizer import Tokenizer
@@ -370,9 +371,6 @@ def sequence_tensors(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], p
     ``tokens`` [n, S], ``position_ids`` and ``completion_mask`` (1 on completion tokens, aligned
     like :func:`hyflow.training.logprobs.shifted_token_logprobs`: position j scores token j).
     Built on the host, then moved to ``device`` in one copy per tensor."""
-    # torch stays out of config loading (`hyflow --help`, validation import this module)
-    import torch
-
     S = max(len(p) + len(c) for p, c in sequences) if length is None else length
     S = -(-S // multiple) * multiple
     tokens = torch.full((len(sequences), S), pad_id, dtype=torch.long, device="cpu")

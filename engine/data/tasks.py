@@ -6,6 +6,10 @@ Character-level tasks for the tiny CPU quickstart model (``CharTokenizer``, exac
 * ``digits_reverse`` -- ``"reverse 4821"`` -> ``"1284"``
 * ``digits_sort``    -- ``"sort 4821"``    -> ``"1248"``
 * ``digit_add``      -- ``"3+5="``         -> ``"8"``
+* ``length_tail``    -- ``"write 12"``     -> ``"123456789012"`` (scored by ``length_match``: the
+  response's length against the asked one); the asked lengths follow a truncated Pareto law, so
+  most answers are short and a few are 10x longer (the long tail that ``trainer.mode: async``
+  is for)
 
 Word problems for an instruct model such as SmolLM2-135M-Instruct (numeric-match reward):
 
@@ -36,6 +40,7 @@ import zlib
 from typing import Any, Callable, Optional
 
 from hyflow.config import ConfigError
+from hyflow.data.tokenizer import load_tokenizer
 
 __all__ = ["TaskInfo", "TASKS", "task_info", "task_options", "check_task_options", "make_task_rows",
            "make_preference_rows", "tokenizer_spec_for", "load_data_tokenizer", "QUICKSTART_TASK",
@@ -94,6 +99,23 @@ def _digit_add_problems(size: int, seed: int) -> list[tuple[str, int, tuple[int,
 def _make_digit_add(size: int, seed: int = 0) -> list[dict]:
     """Rows ``"a+b="`` -> ``"a+b"`` for single digits a, b."""
     return [_row("digit_add", i, q, str(ans), "math") for i, (q, ans, _) in enumerate(_digit_add_problems(size, seed))]
+
+
+def _make_length_tail(size: int, seed: int = 0, min_length: int = 3, max_length: int = 48,
+                      alpha: float = 1.0) -> list[dict]:
+    """Rows ``"write N"`` -> the first N characters of ``"1234567890"`` repeated, N from a Pareto law
+    of shape ``alpha`` truncated to ``[min_length, max_length]`` (heavy at ``min_length``)."""
+    if not 1 <= min_length < max_length:
+        raise ValueError(f"need 1 <= min_length < max_length, got {min_length}, {max_length}")
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    rng = random.Random(f"length_tail:{seed}")
+    tail = 1.0 - (min_length / max_length) ** alpha
+    rows = []
+    for i in range(size):
+        n = min(max_length, round(min_length / (1.0 - rng.random() * tail) ** (1.0 / alpha)))
+        rows.append(_row("length_tail", i, f"write {n}", ("1234567890" * (n // 10 + 1))[:n], "length"))
+    return rows
 
 
 _OPS: dict[str, tuple[str, Callable[[int, int], int]]] = {
@@ -258,6 +280,8 @@ TASKS: dict[str, TaskInfo] = {
         TaskInfo("digits_sort", "sort the digits of a 3-5 digit string",
                  _digit_task("digits_sort", "sort", lambda s: "".join(sorted(s))), "char", "exact_match"),
         TaskInfo("digit_add", "add two single digits", _make_digit_add, "char", "exact_match"),
+        TaskInfo("length_tail", "'write N' -> N characters, N long-tailed (3-48): response lengths vary >10x",
+                 _make_length_tail, "char", "length_match"),
         TaskInfo("arithmetic", "'What is 17 + 25? Answer with just the number.' word problems",
                  _make_arithmetic, None, "numeric_match"),
         TaskInfo("tool_arithmetic", "'What is 347 * 28?' for a model with the calculator tool (multi-turn)",
@@ -344,6 +368,4 @@ def tokenizer_spec_for(data: Any) -> str:
 
 def load_data_tokenizer(data: Any) -> Any:
     """Load the tokenizer a ``DataConfig`` names (see :func:`tokenizer_spec_for`)."""
-    from hyflow.data.tokenizer import load_tokenizer
-
     return load_tokenizer(tokenizer_spec_for(data))

@@ -130,6 +130,7 @@ class SentencePieceTokenizer(Tokenizer):
     """Adapter over a raw sentencepiece ``.model`` (plain-text chat format, BOS prepended)."""
 
     def __init__(self, model_file: str) -> None:
+        # optional dependency (sentencepiece): only this path needs it
         import sentencepiece as spm
 
         self.name = model_file
@@ -226,6 +227,7 @@ class CharTokenizer(Tokenizer):
 
 def _hf_from_pretrained(path: str, **kwargs: Any) -> HFTokenizer:
     try:
+        # optional dependency (transformers, sentencepiece, tokenizers): only this path needs it
         from transformers import AutoTokenizer
     except ImportError as exc:  # pragma: no cover - transformers is in the hf extra
         raise TokenizerError(f"loading tokenizer {path} needs `pip install transformers` "

@@ -14,6 +14,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
+import torch
+import torch.distributed as dist
+
 MIB = 1 << 20
 GPU_MAX_SIZE = 1 << 30
 CPU_MAX_SIZE = 64 * MIB
@@ -54,9 +57,6 @@ def bus_factor(op: str, n: int) -> float:
 
 def host_of_ranks() -> list[str]:
     """Hostname of every rank (collective)."""
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    import torch.distributed as dist
-
     names: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(names, socket.gethostname())
     return [str(n) for n in names]
@@ -75,10 +75,6 @@ def node_groups(hosts: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]
 
 
 def _time_op(op: str, group: Any, n: int, size: int, iters: int, warmup: int, device: Any) -> float:
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    import torch
-    import torch.distributed as dist
-
     numel = max(size // 4 // n * n, n)
     if op == "all_reduce":
         buf = torch.ones(numel, dtype=torch.float32, device=device)
@@ -105,10 +101,6 @@ def _time_op(op: str, group: Any, n: int, size: int, iters: int, warmup: int, de
 
 def check_all_reduce(group: Any, n: int, device: Any) -> Optional[str]:
     """A message when a sum all-reduce of ones does not give ``n`` everywhere."""
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    import torch
-    import torch.distributed as dist
-
     buf = torch.ones(1024, dtype=torch.float32, device=device)
     dist.all_reduce(buf, group=group)
     ok = torch.tensor([1.0 if bool((buf == n).all()) else 0.0], device=device)
@@ -121,10 +113,6 @@ def measure_groups(named: dict[str, list[list[int]]], sizes: Sequence[int], *, i
                    thresholds: Optional[dict[str, float]] = None) -> tuple[list[Row], list[str]]:
     """Measure each kind of groups (all of its groups at once). Collective: every rank calls
     it with the same arguments. ``local[kind]`` says whether each group sits on one node."""
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    import torch
-    import torch.distributed as dist
-
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     rows: list[Row] = []
     errors: list[str] = []
@@ -181,10 +169,6 @@ def measure_pairs(size: int, *, iters: int, warmup: int, hosts: Sequence[str], o
     """Bandwidth of every ring-neighbour rank pair: both ranks send ``size`` bytes to each other
     at once (``batch_isend_irecv``); GB/s = size / time per direction, time = the slower rank's.
     Collective. Each pair is checked against the threshold for its locality."""
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    import torch
-    import torch.distributed as dist
-
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     numel = max(size // 4, 1)

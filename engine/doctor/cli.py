@@ -24,10 +24,14 @@ import os
 import sys
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
+
 from hyflow.cli_support import make_intermixed
 from hyflow.config.units import format_bytes, parse_size
 from hyflow.doctor import bandwidth as bw, env
 from hyflow.jobs.registry import load_job_config
+from hyflow.parallel.distributed import init_distributed, launched_by_torchrun
 
 
 def _layout_groups(config: Optional[str], overrides: list[str], world: int) -> dict[str, list[list[int]]]:
@@ -64,9 +68,6 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
     """Collect everything (collective when launched as ranks); returns the JSON object."""
     report: dict[str, Any] = {"versions": env.versions(), "cpu": env.cpu_info(), "gpus": env.gpus(),
                               "topology": env.topology(), "env": env.relevant_env()}
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    from hyflow.parallel.distributed import launched_by_torchrun
-
     thresholds = thresholds_of(args)
     if not launched_by_torchrun():
         report.update(world_size=1, nodes=1, backend=None, bandwidth=[], pairs=[], errors=[],
@@ -74,12 +75,6 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
                       note="one process: start with `hyflow launch local doctor --nproc N` to "
                            "measure collective bandwidth")
         return report
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    import torch
-    import torch.distributed as dist
-
-    from hyflow.parallel.distributed import init_distributed
-
     init_distributed()
     world = dist.get_world_size()
     on_gpu = dist.get_backend() == "nccl"
@@ -212,9 +207,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(json.dumps(report, separators=(",", ":")), flush=True)
         else:
             print(format_report(report), flush=True)
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     return 1 if bad or (args.strict and report["warnings"]) else 0

@@ -11,6 +11,7 @@ import subprocess
 from typing import Any, Optional
 
 import psutil
+import torch
 
 PACKAGES = ("hyflow", "torch", "megatron-core", "transformer-engine", "triton", "numpy")
 #: Environment prefixes / names worth showing (never anything that looks like a secret).
@@ -50,9 +51,6 @@ def versions() -> dict[str, str]:
 
 def gpus() -> list[dict[str, Any]]:
     """One entry per visible GPU (empty without CUDA)."""
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    import torch
-
     if not torch.cuda.is_available():
         return []
     out = []

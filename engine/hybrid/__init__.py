@@ -12,12 +12,11 @@ on the same ranks.
 The layout fix-up kernels live in ``hyflow.kernels``. Importing this package does not import torch.
 """
 from hyflow.hybrid.param_specs import ParamSpec, ReshardPlanError, gpt_param_specs, megatron_local_name
-from hyflow.hybrid.reshard_plan import (GenerationShape, ParallelShape, ParamReshard, ReshardPlan, SlicePiece,
-                                        plan_reshard, reshard_formula_bytes)
+from hyflow.hybrid.reshard_plan import ParamReshard, ReshardPlan, SlicePiece, plan_reshard, reshard_formula_bytes
 from hyflow.hybrid.reshard_table import Move, RankPlan, RankTable, Route, rank_plan, rank_table
 
 __all__ = [
-    "GenerationShape", "Move", "ParallelShape", "ParamReshard", "ParamSpec", "RankPlan", "RankTable",
+    "Move", "ParamReshard", "ParamSpec", "RankPlan", "RankTable",
     "ReshardPlan", "ReshardPlanError", "Route", "SlicePiece", "gpt_param_specs", "megatron_local_name",
     "plan_reshard", "rank_plan", "rank_table", "reshard_formula_bytes",
 ]

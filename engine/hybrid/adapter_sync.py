@@ -57,7 +57,7 @@ class AdapterSync:
         lora = lora_config_of(engine.train_model)
         first = next(engine.train_model.parameters())
         specs = adapter_param_specs(engine.desc, lora, first.element_size())
-        self.plan = plan_reshard(specs, engine.plan.train, engine.gen_shape, num_layers=engine.desc.num_layers)
+        self.plan = plan_reshard(specs, engine.plan.train, engine.gen_layout, num_layers=engine.desc.num_layers)
         table = rank_table(self.plan, dist.get_rank())
         if (table.tp_merge_ranks, table.pp_merge_ranks) != (engine.table.tp_merge_ranks, engine.table.pp_merge_ranks):
             raise ReshardPlanError("the adapters' reshard plan groups other ranks than the weights' plan")

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Optional
+from typing import Any, Collection, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,7 @@ from hyflow.hybrid.generation_groups import build_generation_groups
 from hyflow.hybrid.generation_buffer import GenerationBuffer, advise_huge_pages
 from hyflow.hybrid.offload import OptimizerStateOffload
 from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
-from hyflow.hybrid.reshard_plan import (PP_STAGING_SLOT, TP_STAGING_SLOT, GenerationShape, ParallelShape, ReshardPlan,
-                                        plan_reshard)
+from hyflow.hybrid.reshard_plan import PP_STAGING_SLOT, TP_STAGING_SLOT, ReshardPlan, plan_reshard
 from hyflow.hybrid.reshard_plan import staging_slot_bytes as fit_slot
 from hyflow.hybrid.reshard_table import VIA_COPY, VIA_TP_MERGE, RankTable, rank_table
 from hyflow.hybrid.transport import GatherItem, make_pp_exchange, make_transport
@@ -103,7 +102,7 @@ class HybridEngine:
                 train.tp, train.sequence_parallel, cfg.rollout.layout.tp))
 
     def __init__(self, train_model: torch.nn.Module, desc: ModelDescription,
-                 train_groups: ParallelGroups, generation: tuple[int, int] | GenerationShape, *,
+                 train_groups: ParallelGroups, generation: tuple[int, int] | Any, *,
                  dtype: str = "fp32", spec: str = "auto", release_training_weights: bool = True,
                  transport: str = "auto", staging_slot_bytes: int = TP_STAGING_SLOT,
                  optimizer=None, offload_grad_buffers: bool = False, offload_optimizer: bool = False,
@@ -128,17 +127,12 @@ class HybridEngine:
         self.release_training_weights = release_training_weights
         first = next(self.train_model.parameters())
         self.device, self.dtype = first.device, first.dtype
-        self.gen_shape = generation if isinstance(generation, GenerationShape) else GenerationShape(*generation)
         self.padded_vocab = pad_vocab_size(desc.vocab_size, layout.tp)
         specs = model_param_specs(desc, self.padded_vocab, first.element_size(),
                                   fused_norms=resolve_spec(spec) == "te")
-        # CP ranks hold the same weight shards and, in Megatron's rank order (tp-cp-dp-pp), sit where
-        # the ranks of tp x (cp * dp) x pp would: for the weights CP is more data parallelism (the
-        # generation layout has no CP; hyflow plan reshards the same way).
-        self.plan: ReshardPlan = plan_reshard(
-            specs, ParallelShape(layout.tp, layout.pp, layout.dp * layout.cp,
-                                 layout.stage_layers if layout.pp > 1 else None),
-            self.gen_shape, num_layers=desc.num_layers)
+        # for the weights CP is more data parallelism (the generation layout has no CP)
+        self.plan: ReshardPlan = plan_reshard(specs, layout.cp_as_dp(), generation, num_layers=desc.num_layers)
+        self.gen_layout = self.plan.gen  # the generation layout (tp, pp; dp = DP x micro-DP)
         rank = dist.get_rank()
         self.table: RankTable = table if table is not None else rank_table(self.plan, rank)
         groups = build_generation_groups(self.plan, rank, experts=desc.is_moe)
@@ -206,12 +200,12 @@ class HybridEngine:
         self.capabilities = WeightPathCapabilities(
             generation_model=True, stale_weights=not self.in_place,
             exact_in_generation_layout=self.adapters is None and exact_generation_forward(
-                layout.tp, layout.sequence_parallel, self.gen_shape.tp))
+                layout.tp, layout.sequence_parallel, self.gen_layout.tp))
 
     def describe(self) -> str:
         """One line: the two layouts and the micro-DP replicas per model copy."""
-        line = (f"actor training {self.train_groups.layout.describe()} -> generation tp={self.gen_shape.tp} "
-                f"pp={self.gen_shape.pp} with {self.plan.micro_dp_size} micro-DP replicas per model copy")
+        line = (f"actor training {self.train_groups.layout.describe()} -> generation tp={self.gen_layout.tp} "
+                f"pp={self.gen_layout.pp} with {self.plan.micro_dp_size} micro-DP replicas per model copy")
         if self.adapters is not None:
             line += (f"; LoRA: transitions move the adapters only ({self.adapters.plan.model_bytes / 2**20:.2f} MiB "
                      f"vs {self.plan.model_bytes / 2**20:.1f} MiB of weights), merged in the generation layout")
@@ -228,7 +222,7 @@ class HybridEngine:
         if not gen_experts:
             return None, None
         train = {n: p for n, p in self._train_params.items() if is_expert_param(n)}
-        if in_place and self.in_place and same_expert_grid(layout, self.gen_shape.tp, self.gen_shape.pp):
+        if in_place and self.in_place and same_expert_grid(layout, self.gen_layout.tp, self.gen_layout.pp):
             bind_parameters(self.gen_model, {n: train[n].detach() for n in gen_experts})
             return None, None
         plan = plan_expert_exchange(desc, layout, self.plan, self.dtype.itemsize)

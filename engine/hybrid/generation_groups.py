@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyflow.hybrid.reshard_plan import ReshardPlan
+from hyflow.monitor import comm
+from hyflow.parallel import group_registry
 
 __all__ = ["MEGATRON_KINDS", "GenerationGroups", "generation_enumerations", "build_generation_groups", "cp_micro_dp",
            "build_micro_dp_group"]
@@ -60,10 +62,8 @@ def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = N
     generation mp and tp at PP_g=1, ...) is that group, singletons are the rank's self group; the
     merge groups are their own (their traffic is counted as ``reshard``). ``experts``: also the
     groups a mixture-of-experts generation model reads (EP_g = 1: :func:`hyflow.parallel.groups.build_groups`)."""
-    from hyflow.monitor import comm
-    from hyflow.parallel import group_registry
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from hyflow.parallel.groups import build_groups
-    from hyflow.parallel.layout import Layout
 
     enums = enums or generation_enumerations(plan)
     tp_merge = group_registry.subgroups(enums["tp_merge"], purpose="reshard")
@@ -71,8 +71,7 @@ def build_generation_groups(plan: ReshardPlan, rank: int, enums: dict | None = N
     comm.register_group(tp_merge, "reshard")
     comm.register_group(pp_merge, "reshard")
     tg, pg, dg = plan.gen_coord(rank)
-    split = plan.gen_split if plan.train.stage_layers is not None else None  # merged training stages
-    layout = build_groups(Layout(tp=plan.gen.tp, pp=plan.gen.pp, dp=plan.gen_dp_size, stage_layers=split),
+    layout = build_groups(plan.gen,
                           {k: sorted(sorted(g) for g in enums[k]) for k in MEGATRON_KINDS},
                           coords={"tp": tg, "cp": 0, "dp": dg, "pp": pg}, experts=experts)
     return GenerationGroups(layout, tp_merge, list(plan.tp_merge_ranks(rank)),
@@ -89,7 +88,7 @@ def cp_micro_dp(plan, cp: int) -> list[list[int]]:
         return [list(g) for g in groups]
     merged: dict[tuple[int, int, int], list[int]] = {}
     for g in groups:
-        _, _, folded = plan.train_coord(g[0])
+        folded = plan.train.coords(g[0])["dp"]
         tg, pg, _ = plan.gen_coord(g[0])
         merged.setdefault((folded // cp, tg, pg), []).extend(g)
     return [sorted(g) for g in merged.values()]
@@ -98,6 +97,4 @@ def cp_micro_dp(plan, cp: int) -> list[list[int]]:
 def build_micro_dp_group(plan: ReshardPlan, cp: int):
     """This rank's micro-DP group of the data plane (:func:`cp_micro_dp`; collective: every rank of
     the world calls it), its traffic counted as ``data``."""
-    from hyflow.parallel import group_registry
-
     return group_registry.subgroups(cp_micro_dp(plan, cp), purpose="data")

@@ -1,4 +1,4 @@
-"""The reshard plan: training layout (TP, PP, DP) -> generation layout (TP_g, PP_g, d_g).
+"""The reshard plan: training layout (TP, PP, DP) -> generation layout (TP_g, PP_g, DP * d_g).
 
 Pure arithmetic: no ``torch.distributed``, no process groups, no tensors. From a
 :class:`ReshardPlan`, :func:`hyflow.hybrid.reshard_table.rank_table` derives the per-parameter
@@ -7,9 +7,14 @@ source/destination table one rank's executor runs (:mod:`hyflow.hybrid.executor`
 
 Rank mapping (CP = EP = 1)
 --------------------------
-Training ranks are Megatron-ordered, tp fastest, then dp, then pp::
+Both layouts are :class:`~hyflow.parallel.layout.Layout` values (``ReshardPlan.train`` /
+``.gen``). Training ranks are Megatron-ordered, tp fastest, then dp, then pp
+(``train.rank_of`` / ``train.coords``, the one rank <-> coordinate mapping)::
 
     rank = pp * (DP * TP) + dp * TP + tp
+
+The generation layout's ranks are the same ranks regrouped (not Megatron-ordered over the
+world; its groups are listed by the plan), from the training coordinates:
 
 Let ``s = TP / TP_g`` (training shards merged per generation shard) and ``p = PP / PP_g``
 (training stages merged per generation stage). Inside one training model-parallel group
@@ -84,9 +89,10 @@ from typing import Any, Iterable, Optional, Sequence
 from hyflow.hybrid.param_specs import (  # the model side of the plan, re-exported here
     ParamSpec, ReshardPlanError, gpt_param_specs, megatron_local_name, stage_split,
 )
+from hyflow.parallel.layout import Layout, LayoutError, merge_stage_layers
 
 __all__ = [
-    "ReshardPlanError", "ParallelShape", "GenerationShape", "ParamSpec", "SlicePiece",
+    "ReshardPlanError", "ParamSpec", "SlicePiece",
     "ParamReshard", "ReshardPlan", "gpt_param_specs", "plan_reshard",
     "reshard_formula_bytes", "megatron_local_name", "source_stage", "staging_slot_bytes",
     "staging_bytes_per_rank", "TP_STAGING_SLOT", "PP_STAGING_SLOT", "STAGING_SLACK",
@@ -126,29 +132,6 @@ def staging_bytes_per_rank(shard_bytes: int, s: int, slot_bytes: int = TP_STAGIN
     """Shared-memory staging a CPU rank maps (its two slots and its ``s - 1`` peers'),
     when it moves ``shard_bytes`` of its own in a merge group of ``s``."""
     return 0 if s <= 1 else 2 * s * staging_slot_bytes(shard_bytes, slot_bytes)
-
-
-@dataclass(frozen=True)
-class ParallelShape:
-    """Training layout: tensor-, pipeline- and data-parallel sizes, and the decoder layers per
-    pipeline stage when they are uneven (``Layout.stage_layers``; None: even)."""
-
-    tp: int
-    pp: int = 1
-    dp: int = 1
-    stage_layers: Optional[tuple[int, ...]] = None
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-
-@dataclass(frozen=True)
-class GenerationShape:
-    """Generation layout: tensor- and pipeline-parallel sizes (DP follows from the training one)."""
-
-    tp: int
-    pp: int = 1
 
 
 @dataclass(frozen=True)
@@ -193,10 +176,14 @@ def reshard_formula_bytes(model_bytes: int, train: Any, gen: Any) -> Fraction:
 
 @dataclass(frozen=True)
 class ReshardPlan:
-    """The whole train -> generation reshard; per-rank lists are indexed by global rank."""
+    """The whole train -> generation reshard; per-rank lists are indexed by global rank.
 
-    train: ParallelShape
-    gen: GenerationShape
+    ``train``: the training layout (CP folded into DP, from rank 0); ``gen``: the generation
+    layout's sizes (``dp`` = DP * micro-DP, ``stage_layers`` the merged training stages when they
+    are uneven); its ranks are :meth:`gen_coord`'s regrouping, listed in the ``gen_*_groups``."""
+
+    train: Layout
+    gen: Layout
     num_layers: int
     params: tuple[ParamReshard, ...]
     gen_tp_groups: tuple[tuple[int, ...], ...]
@@ -236,8 +223,7 @@ class ReshardPlan:
     @property
     def gen_split(self) -> tuple[int, ...]:
         """Decoder layers per generation stage: each merges ``pp_ratio`` consecutive training stages."""
-        p, t = self.pp_ratio, self.train_split
-        return tuple(sum(t[j * p:(j + 1) * p]) for j in range(self.gen.pp))
+        return merge_stage_layers(self.train_split, self.gen.pp)
 
     @property
     def micro_dp_size(self) -> int:
@@ -245,7 +231,7 @@ class ReshardPlan:
 
     @property
     def gen_dp_size(self) -> int:
-        return self.train.dp * self.micro_dp_size
+        return self.gen.dp
 
     @property
     def extra_bytes(self) -> tuple[int, ...]:
@@ -265,32 +251,24 @@ class ReshardPlan:
         return self._by_name[name]
 
     # ---- coordinates -------------------------------------------------------------------
-    def rank_of(self, tp: int, pp: int, dp: int) -> int:
-        return pp * self.train.dp * self.train.tp + dp * self.train.tp + tp
-
-    def train_coord(self, rank: int) -> tuple[int, int, int]:
-        pp, rest = divmod(rank, self.train.dp * self.train.tp)
-        dp, tp = divmod(rest, self.train.tp)
-        return tp, pp, dp
-
     def gen_coord(self, rank: int) -> tuple[int, int, int]:
-        """(tp_g, pp_g, dp_g) of a global rank."""
-        tp, pp, dp = self.train_coord(rank)
-        (tg, t), (pg, l) = divmod(tp, self.tp_ratio), divmod(pp, self.pp_ratio)
-        return tg, pg, dp * self.micro_dp_size + l * self.tp_ratio + t
+        """(tp_g, pp_g, dp_g) of a global rank: its training coordinates regrouped (module docstring)."""
+        c = self.train.coords(rank)
+        (tg, t), (pg, l) = divmod(c["tp"], self.tp_ratio), divmod(c["pp"], self.pp_ratio)
+        return tg, pg, c["dp"] * self.micro_dp_size + l * self.tp_ratio + t
 
     def tp_merge_ranks(self, rank: int) -> tuple[int, ...]:
         """The ``s`` ranks whose training shards form ``rank``'s generation shards, in shard order."""
-        tp, pp, dp = self.train_coord(rank)
-        first = tp - tp % self.tp_ratio
-        return tuple(self.rank_of(first + t, pp, dp) for t in range(self.tp_ratio))
+        c = self.train.coords(rank)
+        first = c["tp"] - c["tp"] % self.tp_ratio
+        return tuple(self.train.rank_of(tp=first + t, pp=c["pp"], dp=c["dp"]) for t in range(self.tp_ratio))
 
     def pp_merge_ranks(self, rank: int) -> tuple[int, ...]:
         """The ``p`` ranks (same tp and dp) of the training stages merged into ``rank``'s
         generation stage, in stage order."""
-        tp, pp, dp = self.train_coord(rank)
-        first = pp - pp % self.pp_ratio
-        return tuple(self.rank_of(tp, first + l, dp) for l in range(self.pp_ratio))
+        c = self.train.coords(rank)
+        first = c["pp"] - c["pp"] % self.pp_ratio
+        return tuple(self.train.rank_of(tp=c["tp"], pp=first + l, dp=c["dp"]) for l in range(self.pp_ratio))
 
     def summary(self) -> str:
         mib = 1 << 20
@@ -307,13 +285,14 @@ class ReshardPlan:
 
 # ---- planning ----------------------------------------------------------------------------
 
-def _as_shape(x: Any, with_dp: bool):
+def _sizes(x: Any) -> tuple[tuple[int, ...], Optional[tuple[int, ...]]]:
+    """(tp, pp, dp) and the stage split (None: even) of a tuple or anything with ``.tp/.pp/.dp``."""
     split = None
     if isinstance(x, (tuple, list)):
-        vals = [int(v) for v in x]
+        vals = tuple(int(v) for v in x) + (1,) * (3 - len(x))
     else:
         split = getattr(x, "stage_layers", None)
-        vals = [int(x.tp), int(getattr(x, "pp", 1)), int(getattr(x, "dp", 1))]
+        vals = (int(x.tp), int(getattr(x, "pp", 1)), int(getattr(x, "dp", 1)))
         # The dense parameters do not depend on the expert grid (EP / ETP: routed experts reshard
         # through hyflow.hybrid.expert_exchange); CP folds into DP (the executor passes dp * cp).
         if getattr(x, "cp", 1) != 1:
@@ -322,16 +301,22 @@ def _as_shape(x: Any, with_dp: bool):
             raise ReshardPlanError(f"vpp={x.vpp}: an interleaved pipeline puts non-consecutive "
                                    "layers on a stage; the planner needs consecutive stages")
     if any(v < 1 for v in vals):
-        raise ReshardPlanError(f"parallel sizes must be >= 1, got {tuple(vals)}")
+        raise ReshardPlanError(f"parallel sizes must be >= 1, got {vals}")
     if split is not None and len(set(split)) == 1:
         split = None  # the even split
-    return ParallelShape(*vals, stage_layers=tuple(split) if split else None) if with_dp \
-        else GenerationShape(*vals[:2])
+    return vals, tuple(split) if split else None
 
 
-def _validate(params: Sequence[ParamSpec], train: ParallelShape, gen: GenerationShape,
+def _layout(tp: int, pp: int, dp: int, split: Optional[tuple[int, ...]]) -> Layout:
+    try:
+        return Layout(tp=tp, pp=pp, dp=dp, stage_layers=split)
+    except LayoutError as e:
+        raise ReshardPlanError(str(e)) from None
+
+
+def _validate(params: Sequence[ParamSpec], train: Layout, TPg: int, PPg: int,
               world_size: int, num_layers: int) -> None:
-    TP, PP, DP, TPg, PPg = train.tp, train.pp, train.dp, gen.tp, gen.pp
+    TP, PP, DP = train.tp, train.pp, train.dp
     if world_size != train.world_size:
         hint = (f"DP would be {world_size // (TP * PP)}" if world_size % (TP * PP) == 0
                 else f"{world_size} is not a multiple of TP*PP={TP * PP}")
@@ -385,7 +370,7 @@ def _validate(params: Sequence[ParamSpec], train: ParallelShape, gen: Generation
                                    f"split into TP={TP} equal shards")
 
 
-def _plan_param(spec: ParamSpec, train: ParallelShape, gen: GenerationShape,
+def _plan_param(spec: ParamSpec, train: Layout, gen: Layout,
                 num_layers: int) -> ParamReshard:
     shape, dim = spec.global_shape, spec.shard_dim
     row_bytes = spec.nbytes // shape[dim if dim is not None else 0]  # bytes per index along dim
@@ -420,13 +405,16 @@ def plan_reshard(params: Iterable[ParamSpec], train: Any, gen: Any,
     one more than the largest layer index. Raises :class:`ReshardPlanError` for impossible pairs.
     """
     params = tuple(params)
-    train, gen = _as_shape(train, True), _as_shape(gen, False)
+    (TP, PP, DP), train_split = _sizes(train)
+    (TPg, PPg, _), _ = _sizes(gen)  # the generation DP follows from the training one
+    train = _layout(TP, PP, DP, train_split)
     world = train.world_size if world_size is None else int(world_size)
     if num_layers is None:
         num_layers = 1 + max((sp.layer for sp in params if sp.layer is not None), default=-1)
-    _validate(params, train, gen, world, num_layers)
-    TP, PP, DP, TPg, PPg = train.tp, train.pp, train.dp, gen.tp, gen.pp
+    _validate(params, train, TPg, PPg, world, num_layers)
     s, p = TP // TPg, PP // PPg
+    gen_split = merge_stage_layers(stage_split(PP, num_layers, train_split), PPg) if train_split else None
+    gen = _layout(TPg, PPg, DP * s * p, gen_split)
     plans = tuple(_plan_param(sp, train, gen, num_layers) for sp in params)
 
     # Per-stage accounting: every number depends on the training stage only (TP shards are equal).
@@ -450,13 +438,12 @@ def plan_reshard(params: Iterable[ParamSpec], train: Any, gen: Any,
                 sent[src] += n
     # The bucketed TP-merge all-gather stages s slots of this stage's shards (collective path).
     scratch = [s * staging_slot_bytes(g, TP_STAGING_SLOT) if s > 1 else 0 for g in gathered]
-    per_stage = DP * TP
-    stage_of = [r // per_stage for r in range(world)]
+    stage_of = [train.coords(r)["pp"] for r in range(world)]
 
     def ranks(vals: list[int], by_gen: bool = False) -> tuple[int, ...]:
         return tuple(vals[q // p] if by_gen else vals[q] for q in stage_of)
 
-    rk = lambda tp, pp, dp: pp * per_stage + dp * TP + tp  # noqa: E731
+    rk = lambda tp, pp, dp: train.rank_of(tp=tp, pp=pp, dp=dp)  # noqa: E731
     gen_tp = tuple(tuple(rk(g * s + t, pp, dp) for g in range(TPg))
                    for dp in range(DP) for pp in range(PP) for t in range(s))
     gen_pp = tuple(tuple(rk(tp, k * p + l, dp) for k in range(PPg))

@@ -91,7 +91,8 @@ def rank_table(plan: ReshardPlan, rank: int) -> RankTable:
     """The reshard table of ``rank`` (see the module docstring)."""
     if not 0 <= rank < plan.world_size:
         raise ReshardPlanError(f"rank {rank} outside world of {plan.world_size}")
-    tp, pp, _ = plan.train_coord(rank)
+    c = plan.train.coords(rank)
+    tp, pp = c["tp"], c["pp"]
     pg = plan.gen_coord(rank)[1]
     s, p, L = plan.tp_ratio, plan.pp_ratio, plan.num_layers
     block = [pg * p + l for l in range(p)]  # training stages of this generation stage
@@ -174,7 +175,8 @@ def rank_plan(plan: ReshardPlan, rank: int) -> RankPlan:
     """``rank``'s slice moves: every piece of every generation shard, and where it comes from."""
     if not 0 <= rank < plan.world_size:
         raise ReshardPlanError(f"rank {rank} outside world of {plan.world_size}")
-    tp, pp, dp = plan.train_coord(rank)
+    c = plan.train.coords(rank)
+    tp, pp, dp = c["tp"], c["pp"], c["dp"]
     tg, pg, dg = plan.gen_coord(rank)
     s, p = plan.tp_ratio, plan.pp_ratio
     t, l = tp % s, pp % p
@@ -187,7 +189,7 @@ def rank_plan(plan: ReshardPlan, rank: int) -> RankPlan:
         src_stage = source_stage(pr.train_stages, pp, p)
         for pc in pr.pieces:
             src_tp = tp if pc.src_slot is None else tg * s + pc.src_slot
-            moves.append(Move(pr.name, plan.rank_of(src_tp, src_stage, dp), rank, pr.dim,
+            moves.append(Move(pr.name, plan.train.rank_of(tp=src_tp, pp=src_stage, dp=dp), rank, pr.dim,
                               pc.src_offset, pc.dst_offset, pc.length, pc.nbytes))
     return RankPlan(
         rank=rank, train_coord=(tp, pp, dp), gen_coord=(tg, pg, dg), micro_dp_rank=l * s + t,

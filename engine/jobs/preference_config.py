@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from hyflow.checkpoint.architecture import adopt_checkpoint_architecture, adopt_model_tokenizer
 from hyflow.config import ConfigError
 from hyflow.config.checks import check_positive
 from hyflow.jobs.rl_config import TrainedModelConfig
@@ -145,8 +146,6 @@ class PreferenceTrainerConfig(ValidatedTrainerConfig):
 
 def _validate_job(cfg: "PreferenceJobConfig") -> None:
     if cfg.actor.checkpoint:  # the architecture and (without data.tokenizer) the tokenizer are the checkpoint's
-        from hyflow.checkpoint.architecture import adopt_checkpoint_architecture, adopt_model_tokenizer
-
         cfg.model, _ = adopt_checkpoint_architecture(cfg.actor.checkpoint, cfg.model, tiny_llama())
         adopt_model_tokenizer(cfg.data, cfg.model)
     world = cfg.trainer.nproc

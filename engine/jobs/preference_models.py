@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hyflow.checkpoint.model import adapter_base
-from hyflow.checkpoint.starting_weights import starting_description
+from hyflow.checkpoint.model import CHECKPOINT_INFO_FILE, adapter_base
+from hyflow.checkpoint.starting_weights import load_starting_weights, starting_description
 from hyflow.data.preference import PreferenceDataset, sequence_tensors
 from hyflow.jobs.preference_losses import score_sequences
 from hyflow.models.builder import build_gpt_model
@@ -79,8 +79,6 @@ def _load_initial(cfg, model: torch.nn.Module, desc: ModelDescription, groups: P
     """The starting weights: ``actor.checkpoint`` (a hyflow checkpoint or an HF model), or ``model``'s
     random init with ``trainer.seed``."""
     if cfg.actor.checkpoint:
-        from hyflow.checkpoint.starting_weights import load_starting_weights
-
         load_starting_weights(model, cfg.actor.checkpoint, groups, desc, cfg.actor.checkpoint_cache, write_cache)
     else:
         load_full_state_dict(model, random_full_state_dict(desc, cfg.trainer.seed), desc, groups)
@@ -182,8 +180,6 @@ def reference_fingerprint(cfg, policy: Policy, dataset: PreferenceDataset) -> st
     (checkpoint path and its info file, or the random init's description and seed) and dtype."""
     source: dict[str, Any] = {"dtype": cfg.actor.dtype, "kind": dataset.kind, "vocab": policy.vocab_size}
     if cfg.actor.checkpoint:
-        from hyflow.checkpoint.model import CHECKPOINT_INFO_FILE
-
         info = os.path.join(cfg.actor.checkpoint, CHECKPOINT_INFO_FILE)
         with open(info, "rb") as f:
             source["checkpoint"] = [os.path.abspath(cfg.actor.checkpoint), hashlib.sha256(f.read()).hexdigest()]

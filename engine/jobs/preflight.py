@@ -7,14 +7,18 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from hyflow.checkpoint.discovery import resume_candidates
+from hyflow.checkpoint.errors import CheckpointError
+from hyflow.checkpoint.run_lock import check_unlocked
+from hyflow.config import ConfigError
+from hyflow.jobs.run_config import check_run_reuse
+
 #: job name -> module with ``preflight(cfg)``; jobs without one have nothing to check.
 PREFLIGHT = {"rl": "hyflow.jobs.rl_preflight"}
 
 
 def preflight(cfg: Any) -> None:
     """Run the job's pre-flight checks; raises :class:`~hyflow.config.ConfigError`."""
-    from hyflow.jobs.run_config import check_run_reuse
-
     _check_run_dir(cfg)  # no other run in it, no silent start over beside set-aside checkpoints
     check_run_reuse(cfg)  # the run directory's own run is not continued with another config
     module = PREFLIGHT.get(getattr(cfg, "job", ""))
@@ -25,11 +29,6 @@ def preflight(cfg: Any) -> None:
 def _check_run_dir(cfg: Any) -> None:
     """No other run holds ``trainer.output_dir`` (:mod:`hyflow.checkpoint.run_lock`), and
     ``trainer.resume=auto`` does not silently start over beside set-aside checkpoints."""
-    from hyflow.checkpoint.discovery import resume_candidates
-    from hyflow.checkpoint.errors import CheckpointError
-    from hyflow.checkpoint.run_lock import check_unlocked
-    from hyflow.config import ConfigError
-
     trainer = getattr(cfg, "trainer", None)
     if not getattr(trainer, "output_dir", None):
         return

@@ -13,7 +13,8 @@ import os
 from typing import Any, Callable, Optional, Sequence
 
 from hyflow.config import ConfigError, load_config
-from hyflow.config.core import yaml_load
+from hyflow.config.core import has_key, yaml_load
+from hyflow.jobs.verl_keys import translate
 
 #: job name -> (config schema, run function), as ``"module:attribute"``.
 JOBS = {
@@ -61,9 +62,6 @@ def load_job_config(yaml_path: Optional[str], overrides: Sequence[str]) -> Any:
     schema, job = job_schema(yaml_path, overrides)
     if job != "rl":
         return load_config(schema, yaml_path, list(overrides))
-    from hyflow.config.core import has_key
-    from hyflow.jobs.verl_keys import translate
-
     verl = translate(overrides, lambda key: has_key(schema, key))
     cfg = load_config(schema, yaml_path, verl.overrides, finalize=verl.finalize, errors=verl.errors)
     cfg.notes.extend(note for note in verl.notes if note not in cfg.notes)

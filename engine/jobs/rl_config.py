@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from hyflow.agent.config import MultiTurnConfig
+from hyflow.checkpoint.architecture import adopt_checkpoint_architecture, adopt_model_tokenizer
 from hyflow.choices import AggMode, KLKind, PolicyLossName
 from hyflow.config import ConfigError
 from hyflow.config.checks import check_finite, check_positive
@@ -19,10 +20,11 @@ from hyflow.jobs.algorithm_config import GROUP_ESTIMATORS, AlgorithmConfig, Roll
 from hyflow.jobs.trainer_config import ValidatedTrainerConfig
 from hyflow.models.description import ModelDescription, tiny_llama
 from hyflow.models.lora_config import LoRAConfig
+from hyflow.models.stage_split import job_head_layers, resolve_stage_layers
 from hyflow.parallel.distributed import default_dtype
 from hyflow.parallel.layout import Layout
 from hyflow.rollout.config import GenerationSettings, redefault
-from hyflow.placement.config import PlacementConfig
+from hyflow.placement.config import PlacementConfig, resolve_placement
 from hyflow.training.optim_config import OptimConfig
 from hyflow.validation.config import ValKwargs
 from hyflow.vllm_backend.config import VLLMConfig, check_vllm_installed, check_vllm_model
@@ -38,6 +40,11 @@ class GenerationLayout:
 
     def validate(self) -> None:
         check_positive(self, "tp", "pp")
+
+    def as_layout(self) -> Layout:
+        """The generation layout as a :class:`~hyflow.parallel.layout.Layout` (dp and start follow from
+        where it runs: the reshard plan's micro-DP replicas, or the generation pool)."""
+        return Layout(tp=self.tp, pp=self.pp)
 
 
 @dataclass
@@ -308,7 +315,7 @@ class RewardConfig:
 
     kind: Literal["rule", "function", "model"] = field(default="rule", metadata={
         "help": "rule | function | model (model: the reward model's score alone)"})
-    rule: Literal["exact_match", "numeric_match", "format"] = field(default="numeric_match", metadata={
+    rule: Literal["exact_match", "numeric_match", "format", "length_match"] = field(default="numeric_match", metadata={
         "help": "built-in rule scorer when reward.kind=rule"})
     function_path: Optional[str] = field(default=None, metadata={
         "help": "python file defining compute_score(data_source, solution_str, ground_truth, extra_info=None)"})
@@ -458,16 +465,12 @@ class RLJobConfig:
 
     def resolved_placement(self, world_size: Optional[int] = None):
         """Where every role runs (:func:`hyflow.placement.config.resolve_placement`)."""
-        from hyflow.placement.config import resolve_placement
-
         return resolve_placement(self, world_size or self.trainer.nproc)
 
     def trained_actor_layout(self) -> Layout:
         """``actor.layout`` with its pipeline stage split chosen when ``stage_layers`` is null: the
         split balanced by ``hyflow plan``'s cost model (:func:`hyflow.models.stage_split.resolve_stage_layers`),
         from the config alone, so every rank and ``hyflow plan`` build the same one."""
-        from hyflow.models.stage_split import job_head_layers, resolve_stage_layers
-
         layout = self.actor.layout
         if layout.stage_layers is not None or layout.pp == 1 or layout.vpp:
             return layout
@@ -519,8 +522,6 @@ class RLJobConfig:
 
     def validate(self) -> None:
         if self.actor.checkpoint:  # the run's architecture is the checkpoint's model.json (when here)
-            from hyflow.checkpoint.architecture import adopt_checkpoint_architecture, adopt_model_tokenizer
-
             self.model, note = adopt_checkpoint_architecture(self.actor.checkpoint, self.model, tiny_llama())
             for line in (note, adopt_model_tokenizer(self.data, self.model)):
                 if line and line not in self.notes:

@@ -15,7 +15,14 @@ import json
 import os
 from typing import Any, Optional
 
+from hyflow.checkpoint.discovery import checkpoint_candidates
+from hyflow.checkpoint.errors import CheckpointError
 from hyflow.config import ConfigError
+from hyflow.data.dataset import DatasetError, read_rows, validate_row
+from hyflow.data.tasks import load_data_tokenizer, make_task_rows, task_info, tokenizer_spec_for
+from hyflow.data.tokenizer import CharTokenizer
+from hyflow.rewards.user_function import RewardError
+from hyflow.rewards.worker import DEFAULT_IMPORT_TIMEOUT_S, probe_user_function
 from hyflow.vllm_backend.config import check_vllm_imports
 
 #: Rows of each data file checked here (the ranks check every row when they load the file).
@@ -64,6 +71,7 @@ def check_pooled_supported(cfg: Any) -> None:
     placement = cfg.resolved_placement()
     if placement.colocated:
         return
+    # Megatron (seconds) only when this runs: the preflight imports this module
     from hyflow.placement.remote_critic import check_remote_roles
 
     check_remote_roles(cfg, placement)  # roles on a pool apart from the actor's: the critic only
@@ -87,11 +95,13 @@ def role_classes(cfg: Any) -> tuple[type, type]:
     on placement pools. Each declares what it can do for a config (``capabilities_for(cfg)``)."""
     # imported here: torch and Megatron, seconds the preflight pays only when a capability is needed
     if cfg.resolved_placement().colocated:
+        # Megatron (seconds) only when this runs: the preflight imports this module
         from hyflow.rl.dispatch import RolloutDispatcher
         from hyflow.rl.vllm_rollouts import VLLMRollouts
         from hyflow.hybrid.executor import HybridEngine
 
         return HybridEngine, VLLMRollouts if cfg.rollout.backend == "vllm" else RolloutDispatcher
+    # Megatron (seconds) only when this runs: the preflight imports this module
     from hyflow.placement.pool_models import RemoteRollouts, WeightSender
 
     return WeightSender, RemoteRollouts
@@ -140,6 +150,7 @@ def _check_context_parallel(cfg: Any) -> None:
         raise _error("actor.policy_loss", f"gspo's sequence-level ratio needs a whole response on one rank; "
                                           f"at actor.layout.cp={cp} each rank holds 1/{cp} of it: use vanilla or "
                                           "cispo, or cp: 1")
+    # Megatron (seconds) only when this runs: the preflight imports this module
     from hyflow.models.builder import resolve_spec
 
     if cfg.actor.pack_sequences and resolve_spec(cfg.actor.spec) == "te":
@@ -151,8 +162,6 @@ def _check_context_parallel(cfg: Any) -> None:
 def _check_task(data: Any) -> None:
     if not data.task:
         return
-    from hyflow.data.tasks import make_task_rows, task_info
-
     task_info(data.task)  # ConfigError naming data.task and listing the tasks
     try:
         make_task_rows(data.task, 1, seed=data.seed, **dict(data.task_options or {}))
@@ -166,12 +175,8 @@ def _check_tokenizer(cfg: Any) -> Optional[int]:
     """The tokenizer's vocabulary size when the files tell it cheaply (``tokenizer.json``), else
     None; a tokenizer path that does not exist or holds no tokenizer is an error. (Loading it
     would import transformers: seconds the ranks pay anyway.)"""
-    from hyflow.data.tasks import tokenizer_spec_for
-
     spec = tokenizer_spec_for(cfg.data)
     if spec == "char":
-        from hyflow.data.tokenizer import CharTokenizer
-
         return CharTokenizer().vocab_size
     path = os.path.expanduser(spec)
     looks_like_path = spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or spec.endswith((".gguf", ".model"))
@@ -202,8 +207,6 @@ def _tokenizer_json_vocab(path: str) -> Optional[int]:
 
 
 def _check_data_files(cfg: Any) -> None:
-    from hyflow.data.dataset import DatasetError, read_rows, validate_row
-
     needs_truth = cfg.reward.kind != "model"
     files = [] if cfg.data.task else [(f"data.train_files[{i}]", p) for i, p in enumerate(cfg.data.train_files)]
     files += [(f"data.val_files[{i}]", p) for i, p in enumerate(cfg.data.val_files)]
@@ -230,8 +233,6 @@ def _check_data_files(cfg: Any) -> None:
                 raise _error(key, f"{path}: row {row}{where}: {getattr(e, 'message', e)}") from None
         if not cfg.rollout.truncate_long_prompts:
             if tokenizer is None:
-                from hyflow.data.tasks import load_data_tokenizer
-
                 tokenizer = load_data_tokenizer(cfg.data)  # seconds here, not a launch that ends with no prompt
             _check_prompt_lengths(key, path, prompts, tokenizer, cfg.rollout.max_prompt_length)
     if not cfg.data.task and whole and total < cfg.data.train_batch_size:
@@ -252,9 +253,6 @@ def _check_prompt_lengths(key: str, path: str, prompts: list, tokenizer: Any, li
 
 def _check_reward(reward: Any) -> None:
     if reward.kind == "function":
-        from hyflow.rewards.user_function import RewardError
-        from hyflow.rewards.worker import DEFAULT_IMPORT_TIMEOUT_S, probe_user_function
-
         try:  # in a worker process: a file that hangs at import fails here instead of hanging the launcher
             probe_user_function(reward.function_path, reward.function_name,
                                 max(DEFAULT_IMPORT_TIMEOUT_S, reward.timeout_s))
@@ -264,13 +262,14 @@ def _check_reward(reward: Any) -> None:
                 "not found" in text
             raise _error("reward.function_path" if in_file else "reward.function_name", text) from None
     if reward.model_checkpoint:
+        # Megatron (seconds) only when this runs: the preflight imports this module
         from hyflow.rl.reward_model import check_reward_model_checkpoint
 
         check_reward_model_checkpoint(reward.model_checkpoint)  # ConfigError naming the key
 
 
 def _check_model_checkpoint(key: str, path: str) -> None:
-    from hyflow.checkpoint.errors import CheckpointError
+    # Megatron (seconds) only when this runs: the preflight imports this module
     from hyflow.checkpoint.model import read_checkpoint_info
     from hyflow.checkpoint.starting_weights import check_starting_weights, is_hf_model
 
@@ -292,9 +291,6 @@ def _check_model_checkpoint(key: str, path: str) -> None:
 def _check_resume(resume: str) -> None:
     if resume in ("auto", "never"):
         return
-    from hyflow.checkpoint.discovery import checkpoint_candidates
-    from hyflow.checkpoint.errors import CheckpointError
-
     try:
         checkpoint_candidates(resume, lambda m: None)
     except CheckpointError as e:

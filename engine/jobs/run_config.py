@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from hyflow.checkpoint.discovery import CONFIG_FILE, checkpoints_root, latest_checkpoint
 from hyflow.config import ConfigError, dump_yaml, format_changes
 from hyflow.config.core import to_dict, yaml_load
 
@@ -46,8 +47,6 @@ def config_differences(saved: dict, current: dict) -> list[str]:
 def resumed_config(output_dir: str) -> Optional[tuple[int, str]]:
     """``(step, path of its saved config)`` of the checkpoint ``trainer.resume=auto`` would continue,
     or None when there is none (a fresh run)."""
-    from hyflow.checkpoint.discovery import CONFIG_FILE, checkpoints_root, latest_checkpoint
-
     root = checkpoints_root(output_dir)
     if not os.path.isdir(root):
         return None
@@ -84,8 +83,6 @@ def check_run_reuse(cfg: Any) -> None:
 def record_config(cfg: Any, start: int) -> None:
     """Rank 0 of a run resumed at step ``start`` (0: fresh): ``config.resolved.yaml`` when it trains,
     and on stdout what the config changes from the defaults."""
-    from hyflow.checkpoint.discovery import CONFIG_FILE
-
     path = os.path.join(cfg.trainer.output_dir, CONFIG_FILE)
     os.makedirs(cfg.trainer.output_dir, exist_ok=True)
     if start < cfg.trainer.total_steps:

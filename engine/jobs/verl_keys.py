@@ -24,6 +24,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 from hyflow.config import ConfigError
 from hyflow.config.core import parse_override
+from hyflow.jobs.rl_config import DataConfig, RolloutConfig
 from hyflow.models.lora_config import HF_TARGETS, LORA_TARGETS
 
 Kind = Literal["same", "rename", "convert", "ignored", "refused"]
@@ -410,8 +411,6 @@ def _put(data: dict, key: str, value: Any) -> None:
 
 def finalize(data: dict, tr: Translation) -> dict:
     """The conversions that need the merged config (``data``: the file plus every override)."""
-    from hyflow.jobs.rl_config import DataConfig, RolloutConfig
-
     d = tr.deferred
     n = _get(data, "rollout.n", RolloutConfig().n)
     for who in ("actor", "critic"):

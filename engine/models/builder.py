@@ -31,9 +31,12 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                      get_gpt_layer_with_transformer_engine_spec)
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -76,8 +79,6 @@ def layer_spec(spec: SpecName = "auto", cp: int = 1, desc: Optional[ModelDescrip
     shape = dict(num_experts=desc.moe.num_experts if desc is not None and desc.moe is not None else None,
                  qk_layernorm=bool(desc is not None and desc.qk_layernorm), moe_grouped_gemm=False)
     if name == "te":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
         return get_gpt_layer_with_transformer_engine_spec(**shape)
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", **shape))
     spec.submodules.input_layernorm = RMSNorm  # sequence parallelism on the local spec too
@@ -176,8 +177,6 @@ def moe_config_kwargs(desc: ModelDescription, layout) -> dict:
 
 def fusion_backends() -> tuple[str, ...]:
     """The fused-kernel libraries Megatron can use here: ``te`` (Transformer Engine), ``apex``."""
-    import importlib.util
-
     return tuple(name for name, module in (("te", "transformer_engine"), ("apex", "apex"))
                  if importlib.util.find_spec(module) is not None)
 
@@ -363,10 +362,6 @@ def mark_tensor_parallel_attributes(model: torch.nn.Module) -> None:
     (``linear_fc1`` of a gated MLP with stride 2: each shard is ``[gate_r; up_r]``),
     row-parallel weights split dim 1.
     """
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
-    from megatron.core.transformer.mlp import MLP
-
     def mark(param: Optional[torch.Tensor], dim: int, stride: int) -> None:
         if param is not None:
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from hyflow.config import ConfigError
+from hyflow.models.rope import LENGTH_DEPENDENT, inv_freq
 
 DENSE_FAMILIES = ("llama", "qwen2", "mistral")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -296,8 +297,6 @@ class ModelDescription:
     def inv_freq(self, seq_len: Optional[int] = None):
         """RoPE inverse frequencies ``[head_dim / 2]`` (float32, bit-identical to HF's) with
         scaling applied, for a forward of ``seq_len`` tokens (:func:`hyflow.models.rope.inv_freq`)."""
-        from hyflow.models.rope import inv_freq
-
         return inv_freq(self, seq_len)
 
     @property
@@ -315,8 +314,6 @@ class ModelDescription:
     @property
     def rope_length_dependent(self) -> bool:
         """True when the RoPE frequencies depend on the sequence length (dynamic, longrope)."""
-        from hyflow.models.rope import LENGTH_DEPENDENT
-
         return self.rope_scaling is not None and self.rope_scaling.type in LENGTH_DEPENDENT
 
     # ------------------------------------------------------------------ io

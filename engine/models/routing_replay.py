@@ -80,6 +80,7 @@ def router_hooks(model: torch.nn.Module) -> list[RouterHook]:
     module = getattr(model, "module", model)
     hooks = getattr(module, "_hyflow_router_hooks", None)
     if hooks is None:
+        # Megatron (seconds) only when this runs: `hyflow --help` imports this module
         from megatron.core.transformer.moe.router import TopKRouter
 
         hooks = []

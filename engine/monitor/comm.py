@@ -51,6 +51,10 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
 from hyflow.monitor.comm_groups import GROUP_KINDS, forget_groups, group_kind, register_collection, register_group
 
 __all__ = ["OPS", "GROUP_KINDS", "register_group", "register_collection", "forget_groups", "group_kind", "install",
@@ -119,9 +123,6 @@ def untimed() -> Iterator[None]:
 
 def _new_events() -> tuple:
     """A (start, end) pair of timing CUDA events."""
-    # torch stays out of config loading (`hyflow --help`, validation import this module)
-    import torch
-
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 _ACTIVE = [False]  # the wrappers charge calls only while installed
 _PATCHED: list[tuple[Any, str, Any]] = []   # (owner, attribute, original)
@@ -130,9 +131,6 @@ _PATCHED: list[tuple[Any, str, Any]] = []   # (owner, attribute, original)
 def _size(group: Any) -> int:
     size = _STATS.sizes.get(id(group))
     if size is None:
-        # torch stays out of config loading (`hyflow --help`, validation import this module)
-        import torch.distributed as dist
-
         size = _STATS.sizes[id(group)] = dist.get_world_size(group)
     return size
 
@@ -377,9 +375,6 @@ def install() -> None:
     one by name (``from torch.distributed import _coalescing_manager``). Idempotent."""
     if _PATCHED:
         return
-    # torch stays out of config loading (`hyflow --help`, validation import this module)
-    import torch.distributed.distributed_c10d as c10d
-
     _C10D_WORLD[0] = c10d._world
     replacements: dict[int, Callable] = {}
     for name in _WRAPPED:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+
 __all__ = ["GROUP_KINDS", "register_group", "register_collection", "forget_groups", "group_kind"]
 
 GROUP_KINDS = ("dp", "tp", "pp", "cp", "ep", "mp", "reshard", "data", "world", "other")
@@ -63,9 +65,6 @@ def group_kind(group: Any) -> str:
         return "world"
     kind = _GUESSED.get(id(group))
     if kind is None:
-        # torch stays out of config loading (`hyflow --help`, validation import this module)
-        import torch.distributed as dist
-
         kind = _GUESSED[id(group)] = "world" if group is dist.group.WORLD else "other"
         _GROUPS.setdefault(id(group), group)  # keep the id from being reused while cached
     return kind

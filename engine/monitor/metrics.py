@@ -19,6 +19,8 @@ import os
 import time
 from typing import Any, Mapping, Optional, Sequence
 
+from hyflow.monitor.trackers import TensorBoardTracker, open_trackers
+
 __all__ = ["REQUIRED_KEYS", "PHASE_KEYS", "MetricsWriter", "read_metrics", "to_float"]
 
 _LOG = logging.getLogger(__name__)
@@ -71,8 +73,6 @@ class MetricsWriter:
         self._warned_missing: set[str] = set()
         self._prepare_file(resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
-        from hyflow.monitor.trackers import open_trackers
-
         if loggers is None:
             loggers = ["tensorboard"] if tensorboard else []
         self.trackers = open_trackers(loggers, output_dir, resume_step, config_text, project, experiment)
@@ -125,8 +125,6 @@ class MetricsWriter:
 
     @property
     def tensorboard_enabled(self) -> bool:
-        from hyflow.monitor.trackers import TensorBoardTracker
-
         return any(isinstance(t, TensorBoardTracker) for t in self.trackers)
 
     def log(self, step: int, metrics: Mapping[str, Any], check_required: bool = True) -> dict:

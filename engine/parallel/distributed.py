@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from hyflow.compat import cpu
 from hyflow.compat.cpu import maybe_activate
 
 
@@ -39,8 +41,6 @@ def rank_device() -> torch.device:
 
     The one place that decides; everything else reads ``ParallelGroups.device``.
     """
-    from hyflow.compat import cpu
-
     if cpu.is_active() or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -125,8 +125,6 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
 
 def free_port() -> int:
     """A TCP port free on this host now (the OS picks it; another process may take it later)."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -134,6 +132,7 @@ def free_port() -> int:
 
 def shutdown() -> None:
     """Tear down Megatron state and the default group."""
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

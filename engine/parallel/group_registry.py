@@ -105,6 +105,7 @@ def subgroups(enumeration: Sequence[Sequence[int]], backend: Optional[str] = Non
 def megatron_groups_shared() -> Iterator[None]:
     """Route Megatron-Core's group creation (``parallel_state.create_group``, which
     ``initialize_model_parallel`` calls for every group of every kind) through :func:`group`."""
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from megatron.core import parallel_state
 
     original = parallel_state.create_group
@@ -133,6 +134,7 @@ def initialize_megatron_groups(layout) -> None:
     with its groups from this registry and no gloo side groups (hyflow's optimizer and checkpoint
     formats never use them: ``fully_reshardable`` gathers over the device group). What
     :func:`hyflow.parallel.groups.init_training_groups` runs, and ``hyflow plan``'s group check."""
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

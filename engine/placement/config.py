@@ -105,18 +105,12 @@ class Pool:
 
 @dataclass(frozen=True)
 class RolePlacement:
-    """A role on its pool, in its layout (``dp`` filled for the pool's size)."""
+    """A role on its pool, in its layout (``dp`` filled for the pool's size, ``start`` the pool's
+    first rank: ``layout.rank_of`` / ``layout.coords`` read global ranks)."""
 
     role: str
     pool: Pool
     layout: Layout
-
-    def rank(self, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
-        """Global rank of layout coordinates (Megatron order, offset by the pool's first rank)."""
-        return self.pool.start + self.layout.rank_of(tp=tp, dp=dp, pp=pp)
-
-    def coords(self, rank: int) -> dict[str, int]:
-        return self.layout.coords(rank - self.pool.start)
 
 
 @dataclass(frozen=True)
@@ -155,7 +149,7 @@ class Placement:
 def role_layouts(cfg: Any) -> dict[str, Layout]:
     """Each role's layout without ``dp`` (the tp/pp the config gives it; the actor's stage split chosen)."""
     actor = cfg.trained_actor_layout() if hasattr(cfg, "trained_actor_layout") else cfg.actor.layout
-    out = {"actor": actor, "rollout": Layout(tp=cfg.rollout.layout.tp, pp=cfg.rollout.layout.pp)}
+    out = {"actor": actor, "rollout": cfg.rollout.layout.as_layout()}
     if cfg.critic.enable:
         out["critic"] = cfg.critic.layout or actor
     if cfg.reference.enable:
@@ -230,7 +224,10 @@ def resolve_placement(cfg: Any, world: Optional[int] = None) -> Placement:
             raise ConfigError(f"placement: the {role} runs on pool {name!r} of {pool.size} ranks, which its "
                               f"layout tp={base.tp} x pp={base.pp} x cp={base.cp} = {per_copy} does not divide; "
                               f"resize the pool or change {key}", key=f"placement.{role}")
-        layout = dataclasses.replace(base, dp=pool.size // per_copy)
+        if base.start:
+            raise ConfigError(f"layout.start={base.start}: the placement sets where a role's layout starts (its "
+                              "pool's first rank); leave start unset", key=key)
+        layout = dataclasses.replace(base, dp=pool.size // per_copy).at(pool.start)
         try:
             layout.check_model(cfg.model, training=role in ("actor", "critic"))  # the others run forwards only
         except LayoutError as e:

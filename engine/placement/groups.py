@@ -1,4 +1,4 @@
-"""Process groups of a pooled placement: each pool's layout, offset to the pool's first rank.
+"""Process groups of a pooled placement: each pool's layout, on the pool's ranks (``Layout.start``).
 
 Every pool runs one layout (the roles that share a pool share its tp/pp, checked by
 :func:`pool_layouts`), so one set of rank partitions covers the world: per group kind, the
@@ -24,10 +24,14 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from hyflow.config import ConfigError
+from hyflow.monitor import comm
 from hyflow.parallel import group_registry
 from hyflow.parallel.distributed import eager_init, rank_device
+from hyflow.parallel.groups import ParallelGroups
 from hyflow.parallel.layout import Layout
 from hyflow.placement.config import ROLES, Placement, Pool
 
@@ -54,13 +58,13 @@ def pool_layouts(placement: Placement) -> dict[str, Layout]:
 
 
 def pool_enumerations(placement: Placement) -> dict[str, list[list[int]]]:
-    """Group kind -> rank lists over the whole world (each pool's layout shifted to its ranks)."""
+    """Group kind -> rank lists over the whole world (each pool's layout on its ranks)."""
     layouts = pool_layouts(placement)
     enums: dict[str, list[list[int]]] = {kind: [] for kind in _KINDS}
     for pool in placement.pools:
         layout = layouts[pool.name]
         for kind in _KINDS:
-            enums[kind] += [[pool.start + r for r in ranks] for ranks in layout.groups(kind)]
+            enums[kind] += layout.groups(kind)
     return enums
 
 
@@ -77,22 +81,14 @@ def pool_expert_enumerations(placement: Placement) -> dict[str, list[list[int]]]
     for pool in placement.pools:
         layout = layouts[pool.name]
         for kind, theirs in _EXPERT_KINDS.items():
-            enums[kind] += [[pool.start + r for r in ranks] for ranks in layout.expert_groups(theirs)]
-        block = layout.tp * layout.cp * layout.dp
-        enums["tp_dp_cp"] += [list(range(pool.start + s * block, pool.start + (s + 1) * block))
-                              for s in range(layout.pp)]
+            enums[kind] += layout.expert_groups(theirs)
+        enums["tp_dp_cp"] += layout.groups("tp_dp_cp")
     return enums
 
 
 def build_pool_groups(placement: Placement, backend: Optional[str] = None):
     """This rank's :class:`~hyflow.parallel.groups.ParallelGroups` on its pool (collective: every rank
     calls it). ``coords`` are the rank's coordinates inside its pool's layout; ``.pool`` is added."""
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from hyflow.monitor import comm
-    from hyflow.parallel.groups import ParallelGroups
-
     if dist.get_world_size() != placement.world:
         raise ConfigError(f"the placement covers {placement.world} ranks but {dist.get_world_size()} were launched")
     rank, device = dist.get_rank(), rank_device()
@@ -116,13 +112,13 @@ def build_pool_groups(placement: Placement, backend: Optional[str] = None):
     pgs.intra_dist_opt = pool_group
     comm.register_collection(pgs)
     _install_megatron_globals(pgs, pool_enumerations(placement), dist.get_rank())
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+    if ps._GLOBAL_MEMORY_BUFFER is None:
         # Megatron's attention takes scratch from this process-wide buffer even when every group is
         # passed explicitly (initialize_model_parallel makes it; pools do not call that).
-        parallel_state._set_global_memory_buffer()
+        ps._set_global_memory_buffer()
     pool = placement.pool_of(rank)
     layout = pool_layouts(placement)[pool.name]
-    groups = ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=layout.coords(rank - pool.start),
+    groups = ParallelGroups(layout=layout, pgs=pgs, rank=rank, coords=layout.coords(rank),
                             device=device)
     groups.pool = pool  # type: ignore[attr-defined]
     groups.pool_group = pool_group  # type: ignore[attr-defined]
@@ -133,8 +129,6 @@ def _install_megatron_globals(pgs, enums: dict[str, list[list[int]]], rank: int)
     """Make this rank's pool groups Megatron's global state (every rank lives in one pool, so each
     rank's globals are well defined). hyflow passes groups explicitly; this is for the Megatron
     code that still reads the globals (its vocab-parallel cross entropy, used by the SFT warm-up)."""
-    from megatron.core import parallel_state as ps
-
     def mine(kind: str) -> list[int]:
         return next(g for g in enums[kind] if rank in g)
 
@@ -158,8 +152,6 @@ def _install_megatron_globals(pgs, enums: dict[str, list[list[int]]], rank: int)
 def build_sync_group(src: Pool, dst: Pool, backend: Optional[str] = None):
     """The group of the weight sync from ``src`` to ``dst`` (collective: every rank calls it; its
     communicator is created here, as ranks without buckets skip rounds of the sync)."""
-    from hyflow.monitor import comm
-
     ranks = sorted(set(src.ranks) | set(dst.ranks))
     group = group_registry.group(ranks, backend=backend, purpose="reshard")
     if dist.get_rank() in ranks:

@@ -32,6 +32,9 @@ import torch.distributed as dist
 
 from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
 from hyflow.checkpoint.errors import CheckpointError
+from hyflow.checkpoint.trust import unpickling_detail
+from hyflow.parallel import group_registry
+from hyflow.rollout.dp import SampleTensors
 
 INFLIGHT_DIR = "inflight"
 INFLIGHT_FORMAT = "hyflow-inflight"
@@ -57,8 +60,6 @@ class Control:
 def control_group(placement):
     """The group :func:`control` broadcasts over: the training pool's first rank and every rank of
     the other pools (collective: every rank calls it, in the same order)."""
-    from hyflow.parallel import group_registry
-
     train = placement.roles["actor"].pool
     return group_registry.group([train.start] + [r for r in range(placement.world) if r not in train],
                                 purpose="control")
@@ -114,8 +115,6 @@ def write_inflight(path: str, rank: int, state: InFlight, pool: Any, layout: Any
 def read_inflight(path: str, rank: int, pool: Any, layout: Any, device: torch.device) -> InFlight:
     """The in-flight state this rank wrote into checkpoint ``path`` (read with ``weights_only=True``;
     a wrong structure, another placement or layout raises :class:`CheckpointError`)."""
-    from hyflow.rollout.dp import SampleTensors
-
     data = load_inflight_data(path, rank, pool, layout, INFLIGHT_FORMAT, INFLIGHT_VERSION)
     try:
         samples = None
@@ -140,8 +139,6 @@ def load_inflight_data(path: str, rank: int, pool: Any, layout: Any, fmt: str, v
     try:
         data = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - UnpicklingError for anything but plain data
-        from hyflow.checkpoint.trust import unpickling_detail
-
         raise CheckpointError(f"{source} holds Python objects other than tensors and plain data "
                               f"({unpickling_detail(e)}): refused, hyflow never runs code from a checkpoint") from None
     try:

@@ -197,8 +197,8 @@ def serve_critic(cfg, placement, groups, pool_group, go) -> None:
 def _slice(values: torch.Tensor, offsets, sizes, by_src, placement, reply: RowRoute) -> torch.Tensor:
     """The rows of ``reply`` (critic lead -> a training rank) out of this critic rank's ``values``,
     at the width of the training DP rank that owns them."""
-    actor = placement.roles["actor"]
-    lead = actor.rank(dp=actor.coords(reply.dst)["dp"])  # the training DP rank's first rank sent the rows
+    actor = placement.roles["actor"].layout
+    lead = actor.rank_of(dp=actor.coords(reply.dst)["dp"])  # the training DP rank's first rank sent the rows
     i, b, w = by_src[lead]
     return values[offsets[i]:offsets[i] + b, :w].contiguous()
 

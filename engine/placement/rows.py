@@ -44,12 +44,12 @@ def row_routes(prompts: int, gen, train) -> list[RowRoute]:
     out = []
     for d in range(D):
         a, b = shard_range(prompts, D, d)
-        owners = [train.rank(tp=t, pp=p, dp=d) for p in range(train.layout.pp) for t in range(train.layout.tp)]
+        owners = [train.layout.rank_of(tp=t, pp=p, dp=d) for p in range(train.layout.pp) for t in range(train.layout.tp)]
         for j in range(R):
             c, e = shard_range(prompts, R, j)
             lo, hi = max(a, c), min(b, e)
             if lo < hi:
-                out += [RowRoute(gen.rank(dp=j), dst, lo, hi) for dst in owners]
+                out += [RowRoute(gen.layout.rank_of(dp=j), dst, lo, hi) for dst in owners]
     return sorted(out, key=lambda r: (r.dst, r.first))
 
 

@@ -4,10 +4,10 @@ Pure arithmetic (no torch, no process groups), in the hybrid engine's plan -> ex
 executor (:mod:`hyflow.placement.weight_sync`) runs the :class:`SyncPlan`; tests run the plan on
 numpy arrays.
 
-Layouts (:class:`ModelLayout`) use Megatron's rank order inside their pool (tp fastest, then dp,
-then pp) offset by the pool's first rank. Per parameter (:class:`~hyflow.hybrid.param_specs.ParamSpec`,
-global shape, how TP shards it, which stage holds it) every destination rank needs the slice of its
-(tp, pp) coordinates; the planner cuts that slice into the runs held by the source layout's
+Layouts are :class:`~hyflow.parallel.layout.Layout` values starting at their pool's first rank
+(``Layout.start``; Megatron's rank order inside the pool, ``Layout.rank_of``). Per parameter
+(:class:`~hyflow.hybrid.param_specs.ParamSpec`, global shape, how TP shards it, which stage holds
+it) every destination rank needs the slice of its (tp, pp) coordinates; the planner cuts that slice into the runs held by the source layout's
 shards and names one source rank for each run:
 
 * **which source replica**: destination data-parallel replica ``j`` reads from source replica
@@ -22,7 +22,7 @@ shards and names one source rank for each run:
   source rank at tp ``t_dst mod TP_src``.
 
 Routed experts (:class:`~hyflow.hybrid.param_specs.ExpertSpec`) live on the source layout's expert
-grid (``ModelLayout.ep`` / ``etp``: expert ``e`` on the EP rank ``e // (E / EP)``, its FFN width split
+grid (``Layout.ep`` / ``etp``: expert ``e`` on the EP rank ``e // (E / EP)``, its FFN width split
 over ETP); the destination holds every expert split over its TP (EP_g = 1). A destination rank's
 columns of each expert come from the ETP shards that overlap them, on the source replica
 ``j mod EDP_src`` of the expert data-parallel ranks (``linear_fc1``: its gate rows and its up rows;
@@ -42,65 +42,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from hyflow.hybrid.param_specs import (ExpertSpec, ParamSpec, ReshardPlanError, expert_param_specs,
-                                       megatron_local_name, stage_of_layer, stage_split)
+from hyflow.hybrid.param_specs import (ExpertSpec, ParamSpec, ReshardPlanError, expert_param_specs, gpt_param_specs,
+                                       megatron_local_name, model_param_specs, stage_of_layer, stage_split)
+from hyflow.parallel.layout import Layout, pad_vocab_size
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 
 class SyncPlanError(ReshardPlanError):
     """A source / destination layout pair the weight sync cannot map."""
-
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """A model's layout on a pool of ranks ``[start, start + tp*pp*dp)``."""
-
-    start: int
-    tp: int
-    pp: int = 1
-    dp: int = 1
-    stage_layers: Optional[tuple[int, ...]] = None  #: decoder layers per stage; None: even
-    ep: int = 1  #: expert parallelism of a mixture-of-experts model
-    etp: Optional[int] = None  #: expert tensor parallelism (None: tp)
-
-    @property
-    def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    @property
-    def expert_dp(self) -> int:
-        return self.tp * self.dp // (self.expert_tp * self.ep)
-
-    def expert_rank(self, etp: int, ep: int, edp: int, pp: int) -> int:
-        """Global rank of expert-grid coordinates (Megatron-Core's order: etp, ep, edp, then pp)."""
-        return self.start + etp + self.expert_tp * (ep + self.ep * edp) + self.tp * self.dp * pp
-
-    @property
-    def size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def ranks(self) -> range:
-        return range(self.start, self.start + self.size)
-
-    def rank(self, tp: int, pp: int, dp: int) -> int:
-        return self.start + tp + self.tp * (dp + self.dp * pp)
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(tp, pp, dp) of a global rank."""
-        local = rank - self.start
-        if not 0 <= local < self.size:
-            raise SyncPlanError(f"rank {rank} is outside the layout's ranks {self.start}-{self.start + self.size - 1}")
-        tp, rest = local % self.tp, local // self.tp
-        return tp, rest // self.dp, rest % self.dp
-
-    @classmethod
-    def of(cls, start: int, layout) -> "ModelLayout":
-        """From a pool's first rank and a :class:`~hyflow.parallel.layout.Layout`."""
-        split = getattr(layout, "stage_layers", None)
-        return cls(start, layout.tp, layout.pp, layout.dp, tuple(split) if split and layout.pp > 1 else None,
-                   getattr(layout, "ep", 1), getattr(layout, "etp", None))
 
 
 @dataclass(frozen=True)
@@ -142,8 +92,8 @@ class SyncPlan:
     """Who sends what to whom, and the bytes: the whole world's plan, or (``rank`` set) only the
     buckets ``rank`` sends or receives, the same buckets the whole plan has for it."""
 
-    src: ModelLayout
-    dst: ModelLayout
+    src: Layout
+    dst: Layout
     buckets: tuple[Bucket, ...]
     model_bytes: int
     shard_bytes: dict = field(default_factory=dict)  # destination rank -> bytes of its slice
@@ -196,12 +146,14 @@ class SyncPlan:
 
     def summary(self) -> str:
         mib = 1 << 20
-        return (f"weight sync tp={self.src.tp} pp={self.src.pp} dp={self.src.dp} (ranks {self.src.start}-"
-                f"{self.src.start + self.src.size - 1}) -> tp={self.dst.tp} pp={self.dst.pp} dp={self.dst.dp} "
-                f"(ranks {self.dst.start}-{self.dst.start + self.dst.size - 1}): {self.total_bytes / mib:.1f} MiB in "
+        return (f"weight sync {_describe(self.src)} -> {_describe(self.dst)}: {self.total_bytes / mib:.1f} MiB in "
                 f"{len(self.buckets)} buckets over {self.rounds} rounds; per destination rank {self.max_recv / mib:.1f} "
                 f"MiB (its slice), per source rank at most {self.max_sent / mib:.1f} MiB; model "
                 f"{self.model_bytes / mib:.1f} MiB")
+
+
+def _describe(layout: Layout) -> str:
+    return f"tp={layout.tp} pp={layout.pp} dp={layout.dp} (ranks {layout.ranks[0]}-{layout.ranks[-1]})"
 
 
 # ---- planning ----------------------------------------------------------------------------
@@ -219,7 +171,7 @@ def _segments(spec: ParamSpec, parts: int, index: int) -> list[tuple[int, int, i
     return [(index * per, 0, per)]
 
 
-def _check(spec: ParamSpec, layout: ModelLayout, who: str, num_layers: int) -> None:
+def _check(spec: ParamSpec, layout: Layout, who: str, num_layers: int) -> None:
     if layout.stage_layers is not None:
         if len(layout.stage_layers) != layout.pp or sum(layout.stage_layers) != num_layers:
             raise SyncPlanError(f"{who} stage split {list(layout.stage_layers)} does not fill pp={layout.pp} "
@@ -240,7 +192,7 @@ def _row_bytes(spec: ParamSpec, dim: int) -> int:
     return spec.nbytes // spec.global_shape[dim]
 
 
-def _expert_pieces(x: ExpertSpec, src: ModelLayout, dst: ModelLayout, num_layers: int, num_experts: int,
+def _expert_pieces(x: ExpertSpec, src: Layout, dst: Layout, num_layers: int, num_experts: int,
                    j: int) -> list[SyncPiece]:
     """Destination replica ``j``'s pieces of routed-expert weight ``x`` (see the module docstring)."""
     if num_experts % src.ep or x.ffn % src.expert_tp or x.ffn % dst.tp:
@@ -259,12 +211,12 @@ def _expert_pieces(x: ExpertSpec, src: ModelLayout, dst: ModelLayout, num_layers
     row = x.hidden * x.dtype_bytes  # bytes per FFN index (a row of fc1's halves, a column of fc2)
     out = []
     for t in range(dst.tp):
-        drank = dst.rank(t, qd, j)
+        drank = dst.rank_of(tp=t, pp=qd, dp=j)
         for a in range(src.expert_tp):
             lo, hi = max(t * dw, a * sw), min((t + 1) * dw, (a + 1) * sw)
             if lo >= hi:
                 continue
-            srank = src.expert_rank(a, x.expert // per, j % src.expert_dp, q)
+            srank = src.expert_rank_of(etp=a, ep=x.expert // per, edp=j % src.expert_dp, pp=q)
             halves = ((0, 0), (sw, dw)) if x.kind == "fc1" else ((0, 0),)
             for s0, d0 in halves:
                 out.append(SyncPiece(x.name, srank, drank, src_name, dst_name, 0 if x.kind == "fc1" else 1,
@@ -272,7 +224,7 @@ def _expert_pieces(x: ExpertSpec, src: ModelLayout, dst: ModelLayout, num_layers
     return out
 
 
-def plan_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLayout, num_layers: int,
+def plan_weight_sync(specs: Iterable[ParamSpec], src: Layout, dst: Layout, num_layers: int,
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, rank: Optional[int] = None,
                      experts: Iterable[ExpertSpec] = (), num_experts: int = 0) -> SyncPlan:
     """Plan the copy of a model from ``src`` (every replica holds it) into every replica of ``dst``.
@@ -296,9 +248,9 @@ def plan_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLay
     if rank is not None:
         mine = set()
         if rank in dst.ranks:
-            mine.add(dst.coords(rank)[2])
+            mine.add(dst.coords(rank)["dp"])
         if rank in src.ranks:
-            mine.update(range(src.coords(rank)[2], dst.dp, src.dp))  # destination j reads source j mod DP_src
+            mine.update(range(src.coords(rank)["dp"], dst.dp, src.dp))  # destination j reads source j mod DP_src
         replicas = sorted(mine)
         want = lambda s, d: rank in (s, d)  # noqa: E731
     pieces, shard_bytes = _pieces(specs, src, dst, num_layers, replicas, want, experts, num_experts)
@@ -309,7 +261,7 @@ def plan_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLay
                     shard_bytes=shard_bytes, bucket_bytes=bucket_bytes, rank=rank)
 
 
-def _pieces(specs: tuple[ParamSpec, ...], src: ModelLayout, dst: ModelLayout, num_layers: int,
+def _pieces(specs: tuple[ParamSpec, ...], src: Layout, dst: Layout, num_layers: int,
             replicas: Iterable[int], want=None, experts: tuple[ExpertSpec, ...] = (),
             num_experts: int = 0) -> tuple[dict[tuple[int, int], list[SyncPiece]], dict[int, int]]:
     """The pieces of destination replicas ``replicas`` (in order) between rank pairs ``want(src, dst)``
@@ -325,9 +277,9 @@ def _pieces(specs: tuple[ParamSpec, ...], src: ModelLayout, dst: ModelLayout, nu
             for q in spec.stages(dst.pp, num_layers, dst.stage_layers):
                 dst_name = megatron_local_name(spec, dst.pp, num_layers, q, dst.stage_layers)
                 for t in range(dst.tp):
-                    drank = dst.rank(t, q, j)
+                    drank = dst.rank_of(tp=t, pp=q, dp=j)
                     if spec.shard_dim is None:  # replicated: whole, from the source tp t mod TP_src
-                        srank = src.rank(t % src.tp, src_stage, sdp)
+                        srank = src.rank_of(tp=t % src.tp, pp=src_stage, dp=sdp)
                         if want is None or want(srank, drank):
                             n = spec.global_shape[0] if spec.global_shape else 1
                             pieces[(srank, drank)].append(SyncPiece(spec.name, srank, drank, src_name, dst_name, 0,
@@ -338,7 +290,7 @@ def _pieces(specs: tuple[ParamSpec, ...], src: ModelLayout, dst: ModelLayout, nu
                     row = _row_bytes(spec, dim)
                     for g0, l0, n in _segments(spec, dst.tp, t):
                         for k in range(src.tp):
-                            srank = src.rank(k, src_stage, sdp)
+                            srank = src.rank_of(tp=k, pp=src_stage, dp=sdp)
                             if want is not None and not want(srank, drank):
                                 continue
                             for h0, m0, m in _segments(spec, src.tp, k):
@@ -391,20 +343,17 @@ class SyncSummary:
     max_peers: int  # sending peers of one destination rank
     model_bytes: int
     bucket_bytes: int
-    src: ModelLayout
-    dst: ModelLayout
+    src: Layout
+    dst: Layout
 
     def summary(self) -> str:
         mib = 1 << 20
-        src, dst = self.src, self.dst
-        return (f"weight sync tp={src.tp} pp={src.pp} dp={src.dp} (ranks {src.start}-{src.start + src.size - 1}) -> "
-                f"tp={dst.tp} pp={dst.pp} dp={dst.dp} (ranks {dst.start}-{dst.start + dst.size - 1}): "
-                f"{self.total_bytes / mib:.1f} MiB in {self.buckets} buckets over {self.rounds} rounds; per destination "
+        return (f"weight sync {_describe(self.src)} -> {_describe(self.dst)}: {self.total_bytes / mib:.1f} MiB in {self.buckets} buckets over {self.rounds} rounds; per destination "
                 f"rank {self.max_recv / mib:.1f} MiB (its slice), per source rank at most {self.max_sent / mib:.1f} "
                 f"MiB; model {self.model_bytes / mib:.1f} MiB")
 
 
-def summarize_weight_sync(specs: Iterable[ParamSpec], src: ModelLayout, dst: ModelLayout, num_layers: int,
+def summarize_weight_sync(specs: Iterable[ParamSpec], src: Layout, dst: Layout, num_layers: int,
                           bucket_bytes: int = DEFAULT_BUCKET_BYTES, experts: Iterable[ExpertSpec] = (),
                           num_experts: int = 0) -> SyncSummary:
     """:class:`SyncSummary` of :func:`plan_weight_sync` (pools that do not overlap), at the cost of
@@ -435,8 +384,6 @@ def model_experts(desc, dtype_bytes: int) -> dict:
 
 def model_specs(desc, padded_vocab: int, dtype_bytes: int, value_head: bool = False) -> list[ParamSpec]:
     """The parameters of ``desc``'s GPTModel (what the weight sync moves)."""
-    from hyflow.hybrid.param_specs import gpt_param_specs
-
     specs = gpt_param_specs(desc.num_layers, desc.hidden_size, desc.num_attention_heads, desc.num_query_groups,
                             desc.head_dim, desc.ffn_hidden_size, padded_vocab,
                             tied_embeddings=desc.tied_embeddings, qkv_bias=desc.qkv_bias, dtype_bytes=dtype_bytes,
@@ -476,11 +423,7 @@ def summarize_actor_sync(placement, desc, dtype_bytes: int, *, fused_norms: bool
 
 
 def _actor_sync(placement, desc, dtype_bytes: int, fused_norms: bool):
-    from hyflow.hybrid.param_specs import model_param_specs
-    from hyflow.parallel.layout import pad_vocab_size
-
     actor, gen = placement.roles["actor"], placement.roles["rollout"]
     specs = model_param_specs(desc, pad_vocab_size(desc.vocab_size, actor.layout.tp), dtype_bytes,
                               fused_norms=fused_norms)
-    return (specs, ModelLayout.of(actor.pool.start, actor.layout), ModelLayout.of(gen.pool.start, gen.layout),
-            desc.num_layers)
+    return specs, actor.layout, gen.layout, desc.num_layers

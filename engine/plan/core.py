@@ -8,22 +8,26 @@ to change; :mod:`hyflow.plan.report` prints them.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, Union
 
 from hyflow.config import ConfigError
+from hyflow.hybrid.expert_exchange import plan_expert_exchange, same_expert_grid
 from hyflow.hybrid.generation_groups import generation_enumerations
 from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
 from hyflow.hybrid.reshard_plan import PP_STAGING_SLOT, ReshardPlan, plan_reshard, staging_bytes_per_rank
+from hyflow.jobs.registry import load_job_config
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.layout import Layout
 from hyflow.plan import lora as plan_lora
 from hyflow.plan import memory_estimate as mem
+from hyflow.plan.experts import rl_step_alltoall
 from hyflow.plan.group_check import RankCheck, check_partition, layout_enumerations, summarize, verify_rank
+from hyflow.plan.pools import plan_pools
 from hyflow.plan.role_plan import RolePlan
+from hyflow.plan.stages import compute_plan
 from hyflow.plan.throughput import project_plan
 from hyflow.rollout.config import GenerationConfig
 
@@ -190,8 +194,6 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     placement = cfg.resolved_placement(world)
     result.placement = placement.describe()
     if not placement.colocated:
-        from hyflow.plan.pools import plan_pools
-
         plan_pools(cfg, world, opts, result, placement, model, attention)
         result.warnings.extend(notes)
         project_plan(cfg, model, world, opts.device, result, placement)
@@ -279,22 +281,15 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     # a slice of it); grads and optimizer state stay where they are.
     gen = cfg.rollout.layout
     specs = model_param_specs(model, mem.padded_vocab(model, layout.tp), pbytes)
-    reshard_layout = layout
-    if layout.cp > 1:
-        # CP ranks hold the same weight shards, and in Megatron's rank order (tp-cp-dp-pp) a
-        # tp x cp x dp x pp layout puts them exactly where tp x (cp * dp) x pp would: for the
-        # weights' reshard CP is more data parallelism (so does the RL job's hybrid engine).
-        reshard_layout = dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1)
-    plan = plan_reshard(specs, reshard_layout, (gen.tp, gen.pp), world_size=world,
-                        num_layers=model.num_layers)
+    # for the weights CP is more data parallelism, as in the RL job's hybrid engine
+    plan = plan_reshard(specs, layout.cp_as_dp(), (gen.tp, gen.pp), world_size=world, num_layers=model.num_layers)
     result.reshard = plan
     enums = generation_enumerations(plan)
     for kind in ("tp", "pp", "dp", "micro_dp"):
         problem = check_partition(kind, enums[kind], world)
         if problem:
             result.errors.append("generation " + problem)
-    gen_layout = Layout(tp=gen.tp, pp=gen.pp, dp=plan.gen_dp_size,
-                        stage_layers=plan.gen_split if plan.train.stage_layers is not None else None)
+    gen_layout = plan.gen
     capacity = seq
     # the engine sizes its cache for min(max_concurrent, the samples of its replica)
     per_replica = -(-cfg.data.train_batch_size * cfg.rollout.n // plan.gen_dp_size)
@@ -388,9 +383,6 @@ def _plan_experts(cfg: Any, model: ModelDescription, layout: Layout, plan: Resha
     """A mixture-of-experts actor: generation memory of its experts (every expert on every
     replica, the training experts kept aside, one layer's exchange staging), the expert exchange's
     bytes per transition and the expert all-to-all traffic per step."""
-    from hyflow.hybrid.expert_exchange import plan_expert_exchange, same_expert_grid
-    from hyflow.plan.experts import rl_step_alltoall
-
     gen = cfg.rollout.layout
     info: dict[str, Any] = {"ep": layout.ep, "etp": layout.expert_tp, "edp": layout.expert_dp,
                             "experts_per_rank": model.moe.num_experts // layout.ep,
@@ -419,8 +411,6 @@ def _plan_experts(cfg: Any, model: ModelDescription, layout: Layout, plan: Resha
 def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) -> PlanResult:
     """Plan a job; every problem found ends up in ``result.errors`` (nothing is raised for a
     bad config)."""
-    from hyflow.jobs.registry import load_job_config
-
     t0 = time.perf_counter()
     result = PlanResult(config=config_path)
     overrides = list(overrides)
@@ -461,8 +451,6 @@ def build_plan(config_path: str, overrides: Sequence[str], opts: PlanOptions) ->
                                        f"(gpus_per_node={per_node}); keep tp within a node")
     _check_memory(result)
     if cfg.job == "rl" and result.roles:
-        from hyflow.plan.stages import compute_plan
-
         try:
             result.compute = compute_plan(cfg, result.roles[0].model, result.roles[0].layout, opts.device)
         except ValueError as e:  # e.g. fewer layers than pipeline stages (the layout check says so too)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+import torch
+
 from hyflow.models.stage_split import matmul_params  # noqa: F401 - re-exported: part of the FLOP model
 
 #: Dense datasheet peaks in TFLOP/s per GPU: (name fragment, {dtype: peak}); first match wins.
@@ -70,9 +72,6 @@ def measure_cpu_peak(threads: int = 1, n: int = 1024, repeats: int = 5) -> float
     timings of 3 products (2 n^3 FLOPs each), after one untimed product. Timed in process CPU
     time per thread, so other load on the machine does not lower the peak (it lowers the MFU of
     a job that runs under it, which is what MFU should show)."""
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    import torch
-
     saved = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
@@ -100,9 +99,6 @@ def gpu_peak(name: str, dtype: str) -> Optional[float]:
 
 def device_peak(dtype: str, threads: int = 1) -> tuple[float, str]:
     """``(FLOP/s per rank, how it was obtained)`` for this machine's ranks."""
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    import torch
-
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         peak = gpu_peak(name, dtype)

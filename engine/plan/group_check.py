@@ -18,9 +18,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
 from hyflow.hybrid.generation_groups import MEGATRON_KINDS, build_generation_groups, build_micro_dp_group
 from hyflow.hybrid.reshard_plan import ReshardPlan
 from hyflow.hybrid.reshard_table import rank_plan
+from hyflow.monitor import comm
+from hyflow.parallel.group_registry import initialize_megatron_groups
 from hyflow.parallel.layout import Layout
 
 
@@ -59,18 +65,14 @@ def check_partition(kind: str, groups: Sequence[Sequence[int]], world: int) -> O
 def fake_world(rank: int, world_size: int) -> Iterator[None]:
     """A ``torch.distributed`` default group of ``world_size`` in which this process is
     ``rank``, with no communication (``backend="fake"``)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("fake_world needs a process without an initialised process group")
     dist.init_process_group(backend="fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
+        # Megatron (seconds) only when this runs: `hyflow --help` imports this module
         from megatron.core import parallel_state
-
-        from hyflow.monitor import comm
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
@@ -80,8 +82,6 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 
 def _member_groups() -> int:
     """Process groups this rank is a member of (torch registers only those)."""
-    import torch.distributed as dist
-
     world = getattr(dist.distributed_c10d, "_world", None)
     return len(getattr(world, "pg_names", {}) or {})
 
@@ -100,9 +100,6 @@ def counting_new_group() -> Iterator[GroupCalls]:
     """Count ``torch.distributed.new_group`` calls (from Megatron, torch's
     ``new_subgroups_by_enumeration`` and hyflow alike). In a fake world a gloo group is counted and
     created on the fake backend (which cannot host gloo)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
     counted = GroupCalls()
     original = c10d.new_group
     fake = dist.get_backend() == "fake"
@@ -138,7 +135,7 @@ class RankCheck:
 
 
 def _megatron_groups() -> dict[str, list[int]]:
-    import torch.distributed as dist
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from megatron.core import parallel_state as ps
 
     getters = {
@@ -159,7 +156,7 @@ def _megatron_groups() -> dict[str, list[int]]:
 
 
 def _megatron_expert_groups() -> dict[str, list[int]]:
-    import torch.distributed as dist
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from megatron.core import parallel_state as ps
 
     getters = {"ep": ps.get_expert_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group,
@@ -181,10 +178,6 @@ def verify_rank(layout: Layout, rank: int, plan: Optional[ReshardPlan] = None,
     ``experts``: a mixture-of-experts model (its expert groups are compared with
     :meth:`Layout.expert_groups`, and the generation groups include the MoE ones).
     """
-    import torch.distributed as dist
-
-    from hyflow.parallel.group_registry import initialize_megatron_groups
-
     check = RankCheck(rank=rank)
     train_enums = train_enums or layout_enumerations(layout)
     with fake_world(rank, layout.world_size), counting_new_group() as counted:

@@ -22,6 +22,7 @@ hyflow.plan.measure CONFIG [overrides]``: every rank prints one JSON line.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import resource
 import sys
@@ -30,9 +31,25 @@ import time
 import weakref
 from typing import Any, Iterator, Optional, Sequence
 
+import psutil
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from hyflow.data.tasks import load_data_tokenizer
+from hyflow.hybrid.generation_buffer import GenerationBuffer
+from hyflow.jobs.lm import arith_batch
+from hyflow.jobs.registry import JOBS, load_job_config, resolve
+from hyflow.models.builder import build_model_chunks, recompute_overrides
+from hyflow.models.weights import load_full_state_dict, random_full_state_dict
+from hyflow.parallel.distributed import init_distributed, shutdown
+from hyflow.parallel.groups import init_training_groups
+from hyflow.plan import memory_estimate as mem
+from hyflow.plan.core import PlanOptions, build_plan
+from hyflow.rl.models import build_rl_models
+from hyflow.training.optimizer import build_optimizer, wrap_ddp
+from hyflow.training.step import train_step
 
 
 class TensorMemoryTracker(TorchDispatchMode):
@@ -84,8 +101,6 @@ def device_buffer_accounting(tracker: TensorMemoryTracker) -> Iterator[None]:
     """Count the hybrid engine's generation buffer as the CUDA path holds it: allocator memory
     from ``acquire`` to ``release`` (on CPU it is a mapping whose pages arrive with the first
     write, which no tensor op shows)."""
-    from hyflow.hybrid.generation_buffer import GenerationBuffer
-
     acquire, release = GenerationBuffer.acquire, GenerationBuffer.release
 
     def counted_acquire(self):
@@ -109,8 +124,6 @@ class RssSampler:
     """Peak resident set size, sampled in a background thread (and ``ru_maxrss``)."""
 
     def __init__(self, interval_s: float = 0.001) -> None:
-        import psutil
-
         self._proc = psutil.Process()
         self.interval_s = interval_s
         self.baseline = self._proc.memory_info().rss
@@ -141,19 +154,6 @@ class RssSampler:
 def measure_lm(config: str, overrides: Sequence[str] = (), steps: int = 2) -> dict[str, Any]:
     """Build the ``lm`` job's model and optimizer and run ``steps`` train steps on this rank
     (inside an initialised process group); returns measurements and the plan's estimate."""
-    import gc
-
-    import torch.distributed as dist
-
-    from hyflow.jobs.registry import load_job_config
-    from hyflow.jobs.lm import arith_batch
-    from hyflow.models.builder import build_model_chunks, recompute_overrides
-    from hyflow.models.weights import load_full_state_dict, random_full_state_dict
-    from hyflow.parallel.groups import init_training_groups
-    from hyflow.plan import memory_estimate as mem
-    from hyflow.training.optimizer import build_optimizer, wrap_ddp
-    from hyflow.training.step import train_step
-
     world = dist.get_world_size()
     cfg = load_job_config(config, list(overrides) + [f"trainer.nproc={world}"])
     layout = cfg.actor.layout.with_dp_for(world)
@@ -207,15 +207,6 @@ def measure_rl_startup(config: str, overrides: Sequence[str] = ()) -> dict[str, 
     actor, DDP, optimizer, hybrid engine, reference, critic) on this rank under the tensor tracker;
     returns the peak with the plan's CPU start-up estimate (the tracker sees the CPU reshard's
     shared-memory staging too: ``torch.from_file`` segments)."""
-    import gc
-
-    import torch.distributed as dist
-
-    from hyflow.data.tasks import load_data_tokenizer
-    from hyflow.jobs.registry import load_job_config
-    from hyflow.plan.core import PlanOptions, build_plan
-    from hyflow.rl.models import build_rl_models
-
     world = dist.get_world_size()
     overrides = list(overrides) + [f"trainer.nproc={world}"]
     cfg = load_job_config(config, overrides)
@@ -238,13 +229,6 @@ def measure_rl_startup(config: str, overrides: Sequence[str] = ()) -> dict[str, 
 def measure_job(config: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Run a whole job (its ``run(cfg)``) on this rank under both measurements; returns them
     with the plan's CPU estimate (its worst phase)."""
-    import gc
-
-    import torch.distributed as dist
-
-    from hyflow.jobs.registry import JOBS, load_job_config, resolve
-    from hyflow.plan.core import PlanOptions, build_plan
-
     world = dist.get_world_size()
     overrides = list(overrides) + [f"trainer.nproc={world}"]
     cfg = load_job_config(config, overrides)
@@ -268,8 +252,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("usage: torchrun --nproc-per-node N -m hyflow.plan.measure CONFIG [overrides]",
               file=sys.stderr)
         return 2
-    from hyflow.parallel.distributed import init_distributed, shutdown
-
     init_distributed()
     try:
         print(json.dumps(measure_job(argv[0], argv[1:])), flush=True)

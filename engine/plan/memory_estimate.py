@@ -39,6 +39,7 @@ from typing import Any, Literal, Optional, Sequence
 from hyflow.models.description import ModelDescription
 from hyflow.parallel.layout import Layout, pad_vocab_size
 from hyflow.plan import experts
+from hyflow.rollout.kv_cache import prefill_block_mask_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 Attention = Literal["local", "sdpa", "te"]
@@ -350,8 +351,6 @@ def generation_transient(desc: ModelDescription, gen_tp: int, *, prefill_tokens:
     ``context`` cached positions in query blocks, each with its own additive fp32 mask (GQA
     folded into the queries; :func:`hyflow.rollout.kv_cache.prefill_block_mask_bytes`, at most
     a fixed budget), so chunked prefill bounds all of this by the chunk size."""
-    from hyflow.rollout.kv_cache import prefill_block_mask_bytes
-
     pbytes = DTYPE_BYTES[dtype]
     layer = forward_layer_bytes(desc, Layout(tp=gen_tp), prefill_tokens, 1, "sdpa", dtype)
     width = padded_vocab(desc, gen_tp) // gen_tp

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyflow.parallel.layout import Layout
-from hyflow.placement.sync_planner import ModelLayout, model_experts, model_specs, summarize_weight_sync
+from hyflow.placement.sync_planner import model_experts, model_specs, summarize_weight_sync
 from hyflow.plan import memory_estimate as mem
 from hyflow.plan.group_check import layout_enumerations, summarize
+from hyflow.plan.role_plan import RolePlan
 
 
 def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, model, attention: str) -> None:
     """Fill ``result`` (a :class:`~hyflow.plan.core.PlanResult`) for a pooled placement."""
-    from hyflow.plan.role_plan import RolePlan
-
     dtype = cfg.actor.dtype
     pbytes = mem.DTYPE_BYTES[dtype]
     seq = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
@@ -37,9 +35,7 @@ def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, mod
     actor_layout = roles["actor"].layout
     padded = mem.padded_vocab(model, actor_layout.tp)
     gen = roles["rollout"]
-    sync = summarize_weight_sync(model_specs(model, padded, pbytes), ModelLayout.of(roles["actor"].pool.start,
-                                                                                   actor_layout),
-                                 ModelLayout.of(gen.pool.start, gen.layout), model.num_layers,
+    sync = summarize_weight_sync(model_specs(model, padded, pbytes), actor_layout, gen.layout, model.num_layers,
                                  **model_experts(model, pbytes))
     result.weight_sync = sync
     prompts, n = cfg.data.train_batch_size, cfg.rollout.n
@@ -106,10 +102,9 @@ def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, mod
     result.phases.append(est)
     result.pools.append({"name": gen.pool.name, "ranks": [gen.pool.start, gen.pool.stop], "roles": ["rollout"],
                          "phase": est.phase, "bytes": est.total})
-    gen_layout = Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp)
     result.generation = {
-        "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "micro_dp_size": 1, "layout": gen_layout.describe(),
-        "groups": summarize(layout_enumerations(gen_layout)), "kv_cache_bytes": est.get("KV cache"),
+        "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "micro_dp_size": 1, "layout": layout.describe(),
+        "groups": summarize(layout_enumerations(layout)), "kv_cache_bytes": est.get("KV cache"),
         "slots": slots, "capacity": seq, "pool": gen.pool.name,
     }
 

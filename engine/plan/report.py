@@ -11,6 +11,8 @@ from typing import Any
 
 from hyflow.config.units import format_bytes
 from hyflow.plan.core import PlanResult
+from hyflow.plan.stages import format_compute
+from hyflow.plan.throughput import format_projection
 
 
 
@@ -147,12 +149,8 @@ def format_table(result: PlanResult) -> str:
                      f"{format_bytes(result.required_bytes)} of {format_bytes(result.gpu_memory_bytes)}"
                      f" per GPU: {verdict}")
     if result.compute:
-        from hyflow.plan.stages import format_compute
-
         lines += format_compute(result.compute)
     if result.throughput:
-        from hyflow.plan.throughput import format_projection
-
         lines += format_projection(result.throughput)
     for note in result.notes:
         lines.append(f"note: {note}")

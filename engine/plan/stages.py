@@ -19,6 +19,8 @@ response tokens only and recomputes its logits in the backward (4x instead of 3x
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -26,6 +28,8 @@ from hyflow.models.stage_split import (  # noqa: F401 - the cost model's pieces,
     balanced_stage_layers, head_flops, head_in_layers, job_head_layers, layer_flops, resolve_stage_layers,
     stage_costs,
 )
+from hyflow.parallel.layout import Layout
+from hyflow.plan.flops import measure_cpu_peak
 
 #: gloo all-reduce between 2 processes on the 2-core dev box (loopback; 2026-11-24, load ~50,
 #: medians of 5): 0.47 ms for 1 KiB, 0.85 GB/s algorithm bandwidth for 32 MiB.
@@ -42,12 +46,10 @@ def bubble_step_factor(layers: Sequence[int], head_layers: float, micro_batches:
 
 
 @dataclass
-class CpuLayout:
-    """One candidate of :func:`cpu_layouts`."""
+class CpuCandidate:
+    """One candidate of :func:`cpu_layouts`: a layout (its stage split balanced) and its estimates."""
 
-    tp: int
-    pp: int
-    dp: int
+    layout: Layout
     threads: int
     update_s: float          #: estimated update seconds per step
     compute_s: float         #: of which compute (including the pipeline's idle slots)
@@ -57,12 +59,18 @@ class CpuLayout:
 
     @property
     def name(self) -> str:
-        return f"TP={self.tp} PP={self.pp} DP={self.dp}, {self.threads} thread(s) per rank"
+        return f"TP={self.layout.tp} PP={self.layout.pp} DP={self.layout.dp}, {self.threads} thread(s) per rank"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The candidate as plain data (``hyflow plan --json``)."""
+        fields = dataclasses.asdict(self)
+        del fields["layout"]
+        return dict(fields, tp=self.layout.tp, pp=self.layout.pp, dp=self.layout.dp, name=self.name)
 
 
 def cpu_layouts(desc: Any, cores: int, tokens: float, rows: int, response_tokens: float, micro_batch_size: int,
                 per_thread_flops: float, thread_efficiency: float = 1.0, fused: bool = True,
-                latency_s: float = GLOO_LATENCY_S, bytes_per_s: float = GLOO_BYTES_PER_S) -> list[CpuLayout]:
+                latency_s: float = GLOO_LATENCY_S, bytes_per_s: float = GLOO_BYTES_PER_S) -> list[CpuCandidate]:
     """Update-phase time of one RL step (``tokens`` prompt + response tokens in ``rows`` sequences,
     ``response_tokens`` of them scored) for every way to use ``cores`` cores as ranks x threads with
     TP x PP x DP = ranks (TP and PP of 1 or 2 ranks), fastest first.
@@ -105,7 +113,8 @@ def cpu_layouts(desc: Any, cores: int, tokens: float, rows: int, response_tokens
                     comm += 4 * (n / pp) * (m * latency_s + act / bytes_per_s)
                 state = 16 * params / (tp * pp) / (1 << 30)
                 note = f"stages {'/'.join(map(str, layers))}" if pp > 1 else ""
-                out.append(CpuLayout(tp, pp, dp, threads, compute + comm, compute, comm, state, note))
+                layout = Layout(tp=tp, pp=pp, dp=dp, stage_layers=layers if pp > 1 else None)
+                out.append(CpuCandidate(layout, threads, compute + comm, compute, comm, state, note))
     return sorted(out, key=lambda c: c.update_s)
 
 
@@ -115,8 +124,6 @@ def compute_plan(cfg: Any, desc: Any, layout: Any, device: str, cores: Optional[
     """What ``hyflow plan`` prints about compute: the actor's stage split (even vs balanced) and,
     on CPU, the ranked layouts for this machine's cores. Sequence lengths are assumed to be half
     the config's bounds (prompt ``max_prompt_length / 2``, response ``max_new_tokens / 2``)."""
-    import os
-
     rollout = getattr(cfg, "rollout", None)
     prompt = (getattr(rollout, "max_prompt_length", None) or getattr(cfg.data, "max_length", 512)) / 2
     response = (getattr(rollout, "max_new_tokens", 0) or 0) / 2
@@ -142,8 +149,6 @@ def compute_plan(cfg: Any, desc: Any, layout: Any, device: str, cores: Optional[
             out["stages"].update(even_cost=stage_costs(even, head), even_factor=bubble_step_factor(even, head, m))
     if device == "cpu":
         cores = cores or len(os.sched_getaffinity(0))
-        from hyflow.plan.flops import measure_cpu_peak
-
         one = measure_cpu_peak(1)  # FLOP/s per CPU-second of one thread
         # per-thread FLOP/s of 2 threads over 1 thread's, both per CPU-second: what threading costs
         # in CPU time (sync, idle spinning), which other load on the machine does not change
@@ -151,7 +156,7 @@ def compute_plan(cfg: Any, desc: Any, layout: Any, device: str, cores: Optional[
         ranked = cpu_layouts(desc, cores, rows * mean_seq, rows, rows * response, cfg.actor.micro_batch_size,
                              one, eff, fused)
         out["cpu"] = {"cores": cores, "per_thread_gflops": one / 1e9, "thread_efficiency": eff,
-                      "layouts": [dict(c.__dict__, name=c.name) for c in ranked]}
+                      "layouts": [c.to_dict() for c in ranked]}
     return out
 
 

@@ -41,7 +41,7 @@ from hyflow.hybrid.param_specs import ReshardPlanError, model_param_specs
 from hyflow.hybrid.reshard_plan import plan_reshard
 from hyflow.parallel.layout import Layout
 from hyflow.placement.config import resolve_placement
-from hyflow.placement.sync_planner import ModelLayout, model_experts, model_specs, summarize_weight_sync
+from hyflow.placement.sync_planner import model_experts, model_specs, summarize_weight_sync
 from hyflow.plan import memory_estimate as mem
 from hyflow.plan.flops import forward_flops, step_flops
 from hyflow.plan.stages import bubble_step_factor, job_head_layers
@@ -125,13 +125,12 @@ def reshard_seconds(plan: Any, gpus_per_node: int, hw: Hardware) -> float:
     return worst
 
 
-def dp_gradient_seconds(cfg: Any, model: Any, layout: Any, gpus_per_node: int, hw: Hardware,
-                        first_rank: int = 0) -> float:
+def dp_gradient_seconds(cfg: Any, model: Any, layout: Any, gpus_per_node: int, hw: Hardware) -> float:
     """Seconds per RL step of the actor's data-parallel gradient traffic on the worst stage's rank
     (DDP reduces after the backward, nothing overlaps): per optimizer step a ring moves ``(DP-1)/DP``
     of a buffer per pass, the fp32 gradients reduce-scattered and the updated parameters all-gathered
     with the distributed optimizer (an all-reduce, two passes of the fp32 gradients, without), over
-    the links of the data-parallel group (``first_rank``: where the layout starts, for a pool)."""
+    the links of the data-parallel group (global ranks: a pool's layout starts at its first rank)."""
 
     dp = layout.dp * layout.cp
     if dp == 1:
@@ -143,7 +142,7 @@ def dp_gradient_seconds(cfg: Any, model: Any, layout: Any, gpus_per_node: int, h
     else:
         per_update = 2 * ring * params * 4
     updates = cfg.actor.ppo_epochs * max(1, cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.mini_batch_size)
-    group = [first_rank + r for r in layout.groups("dp_cp")[0]]
+    group = layout.groups("dp_cp")[0]
     return updates * per_update / link_bytes_per_s(group, gpus_per_node, hw)
 
 
@@ -177,7 +176,7 @@ def project(cfg: Any, model: Any, world: int, reshard: Any, sync_plan: Any, off_
     train_gpus = sum(p.size for p in off_placement.pools if p != roles["rollout"].pool)
     o_gen = generation_seconds(cfg, model, g.tp, g.pp, g.dp, hw)
     o_train = training_seconds(cfg, model, train_gpus, hw, actor.layout)
-    o_dp = dp_gradient_seconds(cfg, model, actor.layout, gpus_per_node, hw, actor.pool.start)
+    o_dp = dp_gradient_seconds(cfg, model, actor.layout, gpus_per_node, hw)
     o_sync = max(sync_plan.max_recv, sync_plan.max_sent) / hw.network_bytes_per_s
     step = max(o_gen, o_train + o_dp) + o_sync
     out["one_step_off"] = {"train_ranks": train_gpus, "gen_ranks": roles["rollout"].pool.size,
@@ -259,8 +258,7 @@ def project_plan(cfg: Any, model: Any, world: int, device: str, result: Any, pla
     if sync is None and not isinstance(off, str):
         actor, gen = off.roles["actor"], off.roles["rollout"]
         sync = summarize_weight_sync(model_specs(model, mem.padded_vocab(model, actor.layout.tp), pbytes),
-                                     ModelLayout.of(actor.pool.start, actor.layout),
-                                     ModelLayout.of(gen.pool.start, gen.layout), model.num_layers,
+                                     actor.layout, gen.layout, model.num_layers,
                                      **model_experts(model, pbytes))
     cluster = getattr(cfg, "cluster", None)
     exchange = (getattr(result, "experts", None) or {}).get("exchange") or {}

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 
 __all__ = [
     "normalize_text", "exact_match", "extract_number", "extract_answer", "parse_number",
-    "numeric_match", "format_match", "DEFAULT_FORMAT_PATTERN", "RuleFn", "RULES", "rule_names",
+    "numeric_match", "format_match", "length_match", "DEFAULT_FORMAT_PATTERN", "RuleFn", "RULES", "rule_names",
 ]
 
 Number = Union[int, float, Fraction]
@@ -166,11 +166,21 @@ def _format_rule(solution_str: str, ground_truth: Any, extra_info: Optional[dict
     return format_match(solution_str, row_pattern or pattern or DEFAULT_FORMAT_PATTERN)
 
 
+def length_match(solution_str: str, ground_truth: Any) -> float:
+    """``1 - |len(response) - len(ground truth)| / len(ground truth)``, at least 0: how close the
+    response's length (characters, surrounding whitespace stripped) is to the reference's."""
+    if not isinstance(ground_truth, str) or not ground_truth.strip():
+        raise ValueError(f"length_match: ground truth must be a non-empty string, got {ground_truth!r}")
+    want = len(ground_truth.strip())
+    return max(0.0, 1.0 - abs(len(solution_str.strip()) - want) / want)
+
+
 #: Rule name -> ``fn(solution_str, ground_truth, extra_info=None, **options) -> float``.
 RULES: dict[str, RuleFn] = {
     "exact_match": lambda s, gt, extra_info=None, **kw: exact_match(s, gt, **kw),
     "numeric_match": lambda s, gt, extra_info=None, **kw: numeric_match(s, gt, **kw),
     "format": _format_rule,
+    "length_match": lambda s, gt, extra_info=None, **kw: length_match(s, gt, **kw),
 }
 
 

@@ -16,6 +16,7 @@ side). Calls and results cross a socket pair as pickles of plain data (row field
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import signal
 import socket
@@ -26,7 +27,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional, Sequence
 
-from hyflow.rewards.user_function import RewardError
+from hyflow.rewards.user_function import RewardError, load_user_function
 
 #: A call's arguments: (data_source, solution_str, ground_truth, extra_info, where).
 Call = tuple
@@ -106,8 +107,6 @@ class FunctionPool:
         if workers < 1 or timeout_s <= 0 or batch_timeout_s < 0:
             raise ValueError("workers >= 1, timeout_s > 0 and batch_timeout_s >= 0 are required")
         if not path or not os.path.isfile(os.path.expanduser(path)):
-            from hyflow.rewards.user_function import load_user_function
-
             load_user_function(path, name)  # raises the error naming the missing file
         self.path, self.name = os.path.abspath(os.path.expanduser(path)), name
         self.timeout_s, self.batch_timeout_s = float(timeout_s), float(batch_timeout_s)
@@ -213,8 +212,6 @@ def probe_user_function(path: str, name: str, import_timeout_s: float = DEFAULT_
 def _die_with_parent() -> None:
     """SIGKILL when the rank that started this worker exits (Linux; elsewhere end of input ends it)."""
     try:
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
@@ -222,8 +219,6 @@ def _die_with_parent() -> None:
 
 def serve(fd: int) -> None:
     """The worker process: load the function, then answer calls until the rank closes its side."""
-    from hyflow.rewards.user_function import load_user_function
-
     _die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)

@@ -20,12 +20,30 @@ import argparse
 import json
 import os
 import sys
+from types import SimpleNamespace
 from typing import Any, Optional
+
+import torch.distributed as dist
+
+from hyflow.checkpoint.discovery import model_checkpoint_dir
+from hyflow.checkpoint.errors import CheckpointError
+from hyflow.checkpoint.manifest import NO_VERIFY_ENV
+from hyflow.cli_support import run_ranks_here
+from hyflow.config import ConfigError
+from hyflow.data.dataset import read_rows
+from hyflow.data.tokenizer import TokenizerError, load_tokenizer
+from hyflow.launch.rank_report import LOG_DIR_ENV, run_reporting
+from hyflow.parallel.distributed import init_distributed, launched_by_torchrun, shutdown
+from hyflow.parallel.layout import Layout
+from hyflow.rewards.manager import RewardManager
+from hyflow.rewards.rules import rule_names
+from hyflow.rewards.spec import reward_spec
+from hyflow.rewards.user_function import RewardError
+from hyflow.rollout.config import GenerationConfig, SamplingConfig
+from hyflow.rollout.dp import generate_data_parallel
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from hyflow.rewards.rules import rule_names  # light: no torch
-
     p = subparsers.add_parser("generate", help="generate responses with the rollout engine",
                               description=__doc__.split("\n\n")[1] if __doc__ else None)
     src = p.add_mutually_exclusive_group(required=True)
@@ -73,8 +91,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _configs(args: argparse.Namespace):
-    from hyflow.rollout.config import GenerationConfig, SamplingConfig
-
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, n=args.n,
                               max_new_tokens=args.max_new_tokens, seed=args.seed,
                               stop_token_ids=list(args.stop_token_ids), ignore_eos=args.ignore_eos)
@@ -91,8 +107,6 @@ def read_prompt_rows(path: str) -> list[Any]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path} does not exist")
     if path.endswith((".jsonl", ".parquet")):
-        from hyflow.data.dataset import read_rows
-
         entries = read_rows(path)
     else:
         with open(path) as f:
@@ -154,11 +168,6 @@ def reward_scores(samples: Any, texts: list[str], truths: list[tuple[Any, dict]]
 
 def reward_manager(spec: str) -> Any:
     """The :class:`~hyflow.rewards.manager.RewardManager` of ``--reward`` (a rule or a function file)."""
-    from types import SimpleNamespace
-
-    from hyflow.rewards.manager import RewardManager
-    from hyflow.rewards.spec import reward_spec
-
     keys = reward_spec(spec)
     if keys["kind"] == "model":
         raise ValueError("--reward model:... needs the reward model's layout: score with `hyflow eval` instead")
@@ -166,11 +175,6 @@ def reward_manager(spec: str) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from hyflow.config import ConfigError
-    from hyflow.parallel.distributed import launched_by_torchrun
-
-    from hyflow.rewards.user_function import RewardError
-
     try:
         _configs(args)
         if args.reward:
@@ -182,13 +186,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"hyflow generate: --reward: {e}", file=sys.stderr)
         return 2
     if args.no_verify:
-        from hyflow.checkpoint.manifest import NO_VERIFY_ENV
-
         os.environ[NO_VERIFY_ENV] = "1"  # the ranks inherit it
     world = args.tp * args.pp * args.dp
     if args.ckpt:
-        from hyflow.checkpoint.errors import CheckpointError
-
         try:  # one process verifies here, before anything starts; several ranks share the work later
             args.ckpt = resolve_model_dir(args.ckpt, verify=world == 1)
         except CheckpointError as e:
@@ -198,14 +198,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("hyflow: --tp, --pp and --dp must be >= 1", file=sys.stderr)
         return 2
     if world > 1 and not launched_by_torchrun():
-        from hyflow.cli_support import run_ranks_here
-
         return run_ranks_here("generate", world)
-    import torch.distributed as dist
-
-    from hyflow.launch.rank_report import LOG_DIR_ENV, run_reporting
-    from hyflow.parallel.distributed import init_distributed, shutdown
-
     init_distributed()
     try:
         if launched_by_torchrun() and os.environ.get(LOG_DIR_ENV):  # a rank: the launcher reports failures
@@ -223,8 +216,7 @@ def resolve_model_dir(path: str, verify: bool = False) -> str:
     (as ``hyflow export --ckpt``). Its files are present with their sizes; ``verify`` checks
     them against the manifest here (one process; with several ranks each checks a share
     before loading)."""
-    from hyflow.checkpoint.discovery import model_checkpoint_dir
-    from hyflow.checkpoint.manifest import NO_VERIFY_ENV
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from hyflow.checkpoint.model import read_checkpoint_info, verify_model_checkpoint
 
     def warn(message: str) -> None:
@@ -239,12 +231,8 @@ def resolve_model_dir(path: str, verify: bool = False) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    from hyflow.data.tokenizer import TokenizerError, load_tokenizer
+    # Megatron (seconds) only when this runs: `hyflow --help` imports this module
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
-    from hyflow.rollout.dp import generate_data_parallel
     from hyflow.rollout.engine import GenerationEngine
     from hyflow.rollout.loading import load_checkpoint, load_hf, megatron_from_hf
 
@@ -271,7 +259,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.multi_turn:
         if tokenizer is None:
             raise ValueError("--multi-turn renders chats and observations: it needs a tokenizer (--tokenizer)")
-        from hyflow.agent.cli import generate_multi_turn  # the agent's tools and environments, only when asked
+        # the agent's tools and environments (0.14 s): only with --multi-turn
+        from hyflow.agent.cli import generate_multi_turn
 
         eos = list(dict.fromkeys(list(desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
         engine = GenerationEngine(model, _configs(args), vocab_size=desc.vocab_size, eos_token_ids=eos,

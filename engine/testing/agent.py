@@ -8,6 +8,9 @@ import os
 import time
 from typing import Callable, Optional, Sequence
 
+from hyflow.agent.environment import EnvStep
+from hyflow.agent.tools import function_schema
+from hyflow.data.tokenizer import HFTokenizer
 from hyflow.rollout.request import GenerationRequest, RolloutResult, SampleOutput
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,6 +63,7 @@ CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>"]
 
 def _trained_bpe():
     """A byte-level BPE tokenizer trained on a few sentences (no files, no network)."""
+    # optional dependency (transformers, tokenizers): the agent tests' tokenizer only
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -78,9 +82,8 @@ def _trained_bpe():
 def chat_tokenizer(template: Optional[str] = None, specials: Sequence[str] = ()):
     """A :class:`hyflow.data.tokenizer.HFTokenizer` with ``template`` (None: SmolLM2's own) and
     ``specials`` added as special tokens; the end-of-turn token is the EOS."""
+    # optional dependency (transformers, tokenizers): the agent tests' tokenizer only
     from transformers import AutoTokenizer
-
-    from hyflow.data.tokenizer import HFTokenizer
 
     if os.path.isdir(SMOLLM2_TOKENIZER):
         tok = AutoTokenizer.from_pretrained(SMOLLM2_TOKENIZER)
@@ -149,8 +152,6 @@ class EchoUser:
         return [dict(m) for m in record.messages]
 
     def step(self, turn):
-        from hyflow.agent.environment import EnvStep
-
         reward = len(set(turn.text)) / 10
         if turn.index + 1 >= self.turns:
             return EnvStep(reward=reward, done=True)
@@ -198,8 +199,6 @@ class SleepTool:
     """A tool that never returns (fault tests)."""
 
     def __init__(self, config=None, tool_schema=None) -> None:
-        from hyflow.agent.tools import function_schema
-
         self.schema = tool_schema or function_schema("sleep", "sleeps forever", {}, [])
 
     def execute(self, arguments):
@@ -210,8 +209,6 @@ class SpamTool(SleepTool):
     """A tool that returns 10 MB."""
 
     def __init__(self, config=None, tool_schema=None) -> None:
-        from hyflow.agent.tools import function_schema
-
         self.schema = tool_schema or function_schema("spam", "returns 10 MB", {}, [])
 
     def execute(self, arguments):
@@ -222,8 +219,6 @@ class BoomTool(SleepTool):
     """A tool that raises."""
 
     def __init__(self, config=None, tool_schema=None) -> None:
-        from hyflow.agent.tools import function_schema
-
         self.schema = tool_schema or function_schema("boom", "raises", {}, [])
 
     def execute(self, arguments):
@@ -251,8 +246,6 @@ class FaultyCalls(EchoUser):
             '<tool_call>{"name": "python", "arguments": {"code": "%s"}}</tool_call>' % code.replace('"', '\\"')
 
     def step(self, turn):
-        from hyflow.agent.environment import EnvStep
-
         step = self.tools.answer(self.text, run=not turn.last)
         if turn.index + 1 >= self.turns:
             return EnvStep(done=True, tool_calls=step.tool_calls, tool_errors=step.tool_errors,

@@ -9,21 +9,22 @@ import shutil
 import torch
 
 from hyflow.checkpoint.discovery import step_dir_name
+from hyflow.checkpoint.errors import CheckpointError
+from hyflow.models.description import ModelDescription
+from hyflow.parallel.layout import Layout
 
 
 def tiny_description():
     """One layer, hidden 16, vocabulary 16: a checkpoint of a few hundred KB."""
-    from hyflow.models.description import ModelDescription
-
     return ModelDescription(family="llama", vocab_size=16, hidden_size=16, num_layers=1, num_attention_heads=2,
                             num_query_groups=1, ffn_hidden_size=32, max_position_embeddings=32)
 
 
 def build_tiny(dp: int = 1):
     """``(groups, model)``: the tiny model on this rank's training groups (seeded: same weights each time)."""
+    # Megatron (seconds) only when a test builds the model: importing this helper stays light
     from hyflow.models.builder import build_gpt_model
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
 
     torch.manual_seed(0)
     groups = init_training_groups(Layout(dp=dp))
@@ -34,8 +35,8 @@ def resume_tiny(out: str, resume: str, no_verify: bool = False, dp: int = 1) -> 
     """Rank function: find and load what ``trainer.resume=<resume>`` names in run directory ``out``
     (``no_verify``: as ``--no-verify``) into the tiny model; report what happened: ``error``, its
     ``type`` and ``tensor`` (a non-finite one), the resume ``warnings``, the ``path`` and ``job`` state."""
+    # Megatron (seconds) only when a test builds the model: importing this helper stays light
     from hyflow.checkpoint.checkpointer import Checkpointer, TrainedModel
-    from hyflow.checkpoint.errors import CheckpointError
 
     if no_verify:
         os.environ["HYFLOW_NO_VERIFY"] = "1"  # the multirank pool restores the environment after the task

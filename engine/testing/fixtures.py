@@ -1,6 +1,9 @@
 """Small files that tests build on the fly (no model hub at test time)."""
 from __future__ import annotations
 
+from hyflow.parallel.layout import Layout
+from hyflow.rollout.config import GenerationConfig, SamplingConfig
+
 #: The words of :func:`write_tiny_hf_tokenizer`'s vocabulary, in id order.
 TINY_HF_WORDS = ("<unk>", "<eos>", "<|im_start|>", "<|im_end|>", "user", "assistant", "what", "is", "2", "+",
                  "3", "?")
@@ -9,6 +12,7 @@ TINY_HF_WORDS = ("<unk>", "<eos>", "<|im_start|>", "<|im_end|>", "user", "assist
 def write_tiny_hf_tokenizer(path: str) -> str:
     """Save a 12-word, whitespace-split HF fast tokenizer with an im_start/im_end chat template
     to the directory ``path``; returns ``path``."""
+    # optional dependency (transformers, tokenizers): test fixtures only
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -25,10 +29,9 @@ def write_tiny_hf_tokenizer(path: str) -> str:
 def engine_greedy_tokens(model_dir: str, prompts: list, new_tokens: int, tp: int = 2) -> list:
     """Rank function: hyflow's generation engine's greedy tokens (``new_tokens`` each, EOS ignored) for
     ``prompts`` on the model checkpoint ``model_dir`` at ``tp`` (the reference HF exports are compared to)."""
+    # Megatron (seconds) only when a test loads a checkpoint: importing this helper stays light
     from hyflow.checkpoint.model import load_model_from_checkpoint
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
-    from hyflow.rollout.config import GenerationConfig, SamplingConfig
     from hyflow.rollout.engine import GenerationEngine
 
     groups = init_training_groups(Layout(tp=tp))

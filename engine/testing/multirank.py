@@ -43,6 +43,9 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
+import torch
+import torch.distributed as dist
+
 from hyflow.compat import cpu
 
 __all__ = ["MultiRankError", "run_on_ranks", "run_on_ranks_fresh", "shutdown_pools", "default_timeout"]
@@ -83,10 +86,7 @@ def _watch_parent() -> None:
 
 def _reset_state(baseline_pgs: set, env: Dict[str, str], cwd: str, threads: int) -> None:
     """Undo the global state a task may have left behind (see the module docstring)."""
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    import torch
-    import torch.distributed as dist
-
+    # Megatron (seconds) only in the ranks' workers: `hyflow --help` imports this module
     from megatron.core import num_microbatches_calculator, parallel_state
     from megatron.core.tensor_parallel import random as tp_random
 
@@ -130,10 +130,6 @@ def _worker_main(rank: int, world_size: int, conn: Connection, out: Connection) 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=_HOST,
                       OMP_NUM_THREADS=str(threads))
-
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    import torch
-    import torch.distributed as dist
 
     cpu.maybe_activate()
     torch.set_num_threads(threads)

@@ -9,6 +9,9 @@ import subprocess
 import time
 from typing import Callable, Sequence
 
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
 
 def process_descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (children, their children, ...), read from /proc."""
@@ -73,9 +76,6 @@ def _wait_gone(pids: Sequence[int], timeout: float) -> None:
 def checkpoint_tensors(model_dir: str, tmp: str) -> dict:
     """The tensors of a torch.distributed.checkpoint directory (a test's own checkpoint, so its
     non-tensor entries may be unpickled), by name."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     out = os.path.join(tmp, "weights.pt")
     dcp_to_torch_save(model_dir, out)
     state = torch.load(out, weights_only=False)

@@ -54,6 +54,7 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def tiny_hf_config(name: str, **overrides: Any):
     """The transformers config of tiny model ``name`` (``architectures`` set)."""
+    # optional dependency (transformers): the tests' reference models only
     import transformers
 
     cls_name, extra = TINY_MODELS[name]
@@ -71,6 +72,7 @@ def make_tiny_hf_model(path: str, name: str, *, seed: int = 0, dtype: torch.dtyp
     ``weights_format``: ``safetensors``, ``sharded`` (several safetensors shards with
     an index) or ``bin`` (``pytorch_model.bin``).
     """
+    # optional dependency (transformers): the tests' reference models only
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_hf_config(name, **overrides)

@@ -14,6 +14,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel import layers
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from hyflow.parallel.groups import ParallelGroups
 from hyflow.training.optim_config import OptimConfig
@@ -51,8 +53,6 @@ def fuse_weight_gradient_accumulation(chunk: torch.nn.Module) -> int:
     into DDP's ``main_grad`` inside its GEMM instead of being a new tensor added afterwards. Only
     DDP-wrapped layers have ``main_grad``, so the model config keeps the fusion off and it is
     switched on here, layer by layer. Returns how many layers use it."""
-    from megatron.core.tensor_parallel import layers
-
     if not layers._grad_accum_fusion_available:
         return 0
     fused = 0
@@ -71,8 +71,6 @@ def fuse_torch_adam(optimizer) -> int:
     per parameter; the fused kernel makes one (0.10 s instead of 0.89 s per step for
     SmolLM2-135M's 134.5M fp32 parameters on one dev-box core). Same update, to float32
     rounding. Returns how many torch Adams were switched."""
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
     supported = set(_get_fused_kernels_supported_devices())
     switched = 0
     for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:

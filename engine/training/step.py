@@ -27,7 +27,9 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from hyflow.models.positions import explicit_positions
 from hyflow.models.routing_replay import replaying
@@ -89,8 +91,6 @@ def packed_seq_params(batch: Batch):
     """Megatron's THD description of a packed row (Transformer Engine attention), or None."""
     if "cu_seqlens" not in batch:
         return None
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     cu, longest = batch["cu_seqlens"], batch["max_seqlen"]
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                            max_seqlen_kv=longest)
@@ -147,8 +147,6 @@ def forward_backward(chunks: Sequence[torch.nn.Module], micro_batches: Sequence[
         schedule = get_forward_backward_func(pp_size=pp_size, vp_size=n_chunks if n_chunks > 1 else None)
         extra["pg_collection"] = pgs
         if pp_size > 1:
-            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
             extra["p2p_communicator"] = P2PCommunicator(pp_group=pgs.pp, config=config)
     else:
         schedule = get_forward_backward_func()

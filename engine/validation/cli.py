@@ -30,6 +30,7 @@ from hyflow.rewards.spec import reward_overrides
 from hyflow.rewards.user_function import RewardError
 from hyflow.rollout.cli import resolve_model_dir
 from hyflow.checkpoint.manifest import NO_VERIFY_ENV
+from hyflow.parallel.distributed import init_distributed, launched_by_torchrun, shutdown
 
 PLACEHOLDER_NOTE = "data.train_files: the validation files stand in (hyflow eval reads no training data)"
 
@@ -81,9 +82,6 @@ def eval_config(args: argparse.Namespace, model_dir: str) -> Any:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    # torch loads only when the command runs: `hyflow --help` imports this module
-    from hyflow.parallel.distributed import launched_by_torchrun
-
     if min(args.tp, args.pp, args.dp) < 1:
         print("hyflow eval: --tp, --pp and --dp must be >= 1", file=sys.stderr)
         return 2
@@ -102,7 +100,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 2
     if world > 1 and not launched_by_torchrun():
         return run_ranks_here("eval", world)
-    from hyflow.parallel.distributed import init_distributed, shutdown  # torch: only when evaluating
     # torch loads only when the command runs: `hyflow --help` imports this module
     from hyflow.validation.standalone import evaluate
 

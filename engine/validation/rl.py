@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hyflow.agent.trajectory import STATS
+from hyflow.data.dataset import PromptDataset
 from hyflow.rl.metrics import all_gather_strings
 from hyflow.rollout.config import SamplingConfig
 from hyflow.rollout.dp import SampleTensors, split_evenly
@@ -46,8 +47,6 @@ def val_sampling(base: SamplingConfig, val_kwargs: Any) -> SamplingConfig:
 
 def load_validation_set(data: Any, rollout: Any, tokenizer: Any, require_ground_truth: bool = True):
     """The validation prompts of ``data.val_files``, tokenized and length-filtered as the training set."""
-    from hyflow.data.dataset import PromptDataset
-
     return PromptDataset.from_files(list(data.val_files), tokenizer, max_prompt_length=rollout.max_prompt_length,
                                     truncate=rollout.truncate_long_prompts, prompt_key=data.prompt_key,
                                     require_ground_truth=require_ground_truth)

@@ -360,6 +360,7 @@ class VLLMEngine:
         """Every sample of ``requests`` (token-id lists or ``GenerationRequest``), ordered by
         (request, sample), with hyflow's semantics (module docstring). Every rank of the replica
         calls it with the same requests."""
+        # optional dependency (vllm): only this path needs it
         from vllm import SamplingParams  # optional dependency (loaded by then)
         from vllm.inputs import TokensPrompt
 

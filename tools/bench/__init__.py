@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from hyflow.cli_support import make_intermixed
+
 #: name -> (module, one-line help). Add an entry to register a new benchmark.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "rollout": ("hyflow.tools.bench.rollout",
@@ -33,6 +35,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                    "routing replay: the trainer's log-probs against the sampler's with and without it (MoE)"),
     "longctx": ("hyflow.tools.bench.longctx",
                 "long context: chunked prefill memory, recompute plan vs measured, CP=2 vs CP=1"),
+    "async": ("hyflow.tools.bench.async_modes",
+              "samples/s and pool utilisation of trainer.mode sync vs one_step_off vs async on long-tail lengths"),
 }
 
 
@@ -50,8 +54,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
         importlib.import_module(module).add_arguments(bench)
         if getattr(importlib.import_module(module), "INTERMIXED", False):  # overrides after options
-            from hyflow.cli_support import make_intermixed
-
             make_intermixed(bench)
         bench.set_defaults(func=lambda args, _m=module: _run(_m, args))
     parser.set_defaults(func=lambda args: (parser.print_help(), 0)[1])

@@ -9,7 +9,11 @@ excluded; medians of ``--repeats`` interleaved rounds): samples per second of st
 (``perf/gen_pool_utilization``, ``perf/train_pool_utilization``), the mean staleness and the
 response length spread. A table, then one JSON line.
 
-    python -m hyflow.tools.bench.async_modes --steps 6
+    hyflow bench async --steps 6
+    hyflow bench async --config configs/async_length_tail.yaml --sft-warmup 30 --max-new 60
+
+The second runs the ``length_tail`` task ("write N", N long-tailed in 3..48) after a short SFT
+warm-up, so the lengths follow the prompts rather than chance.
 
 On a machine with fewer cores than ranks the pools share the cores: overlap then buys little, and
 the numbers measure the schedule's waits rather than the speed-up on separate devices.
@@ -27,7 +31,10 @@ import tempfile
 import time
 
 from hyflow.monitor.metrics import read_metrics
-from hyflow.testing.rl import QUICKSTART
+
+# The path, not hyflow.testing.rl's constant: that module loads Megatron, and `hyflow --help`
+# imports every bench.
+QUICKSTART = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.yaml"))
 
 MODES = {
     "sync": ["trainer.mode=sync", "placement.pools={train: [0, 2], gen: [2, 4]}", "placement.actor=train",
@@ -40,7 +47,7 @@ MODES = {
 def _overrides(args, out: str) -> list[str]:
     return ["trainer.nproc=4", f"trainer.total_steps={args.steps}", f"data.train_batch_size={args.batch}",
             f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new}", "rollout.max_prompt_length=16",
-            "model.max_position_embeddings=160", "actor.sft_warmup_steps=0", "actor.ppo_epochs=1",
+            "model.max_position_embeddings=160", f"actor.sft_warmup_steps={args.sft_warmup}", "actor.ppo_epochs=1",
             f"actor.mini_batch_size={args.batch * args.n}", f"actor.micro_batch_size={args.batch * args.n // 2}",
             f"trainer.max_staleness={args.staleness}", f"trainer.update_after_tokens={args.update_after}",
             "trainer.loggers=[]", "trainer.save_every=0", "trainer.resume=never", f"trainer.output_dir={out}"]
@@ -48,7 +55,7 @@ def _overrides(args, out: str) -> list[str]:
 
 def _measure(mode: str, args, root: str) -> dict:
     out = os.path.join(root, mode)
-    cmd = [sys.executable, "-m", "hyflow.cli", "train", QUICKSTART, *_overrides(args, out), *MODES[mode]]
+    cmd = [sys.executable, "-m", "hyflow.cli", "train", args.config, *_overrides(args, out), *MODES[mode]]
     start = time.perf_counter()
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - start
@@ -66,8 +73,11 @@ def _measure(mode: str, args, root: str) -> dict:
             "score": statistics.mean(r["critic/score/mean"] for r in rows)}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hyflow.tools.bench.async_modes", description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=QUICKSTART, help="the RL config whose model, task and reward are run "
+                        "(default: the quickstart; configs/async_length_tail.yaml: lengths 3..48 asked, long-tailed)")
+    parser.add_argument("--sft-warmup", type=int, default=0, help="actor.sft_warmup_steps (default: %(default)s: the "
+                        "random model's lengths are geometric)")
     parser.add_argument("--steps", type=int, default=6, help="RL steps per mode (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=8, help="prompts per step (default: %(default)s)")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (default: %(default)s)")
@@ -78,7 +88,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="sync,one_step_off,async", help="comma-separated (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over the modes, interleaved; medians are "
                         "reported (default: %(default)s)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     modes = args.modes.split(",")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(args.repeats):
@@ -100,6 +112,12 @@ def main(argv=None) -> int:
         print(f"{r['mode']} / {results[0]['mode']}: {r['samples_per_s'] / base:.2f}x samples/s (medians)")
     print(json.dumps({"bench": "async_modes", "results": results}))
     return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hyflow.tools.bench.async_modes", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -35,16 +35,22 @@ import statistics
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from hyflow.algorithms.kl import make_kl_controller
 from hyflow.data.dataset import build_dataset
 from hyflow.data.loader import PromptLoader
 from hyflow.data.tasks import load_data_tokenizer
 from hyflow.jobs.registry import load_job_config
+from hyflow.models.context_parallel import cp_token_mean, next_token_labels, split_for_cp
 from hyflow.models.description import tiny_llama
 from hyflow.monitor.timers import PhaseTimers
 from hyflow.parallel.layout import Layout
 from hyflow.plan.memory_estimate import generation_transient, kv_cache_bytes
 from hyflow.rewards.manager import RewardManager
 from hyflow.tools.convert.launch import run_ranks
+from hyflow.training.supervisor import StepSupervisor
 
 MIB = 2 ** 20
 
@@ -73,8 +79,6 @@ def _tiny(num_layers: int = 4, max_pos: int = 8192):
 
 def _prefill_rank(prompt_len: int, chunks: list[int], repeats: int) -> dict:
     # torch and Megatron load only when the bench runs: `hyflow --help` imports this module
-    import torch
-
     from hyflow.models.builder import build_gpt_model
     from hyflow.parallel.groups import init_training_groups
     from hyflow.plan.measure import TensorMemoryTracker
@@ -159,11 +163,7 @@ def _recompute(args: argparse.Namespace) -> dict:
 
 def _cp_rank(cp: int, seq: int, recompute: str, repeats: int, threads: int) -> dict:
     # torch and Megatron load only when the bench runs: `hyflow --help` imports this module
-    import torch
-    import torch.distributed as dist
-
     from hyflow.models.builder import build_gpt_model, recompute_overrides
-    from hyflow.models.context_parallel import cp_token_mean, next_token_labels, split_for_cp
     from hyflow.parallel.groups import init_training_groups
     from hyflow.plan.measure import TensorMemoryTracker
     from hyflow.training.optimizer import wrap_ddp
@@ -244,15 +244,10 @@ def _rl_overrides(cp: int, recompute: str, prompt: int) -> list[str]:
 
 def _rl_rank(cp: int, recompute: str, prompt: int, repeats: int, threads: int) -> dict:
     # torch and Megatron load only when the bench runs: `hyflow --help` imports this module
-    import torch
-    import torch.distributed as dist
-
     import hyflow.jobs.rl as rl
-    from hyflow.algorithms.kl import make_kl_controller
     from hyflow.plan.measure import TensorMemoryTracker
     from hyflow.rl.models import build_rl_models
     from hyflow.rl.state import RLState
-    from hyflow.training.supervisor import StepSupervisor
 
     if threads:
         torch.set_num_threads(threads)

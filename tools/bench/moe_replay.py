@@ -19,9 +19,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 from typing import Sequence
+
+import torch
+
+from hyflow.algorithms.mismatch import mismatch_row_stats
+from hyflow.config import ConfigError
+from hyflow.jobs.registry import load_job_config
+from hyflow.models.routing_replay import mismatch_counts, reset_mismatch
+from hyflow.monitor.timers import PhaseTimers
+from hyflow.testing import run_on_ranks
+from hyflow.tools.bench.rl import machine
 
 INTERMIXED = True
 
@@ -34,12 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _measure(config: str, overrides: Sequence[str], repeats: int):
-    import torch
-
-    from hyflow.algorithms.mismatch import mismatch_row_stats
+    # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
     from hyflow.jobs.rl import _rollout_batch, generate_round, sft_warmup
-    from hyflow.models.routing_replay import mismatch_counts, reset_mismatch
-    from hyflow.monitor.timers import PhaseTimers
     from hyflow.rl.batch import batching_for
     from hyflow.rl.step_losses import forward_score, logprob_scorer
     from hyflow.testing.rl import rl_setup
@@ -73,13 +80,6 @@ def _measure(config: str, overrides: Sequence[str], repeats: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
-    from hyflow.config import ConfigError
-    from hyflow.jobs.registry import load_job_config
-    from hyflow.testing import run_on_ranks
-    from hyflow.tools.bench.rl import machine
-
     try:
         cfg = load_job_config(args.config, list(args.overrides))
     except ConfigError as e:

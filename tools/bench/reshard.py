@@ -18,13 +18,26 @@ unless already launched.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from hyflow.hybrid.generation_groups import generation_enumerations
+from hyflow.models.description import ModelDescription
+from hyflow.parallel.distributed import init_distributed
+from hyflow.parallel.layout import Layout
+from hyflow.rollout.config import GenerationConfig
+from hyflow.vllm_backend.config import VLLMConfig, check_vllm_imports
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,16 +101,10 @@ def _cycle(engine, repeats: int, barrier) -> tuple[float, float]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import psutil
-    import torch
-    import torch.distributed as dist
-
+    # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
     from hyflow.hybrid.executor import HybridEngine
     from hyflow.models.builder import build_gpt_model
-    from hyflow.models.description import ModelDescription
-    from hyflow.parallel.distributed import init_distributed
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
 
     rank, world = init_distributed()
     desc = ModelDescription(family="llama", vocab_size=args.vocab, hidden_size=args.hidden,
@@ -147,6 +154,7 @@ def _bench(args: argparse.Namespace) -> int:
                                  padded_vocab_size=engine.padded_vocab)
     if "swap" not in skip:
         try:
+            # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
             from megatron.core.resharding import swap_model_weights
 
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -157,6 +165,7 @@ def _bench(args: argparse.Namespace) -> int:
             result["swap_model_weights_s"] = None
             result["swap_model_weights_error"] = f"{type(exc).__name__}: {exc}"[:300]
     if "ckpt" not in skip:
+        # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
         from megatron.core import dist_checkpointing
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -166,8 +175,6 @@ def _bench(args: argparse.Namespace) -> int:
 
             def round_trip():
                 if rank == 0 and os.path.isdir(path):
-                    import shutil
-
                     shutil.rmtree(path)
                 barrier()
                 os.makedirs(path, exist_ok=True)
@@ -243,14 +250,8 @@ def _vllm_transition(engine, desc, gen_groups, repeats: int, barrier, to_gen: fl
     """Median seconds of train -> generation plus the load of the generation shards into vLLM (the
     vLLM backend's transition), of the load alone and of its packing, over ``repeats`` round trips,
     with the in-place writer (the default) and with vLLM's own reload, interleaved."""
-    import dataclasses
-
-    import torch
-
-    from hyflow.hybrid.generation_groups import generation_enumerations
-    from hyflow.rollout.config import GenerationConfig
+    # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
     from hyflow.rollout.cpu_pack import PackedLinears
-    from hyflow.vllm_backend.config import VLLMConfig, check_vllm_imports
     from hyflow.vllm_backend.engine import VLLMEngine
     from hyflow.vllm_backend.weights import vllm_weights
 

@@ -17,6 +17,12 @@ import argparse
 import json
 import sys
 
+from hyflow.config import ConfigError
+from hyflow.models.sources.errors import ConversionError
+from hyflow.tools.convert.hf2mcore import hf2mcore
+from hyflow.tools.convert.launch import RankFailure
+from hyflow.tools.convert.mcore2hf import mcore2hf
+
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -74,23 +80,15 @@ def register(subparsers) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Run one conversion; returns the process exit status."""
-    from hyflow.config import ConfigError
-    from hyflow.models.sources.errors import ConversionError
-    from hyflow.tools.convert.launch import RankFailure
-
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
     try:
         if args.direction == "hf2mcore":
-            from hyflow.tools.convert.hf2mcore import hf2mcore
-
             report = hf2mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
                               force=args.force, log=log, stage_layers=args.stage_layers, ep=args.ep,
                               etp=args.etp)
         else:
-            from hyflow.tools.convert.mcore2hf import mcore2hf
-
             report = mcore2hf(args.ckpt, args.out, dtype=args.dtype, force=args.force,
                               max_shard_bytes=int(args.max_shard_size * 1024**3), log=log)
     except (ConversionError, ConfigError) as e:

@@ -18,6 +18,9 @@ import argparse
 import os
 import sys
 
+from hyflow.checkpoint.discovery import model_checkpoint_dir
+from hyflow.checkpoint.manifest import NO_VERIFY_ENV
+
 ROLE = "actor"
 
 
@@ -27,8 +30,6 @@ def find_model_checkpoint(path: str, role: str = ROLE) -> str:
 
     Raises :class:`~hyflow.checkpoint.errors.CheckpointError` when there is none.
     """
-    from hyflow.checkpoint.discovery import model_checkpoint_dir
-
     def warn(message: str) -> None:
         print(f"hyflow export: warning: {message}", file=sys.stderr, flush=True)
 
@@ -37,6 +38,7 @@ def find_model_checkpoint(path: str, role: str = ROLE) -> str:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Run the export; returns the process exit status."""
+    # Megatron (seconds) only when the command runs: `hyflow --help` imports this module
     from hyflow.checkpoint.adapters import adapter_settings
     from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info
     from hyflow.models.sources.errors import ConversionError
@@ -48,8 +50,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr, flush=True)
 
     if args.no_verify:
-        from hyflow.checkpoint.manifest import NO_VERIFY_ENV
-
         os.environ[NO_VERIFY_ENV] = "1"
     try:
         model_dir = find_model_checkpoint(args.ckpt)

@@ -20,6 +20,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from hyflow.tools.convert.launch import run_ranks
 from hyflow.tools.convert.memory import MemoryReport, PeakMemory, ProcessMemory, Stopwatch
 from hyflow.tools.convert.preflight import Hf2McorePlan, plan_hf2mcore
 
@@ -59,6 +60,7 @@ class RankJob:
 def convert_rank(job: RankJob) -> ProcessMemory:
     """This rank's part of the conversion (collective over the plan's ranks: ``tp * pp``, more
     with experts, see :func:`~hyflow.tools.convert.preflight.conversion_world`)."""
+    # Megatron and the model code only in the ranks: the launching process imports this module and stays small
     import torch
 
     from hyflow.checkpoint.model import build_model_for_loading, save_model_checkpoint
@@ -138,8 +140,6 @@ def hf2mcore(hf_path: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str
     Raises :class:`~hyflow.models.sources.errors.ConversionError` (before writing
     anything) for bad inputs. Returns the memory / time report.
     """
-    from hyflow.tools.convert.launch import run_ranks
-
     with Stopwatch() as clock, PeakMemory() as parent:
         plan, job = prepare_conversion(hf_path, out_dir, tp=tp, pp=pp, dtype=dtype, force=force,
                                        stage_layers=stage_layers, ep=ep, etp=etp)

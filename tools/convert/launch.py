@@ -19,7 +19,10 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 import datetime
 
+import torch.distributed as dist
+
 from hyflow.compat import cpu
+from hyflow.parallel.distributed import free_port
 
 
 class RankFailure(RuntimeError):
@@ -61,19 +64,13 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: t
 
 
 def _init_gloo(rank: int, world: int, port: int) -> None:
-    # torch and Megatron load only in the ranks: `hyflow --help` imports this module (bench, convert)
-    import torch.distributed as dist
-
-    from hyflow.compat.cpu import maybe_activate
-
-    maybe_activate()
+    cpu.maybe_activate()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(hours=2))
 
 
 def _shutdown() -> None:
     # torch and Megatron load only in the ranks: `hyflow --help` imports this module (bench, convert)
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
@@ -82,17 +79,11 @@ def _shutdown() -> None:
 
 
 def _in_process(fn: Callable[..., Any], args: tuple) -> list[Any]:
-    # torch and Megatron load only in the ranks: `hyflow --help` imports this module (bench, convert)
-    import torch.distributed as dist
-
     if dist.is_initialized():
         if dist.get_world_size() != 1:
             raise RuntimeError("run_ranks(world_size=1) inside a multi-rank job; call the rank "
                                "function directly on every rank instead")
         return [fn(*args)]
-    # torch and Megatron load only in the ranks: `hyflow --help` imports this module (bench, convert)
-    from hyflow.parallel.distributed import free_port
-
     was_active = cpu.is_active()
     _init_gloo(0, 1, free_port())
     try:
@@ -107,9 +98,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """``[fn(*args) on rank r for r in range(world_size)]``; ``fn`` must be module-level."""
     if world_size == 1:
         return _in_process(fn, args)
-    # torch and Megatron load only in the ranks: `hyflow --help` imports this module (bench, convert)
-    from hyflow.parallel.distributed import free_port
-
     ctx = mp.get_context("spawn")
     port = free_port()
     procs, conns = [], []

@@ -16,8 +16,12 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from hyflow.models.hf_mapping import hf_config_from_description, megatron_to_hf_tensors, name_map
+from hyflow.models.weights import full_parameter_shapes
+from hyflow.tools.convert.hf2mcore import HF_DIR, TOKENIZER_DIR
+from hyflow.tools.convert.launch import run_ranks
 from hyflow.tools.convert.memory import MemoryReport, PeakMemory, ProcessMemory, Stopwatch
-from hyflow.tools.convert.preflight import plan_mcore2hf
+from hyflow.tools.convert.preflight import check_output_dir, looks_like_hf_export, plan_mcore2hf
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -42,8 +46,6 @@ class ExportJob:
 
 def _plan_shards(desc, dtype: str, max_bytes: int) -> list[list[str]]:
     """Megatron names grouped into consecutive shards of at most ``max_bytes`` (HF order)."""
-    from hyflow.models.weights import full_parameter_shapes
-
     size = 2 if dtype in ("bf16", "fp16") else 4
     shards: list[list[str]] = [[]]
     used = 0
@@ -61,12 +63,12 @@ def _plan_shards(desc, dtype: str, max_bytes: int) -> list[list[str]]:
 
 def export_rank(job: ExportJob) -> ProcessMemory:
     """Load the checkpoint on this single rank and write the HF safetensors files."""
+    # Megatron and the model code only in the ranks: the launching process imports this module and stays small
     import torch
     from safetensors.torch import save_file
 
     from hyflow.models.builder import DTYPES
     from hyflow.checkpoint.model import load_model_from_checkpoint
-    from hyflow.models.hf_mapping import megatron_to_hf_tensors, name_map
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
 
@@ -116,9 +118,6 @@ def _readable_like_config(path: str) -> None:
 def write_hf_metadata(ckpt_dir: str, out_dir: str, desc, dtype: str, log=print) -> None:
     """config.json (from the description and the source config), generation config, tokenizer;
     ``log`` says when there is no tokenizer to export."""
-    from hyflow.models.hf_mapping import hf_config_from_description
-    from hyflow.tools.convert.hf2mcore import HF_DIR, TOKENIZER_DIR
-
     base = None
     source_cfg = os.path.join(ckpt_dir, HF_DIR, "config.json")
     if os.path.exists(source_cfg):
@@ -166,9 +165,6 @@ def mcore2hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, force: bo
     Raises :class:`~hyflow.models.sources.errors.ConversionError` before writing
     anything for a missing or incomplete checkpoint or a non-empty ``out_dir``.
     """
-    from hyflow.tools.convert.launch import run_ranks
-    from hyflow.tools.convert.preflight import check_output_dir, looks_like_hf_export
-
     # Written into a sibling directory and moved into place at the end: a failure (a non-finite
     # tensor, a full disk) leaves ``out_dir`` as it was, and --force replaces a previous export only
     # once the new one is complete.

@@ -19,9 +19,19 @@ import os
 import shutil
 from dataclasses import dataclass
 
+import torch
+from safetensors.torch import save_file
+
 from hyflow.checkpoint.adapters import adapter_settings, lora_config
-from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info, read_description, verify_model_checkpoint
+from hyflow.checkpoint.model import (CheckpointError, build_model_for_loading, load_model_checkpoint,
+                                     read_checkpoint_info, read_description, verify_model_checkpoint)
+from hyflow.models.builder import DTYPES
+from hyflow.models.hf_mapping import megatron_to_hf_tensors, name_map
+from hyflow.models.lora import TARGET_PATHS, apply_lora, lora_modules
 from hyflow.models.sources.errors import ConversionError
+from hyflow.parallel.groups import init_training_groups
+from hyflow.parallel.layout import Layout
+from hyflow.tools.convert.launch import run_ranks
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -42,9 +52,6 @@ class AdapterJob:
 def peft_tensors(adapters: dict, desc, targets) -> dict:
     """PEFT's tensors from the full adapters ``{"decoder.layers.N.<path>.lora_A" / "lora_B": tensor}``
     (Megatron's layout, global layer numbering)."""
-    from hyflow.models.hf_mapping import megatron_to_hf_tensors, name_map
-    from hyflow.models.lora import TARGET_PATHS
-
     names = name_map(desc)
     out = {}
     for i in range(desc.num_layers):
@@ -74,15 +81,6 @@ def adapter_config(settings: dict, base: str) -> dict:
 def export_adapter_rank(job: AdapterJob) -> int:
     """Load the adapters on this single rank (at TP=1 x PP=1) and write the PEFT tensors; returns
     their bytes."""
-    import torch  # the rank's work: this module stays light until the command runs
-    from safetensors.torch import save_file
-
-    from hyflow.checkpoint.model import build_model_for_loading, load_model_checkpoint
-    from hyflow.models.builder import DTYPES
-    from hyflow.models.lora import apply_lora, lora_modules
-    from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
-
     info = read_checkpoint_info(job.ckpt_dir)
     settings = adapter_settings(info.extra)
     desc = read_description(job.ckpt_dir)
@@ -109,8 +107,6 @@ def export_adapter(model_dir: str, out_dir: str, *, dtype: str = "auto", force: 
     """Write ``model_dir``'s adapters (a LoRA model checkpoint) as a PEFT directory at ``out_dir``;
     returns the adapter bytes written. Raises :class:`ConversionError` before writing anything for a
     checkpoint without adapters or a non-empty ``out_dir``."""
-    from hyflow.tools.convert.launch import run_ranks
-
     info = read_checkpoint_info(model_dir)
     settings = adapter_settings(info.extra)
     if settings is None:

@@ -17,9 +17,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from hyflow.config import ConfigError
+from hyflow.models.hf_mapping import description_from_hf_config, hf_config_warnings
 from hyflow.models.sources.errors import ConversionError
 from hyflow.models.sources.model_source import ModelSource, check_tensors, open_model_source, \
     resolve_dtype
+from hyflow.parallel.layout import Layout
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -113,10 +116,6 @@ def plan_hf2mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: s
                   force: bool = False, stage_layers: Optional[Sequence[int]] = None, ep: int = 1,
                   etp: Optional[int] = None) -> Hf2McorePlan:
     """Open and validate everything an HF -> Megatron conversion needs."""
-    from hyflow.config import ConfigError
-    from hyflow.models.hf_mapping import description_from_hf_config, hf_config_warnings
-    from hyflow.parallel.layout import Layout
-
     check_output_dir(out_dir, force, (hf_path,), looks_like_mcore_checkpoint, "hyflow model checkpoint")
     source = open_model_source(hf_path)
     try:
@@ -162,6 +161,7 @@ def plan_mcore2hf(ckpt_dir: str, out_dir: str, dtype: Optional[str] = None,
     """Validate a checkpoint export: the checkpoint is complete and intact (its files match its
     manifest, its pickles hold plain data: ``HYFLOW_NO_VERIFY=1`` skips the checksums), the
     output is free."""
+    # Megatron (seconds) only when the command runs: `hyflow --help` imports this module
     from hyflow.checkpoint.model import CheckpointError, read_checkpoint_info, read_description, \
         verify_model_checkpoint
 

@@ -17,6 +17,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hyflow.parallel.layout import Layout
+from hyflow.tools.convert.preflight import conversion_world
+
 
 def forward_logits(model: torch.nn.Module, tokens: torch.Tensor, vocab_size: int,
                    groups) -> Optional[torch.Tensor]:
@@ -41,10 +44,9 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor, vocab_size: int
 
 
 def _setup(ckpt_dir: str, tp: int, pp: int, dtype: Optional[str], ep: int = 1, etp: Optional[int] = None):
+    # Megatron (seconds) only in the ranks that load the checkpoint
     from hyflow.checkpoint.model import load_model_from_checkpoint
     from hyflow.parallel.groups import init_training_groups
-    from hyflow.parallel.layout import Layout
-    from hyflow.tools.convert.preflight import conversion_world
 
     groups = init_training_groups(Layout(tp=tp, pp=pp, ep=ep, etp=etp).with_dp_for(conversion_world(tp, pp, ep, etp)))
     model, desc, _ = load_model_from_checkpoint(ckpt_dir, groups, dtype=dtype)

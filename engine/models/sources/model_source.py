@@ -19,7 +19,7 @@ from hyflow.config import ConfigError
 from hyflow.models.description import ModelDescription
 from hyflow.models.sources.errors import ConversionError
 from hyflow.models.sources.source import WeightSource
-from hyflow.models.hf_mapping import IGNORED_HF_TENSORS, hf_parameter_shapes
+from hyflow.models.hf_mapping import IGNORED_HF_TENSORS, description_from_hf_config, hf_parameter_shapes
 from hyflow.models.sources.gguf_source import GGUFSource, is_gguf
 from hyflow.models.sources.safetensors_source import find_safetensors
 from hyflow.models.sources.torchbin_source import find_torch_bin
@@ -99,8 +99,6 @@ def hf_description(path: str) -> ModelDescription:
     """The architecture of the HF model at ``path`` (config.json or GGUF metadata), its EOS ids and
     its tokenizer (the directory itself, or the GGUF file). Reads headers only; raises
     :class:`~hyflow.models.sources.errors.ConversionError` naming the problem."""
-    from hyflow.models.hf_mapping import description_from_hf_config  # torch: the config checks stay light
-
     source = open_model_source(path)
     try:
         desc = description_from_hf_config(source.config)
