@@ -46,8 +46,9 @@ BASE = TINY + ["rollout.backend=vllm", "actor.sft_warmup_steps=0", "data.task_si
 CASES = {
     "tp2->tp1": ["actor.layout.tp=2", "rollout.layout.tp=1"],
     "tp2->tp2 exact": ["actor.layout.tp=2", "rollout.layout.tp=2", "rollout.exact_logprobs=true"],
-    "pp2->tp1 dapo": ["actor.layout.tp=1", "actor.layout.pp=2", "rollout.layout.tp=1",
-                      "algorithm.dynamic_sampling.enable=true"],
+    # vLLM's own reload path (what online quantization takes) instead of the in-place writer
+    "pp2->tp1 dapo reload": ["actor.layout.tp=1", "actor.layout.pp=2", "rollout.layout.tp=1",
+                             "algorithm.dynamic_sampling.enable=true", "rollout.vllm.load_in_place=false"],
     "qwen2 tp2->tp1 remax": ["actor.layout.tp=2", "rollout.layout.tp=1", "model.family=qwen2", "model.qkv_bias=true",
                              "model.tied_embeddings=false", "algorithm.adv_estimator=remax"],
 }
@@ -80,6 +81,7 @@ def test_config_errors_name_the_key():
                           ("rollout.vllm.quantization=int3", "rollout.vllm.quantization"),
                           ("rollout.vllm.max_num_seqs=0", "rollout.vllm.max_num_seqs"),
                           ("rollout.vllm.sleep_level=3", "rollout.vllm.sleep_level"),
+                          ("rollout.vllm.load_in_place=2", "rollout.vllm.load_in_place"),
                           ("rollout.backend=sglang", "rollout.backend")):
         with pytest.raises(ConfigError) as e:
             load_job_config(quickstart, [override])
@@ -206,7 +208,8 @@ def _parity_cases(cases, base=BASE, steps=2, config=None):
         models.rollouts.finish_generation()
         models.weights.to_training()
         out[name] = {"before": before, "after": after, "diffs": diffs,
-                     "same_seed_same_tokens": sampled[0] == sampled[1], "shm_ident": _shm_ident()}
+                     "same_seed_same_tokens": sampled[0] == sampled[1], "shm_ident": _shm_ident(),
+                     "in_place": models.rollouts.engine._plan is not None}
         segment = models.rollouts.engine.shm_segment
         models.rollouts.engine.close()
         out[name]["shm_left"] = segment is not None and os.path.exists(segment)
@@ -241,6 +244,19 @@ def test_greedy_tokens_equal_hyflows_before_and_after_training(parity, case):
     assert vllm2 == ref2, case
     changed = sum(a != b for a, b in zip(ref0, ref2))
     assert changed >= PROMPTS // 2, f"{case}: the updates changed only {changed} greedy responses"
+    assert r["in_place"] == ("reload" not in case)  # the in-place writer, or vLLM's reload where asked
+
+
+def test_qkv_rows_reorder_megatrons_groups_into_vllms_fused_qkv():
+    """The in-place writer's Q/K/V row order against the converters' regrouping (the HF layout)."""
+    from hyflow.kernels.reshard_reference import qkv_regroup
+    from hyflow.vllm_backend.inplace import qkv_rows
+
+    for heads, groups, d in ((4, 2, 3), (9, 3, 2), (4, 4, 5), (2, 1, 4)):
+        w = torch.randn((heads + 2 * groups) * d, 7)
+        assert torch.equal(w.index_select(0, qkv_rows(heads, groups, d)), qkv_regroup(w, heads, groups, d))
+        b = torch.randn((heads + 2 * groups) * d)
+        assert torch.equal(b[qkv_rows(heads, groups, d)], qkv_regroup(b, heads, groups, d))
 
 
 @pytest.mark.multirank

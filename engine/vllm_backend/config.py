@@ -43,6 +43,10 @@ class VLLMConfig:
         "help": "tokens per engine step (prefill chunking); null: vLLM's default"})
     max_num_seqs: Optional[int] = field(default=None, metadata={
         "help": "sequences decoded at once; null: rollout.max_concurrent"})
+    load_in_place: bool = field(default=True, metadata={
+        "help": "write the actor's weights straight into vLLM's live weights each step (repacking only what its CPU "
+                "GEMMs pack); false: vLLM's own in-place reload (rebuilds each layer, several copies). Online "
+                "quantization (fp8) always takes vLLM's reload"})
     sleep_level: int = field(default=2, metadata={
         "help": "GPU: what sleep mode frees between generations: 2 the weights and the KV cache (new weights come "
                 "every step), 1 offloads the weights to host memory, 0 keeps both (no sleep mode). CPU: vLLM has "
@@ -59,6 +63,8 @@ class VLLMConfig:
         if self.quantization is not None and self.quantization not in ONLINE_QUANTIZATION:
             raise ConfigError(f"must be null or one of {', '.join(ONLINE_QUANTIZATION)} (quantized on load; the "
                               f"actor's weights are unquantized), got {self.quantization!r}", key="quantization")
+        if not isinstance(self.load_in_place, bool):
+            raise ConfigError(f"must be true or false, got {self.load_in_place!r}", key="load_in_place")
         if self.sleep_level not in (0, 1, 2):
             raise ConfigError(f"must be 0, 1 or 2, got {self.sleep_level!r}", key="sleep_level")
 

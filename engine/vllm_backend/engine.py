@@ -28,10 +28,12 @@ pipeline stages (``PP_g > 1``) would need vLLM's PP-output broadcast, which its 
 the external launcher, so the backend refuses ``rollout.layout.pp > 1`` at config time.
 
 Weights: vLLM starts with a config.json only (``load_format="dummy"``), then every
-:meth:`load_weights` goes through vLLM's own in-place reload (``reload_weights`` with the
-checkpoint-format names of :mod:`hyflow.vllm_backend.weights`): its per-parameter weight loaders
-fuse q/k/v and gate/up, and its post-load processing repacks the CPU build's GEMM weights (or
-quantizes online, e.g. fp8) exactly as for a checkpoint. No file, no HF round trip.
+:meth:`load_weights` writes the generation shards straight into vLLM's live weights
+(:mod:`hyflow.vllm_backend.inplace`: planned once, in place, the CPU build's GEMM weights
+repacked by vLLM's own post-load processing), or, where that plan does not apply (online
+quantization such as fp8), goes through vLLM's own in-place reload (``reload_weights`` with the
+checkpoint-format names of :mod:`hyflow.vllm_backend.weights`, its loaders fusing q/k/v and
+gate/up). No file, no HF round trip.
 """
 
 from __future__ import annotations
@@ -59,7 +61,10 @@ from hyflow.rollout.engine import prepare_requests
 from hyflow.rollout.request import RolloutResult, RolloutStats
 from hyflow.vllm_backend.config import VLLMConfig
 from hyflow.vllm_backend.groups import init_vllm_groups, local_rank
+from hyflow.vllm_backend.inplace import InPlaceLoader, plan_in_place
+from hyflow.vllm_backend.weights import GenerationShards
 
+LOG = logging.getLogger("hyflow.vllm")
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: vLLM's KV-cache block on CPU (tokens; its default for most models there).
 _CPU_BLOCK = 128
@@ -287,6 +292,9 @@ class VLLMEngine:
         self.awake = True
         self.last_stats = RolloutStats()
         self.last_load_seconds = 0.0
+        self.last_pack_seconds: Optional[float] = None
+        self._plan: Optional[InPlaceLoader] = None
+        self._plan_key = None
         if self.sleep_level:
             self.sleep()
 
@@ -296,21 +304,48 @@ class VLLMEngine:
     # -------------------------------------------------------------- weights and memory
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
-        """Write ``weights`` (checkpoint names, this rank's shards) into vLLM's model in place,
-        through its weight loaders and post-load processing; returns the seconds it took. The
-        prefix cache goes: its blocks hold keys and values of the old weights."""
+        """Write ``weights`` (this rank's shards) into vLLM's model in place; returns the seconds it
+        took. :class:`~hyflow.vllm_backend.weights.GenerationShards` go straight into vLLM's live
+        weights where :func:`~hyflow.vllm_backend.inplace.plan_in_place` allows (planned at the
+        first load), anything else through vLLM's reload (checkpoint names: its weight loaders and
+        post-load processing). The prefix cache goes: its blocks hold keys and values of the old
+        weights."""
         start = time.perf_counter()
         if self.sleep_level:
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        if self.desc.tied_embeddings:
-            self.llm.apply_model(_refresh_tied_head)
+        loader = self._in_place_loader(weights)
+        if loader is not None:
+            from vllm.config import set_current_vllm_config  # optional dependency (loaded by then)
+
+            with set_current_vllm_config(self.llm.llm_engine.vllm_config):
+                loader.load(weights.gen_model)
+            self.last_pack_seconds = loader.pack_seconds
+        else:
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+            if self.desc.tied_embeddings:
+                self.llm.apply_model(_refresh_tied_head)
+            self.last_pack_seconds = None
         if self.sleep_level:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
         self.awake = True
         self.last_load_seconds = time.perf_counter() - start
         return self.last_load_seconds
+
+    def _in_place_loader(self, weights) -> Optional[InPlaceLoader]:
+        """The planned in-place writer for ``weights``' generation model (None: vLLM's reload)."""
+        if not (self.options.load_in_place and isinstance(weights, GenerationShards)):
+            return None
+        key = (id(weights.gen_model), weights.vocab_rows)
+        if self._plan_key != key:
+            plan = plan_in_place(self._model(), self.llm.llm_engine.vllm_config, weights.gen_model, weights.desc,
+                                 weights.vocab_rows, weights.tp_group)
+            if isinstance(plan, str):
+                LOG.warning("vLLM weights load through its reload path: %s", plan)
+                plan = None
+            self._plan, self._plan_key = plan, key
+        return self._plan
 
     def sleep(self) -> None:
         """GPU: free the KV cache (and the weights at level 2, offload them at level 1)."""

@@ -24,7 +24,8 @@ are all-gathered over the generation TP group: one vocabulary matrix per rank, t
 
 from __future__ import annotations
 
-from typing import Iterator
+import dataclasses
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ from hyflow.kernels.reshard_reference import grouped_to_qkv
 VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _gather_vocab(shard: torch.Tensor, tp_group) -> torch.Tensor:
+def gather_vocab(shard: torch.Tensor, tp_group) -> torch.Tensor:
     """The whole (padded) vocabulary matrix from every TP rank's contiguous rows."""
     size = dist.get_world_size(tp_group)
     out = shard.new_empty((shard.shape[0] * size,) + tuple(shard.shape[1:]))
@@ -46,9 +47,38 @@ def _gather_vocab(shard: torch.Tensor, tp_group) -> torch.Tensor:
     return out
 
 
-@torch.no_grad()
+@dataclasses.dataclass
+class GenerationShards:
+    """This rank's generation-layout shards for vLLM. Iterating yields ``(HF name, tensor)``, what
+    vLLM's checkpoint loaders take (:func:`hf_tensors`); :class:`hyflow.vllm_backend.engine.VLLMEngine`
+    writes the model's tensors into vLLM's live weights without that detour where it can
+    (:mod:`hyflow.vllm_backend.inplace`). Arguments as :func:`vllm_weights`."""
+
+    gen_model: torch.nn.Module
+    desc: ModelDescription
+    vocab_rows: int
+    tp_group: Any = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return hf_tensors(self.gen_model, self.desc, self.vocab_rows, self.tp_group)
+
+
 def vllm_weights(gen_model: torch.nn.Module, desc: ModelDescription, vocab_rows: int, tp_group=None
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+                 ) -> GenerationShards:
+    """This rank's generation-layout shards of ``gen_model`` for :meth:`VLLMEngine.load_weights`.
+
+    Args:
+        gen_model: the Megatron ``GPTModel`` in the generation layout (one stage: PP_g = 1).
+        desc: its architecture.
+        vocab_rows: the vocabulary vLLM's config declares (the embedding's first rows).
+        tp_group: the generation TP group (None or size 1: every tensor is whole).
+    """
+    return GenerationShards(gen_model, desc, vocab_rows, tp_group)
+
+
+@torch.no_grad()
+def hf_tensors(gen_model: torch.nn.Module, desc: ModelDescription, vocab_rows: int, tp_group=None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, tensor)`` of this rank's generation-layout shards, layer by layer (views where
     the split allows; nothing is copied before vLLM's loader copies it).
 
@@ -73,7 +103,7 @@ def vllm_weights(gen_model: torch.nn.Module, desc: ModelDescription, vocab_rows:
         tensor = param.detach()
         if name in VOCAB_NAMES:
             if tp > 1:
-                tensor = _gather_vocab(tensor, tp_group)
+                tensor = gather_vocab(tensor, tp_group)
             yield targets[0], tensor[:vocab_rows]
         elif name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
             yield from zip(targets, grouped_to_qkv(tensor, heads, groups, desc.head_dim))

@@ -18,6 +18,7 @@ unless already launched.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -219,8 +220,11 @@ def _bench(args: argparse.Namespace) -> int:
                 ("(a) swap_model_weights", result.get("swap_model_weights_s")),
                 ("(b) dist-ckpt round trip", result.get("ckpt_roundtrip_s")),
                 ("(c) naive all-gather", result.get("naive_allgather_s")),
-                ("vLLM: train->gen + load into vLLM", result.get("vllm_train_to_gen_s")),
-                ("vLLM: of which the load (vLLM's loaders, repacking)", result.get("vllm_load_s")),
+                ("vLLM: train->gen + in-place load into vLLM", result.get("vllm_train_to_gen_s")),
+                ("vLLM: of which the load", result.get("vllm_load_s")),
+                ("vLLM: of which its GEMM packing", result.get("vllm_pack_s")),
+                ("vLLM: train->gen + vLLM's reload_weights", result.get("vllm_reload_train_to_gen_s")),
+                ("vLLM: of which the reload", result.get("vllm_reload_load_s")),
                 ("hyflow engine: oneDNN packing at generate start", result.get("hyflow_pack_s"))]
         print(f"reshard {args.layers} layers x hidden {args.hidden} ({desc.num_parameters() / 1e6:.0f}M params), "
               f"tp={args.tp} pp={args.pp} -> tp={args.tp_gen} pp={args.pp_gen} on {world} ranks")
@@ -232,10 +236,10 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"transport {result['transport']}: {result['staging_bytes']} staging bytes per rank (fixed); "
               f"planned peak extra {result['peak_extra_bytes']} bytes")
         if args.vllm:
-            ratio = result["vllm_transition_ratio"]
-            shown = "-" if ratio is None else f"{ratio:.2f}x"
+            ratio, reload = result["vllm_transition_ratio"], result["vllm_reload_transition_ratio"]
+            shown = "-" if ratio is None else f"{ratio:.2f}x ({reload:.2f}x through vLLM's reload)"
             print(f"vLLM transition / hybrid engine train->gen: {shown}; / train->gen + hyflow's packing: "
-                  f"{result['vllm_vs_hyflow_with_packing']:.2f}x")
+                  f"{result['vllm_vs_hyflow_with_packing']:.2f}x; in place: {result['vllm_in_place']}")
         print(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -244,41 +248,53 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _vllm_transition(engine, desc, gen_groups, repeats: int, barrier, to_gen: float) -> dict:
     """Median seconds of train -> generation plus the load of the generation shards into vLLM (the
-    vLLM backend's transition), and of the load alone, over ``repeats`` round trips."""
+    vLLM backend's transition), of the load alone and of its packing, over ``repeats`` round trips,
+    with the in-place writer (the default) and with vLLM's own reload, interleaved."""
     # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
+    from hyflow.rollout.cpu_pack import PackedLinears
     from hyflow.vllm_backend.engine import VLLMEngine
     from hyflow.vllm_backend.weights import vllm_weights
 
     check_vllm_imports()
-    vllm = VLLMEngine(desc, GenerationConfig(max_concurrent=8), VLLMConfig(), vocab_size=desc.vocab_size,
+    options = VLLMConfig()
+    vllm = VLLMEngine(desc, GenerationConfig(max_concurrent=8), options, vocab_size=desc.vocab_size,
                       eos_token_ids=[], tp_groups=generation_enumerations(engine.plan)["tp"],
                       device=torch.device("cpu"), seq_budget=256)
-    # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
-    from hyflow.rollout.cpu_pack import PackedLinears
-
-    loads, totals, packs = [], [], []
+    modes = {"": True, "reload_": False}  # result-key prefix -> load_in_place
+    runs: dict = {prefix: {"total": [], "load": [], "pack": []} for prefix in modes}
+    packs = []
     for i in range(repeats + 1):  # the first round is a warm-up
-        barrier()
-        start = time.perf_counter()
-        engine.to_generation()
-        load = vllm.load_weights(vllm_weights(engine.gen_model, desc, desc.vocab_size, gen_groups.pgs.tp))
-        barrier()
-        total = time.perf_counter() - start
+        for prefix, in_place in modes.items():
+            vllm.options = dataclasses.replace(options, load_in_place=in_place)
+            barrier()
+            start = time.perf_counter()
+            engine.to_generation()
+            load = vllm.load_weights(vllm_weights(engine.gen_model, desc, desc.vocab_size, gen_groups.pgs.tp))
+            barrier()
+            total = time.perf_counter() - start
+            engine.to_training()
+            if i:
+                runs[prefix]["total"].append(total)
+                runs[prefix]["load"].append(load)
+                runs[prefix]["pack"].append(vllm.last_pack_seconds or 0.0)
         # what hyflow's engine does with the same weights at the start of a generate call (CPU, fp32):
         # the oneDNN packing vLLM's load includes
+        engine.to_generation()
         start = time.perf_counter()
         with PackedLinears(engine.gen_model):
             pass
         pack = time.perf_counter() - start
         engine.to_training()
         if i:
-            loads.append(load)
-            totals.append(total)
             packs.append(pack)
+    in_place = vllm._plan is not None
     vllm.close()
-    out = {"vllm_train_to_gen_s": statistics.median(totals), "vllm_load_s": statistics.median(loads),
-           "hyflow_pack_s": statistics.median(packs)}
-    out["vllm_transition_ratio"] = out["vllm_train_to_gen_s"] / to_gen if to_gen > 0 else None
+    out = {"hyflow_pack_s": statistics.median(packs), "vllm_in_place": in_place}
+    for prefix, run in runs.items():
+        out[f"vllm_{prefix}train_to_gen_s"] = statistics.median(run["total"])
+        out[f"vllm_{prefix}load_s"] = statistics.median(run["load"])
+        out[f"vllm_{prefix}pack_s"] = statistics.median(run["pack"])
+        out[f"vllm_{prefix}transition_ratio"] = out[f"vllm_{prefix}train_to_gen_s"] / to_gen if to_gen > 0 else None
     with_pack = to_gen + out["hyflow_pack_s"]
     out["vllm_vs_hyflow_with_packing"] = out["vllm_train_to_gen_s"] / with_pack if with_pack > 0 else None
     return out

@@ -8,6 +8,8 @@ of ``--repeats`` is kept, which makes the ratios robust on a shared machine (med
 too). The last line of output is one JSON object with ``tokens_per_s``, ``hf_tokens_per_s``,
 ``speedup`` (hyflow over HF) and their ``*_median`` counterparts, plus ``vllm_tokens_per_s``,
 ``vllm_speedup`` (vLLM over hyflow) and ``vllm_load_s`` (one in-memory weight load) with vLLM.
+``--batch 16,64`` times each batch size in the same run (one table each; the JSON line is the
+last batch's, with every batch's row under ``by_batch``).
 
 ``--compare-batching`` adds a second measurement: sampled responses with EOS on
 (lengths vary), generated with continuous batching and with static batches, to
@@ -39,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="smollm2: SmolLM2-135M-Instruct (GGUF, dequantised); tiny: a random 4-layer Llama; "
                         "qwen2.5-0.5b: Qwen2.5-0.5B's architecture with random weights (nothing downloaded)")
     p.add_argument("--no-hf", action="store_true", help="time hyflow's engine only (no transformers baseline)")
-    p.add_argument("--batch", type=int, default=16, help="prompts generated together")
+    p.add_argument("--batch", default="16",
+                   help="prompts generated together; a comma list (16,64) times each batch in one run")
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (best is kept)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
@@ -76,19 +79,33 @@ def _qwen_hf(seed: int = 0) -> Any:
     return Qwen2ForCausalLM(cfg).eval()
 
 
-def _prompts(args: argparse.Namespace, tok: Any, vocab: int) -> list[list[int]]:
+def _batches(args: argparse.Namespace) -> list[int]:
+    try:
+        sizes = [int(b) for b in str(args.batch).split(",") if b.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"--batch: positive integers, comma-separated (e.g. 16,64), got {args.batch!r}")
+    return sizes
+
+
+def _prompts(batch: int, tok: Any, vocab: int) -> list[list[int]]:
+    """``batch`` distinct prompts (chat questions, numbered past the first 16, so that no prompt
+    repeats: vLLM's prefix cache would otherwise skip the prefill of repeats)."""
     import torch
 
     if tok is not None:
         out = []
-        for i in range(args.batch):
+        for i in range(batch):
             text = CHAT_PROMPTS[i % len(CHAT_PROMPTS)]
+            if i >= len(CHAT_PROMPTS):
+                text = f"Question {i + 1}: {text}"
             ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                           tokenize=True)
             out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
         return out
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, vocab, (16 + (7 * i) % 33,), generator=g).tolist() for i in range(args.batch)]
+    return [torch.randint(0, vocab, (16 + (7 * i) % 33,), generator=g).tolist() for i in range(batch)]
 
 
 def _hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int,
@@ -135,97 +152,116 @@ def run(args: argparse.Namespace) -> int:
         hf.generation_config.eos_token_id = None
         model, desc = megatron_from_hf(hf, groups, dtype=args.dtype)
         load_s = time.perf_counter() - t0
-        prompts = _prompts(args, tok, desc.vocab_size)
         pad_id = (tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0)
         greedy = SamplingConfig(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True,
                                 logprobs=True)
-        engine = GenerationEngine.from_description(
-            model, desc, GenerationConfig(max_concurrent=args.batch, sampling=greedy))
         backends = [b.strip() for b in args.backend.split(",") if b.strip()]
         unknown = sorted(set(backends) - {"hyflow", "hf", "vllm"})
         if unknown:
             raise SystemExit(f"--backend: unknown engine(s) {unknown}; choose from hyflow, hf, vllm")
-        runners = {"hyflow": lambda: _timed(lambda: _ours(engine, prompts))}
-        if "hf" in backends and not args.no_hf:
-            runners["hf"] = lambda: _hf_generate(hf, prompts, args.new_tokens, pad_id)
-        vllm_load = None
+        sizes = _batches(args)
+        all_prompts = {b: _prompts(b, tok, desc.vocab_size) for b in sizes}
+        vllm_engine = vllm_load = None
         if "vllm" in backends:
-            vllm_engine, vllm_load = _vllm_engine(model, desc, groups, prompts, args)
-            runners["vllm"] = lambda: _timed(lambda: _ours(vllm_engine, prompts, greedy))
-        # Warm-up (allocator, first-call dispatch) on every side.
-        engine.generate(prompts[:2], greedy.replace(max_new_tokens=4))
-        if "hf" in runners:
-            _hf_generate(hf, prompts[:2], 4, pad_id)
-        if "vllm" in runners:
-            vllm_engine.generate(prompts[:2], greedy.replace(max_new_tokens=4))
-        if args.profile:
-            _profile(engine, hf, prompts, pad_id, args)
-        times = {k: [] for k in runners}
-        cpus = {k: [] for k in runners}
-        outs: dict = {}
-        for _ in range(args.repeats):
-            for name, fn in runners.items():
-                seconds, cpu_s, outs[name] = fn()
-                times[name].append(seconds)
-                cpus[name].append(cpu_s)
-        tokens = args.batch * args.new_tokens
-        ours_t = times["hyflow"]
-        best, med = min(ours_t), statistics.median(ours_t)
-        row = {
-            "bench": "rollout", "model": args.model, "batch": args.batch, "new_tokens": args.new_tokens,
-            "dtype": args.dtype, "threads": torch.get_num_threads(),
-            "prompt_tokens": sum(len(p) for p in prompts), "backends": list(runners),
-            "tokens_per_s": round(tokens / best, 2), "seconds": round(best, 3),
-            "tokens_per_s_median": round(tokens / med, 2), "load_s": round(load_s, 1),
-            # what a decode step reads at least (every weight once), for the HBM roofline
-            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "runs_s": [round(t, 2) for t in ours_t], "cpu_runs_s": [round(t, 2) for t in cpus["hyflow"]],
-        }
-        for name in ("hf", "vllm"):
-            if name not in runners:
-                continue
-            b, m = min(times[name]), statistics.median(times[name])
-            match = sum(a == b_ for a, b_ in zip(outs["hyflow"], outs[name]))
-            row.update({f"{name}_tokens_per_s": round(tokens / b, 2), f"{name}_seconds": round(b, 3),
-                        f"{name}_tokens_per_s_median": round(tokens / m, 2),
-                        f"{name}_runs_s": [round(t, 2) for t in times[name]],
-                        f"{name}_cpu_runs_s": [round(t, 2) for t in cpus[name]],
-                        f"{name}_greedy_match": f"{match}/{args.batch}"})
-        if "hf" in runners:  # hyflow over transformers (the historical keys)
-            hf_best, hf_med = min(times["hf"]), statistics.median(times["hf"])
-            row.update(speedup=round(hf_best / best, 3), speedup_median=round(hf_med / med, 3),
-                       cpu_speedup=round(min(cpus["hf"]) / min(cpus["hyflow"]), 3),
-                       greedy_match=row["hf_greedy_match"])
-        if "vllm" in runners:  # vLLM over hyflow
-            v_best, v_med = min(times["vllm"]), statistics.median(times["vllm"])
-            row.update(vllm_speedup=round(best / v_best, 3), vllm_speedup_median=round(med / v_med, 3),
-                       vllm_load_s=round(vllm_load, 3))
-        print(f"rollout benchmark: {args.model}, batch {args.batch}, {args.new_tokens} new tokens, greedy, "
-              f"{args.dtype}, {row['threads']} threads, {row['prompt_tokens']} prompt tokens")
-        print(f"{'engine':<26}{'best s':>9}{'tokens/s':>11}{'median tok/s':>14}{'greedy = hyflow':>17}"
-              f"{'runs (s)':>30}")
-        labels = {"hyflow": "hyflow GenerationEngine", "hf": "transformers generate", "vllm": "vLLM (in-process)"}
-        for name in runners:
-            b, m = min(times[name]), statistics.median(times[name])
-            same = "-" if name == "hyflow" else row[f"{name}_greedy_match"]
-            print(f"{labels[name]:<26}{b:>9.2f}{tokens / b:>11.1f}{tokens / m:>14.1f}{same:>17}"
-                  f"{str([round(t, 2) for t in times[name]]):>30}")
-        if "hf" in runners:
-            print(f"hyflow over transformers {row['speedup']:.2f}x (process CPU time: {row['cpu_speedup']:.2f}x)")
-        if "vllm" in runners:
-            print(f"vLLM over hyflow {row['vllm_speedup']:.2f}x; one in-memory weight load into vLLM "
-                  f"{row['vllm_load_s']:.3f} s")
+            longest = max(len(p) for ps in all_prompts.values() for p in ps)
+            vllm_engine, vllm_load = _vllm_engine(model, desc, groups, max(sizes), longest, args)
+        rows = []
+        for batch in sizes:
+            prompts = all_prompts[batch]
+            engine = GenerationEngine.from_description(
+                model, desc, GenerationConfig(max_concurrent=batch, sampling=greedy))
+            rows.append(_measure(args, batch, prompts, engine, hf if "hf" in backends and not args.no_hf else None,
+                                 vllm_engine, vllm_load, greedy, pad_id, model, load_s))
+        row = dict(rows[-1])
+        if len(rows) > 1:
+            row["by_batch"] = rows
         if args.compare_batching:
             # The random tiny model almost never samples its EOS: give it 1 stop id in 40 so
             # response lengths vary as they do for a real model.
             stops = list(range(0, desc.vocab_size, 40)) if args.model == "tiny" else None
             row["batching"] = _compare_batching(engine, prompts, args, stops)
-        if "vllm" in runners:
+        if vllm_engine is not None:
             vllm_engine.close()
         print(json.dumps(row), flush=True)
     finally:
         shutdown()
     return 0
+
+
+def _measure(args: argparse.Namespace, batch: int, prompts: list[list[int]], engine: Any, hf: Any, vllm_engine: Any,
+             vllm_load: Any, greedy: Any, pad_id: int, model: Any, load_s: float) -> dict:
+    """One batch size: every engine's interleaved runs, the table, and the batch's JSON row."""
+    import torch
+
+    runners = {"hyflow": lambda: _timed(lambda: _ours(engine, prompts))}
+    if hf is not None:
+        runners["hf"] = lambda: _hf_generate(hf, prompts, args.new_tokens, pad_id)
+    if vllm_engine is not None:
+        runners["vllm"] = lambda: _timed(lambda: _ours(vllm_engine, prompts, greedy))
+    # Warm-up (allocator, first-call dispatch) on every side.
+    engine.generate(prompts[:2], greedy.replace(max_new_tokens=4))
+    if "hf" in runners:
+        _hf_generate(hf, prompts[:2], 4, pad_id)
+    if "vllm" in runners:
+        vllm_engine.generate(prompts[:2], greedy.replace(max_new_tokens=4))
+    if args.profile:
+        _profile(engine, hf, prompts, pad_id, args)
+    times = {k: [] for k in runners}
+    cpus = {k: [] for k in runners}
+    outs: dict = {}
+    for _ in range(args.repeats):
+        for name, fn in runners.items():
+            seconds, cpu_s, outs[name] = fn()
+            times[name].append(seconds)
+            cpus[name].append(cpu_s)
+    tokens = batch * args.new_tokens
+    ours_t = times["hyflow"]
+    best, med = min(ours_t), statistics.median(ours_t)
+    row = {
+        "bench": "rollout", "model": args.model, "batch": batch, "new_tokens": args.new_tokens,
+        "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "prompt_tokens": sum(len(p) for p in prompts), "backends": list(runners),
+        "tokens_per_s": round(tokens / best, 2), "seconds": round(best, 3),
+        "tokens_per_s_median": round(tokens / med, 2), "load_s": round(load_s, 1),
+        # what a decode step reads at least (every weight once), for the HBM roofline
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "runs_s": [round(t, 2) for t in ours_t], "cpu_runs_s": [round(t, 2) for t in cpus["hyflow"]],
+    }
+    for name in ("hf", "vllm"):
+        if name not in runners:
+            continue
+        b, m = min(times[name]), statistics.median(times[name])
+        match = sum(a == b_ for a, b_ in zip(outs["hyflow"], outs[name]))
+        row.update({f"{name}_tokens_per_s": round(tokens / b, 2), f"{name}_seconds": round(b, 3),
+                    f"{name}_tokens_per_s_median": round(tokens / m, 2),
+                    f"{name}_runs_s": [round(t, 2) for t in times[name]],
+                    f"{name}_cpu_runs_s": [round(t, 2) for t in cpus[name]],
+                    f"{name}_greedy_match": f"{match}/{batch}"})
+    if "hf" in runners:  # hyflow over transformers (the historical keys)
+        hf_best, hf_med = min(times["hf"]), statistics.median(times["hf"])
+        row.update(speedup=round(hf_best / best, 3), speedup_median=round(hf_med / med, 3),
+                   cpu_speedup=round(min(cpus["hf"]) / min(cpus["hyflow"]), 3),
+                   greedy_match=row["hf_greedy_match"])
+    if "vllm" in runners:  # vLLM over hyflow
+        v_best, v_med = min(times["vllm"]), statistics.median(times["vllm"])
+        row.update(vllm_speedup=round(best / v_best, 3), vllm_speedup_median=round(med / v_med, 3),
+                   vllm_load_s=round(vllm_load, 3))
+    print(f"rollout benchmark: {args.model}, batch {batch}, {args.new_tokens} new tokens, greedy, "
+          f"{args.dtype}, {row['threads']} threads, {row['prompt_tokens']} prompt tokens")
+    print(f"{'engine':<26}{'best s':>9}{'tokens/s':>11}{'median tok/s':>14}{'greedy = hyflow':>17}"
+          f"{'runs (s)':>30}")
+    labels = {"hyflow": "hyflow GenerationEngine", "hf": "transformers generate", "vllm": "vLLM (in-process)"}
+    for name in runners:
+        b, m = min(times[name]), statistics.median(times[name])
+        same = "-" if name == "hyflow" else row[f"{name}_greedy_match"]
+        print(f"{labels[name]:<26}{b:>9.2f}{tokens / b:>11.1f}{tokens / m:>14.1f}{same:>17}"
+              f"{str([round(t, 2) for t in times[name]]):>30}")
+    if "hf" in runners:
+        print(f"hyflow over transformers {row['speedup']:.2f}x (process CPU time: {row['cpu_speedup']:.2f}x)")
+    if "vllm" in runners:
+        print(f"vLLM over hyflow {row['vllm_speedup']:.2f}x; one in-memory weight load into vLLM "
+              f"{row['vllm_load_s']:.3f} s")
+    return row
 
 
 def _compare_batching(engine: Any, prompts: list[list[int]], args: argparse.Namespace,
@@ -236,7 +272,7 @@ def _compare_batching(engine: Any, prompts: list[list[int]], args: argparse.Name
     params = SamplingConfig(temperature=1.0, n=4, max_new_tokens=args.new_tokens, seed=3, eos_token_ids=stop_ids)
     out = {}
     print(f"\nbatching comparison: {len(prompts)} prompts x n=4 sampled (T=1, EOS on), "
-          f"{args.batch} slots")
+          f"{engine.config.max_concurrent} slots")
     print(f"{'policy':<12}{'seconds':>9}{'tokens':>8}{'tokens/s':>10}{'steps':>7}{'decode rows':>13}"
           f"{'padded rows*':>14}")
     for policy in ("continuous", "static"):
@@ -245,8 +281,8 @@ def _compare_batching(engine: Any, prompts: list[list[int]], args: argparse.Name
         s = res.stats
         lengths = [len(x.token_ids) for x in res.samples]
         # Rows a static batch computes when finished rows are not dropped (HF generate).
-        padded = sum(max(lengths[i:i + args.batch]) * len(lengths[i:i + args.batch])
-                     for i in range(0, len(lengths), args.batch))
+        slots = engine.config.max_concurrent
+        padded = sum(max(lengths[i:i + slots]) * len(lengths[i:i + slots]) for i in range(0, len(lengths), slots))
         out[policy] = {"seconds": round(s.seconds, 3), "tokens": s.generated_tokens,
                        "tokens_per_s": round(s.tokens_per_s, 1), "decode_rows": s.decode_rows,
                        "decode_steps": s.decode_steps, "padded_rows": padded}
@@ -268,7 +304,7 @@ def _ours(engine: Any, prompts: list[list[int]], sampling: Any = None) -> list[l
     return [s.token_ids for s in engine.generate(prompts, sampling).samples]
 
 
-def _vllm_engine(model: Any, desc: Any, groups: Any, prompts: list[list[int]],
+def _vllm_engine(model: Any, desc: Any, groups: Any, batch: int, longest_prompt: int,
                  args: argparse.Namespace) -> tuple[Any, float]:
     """rollout.backend=vllm's engine on this one rank, fed ``model``'s weights in memory; returns it
     and the seconds of that weight load (the second one: the first is a warm-up)."""
@@ -279,10 +315,10 @@ def _vllm_engine(model: Any, desc: Any, groups: Any, prompts: list[list[int]],
 
     check_vllm_imports()
     greedy = SamplingConfig(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
-    config = GenerationConfig(max_concurrent=args.batch, sampling=greedy)
+    config = GenerationConfig(max_concurrent=batch, sampling=greedy)
     engine = VLLMEngine(desc, config, VLLMConfig(), vocab_size=desc.vocab_size, eos_token_ids=[],
                         tp_groups=[[0]], dtype=args.dtype, device=groups.device,
-                        seq_budget=max(len(p) for p in prompts) + args.new_tokens)
+                        seq_budget=longest_prompt + args.new_tokens)
     engine.load_weights(vllm_weights(model, desc, desc.vocab_size))
     return engine, engine.load_weights(vllm_weights(model, desc, desc.vocab_size))
 
@@ -294,8 +330,10 @@ def _profile(engine: Any, hf: Any, prompts: list[list[int]], pad_id: int, args: 
     from hyflow.rollout import SamplingConfig
 
     short = SamplingConfig(temperature=0, max_new_tokens=16, ignore_eos=True)
-    for name, fn in (("hyflow", lambda: engine.generate(prompts, short)),
-                     ("transformers", lambda: _hf_generate(hf, prompts, 16, pad_id))):
+    runs = [("hyflow", lambda: engine.generate(prompts, short))]
+    if hf is not None:
+        runs.append(("transformers", lambda: _hf_generate(hf, prompts, 16, pad_id)))
+    for name, fn in runs:
         with torch.profiler.profile() as prof:
             fn()
         print(f"\nprofile: {name}, batch {len(prompts)}, 16 new tokens")
