@@ -56,8 +56,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 #: bench / CLI / monitor / testing / model-source moves, 20.3% after the MoE merge, under 10% once the
 #: imports that were inside functions by habit moved to the top)
 MAX_FUNCTION_IMPORTS = 0.10
-#: modules another branch is rewriting as this rule lands (the why-comment check skips them until then)
-PENDING_WHY = ("hyflow.tools.bench.rollout",)  # issue 31's vLLM bench rewrite
 
 
 def _modules() -> dict[str, str]:
@@ -365,8 +363,7 @@ def unjustified_imports(name: str, source: str) -> list[str]:
 def test_imports_inside_functions_say_why():
     bad = []
     for name, path in MODULES.items():
-        if name not in PENDING_WHY:
-            bad += unjustified_imports(name, open(path).read())
+        bad += unjustified_imports(name, open(path).read())
     assert bad == [], "an import inside a function needs a comment saying why (or move it to the top)"
     assert unjustified_imports("x", "def f():\n    import os\n") == ["x:2: import os"]
     assert unjustified_imports("x", "def f():\n    # optional heavy dependency\n    import vllm\n") == []

@@ -24,6 +24,8 @@ import statistics
 import time
 from typing import Any
 
+import torch
+
 CHAT_PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.",
     "Explain photosynthesis in one sentence.", "List three prime numbers.",
@@ -57,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _tiny_hf(seed: int = 0) -> Any:
-    import torch
+    # transformers (optional, seconds to import) only for the models and the HF reference it builds
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -69,7 +71,7 @@ def _tiny_hf(seed: int = 0) -> Any:
 
 def _qwen_hf(seed: int = 0) -> Any:
     """Qwen2.5-0.5B's architecture (its config.json's numbers), random weights."""
-    import torch
+    # transformers (optional, seconds to import) only for the models and the HF reference it builds
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -92,7 +94,6 @@ def _batches(args: argparse.Namespace) -> list[int]:
 def _prompts(batch: int, tok: Any, vocab: int) -> list[list[int]]:
     """``batch`` distinct prompts (chat questions, numbered past the first 16, so that no prompt
     repeats: vLLM's prefix cache would otherwise skip the prefill of repeats)."""
-    import torch
 
     if tok is not None:
         out = []
@@ -111,7 +112,6 @@ def _prompts(batch: int, tok: Any, vocab: int) -> list[list[int]]:
 def _hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int,
                  pad_id: int) -> tuple[float, float, list[list[int]]]:
     """HF ``generate`` on left-padded prompts: (wall s, process CPU s, new tokens per prompt)."""
-    import torch
 
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -127,18 +127,17 @@ def _hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int,
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
+    # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
     from hyflow.compat.cpu import maybe_activate
-
-    maybe_activate()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from hyflow.parallel.distributed import init_distributed, shutdown
     from hyflow.parallel.groups import init_training_groups
     from hyflow.parallel.layout import Layout
     from hyflow.rollout import GenerationEngine, GenerationConfig, SamplingConfig
     from hyflow.rollout.loading import load_hf, megatron_from_hf, smollm2_gguf
+
+    maybe_activate()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     init_distributed()
     try:
@@ -191,7 +190,6 @@ def run(args: argparse.Namespace) -> int:
 def _measure(args: argparse.Namespace, batch: int, prompts: list[list[int]], engine: Any, hf: Any, vllm_engine: Any,
              vllm_load: Any, greedy: Any, pad_id: int, model: Any, load_s: float) -> dict:
     """One batch size: every engine's interleaved runs, the table, and the batch's JSON row."""
-    import torch
 
     runners = {"hyflow": lambda: _timed(lambda: _ours(engine, prompts))}
     if hf is not None:
@@ -267,6 +265,7 @@ def _measure(args: argparse.Namespace, batch: int, prompts: list[list[int]], eng
 def _compare_batching(engine: Any, prompts: list[list[int]], args: argparse.Namespace,
                       stop_ids: Any = None) -> dict:
     """Continuous vs static batching on sampled responses whose lengths vary (EOS on)."""
+    # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
     from hyflow.rollout import SamplingConfig
 
     params = SamplingConfig(temperature=1.0, n=4, max_new_tokens=args.new_tokens, seed=3, eos_token_ids=stop_ids)
@@ -308,6 +307,7 @@ def _vllm_engine(model: Any, desc: Any, groups: Any, batch: int, longest_prompt:
                  args: argparse.Namespace) -> tuple[Any, float]:
     """rollout.backend=vllm's engine on this one rank, fed ``model``'s weights in memory; returns it
     and the seconds of that weight load (the second one: the first is a warm-up)."""
+    # vLLM (optional) and Megatron only when the vLLM backend is benched
     from hyflow.rollout import GenerationConfig, SamplingConfig
     from hyflow.vllm_backend.config import VLLMConfig, check_vllm_imports
     from hyflow.vllm_backend.engine import VLLMEngine
@@ -325,8 +325,8 @@ def _vllm_engine(model: Any, desc: Any, groups: Any, batch: int, longest_prompt:
 
 def _profile(engine: Any, hf: Any, prompts: list[list[int]], pad_id: int, args: argparse.Namespace) -> None:
     """Operator tables (self CPU time) of 16 new tokens with each engine."""
-    import torch
 
+    # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
     from hyflow.rollout import SamplingConfig
 
     short = SamplingConfig(temperature=0, max_new_tokens=16, ignore_eos=True)
