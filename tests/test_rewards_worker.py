@@ -102,7 +102,8 @@ def test_the_preflight_names_a_hanging_import(tmp_path, monkeypatch):
 
     path = tmp_path / "slow_import.py"
     path.write_text("import time\ntime.sleep(10_000)\n")
-    monkeypatch.setattr("hyflow.rewards.worker.DEFAULT_IMPORT_TIMEOUT_S", 2.0)
+    # the preflight reads the constant it imported at its top
+    monkeypatch.setattr(rl_preflight, "DEFAULT_IMPORT_TIMEOUT_S", 2.0)
     cfg = load_job_config(QUICKSTART, ["reward.kind=function", f"reward.function_path={path}", "reward.timeout_s=1",
                                        f"trainer.output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match="reward.function_path.*did not finish within 2 s"):

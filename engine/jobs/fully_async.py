@@ -217,8 +217,9 @@ def version_metrics(samples: SampleTensors, step: int, max_staleness: int, dp_gr
     ``fully_async/partial/*`` and ``fully_async/count/stale_samples_processed`` where it has the name)."""
     lens = samples.column("response_len").tolist()
     parts = [p for p in torch.split(samples.versions, lens) if p.numel()]
-    oldest = torch.stack([p.min() for p in parts]) if parts else torch.zeros(0, dtype=torch.long)
-    newest = torch.stack([p.max() for p in parts]) if parts else torch.zeros(0, dtype=torch.long)
+    none = torch.zeros(0, dtype=torch.long, device=samples.versions.device)
+    oldest = torch.stack([p.min() for p in parts]) if parts else none
+    newest = torch.stack([p.max() for p in parts]) if parts else none
     stale = (step - 1) - oldest
     spread = newest - oldest
     token_stale = (step - 1) - samples.versions
