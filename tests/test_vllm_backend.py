@@ -248,15 +248,19 @@ def test_greedy_tokens_equal_hyflows_before_and_after_training(parity, case):
 
 
 def test_qkv_rows_reorder_megatrons_groups_into_vllms_fused_qkv():
-    """The in-place writer's Q/K/V row order against the converters' regrouping (the HF layout)."""
+    """The in-place writer's Q/K/V row order: every group's queries, then every group's key, then
+    every group's value (written out here), and the same rows as the converters' regrouping."""
     from hyflow.kernels.reshard_reference import qkv_regroup
     from hyflow.vllm_backend.inplace import qkv_rows
 
     for heads, groups, d in ((4, 2, 3), (9, 3, 2), (4, 4, 5), (2, 1, 4)):
+        per, block = heads // groups, (heads // groups + 2) * d
+        q = [g * block + i for g in range(groups) for i in range(per * d)]
+        k = [g * block + per * d + i for g in range(groups) for i in range(d)]
+        v = [g * block + (per + 1) * d + i for g in range(groups) for i in range(d)]
+        assert qkv_rows(heads, groups, d).tolist() == q + k + v
         w = torch.randn((heads + 2 * groups) * d, 7)
         assert torch.equal(w.index_select(0, qkv_rows(heads, groups, d)), qkv_regroup(w, heads, groups, d))
-        b = torch.randn((heads + 2 * groups) * d)
-        assert torch.equal(b[qkv_rows(heads, groups, d)], qkv_regroup(b, heads, groups, d))
 
 
 @pytest.mark.multirank

@@ -33,6 +33,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from hyflow.kernels.reshard_reference import qkv_regroup
 from hyflow.models.description import ModelDescription
 from hyflow.models.hf_mapping import name_map
 from hyflow.models.weights import canonical_name
@@ -41,14 +42,9 @@ from hyflow.vllm_backend.weights import VOCAB_NAMES, gather_vocab
 
 def qkv_rows(heads: int, groups: int, head_dim: int) -> torch.Tensor:
     """Row indices into Megatron's per-group ``[q_g; k_g; v_g]`` (one TP shard: ``heads`` and
-    ``groups`` are this shard's) in vLLM's ``[q; k; v]`` order."""
-    per_group = heads // groups
-    block = (per_group + 2) * head_dim
-    starts = torch.arange(groups) * block
-    q = (starts[:, None] + torch.arange(per_group * head_dim)).reshape(-1)
-    k = (starts[:, None] + per_group * head_dim + torch.arange(head_dim)).reshape(-1)
-    v = (starts[:, None] + (per_group + 1) * head_dim + torch.arange(head_dim)).reshape(-1)
-    return torch.cat([q, k, v])
+    ``groups`` are this shard's) in vLLM's ``[q; k; v]`` order: the kernels' regrouping applied to
+    the row numbers, so one ``index_select`` writes it into vLLM's storage."""
+    return qkv_regroup(torch.arange((heads + 2 * groups) * head_dim), heads, groups, head_dim)
 
 
 @dataclasses.dataclass
