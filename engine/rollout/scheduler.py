@@ -131,6 +131,9 @@ class Scheduler:
         self._active = active = {}
         resumed = [s for s in seqs if s.out.token_ids]
         if resumed:
+            if len(resumed) > len(free):  # zip below would drop the rest: never lose a saved sample
+                raise ValueError(f"{len(resumed)} half-generated samples to continue but {len(free)} cache slots: "
+                                 "resume with the rollout.max_concurrent the checkpoint was written with")
             for seq, slot in zip(resumed, free):
                 seq.slot, seq.last = slot, seq.out.token_ids[-1]
                 seq.context = (seq.prompt + seq.out.token_ids)[:-1]
