@@ -296,13 +296,13 @@ class VLLMEngine:
         self.last_load_seconds = 0.0
         self.last_pack_seconds: Optional[float] = None
         self._plan: Optional[InPlaceLoader] = None
-        self._plan_key = None
+        self._plans: dict = {}  # (generation model, vocabulary rows, GEMM mode) -> its plan (None: reload)
         self.cpu_gemm: Optional[str] = None  # the CPU build's GEMM mode applied (rollout.vllm.cpu_gemm)
         if cuda and options.cpu_gemm != VLLMConfig.cpu_gemm:
             # ignored, not refused: one config file serves the CPU dev box and the GPU cluster
             LOG.warning("rollout.vllm.cpu_gemm=%s is ignored on GPU: it sets how vLLM's CPU build runs its linear "
                         "layers (its GPU build keeps the weights as loaded)", options.cpu_gemm)
-        self._apply_cpu_gemm()
+        self.apply_cpu_gemm()
         if self.sleep_level:
             self.sleep()
 
@@ -323,7 +323,7 @@ class VLLMEngine:
         start = time.perf_counter()
         if self.sleep_level:
             self.llm.wake_up(tags=["weights"])
-        self._apply_cpu_gemm()
+        self.apply_cpu_gemm()
         loader = self._in_place_loader(weights)
         if loader is not None:
             with set_current_vllm_config(self.llm.llm_engine.vllm_config):
@@ -345,10 +345,11 @@ class VLLMEngine:
         self.last_load_seconds = time.perf_counter() - start
         return self.last_load_seconds
 
-    def _apply_cpu_gemm(self) -> None:
-        """CPU: put vLLM's linear layers in ``options.cpu_gemm``'s mode if they are not (at start, and
-        at a load after the option changed; :func:`~hyflow.vllm_backend.cpu_gemm.set_cpu_gemm`).
-        A layer that switches holds no valid weights until the load that follows."""
+    def apply_cpu_gemm(self) -> None:
+        """CPU: put vLLM's linear layers in ``options.cpu_gemm``'s mode if they are not (at start, at
+        the first load after the option changed, or when a bench switches modes before timing a
+        load; :func:`~hyflow.vllm_backend.cpu_gemm.set_cpu_gemm`). A layer that switches holds no
+        valid weights until the load that follows."""
         mode = self.options.cpu_gemm
         if self.cuda or mode == self.cpu_gemm:
             return
@@ -363,13 +364,14 @@ class VLLMEngine:
         if not (self.options.load_in_place and isinstance(weights, GenerationShards)):
             return None
         key = (id(weights.gen_model), weights.vocab_rows, self.cpu_gemm)
-        if self._plan_key != key:
+        if key not in self._plans:
             plan = plan_in_place(self._model(), self.llm.llm_engine.vllm_config, weights.gen_model, weights.desc,
                                  weights.vocab_rows, weights.tp_group)
             if isinstance(plan, str):
                 LOG.warning("vLLM weights load through its reload path: %s", plan)
                 plan = None
-            self._plan, self._plan_key = plan, key
+            self._plans[key] = plan
+        self._plan = self._plans[key]
         return self._plan
 
     def sleep(self) -> None:
