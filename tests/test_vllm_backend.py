@@ -43,15 +43,21 @@ BASE = TINY + ["rollout.backend=vllm", "actor.sft_warmup_steps=0", "data.task_si
                "actor.old_logprobs=recompute", "actor.optim.lr=3e-2", "rollout.temperature=0.8",
                "rollout.top_k=40", "rollout.top_p=0.9", "trainer.nproc=2", "data.seed=3", "reward.kind=function",
                f"reward.function_path={os.path.join(REPO, 'tests', 'data', 'digit_share_reward.py')}"]
+# Each case runs in one CPU GEMM mode of vLLM (rollout.vllm.cpu_gemm) and is checked once more in the
+# other after the steps (:func:`_parity_cases`), so every layout runs both.
 CASES = {
-    "tp2->tp1": ["actor.layout.tp=2", "rollout.layout.tp=1"],
-    "tp2->tp2 exact": ["actor.layout.tp=2", "rollout.layout.tp=2", "rollout.exact_logprobs=true"],
+    "tp2->tp1": ["actor.layout.tp=2", "rollout.layout.tp=1", "rollout.vllm.cpu_gemm=packed"],
+    "tp2->tp2 exact plain": ["actor.layout.tp=2", "rollout.layout.tp=2", "rollout.exact_logprobs=true",
+                             "rollout.vllm.cpu_gemm=plain"],
     # vLLM's own reload path (what online quantization takes) instead of the in-place writer
-    "pp2->tp1 dapo reload": ["actor.layout.tp=1", "actor.layout.pp=2", "rollout.layout.tp=1",
-                             "algorithm.dynamic_sampling.enable=true", "rollout.vllm.load_in_place=false"],
+    "pp2->tp1 dapo reload plain": ["actor.layout.tp=1", "actor.layout.pp=2", "rollout.layout.tp=1",
+                                   "algorithm.dynamic_sampling.enable=true", "rollout.vllm.load_in_place=false",
+                                   "rollout.vllm.cpu_gemm=plain"],
     "qwen2 tp2->tp1 remax": ["actor.layout.tp=2", "rollout.layout.tp=1", "model.family=qwen2", "model.qkv_bias=true",
-                             "model.tied_embeddings=false", "algorithm.adv_estimator=remax"],
+                             "model.tied_embeddings=false", "algorithm.adv_estimator=remax",
+                             "rollout.vllm.cpu_gemm=packed"],
 }
+OTHER_GEMM = {"packed": "plain", "plain": "packed"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -183,8 +189,11 @@ def _both_greedy(models, prompts, via_validation=False):
 
 
 def _parity_cases(cases, base=BASE, steps=2, config=None):
-    """Per case: greedy tokens of vLLM and of hyflow's engine before and after ``steps`` GRPO steps,
-    the steps' logprob_diff_max, and whether equal seeds sample equal tokens."""
+    """Per case: greedy tokens of vLLM and of hyflow's engine before and after ``steps`` GRPO steps
+    (then once more with vLLM's other CPU GEMM mode, its next load writing the weights that mode
+    holds), the steps' logprob_diff_max, and whether equal seeds sample equal tokens."""
+    import dataclasses
+
     from hyflow.testing.rl import QUICKSTART, rl_setup, rl_step
 
     torch.set_num_threads(1)
@@ -202,13 +211,18 @@ def _parity_cases(cases, base=BASE, steps=2, config=None):
         before = _both_greedy(models, prompts)
         diffs = [rl_step(cfg, state, job)[0]["rollout/logprob_diff_max"] for _ in range(steps)]
         after = _both_greedy(models, prompts, via_validation=True)
+        engine = models.rollouts.engine
+        gemm = engine.options.cpu_gemm
+        engine.options = dataclasses.replace(engine.options, cpu_gemm=OTHER_GEMM[gemm])
+        switched = _both_greedy(models, prompts)
         models.weights.to_generation()
         models.rollouts.prepare_for_generation()
         sampled = [models.rollouts.generate(prompts[:8], 2, seed=11, request_offset=0).samples.tokens.tolist()
                    for _ in range(2)]
         models.rollouts.finish_generation()
         models.weights.to_training()
-        out[name] = {"before": before, "after": after, "diffs": diffs,
+        out[name] = {"before": before, "after": after, "switched": switched, "gemm": (gemm, engine.cpu_gemm),
+                     "diffs": diffs,
                      "same_seed_same_tokens": sampled[0] == sampled[1], "shm_ident": _shm_ident(),
                      "in_place": models.rollouts.engine._plan is not None}
         segment = models.rollouts.engine.shm_segment
@@ -246,6 +260,10 @@ def test_greedy_tokens_equal_hyflows_before_and_after_training(parity, case):
     changed = sum(a != b for a, b in zip(ref0, ref2))
     assert changed >= PROMPTS // 2, f"{case}: the updates changed only {changed} greedy responses"
     assert r["in_place"] == ("reload" not in case)  # the in-place writer, or vLLM's reload where asked
+    # the steps ran in the case's CPU GEMM mode; the other mode gives the same tokens after them
+    assert r["gemm"] == (("plain", "packed") if "plain" in case else ("packed", "plain")), r["gemm"]
+    vllm_switched, ref_switched = r["switched"]
+    assert vllm_switched == ref_switched == ref2, case
 
 
 def test_qkv_rows_reorder_megatrons_groups_into_vllms_fused_qkv():
