@@ -51,9 +51,9 @@ class VLLMConfig:
                 "quantization (fp8) always takes vLLM's reload"})
     cpu_gemm: str = field(default="packed", metadata={
         "help": "CPU: how vLLM's CPU build runs its linear layers. packed: on copies it packs for its oneDNN/sgl "
-                "GEMMs (repacked at every weight load: the train->vLLM transition 2.6-3.3x our reshard alone on 443M "
+                "GEMMs (repacked at every weight load: the train->vLLM transition 2.6-3.8x our reshard alone on 443M "
                 "parameters); plain: torch's linear on the weights it loads, as on GPU (the load is one copy per "
-                "tensor: 1.45x) but decoding 2.1-2.4x slower on the 2-core dev box, which costs a GRPO step more "
+                "tensor: ~1.5x) but decoding 2.1-2.4x slower on the 2-core dev box, which costs a GRPO step more "
                 "than the load saves (BENCHMARKS.md). Ignored on GPU (vLLM's GPU build keeps the weights as loaded)"})
     sleep_level: int = field(default=2, metadata={
         "help": "GPU: what sleep mode frees between generations: 2 the weights and the KV cache (new weights come "
