@@ -323,6 +323,7 @@ def test_smollm2_greedy_tokens_equal_hyflows_before_and_after_training():
     (vllm0, ref0), (vllm2, ref2) = r["before"], r["after"]
     assert vllm0 == ref0 and vllm2 == ref2
     assert vllm0 != vllm2
+    assert r["gemm"] == ("packed", "plain") and r["switched"][0] == r["switched"][1] == ref2  # plain too
     assert all(d < 1e-4 for d in r["diffs"]), r["diffs"]
 
 
