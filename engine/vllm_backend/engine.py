@@ -31,8 +31,8 @@ Weights: vLLM starts with a config.json only (``load_format="dummy"``), then eve
 :meth:`load_weights` writes the generation shards straight into vLLM's live weights
 (:mod:`hyflow.vllm_backend.inplace`: planned once, in place; on CPU the GEMM weights either
 repacked by vLLM's own post-load processing or, with ``rollout.vllm.cpu_gemm: plain``, kept as
-loaded and copied into, :mod:`hyflow.vllm_backend.cpu_gemm`), or, where that plan does not apply (online
-quantization such as fp8), goes through vLLM's own in-place reload (``reload_weights`` with the
+loaded and copied into, :mod:`hyflow.vllm_backend.cpu_gemm`), or, where that plan does not apply
+(online quantization such as fp8), goes through vLLM's own in-place reload (``reload_weights`` with the
 checkpoint-format names of :mod:`hyflow.vllm_backend.weights`, its loaders fusing q/k/v and
 gate/up). No file, no HF round trip.
 """

@@ -8,8 +8,8 @@ in BENCHMARKS.md, issue #31). :class:`InPlaceLoader` plans once where each gener
 parameter goes in vLLM's model and then writes it there, every transition:
 
 * a linear layer whose weight vLLM keeps (GPU, CPU with ``rollout.vllm.cpu_gemm: plain``; biases
-  everywhere): in place. Q/K/V rows go from
-  Megatron's per-group order to vLLM's ``[q; k; v]`` by one ``index_select`` into vLLM's storage;
+  everywhere): in place. Q/K/V rows go from Megatron's per-group order to vLLM's ``[q; k; v]`` by
+  one ``index_select`` into vLLM's storage;
   ``[gate; up]`` and the row-parallel weights are one copy each (a TP shard of Megatron's is
   vLLM's shard, :mod:`hyflow.vllm_backend.weights`);
 * a linear layer whose weight vLLM's CPU build packed for its GEMM (``cpu_gemm: packed``: oneDNN
