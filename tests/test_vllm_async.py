@@ -1,0 +1,214 @@
+"""``trainer.mode: async`` with ``rollout.backend: vllm``: vLLM's streaming run (:mod:`hyflow.vllm_backend.stream`).
+
+One vLLM engine on one rank (a random Llama; two weight versions, each a transformers model turned
+into Megatron's weights and loaded into vLLM in place) runs every stream case in one start-up:
+
+* a stream fed one prompt group at a time through 4 slots gives the tokens ``generate`` gives (same
+  per-sample seeds) and the log-probs of transformers' forward at the rollout's temperature;
+* weights change after 3 engine steps: with ``continue`` every token drawn before the boundary
+  carries version 0 and its log-prob is the old weights' (transformers, model 0), every token after
+  it version 1 and the new weights' log-prob (model 1, over the whole context: a stale prefix cache
+  or cache not recomputed would fail), and the samples running at the boundary span both; with
+  ``abort`` those samples restart: every token version 1 and the tokens ``generate`` draws for them
+  with the new weights; both runs are well formed (tokens, log-probs and versions of equal length,
+  the full budget) and the same run twice gives the same tokens;
+* a half-generated sample resumed (a checkpoint's ``resume``) continues exactly as the straight
+  run continued it after the boundary;
+* the feeder and the hook see a :class:`hyflow.roles.GenerationRun` on both backends.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from hyflow.testing import run_on_ranks_fresh
+from hyflow.testing.vllm import need_vllm
+
+N, PROMPTS, NEW, SLOTS, BOUNDARY, T = 2, 6, 10, 4, 3, 0.8
+
+
+def _stream_cases():
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.roles import GenerationRun
+    from hyflow.rollout import GenerationConfig, GenerationEngine, SamplingConfig
+    from hyflow.rollout.loading import megatron_from_hf
+    from hyflow.vllm_backend.config import VLLMConfig
+    from hyflow.vllm_backend.engine import VLLMEngine
+    from hyflow.vllm_backend.weights import vllm_weights
+
+    torch.set_num_threads(1)
+    groups = init_training_groups(Layout())
+    hfs, models = [], []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        hf = LlamaForCausalLM(LlamaConfig(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          tie_word_embeddings=False)).eval()
+        model, desc = megatron_from_hf(hf, groups)
+        hfs.append(hf)
+        models.append(model)
+    sampling = SamplingConfig(n=N, temperature=T, max_new_tokens=NEW, ignore_eos=True, seed=5)
+    config = GenerationConfig(max_concurrent=SLOTS, sampling=sampling)
+    prompts = [[(11 * i + 3 * j + 1) % 384 for j in range(4 + i % 3)] for i in range(PROMPTS)]
+    engine = VLLMEngine(desc, config, VLLMConfig(), vocab_size=desc.vocab_size, eos_token_ids=[], tp_groups=[[0]],
+                        seq_budget=32)
+
+    def load(version):
+        engine.load_weights(vllm_weights(models[version], desc, desc.vocab_size))
+
+    def reference_logprobs(version, prompt, tokens):
+        with torch.no_grad():
+            logits = hfs[version](torch.tensor([prompt + tokens])).logits[0].double()
+        lp = F.log_softmax(logits / T, dim=-1)
+        return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+    def stream(partial="continue", switch_at=None, resume=(), version=0, feed_prompts=True, on_boundary=None):
+        """One streaming run; the weights change to model 1 after engine step ``switch_at``."""
+        todo = list(range(PROMPTS)) if feed_prompts else []
+        seen = {"steps": 0, "protocol": [], "max_running": 0}
+        outs = []
+
+        def feed(run):
+            seen["protocol"].append(isinstance(run, GenerationRun))
+            seqs = []  # whole groups while they fit, as the async job's feeder gives them
+            while todo and run.free_slots - run.queued - len(seqs) >= N:
+                seqs += engine.prepare([prompts[todo[0]]], request_offset=todo.pop(0))[0]
+            outs.extend(s.out for s in seqs)
+            return seqs
+
+        def on_decode(run):
+            seen["steps"] += 1
+            seen["max_running"] = max(seen["max_running"], run.running)
+            if seen["steps"] == switch_at:
+                if on_boundary is not None:
+                    on_boundary(outs)
+                load(1)
+                return 1
+            return None
+
+        finished = []
+        stats = engine.stream(feed, resume, max_new_tokens=NEW, on_finish=finished.append, version=version,
+                              on_decode=on_decode, partial=partial)
+        outs += [s.out for s in resume]
+        return {"outs": sorted(outs, key=lambda o: (o.request_index, o.sample_index)), "finished": len(finished),
+                "seen": seen, "aborted": stats.aborted_samples}
+
+    def record(outs):
+        return [{"req": o.request_index, "tokens": list(o.token_ids), "logprobs": list(o.logprobs),
+                 "versions": list(o.versions), "finish": o.finish_reason,
+                 "ref": [lp for v in (0, 1) for lp, ver in zip(
+                     reference_logprobs(v, o.prompt_ids, list(o.token_ids)), o.versions) if ver == v]
+                 if o.versions else reference_logprobs(0, o.prompt_ids, list(o.token_ids))} for o in outs]
+
+    result = {}
+    load(0)
+    plain = stream()
+    result["plain"] = record(plain["outs"])
+    result["plain_finished"], result["plain_seen"] = plain["finished"], plain["seen"]
+    result["generate0"] = [list(o.token_ids) for o in engine.generate(prompts).samples]
+    snapshot = {}
+
+    def keep(outs):  # the half-generated samples at the boundary, as a checkpoint saves them
+        snapshot["outs"] = [copy.deepcopy(o) for o in outs if o.finish_reason is None and o.token_ids]
+
+    cont = stream("continue", switch_at=BOUNDARY, on_boundary=keep)
+    result["continue"] = record(cont["outs"])
+    load(0)
+    result["continue_again"] = record(stream("continue", switch_at=BOUNDARY)["outs"])
+    load(0)
+    abort = stream("abort", switch_at=BOUNDARY)
+    result["abort"], result["aborted"] = record(abort["outs"]), abort["aborted"]
+    result["generate1"] = [list(o.token_ids) for o in engine.generate(prompts).samples]  # model 1 loaded
+    # resume the snapshot's half-generated samples with model 1 (loaded at the boundary, as the straight run)
+    resumed_seqs = []
+    for o in snapshot["outs"]:
+        seqs, _ = engine.prepare([o.prompt_ids], request_offset=o.request_index)
+        seq = seqs[o.sample_index]
+        seq.out = o
+        resumed_seqs.append(seq)
+    resumed = stream("continue", resume=resumed_seqs, version=1, feed_prompts=False)
+    result["resumed"] = record(resumed["outs"])
+    # hyflow's engine hands its feeder the same surface
+    hyflow_seen = []
+
+    def hyflow_feed(run):
+        hyflow_seen.append(isinstance(run, GenerationRun))
+        return []
+
+    GenerationEngine.from_description(models[0], desc, config).stream(hyflow_feed, max_new_tokens=NEW)
+    result["hyflow_protocol"] = hyflow_seen
+    engine.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def cases():
+    need_vllm()
+    return run_on_ranks_fresh(_stream_cases, 1, timeout=900)[0]
+
+
+def _well_formed(samples):
+    assert len(samples) == PROMPTS * N
+    for s in samples:
+        assert len(s["tokens"]) == len(s["logprobs"]) == len(s["versions"]) == NEW and s["finish"] == "length"
+
+
+def _close(a, b, tol=2e-4):
+    return len(a) == len(b) and all(math.isclose(x, y, abs_tol=tol) for x, y in zip(a, b))
+
+
+@pytest.mark.multirank
+def test_stream_without_new_weights_equals_generate(cases):
+    plain = cases["plain"]
+    _well_formed(plain)
+    assert [s["tokens"] for s in plain] == cases["generate0"]
+    assert all(s["versions"] == [0] * NEW for s in plain)
+    assert all(_close(s["logprobs"], s["ref"]) for s in plain)
+    assert cases["plain_finished"] == PROMPTS * N
+    assert cases["plain_seen"]["max_running"] == SLOTS  # the feeder kept the slots full
+    assert all(cases["plain_seen"]["protocol"]) and all(cases["hyflow_protocol"]) and cases["hyflow_protocol"]
+
+
+@pytest.mark.multirank
+def test_continue_records_each_tokens_version_and_its_policys_logprob(cases):
+    cont = cases["continue"]
+    _well_formed(cont)
+    spanning = [s for s in cont if 0 in s["versions"] and 1 in s["versions"]]
+    assert len(spanning) == SLOTS  # the samples running at the boundary
+    for s in spanning:  # the first BOUNDARY tokens drawn with w_0, the rest with w_1
+        assert s["versions"] == [0] * BOUNDARY + [1] * (NEW - BOUNDARY)
+    for s in cont:
+        assert s["versions"] == sorted(s["versions"])
+        assert _close(s["logprobs"], s["ref"]), (s["req"], s["logprobs"], s["ref"])
+    assert [s["tokens"] for s in cont] != [s["tokens"] for s in cases["plain"]]  # the new weights sampled
+    assert [s["tokens"] for s in cases["continue_again"]] == [s["tokens"] for s in cont]  # reproducible
+
+
+@pytest.mark.multirank
+def test_abort_restarts_the_running_samples_with_the_new_weights(cases):
+    abort = cases["abort"]
+    _well_formed(abort)
+    assert cases["aborted"] == SLOTS
+    assert all(set(s["versions"]) == {1} for s in abort)  # nothing had finished at the boundary
+    # restarted from the prompt with their own seeds: what generate draws with the new weights
+    assert [s["tokens"] for s in abort] == cases["generate1"]
+    assert all(_close(s["logprobs"], s["ref"]) for s in abort)
+
+
+@pytest.mark.multirank
+def test_resumed_half_generated_samples_continue_as_the_straight_run(cases):
+    resumed = cases["resumed"]
+    assert len(resumed) == SLOTS
+    straight = {(s["req"], tuple(s["tokens"][:BOUNDARY])): s for s in cases["continue"]}
+    for s in resumed:
+        match = straight[(s["req"], tuple(s["tokens"][:BOUNDARY]))]
+        assert s["tokens"] == match["tokens"] and s["versions"] == match["versions"]
+        assert _close(s["logprobs"], match["logprobs"], 1e-6)
