@@ -212,3 +212,70 @@ def test_resumed_half_generated_samples_continue_as_the_straight_run(cases):
         match = straight[(s["req"], tuple(s["tokens"][:BOUNDARY]))]
         assert s["tokens"] == match["tokens"] and s["versions"] == match["versions"]
         assert _close(s["logprobs"], match["logprobs"], 1e-6)
+
+
+# --------------------------------------------------------------------------- the async job on vLLM (4 ranks)
+
+# quickstart's task on a model vLLM's CPU attention runs (head_dim 32); training TP=2 on ranks 0-1 and vLLM
+# TP_g=1 x 2 on ranks 2-3 in the async runs (the default split of 4 ranks)
+POOLED = ["model.hidden_size=128", "model.num_attention_heads=4", "model.num_query_groups=2",
+          "model.ffn_hidden_size=256", "model.max_position_embeddings=64", "rollout.backend=vllm",
+          "data.train_batch_size=8", "rollout.n=4", "actor.mini_batch_size=16", "actor.micro_batch_size=16",
+          "actor.sft_warmup_steps=2", "trainer.loggers=[]", "rollout.temperature=0.8", "actor.entropy_coeff=0.01"]
+COMPARED = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl", "response_length/mean",
+            "critic/score/mean", "critic/advantages/mean", "critic/advantages/max")
+
+
+def _job(overrides, out):
+    import torch.distributed as dist
+
+    from hyflow.jobs.registry import job_runner, load_job_config
+    from hyflow.testing.rl import QUICKSTART
+
+    torch.set_num_threads(1)  # as `hyflow train` runs its ranks
+    cfg = load_job_config(QUICKSTART, [*POOLED, f"trainer.output_dir={out}", *overrides])
+    history = job_runner("rl")(cfg)
+    return history if dist.get_rank() == 0 else None
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_async_k0_on_vllm_equals_sync_on_vllm(tmp_path):
+    """k=0 streams each batch through vLLM with the weights of the update before it: every step's
+    metrics equal the colocated sync run on vLLM (which needs every update's weights equal too)."""
+    need_vllm()
+    steps = ["trainer.total_steps=3"]
+    sync = run_on_ranks_fresh(_job, 2, ["trainer.nproc=2", *steps], str(tmp_path / "sync"), timeout=1800)[0]
+    k0 = run_on_ranks_fresh(_job, 4, ["trainer.nproc=4", "trainer.mode=async", "trainer.max_staleness=0", *steps],
+                            str(tmp_path / "k0"), timeout=1800)[0]
+    assert len(k0) == len(sync) == 3
+    for a, b in zip(sync, k0):
+        for key in COMPARED:
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (a["step"], key, a[key], b[key])
+        assert b["fully_async/staleness/max"] == 0.0 and b["fully_async/partial/max_partial_span"] == 0.0
+    assert sync[-1]["actor/grad_norm"] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("partial", ["continue", "abort"])
+def test_async_k2_on_vllm_takes_weights_mid_sample(tmp_path, partial):
+    """k=2, new weights 2 engine steps after they are due: the staleness is 0, 1, 2, 2 (as on hyflow's
+    engine); with ``continue`` samples after step 2 span two versions (which batch they land in
+    depends on vLLM's steps: its first token comes with the prefill), with ``abort`` none does (the
+    running ones restarted); the run trains."""
+    need_vllm()
+    hist = run_on_ranks_fresh(_job, 4, ["trainer.nproc=4", "trainer.mode=async", "trainer.max_staleness=2",
+                                        "trainer.update_after_tokens=2", "trainer.total_steps=4",
+                                        f"trainer.partial_rollout={partial}"], str(tmp_path / partial), timeout=1800)[0]
+    assert [m["fully_async/staleness/max"] for m in hist] == [0.0, 1.0, 2.0, 2.0]
+    spans = [m["fully_async/partial/max_partial_span"] for m in hist]
+    if partial == "continue":  # steps 1-2 sampled with w_0 throughout; later ones partly across an update
+        assert spans[:2] == [0.0, 0.0] and max(spans) == 1.0
+        assert sum(m["fully_async/partial/total_partial_num"] for m in hist) > 0
+    else:
+        assert spans == [0.0] * 4
+    for m in hist:
+        assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
+        assert sum(m[f"fully_async/staleness_hist/{j}"] for j in range(3)) == pytest.approx(1.0)
+    assert hist[2]["rollout_corr/rollout_is_max"] != pytest.approx(1.0, abs=1e-4)  # the correction is at work
