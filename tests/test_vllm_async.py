@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -256,18 +259,29 @@ def test_async_k0_on_vllm_equals_sync_on_vllm(tmp_path):
     assert sync[-1]["actor/grad_norm"] > 0
 
 
+K2 = ["trainer.nproc=4", "trainer.mode=async", "trainer.max_staleness=2", "trainer.update_after_tokens=2",
+      "trainer.total_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def straight_k2(tmp_path_factory):
+    """k=2 with continue, checkpoints after steps 2 and 4 (the save after step 2 catches samples half
+    generated)."""
+    need_vllm()
+    out = str(tmp_path_factory.mktemp("k2"))
+    return out, run_on_ranks_fresh(_job, 4, [*K2, "trainer.save_every=2"], out, timeout=1800)[0]
+
+
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.parametrize("partial", ["continue", "abort"])
-def test_async_k2_on_vllm_takes_weights_mid_sample(tmp_path, partial):
+def test_async_k2_on_vllm_takes_weights_mid_sample(straight_k2, tmp_path, partial):
     """k=2, new weights 2 engine steps after they are due: the staleness is 0, 1, 2, 2 (as on hyflow's
     engine); with ``continue`` samples after step 2 span two versions (which batch they land in
     depends on vLLM's steps: its first token comes with the prefill), with ``abort`` none does (the
     running ones restarted); the run trains."""
-    need_vllm()
-    hist = run_on_ranks_fresh(_job, 4, ["trainer.nproc=4", "trainer.mode=async", "trainer.max_staleness=2",
-                                        "trainer.update_after_tokens=2", "trainer.total_steps=4",
-                                        f"trainer.partial_rollout={partial}"], str(tmp_path / partial), timeout=1800)[0]
+    hist = straight_k2[1] if partial == "continue" else run_on_ranks_fresh(
+        _job, 4, [*K2, "trainer.partial_rollout=abort"], str(tmp_path / partial), timeout=1800)[0]
     assert [m["fully_async/staleness/max"] for m in hist] == [0.0, 1.0, 2.0, 2.0]
     spans = [m["fully_async/partial/max_partial_span"] for m in hist]
     if partial == "continue":  # steps 1-2 sampled with w_0 throughout; later ones partly across an update
@@ -279,3 +293,49 @@ def test_async_k2_on_vllm_takes_weights_mid_sample(tmp_path, partial):
         assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
         assert sum(m[f"fully_async/staleness_hist/{j}"] for j in range(3)) == pytest.approx(1.0)
     assert hist[2]["rollout_corr/rollout_is_max"] != pytest.approx(1.0, abs=1e-4)  # the correction is at work
+
+
+NOT_COMPARED = ("timing_s/", "cpu_s", "comm/", "perf/", "rollout/tokens_per_s", "reshard/seconds",
+                "fully_async/rollouter/")  # timing
+
+
+def _rows(run_dir: str) -> dict:
+    from hyflow.monitor.metrics import read_metrics
+
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in read_metrics(run_dir)}
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_async_on_vllm_kill_9_then_resume_equals_the_straight_run(straight_k2, tmp_path):
+    """The checkpoint after step 2 holds samples vLLM had half generated; a ``hyflow train`` killed
+    (kill -9) once it is complete and resumed reproduces every step's metrics of the straight run
+    (the resumed samples re-added with prompt + tokens and the seed the straight run re-added them
+    with after the update the save was taken at)."""
+    from hyflow.checkpoint.discovery import checkpoint_status, step_dir_name
+    from hyflow.placement.inflight import inflight_file
+    from hyflow.rollout.dp import META
+    from hyflow.testing.resume import kill_9_when
+    from hyflow.testing.rl import QUICKSTART
+
+    straight, _ = straight_k2
+    half = 0
+    for rank in (2, 3):
+        saved = torch.load(inflight_file(os.path.join(straight, "checkpoints", step_dir_name(2)), rank),
+                           weights_only=True)
+        meta = saved["samples"]["meta"]
+        half += int(((meta[:, META.index("finish")] == 0) & (meta[:, META.index("response_len")] > 0)).sum())
+    assert half > 0  # samples half generated when the checkpoint was taken
+    out = str(tmp_path / "run")
+    args = [sys.executable, "-m", "hyflow.cli", "train", QUICKSTART, *POOLED, *K2, "trainer.save_every=2",
+            f"trainer.output_dir={out}"]
+    step2 = os.path.join(out, "checkpoints", step_dir_name(2))
+    timeout = float(os.environ.get("HYFLOW_TEST_TIMEOUT", 1200))
+    kill_9_when(args, lambda: checkpoint_status(step2)[0], str(tmp_path / "launch.log"), timeout)
+    assert sorted(_rows(out))[:2] == [1, 2]
+    resumed = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    a, b = _rows(straight), _rows(out)
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert b[step] == a[step], f"step {step} differs from the straight run"
