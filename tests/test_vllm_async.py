@@ -8,7 +8,7 @@ into Megatron's weights and loaded into vLLM in place) runs every stream case in
 * weights change after 3 engine steps: with ``continue`` every token drawn before the boundary
   carries version 0 and its log-prob is the old weights' (transformers, model 0), every token after
   it version 1 and the new weights' log-prob (model 1, over the whole context: a stale prefix cache
-  or cache not recomputed would fail), and the samples running at the boundary span both; with
+  or cache not recomputed would fail: one prompt fills a whole KV block), and the samples running at the boundary span both; with
   ``abort`` those samples restart: every token version 1 and the tokens ``generate`` draws for them
   with the new weights; both runs are well formed (tokens, log-probs and versions of equal length,
   the full budget) and the same run twice gives the same tokens;
@@ -53,16 +53,18 @@ def _stream_cases():
     for seed in (0, 1):
         torch.manual_seed(seed)
         hf = LlamaForCausalLM(LlamaConfig(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=192,
                                           tie_word_embeddings=False)).eval()
         model, desc = megatron_from_hf(hf, groups)
         hfs.append(hf)
         models.append(model)
     sampling = SamplingConfig(n=N, temperature=T, max_new_tokens=NEW, ignore_eos=True, seed=5)
     config = GenerationConfig(max_concurrent=SLOTS, sampling=sampling)
-    prompts = [[(11 * i + 3 * j + 1) % 384 for j in range(4 + i % 3)] for i in range(PROMPTS)]
+    # prompt 0 fills a whole 128-token KV block (vLLM's CPU block): a prefix cache kept across the weight
+    # update would hand its re-added samples keys / values of the old weights
+    prompts = [[(11 * i + 3 * j + 1) % 384 for j in range(130 if i == 0 else 4 + i % 3)] for i in range(PROMPTS)]
     engine = VLLMEngine(desc, config, VLLMConfig(), vocab_size=desc.vocab_size, eos_token_ids=[], tp_groups=[[0]],
-                        seq_budget=32)
+                        seq_budget=150)
 
     def load(version):
         engine.load_weights(vllm_weights(models[version], desc, desc.vocab_size))
