@@ -219,6 +219,37 @@ def test_resumed_half_generated_samples_continue_as_the_straight_run(cases):
         assert _close(s["logprobs"], match["logprobs"], 1e-6)
 
 
+def test_the_async_job_uses_only_the_generation_run_surface():
+    """The feeder and the token-boundary hook that :mod:`hyflow.jobs.fully_async` hands to
+    ``engine.stream`` use only :class:`hyflow.roles.GenerationRun`'s members, and both backends' runs
+    have them all (a member the job starts using must be declared there and given by vLLM's run)."""
+    import ast
+    import inspect
+
+    from hyflow.jobs import fully_async
+    from hyflow.roles import GenerationRun
+    from hyflow.rollout.scheduler import Scheduler
+    from hyflow.vllm_backend.stream import VLLMStream
+
+    tree = ast.parse(inspect.getsource(fully_async))
+    callbacks = set()
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "stream":
+            given = call.args[:1] + [k.value for k in call.keywords if k.arg in ("feed", "on_decode")]
+            callbacks |= {g.attr for g in given if isinstance(g, ast.Attribute)}
+    used = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and fn.name in callbacks:
+            run = fn.args.args[1].arg
+            used |= {n.attr for n in ast.walk(fn)
+                     if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == run}
+    declared = {n for n in dir(GenerationRun) if not n.startswith("_")}
+    assert len(callbacks) == 2 and {"free_slots", "new_weights"} <= used, (callbacks, used)
+    assert used <= declared, f"fully_async uses {sorted(used - declared)} of the run: declare them in GenerationRun"
+    for cls in (Scheduler, VLLMStream):
+        assert declared <= set(dir(cls)), (cls.__name__, sorted(declared - set(dir(cls))))
+
+
 # --------------------------------------------------------------------------- the async job on vLLM (4 ranks)
 
 # quickstart's task on a model vLLM's CPU attention runs (head_dim 32); training TP=2 on ranks 0-1 and vLLM
