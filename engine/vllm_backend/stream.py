@@ -96,20 +96,10 @@ class VLLMStream:
         self._active: dict[str, object] = {}  # vLLM request id -> sequence
         self._submitted = 0
 
-    # ------------------------------------------------------------- the GenerationRun surface
-    @property
-    def running(self) -> int:
-        """Sequences in vLLM now."""
-        return len(self._active)
-
-    @property
-    def queued(self) -> int:
-        """Sequences waiting for a slot."""
-        return len(self._pending)
-
-    @property
-    def free_slots(self) -> int:
-        return self.slots - len(self._active)
+    # ------------------------------------------------------------- the GenerationRun surface (hyflow.roles)
+    running = property(lambda self: len(self._active))  # in vLLM (its own waiting queue included)
+    queued = property(lambda self: len(self._pending))
+    free_slots = property(lambda self: self.slots - len(self._active))
 
     def new_weights(self, version: int) -> None:
         """vLLM holds weight version ``version`` from this token boundary on (the module docstring:
