@@ -3,10 +3,12 @@
 * ``max_staleness=0`` is the synchronous run: every step's metrics equal the colocated ``sync`` run's
   on 2 ranks (1e-5), which needs every update's weights equal too;
 * ``max_staleness=1`` taking new weights only between batches is ``one_step_off`` (every metric, 1e-5);
-* ``max_staleness=2`` with new weights after 2 decode steps: batch ``s`` starts with ``w_(s-3)`` and
-  takes ``w_(s-2)`` mid-sample, so the samples' staleness is exactly 0, 1, 2, 2 and from step 3 on
-  samples span two versions (the per-token versions arrived with the rows); the run passes NCCL's
-  first-operation rule on every group;
+* ``max_staleness=2`` with new weights 2 decode steps after they are due: the groups of loader batches
+  1-3 start together with ``w_0`` (the admission bound, 3 batches) and complete (6 tokens at most) before
+  anything else can run, so ``w_1`` is taken then and batches 1-3 are all ``w_0``; loader batch 4 starts
+  with ``w_1``, ``w_2`` is due as soon as batch 2 is sent and is taken 2 decode steps into it. So the
+  samples' staleness is exactly 0, 1, 2, 2 and only step 4's samples span two versions (the per-token
+  versions arrived with the rows); the run passes NCCL's first-operation rule on every group;
 * the config refuses what async does not run (one line naming the key).
 """
 
@@ -62,10 +64,11 @@ def test_async_k2_partial_rollouts_staleness_and_versions(tmp_path):
     hist = ranks[0][0]
     assert [m["fully_async/staleness/max"] for m in hist] == [0.0, 1.0, 2.0, 2.0]
     assert [m["staleness"] for m in hist] == [0.0, 1.0, 2.0, 2.0]
-    # steps 1-2: sampled with w_0 throughout; 3-4: w_(s-3) then w_(s-2) after 2 tokens
-    assert [m["fully_async/partial/max_partial_span"] for m in hist] == [0.0, 0.0, 1.0, 1.0]
-    assert hist[0]["fully_async/partial/total_partial_num"] == 0.0
-    assert hist[2]["fully_async/partial/total_partial_num"] > 0
+    # steps 1-3: sampled with w_0 throughout; 4: w_1, then w_2 two decode steps after it was due
+    assert [m["fully_async/partial/max_partial_span"] for m in hist] == [0.0, 0.0, 0.0, 1.0]
+    assert hist[2]["fully_async/partial/total_partial_num"] == 0.0
+    assert hist[3]["fully_async/partial/total_partial_num"] > 0
+    assert all(m["fully_async/count/dropped_stale_samples"] == 0 for m in hist)  # nothing over the bound
     assert hist[2]["fully_async/staleness_hist/2"] > 0
     assert hist[0]["fully_async/count/stale_samples_processed"] == 0 and hist[1]["fully_async/count/stale_samples_processed"] == 32
     for m in hist:
