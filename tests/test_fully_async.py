@@ -2,7 +2,10 @@
 
 * ``max_staleness=0`` is the synchronous run: every step's metrics equal the colocated ``sync`` run's
   on 2 ranks (1e-5), which needs every update's weights equal too;
-* ``max_staleness=1`` taking new weights only between batches is ``one_step_off`` (every metric, 1e-5);
+* ``max_staleness=1`` taking new weights only when nothing can run is ``one_step_off`` here (every metric,
+  1e-5): loader batches 1-2 stream together, and their groups all complete at the last decode step (the
+  longest of 4 samples reaches the 6-token budget), so the tie order (loader step, prompt) makes training
+  batch 1 loader batch 1; with uneven group lengths streaming forms it from the groups that complete first;
 * ``max_staleness=2`` with new weights 2 decode steps after they are due: the groups of loader batches
   1-3 start together with ``w_0`` (the admission bound, 3 batches) and complete (6 tokens at most) before
   anything else can run, so ``w_1`` is taken then and batches 1-3 are all ``w_0``; loader batch 4 starts
