@@ -43,15 +43,21 @@ BASE = TINY + ["rollout.backend=vllm", "actor.sft_warmup_steps=0", "data.task_si
                "actor.old_logprobs=recompute", "actor.optim.lr=3e-2", "rollout.temperature=0.8",
                "rollout.top_k=40", "rollout.top_p=0.9", "trainer.nproc=2", "data.seed=3", "reward.kind=function",
                f"reward.function_path={os.path.join(REPO, 'tests', 'data', 'digit_share_reward.py')}"]
+# Each case runs in one CPU GEMM mode of vLLM (rollout.vllm.cpu_gemm) and is checked once more in the
+# other after the steps (:func:`_parity_cases`), so every layout runs both.
 CASES = {
-    "tp2->tp1": ["actor.layout.tp=2", "rollout.layout.tp=1"],
-    "tp2->tp2 exact": ["actor.layout.tp=2", "rollout.layout.tp=2", "rollout.exact_logprobs=true"],
+    "tp2->tp1": ["actor.layout.tp=2", "rollout.layout.tp=1", "rollout.vllm.cpu_gemm=packed"],
+    "tp2->tp2 exact plain": ["actor.layout.tp=2", "rollout.layout.tp=2", "rollout.exact_logprobs=true",
+                             "rollout.vllm.cpu_gemm=plain"],
     # vLLM's own reload path (what online quantization takes) instead of the in-place writer
-    "pp2->tp1 dapo reload": ["actor.layout.tp=1", "actor.layout.pp=2", "rollout.layout.tp=1",
-                             "algorithm.dynamic_sampling.enable=true", "rollout.vllm.load_in_place=false"],
+    "pp2->tp1 dapo reload plain": ["actor.layout.tp=1", "actor.layout.pp=2", "rollout.layout.tp=1",
+                                   "algorithm.dynamic_sampling.enable=true", "rollout.vllm.load_in_place=false",
+                                   "rollout.vllm.cpu_gemm=plain"],
     "qwen2 tp2->tp1 remax": ["actor.layout.tp=2", "rollout.layout.tp=1", "model.family=qwen2", "model.qkv_bias=true",
-                             "model.tied_embeddings=false", "algorithm.adv_estimator=remax"],
+                             "model.tied_embeddings=false", "algorithm.adv_estimator=remax",
+                             "rollout.vllm.cpu_gemm=packed"],
 }
+OTHER_GEMM = {"packed": "plain", "plain": "packed"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,6 +88,7 @@ def test_config_errors_name_the_key():
                           ("rollout.vllm.max_num_seqs=0", "rollout.vllm.max_num_seqs"),
                           ("rollout.vllm.sleep_level=3", "rollout.vllm.sleep_level"),
                           ("rollout.vllm.load_in_place=2", "rollout.vllm.load_in_place"),
+                          ("rollout.vllm.cpu_gemm=fast", "rollout.vllm.cpu_gemm"),
                           ("rollout.backend=sglang", "rollout.backend")):
         with pytest.raises(ConfigError) as e:
             load_job_config(quickstart, [override])
@@ -182,8 +189,11 @@ def _both_greedy(models, prompts, via_validation=False):
 
 
 def _parity_cases(cases, base=BASE, steps=2, config=None):
-    """Per case: greedy tokens of vLLM and of hyflow's engine before and after ``steps`` GRPO steps,
-    the steps' logprob_diff_max, and whether equal seeds sample equal tokens."""
+    """Per case: greedy tokens of vLLM and of hyflow's engine before and after ``steps`` GRPO steps
+    (then once more with vLLM's other CPU GEMM mode, its next load writing the weights that mode
+    holds), the steps' logprob_diff_max, and whether equal seeds sample equal tokens."""
+    import dataclasses
+
     from hyflow.testing.rl import QUICKSTART, rl_setup, rl_step
 
     torch.set_num_threads(1)
@@ -201,13 +211,18 @@ def _parity_cases(cases, base=BASE, steps=2, config=None):
         before = _both_greedy(models, prompts)
         diffs = [rl_step(cfg, state, job)[0]["rollout/logprob_diff_max"] for _ in range(steps)]
         after = _both_greedy(models, prompts, via_validation=True)
+        engine = models.rollouts.engine
+        gemm = engine.options.cpu_gemm
+        engine.options = dataclasses.replace(engine.options, cpu_gemm=OTHER_GEMM[gemm])
+        switched = _both_greedy(models, prompts)
         models.weights.to_generation()
         models.rollouts.prepare_for_generation()
         sampled = [models.rollouts.generate(prompts[:8], 2, seed=11, request_offset=0).samples.tokens.tolist()
                    for _ in range(2)]
         models.rollouts.finish_generation()
         models.weights.to_training()
-        out[name] = {"before": before, "after": after, "diffs": diffs,
+        out[name] = {"before": before, "after": after, "switched": switched, "gemm": (gemm, engine.cpu_gemm),
+                     "diffs": diffs,
                      "same_seed_same_tokens": sampled[0] == sampled[1], "shm_ident": _shm_ident(),
                      "in_place": models.rollouts.engine._plan is not None}
         segment = models.rollouts.engine.shm_segment
@@ -245,6 +260,10 @@ def test_greedy_tokens_equal_hyflows_before_and_after_training(parity, case):
     changed = sum(a != b for a, b in zip(ref0, ref2))
     assert changed >= PROMPTS // 2, f"{case}: the updates changed only {changed} greedy responses"
     assert r["in_place"] == ("reload" not in case)  # the in-place writer, or vLLM's reload where asked
+    # the steps ran in the case's CPU GEMM mode; the other mode gives the same tokens after them
+    assert r["gemm"] == (("plain", "packed") if "plain" in case else ("packed", "plain")), r["gemm"]
+    vllm_switched, ref_switched = r["switched"]
+    assert vllm_switched == ref_switched == ref2, case
 
 
 def test_qkv_rows_reorder_megatrons_groups_into_vllms_fused_qkv():
@@ -304,7 +323,99 @@ def test_smollm2_greedy_tokens_equal_hyflows_before_and_after_training():
     (vllm0, ref0), (vllm2, ref2) = r["before"], r["after"]
     assert vllm0 == ref0 and vllm2 == ref2
     assert vllm0 != vllm2
+    assert r["gemm"] == ("packed", "plain") and r["switched"][0] == r["switched"][1] == ref2  # plain too
     assert all(d < 1e-4 for d in r["diffs"]), r["diffs"]
+
+
+# --------------------------------------------------------------------------- CPU GEMM modes (1 rank)
+
+
+def _cpu_gemm_modes():
+    """One vLLM engine on one rank (a random untied Llama, Megatron's weights from it): per
+    ``rollout.vllm.cpu_gemm`` mode in turn (plain, packed, plain), what its layers hold and
+    whether its greedy tokens equal hyflow's engine's, before and after the weights change."""
+    import dataclasses
+
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from hyflow.parallel.groups import init_training_groups
+    from hyflow.parallel.layout import Layout
+    from hyflow.rollout import GenerationConfig, GenerationEngine, SamplingConfig
+    from hyflow.rollout.loading import megatron_from_hf
+    from hyflow.vllm_backend.config import VLLMConfig
+    from hyflow.vllm_backend.engine import VLLMEngine
+    from hyflow.vllm_backend.weights import vllm_weights
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)).eval()
+    model, desc = megatron_from_hf(hf, init_training_groups(Layout()))
+    config = GenerationConfig(max_concurrent=8, sampling=SamplingConfig(temperature=0, max_new_tokens=12,
+                                                                        ignore_eos=True))
+    prompts = [[(7 * i + j) % 384 for j in range(3 + i % 5)] for i in range(8)]
+
+    def hyflow_greedy():
+        return [s.token_ids for s in GenerationEngine.from_description(model, desc, config).generate(prompts).samples]
+
+    options = VLLMConfig(cpu_gemm="plain")
+    engine = VLLMEngine(desc, config, options, vocab_size=desc.vocab_size, eos_token_ids=[], tp_groups=[[0]],
+                        seq_budget=32)
+    vllm_model = engine._model()
+    linears = {n: m for n, m in vllm_model.named_modules() if isinstance(m, LinearBase)}
+    at_start = {n: (m.cpu_linear is F.linear, tuple(m.weight.shape)) for n, m in linears.items()}
+    out = []
+    for step, mode in enumerate(("plain", "packed", "plain")):
+        if step:  # an update: every weight changes
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+        engine.options = dataclasses.replace(options, cpu_gemm=mode)
+        storage = {n: m.weight.data_ptr() for n, m in linears.items()}
+        engine.load_weights(vllm_weights(model, desc, desc.vocab_size))
+        got = [s.token_ids for s in engine.generate(prompts).samples]
+        out.append({
+            "mode": mode, "greedy": got, "reference": hyflow_greedy(), "pack_s": engine.last_pack_seconds,
+            "plain_gemms": sorted(n for n, m in linears.items() if m.cpu_linear is F.linear),
+            "kept_weights": sorted(n for n, m in linears.items() if m.weight.numel()),
+            "written_in_place": sorted(n for n, m in linears.items() if m.weight.data_ptr() == storage[n]),
+            "head_plain": vllm_model.lm_head.cpu_linear is F.linear,
+            # the live weight is the one written: vLLM's o_proj of layer 0 holds Megatron's linear_proj
+            "o_proj_written": bool(torch.equal(
+                linears["model.layers.0.self_attn.o_proj"].weight,
+                model.decoder.layers[0].self_attention.linear_proj.weight))
+            if linears["model.layers.0.self_attn.o_proj"].weight.numel() else None})
+    engine.close()
+    return {"at_start": at_start, "shapes": {n: (sum(m.output_partition_sizes), m.input_size_per_partition)
+                                              for n, m in linears.items()}, "steps": out}
+
+
+@pytest.mark.multirank
+def test_plain_cpu_gemm_runs_torch_linear_on_the_written_weights_and_matches_hyflow():
+    """rollout.vllm.cpu_gemm=plain: no layer keeps a packed copy (torch's linear on the weight the
+    load writes, in place, nothing packed at load); the greedy tokens equal hyflow's engine's after
+    each update, also across a switch to packed and back."""
+    _need_vllm()
+    r = run_on_ranks_fresh(_cpu_gemm_modes, 1, timeout=900)[0]
+    names = sorted(r["shapes"])
+    assert len(names) == 8  # qkv, o, gate_up, down x 2 layers
+    assert r["at_start"] == {n: (True, r["shapes"][n]) for n in names}  # converted at start, full weights
+    greedy = [s["greedy"] for s in r["steps"]]
+    assert greedy[0] != greedy[1] and greedy[1] != greedy[2]  # every update changes the tokens
+    for step in r["steps"]:
+        assert step["greedy"] == step["reference"], step["mode"]
+        if step["mode"] == "plain":
+            assert step["plain_gemms"] == names and step["kept_weights"] == names and step["head_plain"]
+            assert step["pack_s"] == 0.0 and step["o_proj_written"] is True
+        else:  # vLLM's packed GEMMs: no plain weight kept, the output layer repacked at the load
+            assert step["plain_gemms"] == [] and step["kept_weights"] == [] and not step["head_plain"]
+            assert step["pack_s"] > 0
+    # the first load writes the weights plain start-up gave back in place; the packed -> plain
+    # switch gives new ones (written by that load)
+    assert r["steps"][0]["written_in_place"] == names
 
 
 # --------------------------------------------------------------------------- vLLM on the generation pool

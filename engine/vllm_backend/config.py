@@ -16,6 +16,8 @@ INSTALL_HINT = ("GPU: pip install -e '.[vllm]' (the CUDA vllm wheel); CPU: make 
                 "those break `import vllm` on the CPU torch)")
 #: Quantization methods vLLM applies to unquantized weights as it loads them (every reload).
 ONLINE_QUANTIZATION = ("fp8",)
+#: ``cpu_gemm`` values (:mod:`hyflow.vllm_backend.cpu_gemm`, which imports vLLM; kept here for the config check).
+CPU_GEMM_MODES = ("packed", "plain")
 #: Head sizes vLLM 0.32's CPU attention kernels run (vllm/v1/attention/backends/cpu_attn.py).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -47,6 +49,12 @@ class VLLMConfig:
         "help": "write the actor's weights straight into vLLM's live weights each step (repacking only what its CPU "
                 "GEMMs pack); false: vLLM's own in-place reload (rebuilds each layer, several copies). Online "
                 "quantization (fp8) always takes vLLM's reload"})
+    cpu_gemm: str = field(default="packed", metadata={
+        "help": "CPU: how vLLM's CPU build runs its linear layers. packed: on copies it packs for its oneDNN/sgl "
+                "GEMMs (repacked at every weight load: the train->vLLM transition 2.6-3.8x our reshard alone on 443M "
+                "parameters); plain: torch's linear on the weights it loads, as on GPU (the load is one copy per "
+                "tensor: ~1.5x) but decoding 2.1-2.4x slower on the 2-core dev box, which costs a GRPO step more "
+                "than the load saves (BENCHMARKS.md). Ignored on GPU (vLLM's GPU build keeps the weights as loaded)"})
     sleep_level: int = field(default=2, metadata={
         "help": "GPU: what sleep mode frees between generations: 2 the weights and the KV cache (new weights come "
                 "every step), 1 offloads the weights to host memory, 0 keeps both (no sleep mode). CPU: vLLM has "
@@ -65,6 +73,8 @@ class VLLMConfig:
                               f"actor's weights are unquantized), got {self.quantization!r}", key="quantization")
         if not isinstance(self.load_in_place, bool):
             raise ConfigError(f"must be true or false, got {self.load_in_place!r}", key="load_in_place")
+        if self.cpu_gemm not in CPU_GEMM_MODES:
+            raise ConfigError(f"must be one of {', '.join(CPU_GEMM_MODES)}, got {self.cpu_gemm!r}", key="cpu_gemm")
         if self.sleep_level not in (0, 1, 2):
             raise ConfigError(f"must be 0, 1 or 2, got {self.sleep_level!r}", key="sleep_level")
 

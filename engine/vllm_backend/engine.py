@@ -29,9 +29,10 @@ the external launcher, so the backend refuses ``rollout.layout.pp > 1`` at confi
 
 Weights: vLLM starts with a config.json only (``load_format="dummy"``), then every
 :meth:`load_weights` writes the generation shards straight into vLLM's live weights
-(:mod:`hyflow.vllm_backend.inplace`: planned once, in place, the CPU build's GEMM weights
-repacked by vLLM's own post-load processing), or, where that plan does not apply (online
-quantization such as fp8), goes through vLLM's own in-place reload (``reload_weights`` with the
+(:mod:`hyflow.vllm_backend.inplace`: planned once, in place; on CPU the GEMM weights either
+repacked by vLLM's own post-load processing or, with ``rollout.vllm.cpu_gemm: plain``, kept as
+loaded and copied into, :mod:`hyflow.vllm_backend.cpu_gemm`), or, where that plan does not apply
+(online quantization such as fp8), goes through vLLM's own in-place reload (``reload_weights`` with the
 checkpoint-format names of :mod:`hyflow.vllm_backend.weights`, its loaders fusing q/k/v and
 gate/up). No file, no HF round trip.
 """
@@ -60,6 +61,7 @@ from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.engine import prepare_requests
 from hyflow.rollout.request import RolloutResult, RolloutStats
 from hyflow.vllm_backend.config import VLLMConfig
+from hyflow.vllm_backend.cpu_gemm import is_plain, set_cpu_gemm
 from hyflow.vllm_backend.groups import init_vllm_groups, local_rank
 from hyflow.vllm_backend.inplace import InPlaceLoader, plan_in_place
 from hyflow.vllm_backend.weights import GenerationShards
@@ -211,7 +213,7 @@ def _refresh_tied_head(model: torch.nn.Module) -> None:
     the CPU build's GEMM weights it packed from the old values would stay."""
     head = getattr(model, "lm_head", None)
     method = getattr(head, "quant_method", None)
-    if method is not None:
+    if method is not None and not is_plain(head):
         method.process_weights_after_loading(head)
 
 
@@ -294,7 +296,13 @@ class VLLMEngine:
         self.last_load_seconds = 0.0
         self.last_pack_seconds: Optional[float] = None
         self._plan: Optional[InPlaceLoader] = None
-        self._plan_key = None
+        self._plans: dict = {}  # (generation model, vocabulary rows, GEMM mode) -> its plan (None: reload)
+        self.cpu_gemm: Optional[str] = None  # the CPU build's GEMM mode applied (rollout.vllm.cpu_gemm)
+        if cuda and options.cpu_gemm != VLLMConfig.cpu_gemm:
+            # ignored, not refused: one config file serves the CPU dev box and the GPU cluster
+            LOG.warning("rollout.vllm.cpu_gemm=%s is ignored on GPU: it sets how vLLM's CPU build runs its linear "
+                        "layers (its GPU build keeps the weights as loaded)", options.cpu_gemm)
+        self.apply_cpu_gemm()
         if self.sleep_level:
             self.sleep()
 
@@ -310,13 +318,14 @@ class VLLMEngine:
         first load), anything else through vLLM's reload (checkpoint names: its weight loaders and
         post-load processing). The prefix cache goes: its blocks hold keys and values of the old
         weights."""
+        from vllm.config import set_current_vllm_config  # optional dependency (loaded by then)
+
         start = time.perf_counter()
         if self.sleep_level:
             self.llm.wake_up(tags=["weights"])
+        self.apply_cpu_gemm()
         loader = self._in_place_loader(weights)
         if loader is not None:
-            from vllm.config import set_current_vllm_config  # optional dependency (loaded by then)
-
             with set_current_vllm_config(self.llm.llm_engine.vllm_config):
                 loader.load(weights.gen_model)
             self.last_pack_seconds = loader.pack_seconds
@@ -325,6 +334,9 @@ class VLLMEngine:
                                     kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
             if self.desc.tied_embeddings:
                 self.llm.apply_model(_refresh_tied_head)
+            if self.cpu_gemm is not None:  # the output layer's reload packed it whatever the mode
+                with set_current_vllm_config(self.llm.llm_engine.vllm_config):
+                    set_cpu_gemm(self._model(), self.cpu_gemm)
             self.last_pack_seconds = None
         if self.sleep_level:
             self.llm.wake_up(tags=["kv_cache"])
@@ -333,18 +345,33 @@ class VLLMEngine:
         self.last_load_seconds = time.perf_counter() - start
         return self.last_load_seconds
 
+    def apply_cpu_gemm(self) -> None:
+        """CPU: put vLLM's linear layers in ``options.cpu_gemm``'s mode if they are not (at start, at
+        the first load after the option changed, or when a bench switches modes before timing a
+        load; :func:`~hyflow.vllm_backend.cpu_gemm.set_cpu_gemm`). A layer that switches holds no
+        valid weights until the load that follows."""
+        mode = self.options.cpu_gemm
+        if self.cuda or mode == self.cpu_gemm:
+            return
+        from vllm.config import set_current_vllm_config  # optional dependency (loaded by then)
+
+        with set_current_vllm_config(self.llm.llm_engine.vllm_config):
+            set_cpu_gemm(self._model(), mode)
+        self.cpu_gemm = mode
+
     def _in_place_loader(self, weights) -> Optional[InPlaceLoader]:
         """The planned in-place writer for ``weights``' generation model (None: vLLM's reload)."""
         if not (self.options.load_in_place and isinstance(weights, GenerationShards)):
             return None
-        key = (id(weights.gen_model), weights.vocab_rows)
-        if self._plan_key != key:
+        key = (id(weights.gen_model), weights.vocab_rows, self.cpu_gemm)
+        if key not in self._plans:
             plan = plan_in_place(self._model(), self.llm.llm_engine.vllm_config, weights.gen_model, weights.desc,
                                  weights.vocab_rows, weights.tp_group)
             if isinstance(plan, str):
                 LOG.warning("vLLM weights load through its reload path: %s", plan)
                 plan = None
-            self._plan, self._plan_key = plan, key
+            self._plans[key] = plan
+        self._plan = self._plans[key]
         return self._plan
 
     def sleep(self) -> None:

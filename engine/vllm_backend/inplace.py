@@ -7,16 +7,18 @@ back into the old storage: per weight, fresh pages and three passes besides the 
 in BENCHMARKS.md, issue #31). :class:`InPlaceLoader` plans once where each generation-model
 parameter goes in vLLM's model and then writes it there, every transition:
 
-* a linear layer whose weight vLLM keeps (GPU; biases everywhere): in place. Q/K/V rows go from
-  Megatron's per-group order to vLLM's ``[q; k; v]`` by one ``index_select`` into vLLM's storage;
+* a linear layer whose weight vLLM keeps (GPU, CPU with ``rollout.vllm.cpu_gemm: plain``; biases
+  everywhere): in place. Q/K/V rows go from Megatron's per-group order to vLLM's ``[q; k; v]`` by
+  one ``index_select`` into vLLM's storage;
   ``[gate; up]`` and the row-parallel weights are one copy each (a TP shard of Megatron's is
   vLLM's shard, :mod:`hyflow.vllm_backend.weights`);
-* a linear layer whose weight vLLM's CPU build packed for its GEMM (oneDNN or sgl kernels keep
-  only the packed copy): the layer's own post-load processing packs again, reading the
-  generation shard in place (Q/K/V through one reused staging buffer): the packing is the pass;
+* a linear layer whose weight vLLM's CPU build packed for its GEMM (``cpu_gemm: packed``: oneDNN
+  or sgl kernels keep only the packed copy): the layer's own post-load processing packs again,
+  reading the generation shard in place (Q/K/V through one reused staging buffer): the packing is
+  the pass;
 * embedding, output layer and norms: vLLM's weight loader on the live parameter (its vocabulary
-  shard and padding), then the output layer's post-load processing (its packed copy on CPU). The
-  input embedding's own packed copy is never used as a GEMM, so it is not rebuilt.
+  shard and padding), then, if the output layer holds a packed copy (CPU, packed), its post-load
+  processing. The input embedding's own packed copy is never used as a GEMM, so it is not rebuilt.
 
 :func:`plan_in_place` refuses (with the reason, and the engine takes vLLM's reload path) unless
 every vLLM parameter is written this way by vLLM's unquantized methods: online quantization
@@ -37,6 +39,7 @@ from hyflow.kernels.reshard_reference import qkv_regroup
 from hyflow.models.description import ModelDescription
 from hyflow.models.hf_mapping import name_map
 from hyflow.models.weights import canonical_name
+from hyflow.vllm_backend.cpu_gemm import holds_packed_copy
 from hyflow.vllm_backend.weights import VOCAB_NAMES, gather_vocab
 
 
@@ -64,7 +67,7 @@ class InPlaceLoader:
     Args:
         writes: canonical Megatron name -> its :class:`_Write`.
         skipped: Megatron names with no write (the tied output layer: vLLM shares the embedding).
-        head: vLLM's output-layer module, re-processed after every load.
+        head: vLLM's output-layer module if it holds a packed copy (re-processed after every load).
         vocab_rows: the vocabulary vLLM's config declares.
         tp_group: the generation TP group.
     """
@@ -237,4 +240,5 @@ def plan_in_place(vllm_model: torch.nn.Module, vllm_config, gen_model: torch.nn.
         # the CPU build packed the input embedding for a GEMM it never runs (the lookup reads the
         # plain weight; the output layer has its own packed copy): a vocabulary matrix freed
         embed.cpu_linear = None
-    return InPlaceLoader(writes, skipped, head, vocab_rows, tp_group)
+    return InPlaceLoader(writes, skipped, head if head is not None and holds_packed_copy(head) else None,
+                         vocab_rows, tp_group)

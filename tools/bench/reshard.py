@@ -8,8 +8,9 @@ three alternatives on the same model and ranks, in one run:
 * (c) a naive all-gather of every full parameter on every rank.
 
 ``--vllm`` adds ``rollout.backend: vllm``'s transition: the same train -> generation reshard, then
-the generation shards written into a vLLM engine in memory through its weight loaders
-(:mod:`hyflow.vllm_backend`), against the reshard alone (``vllm_transition_ratio``).
+the generation shards written into a vLLM engine in memory (:mod:`hyflow.vllm_backend`), with its
+CPU GEMMs packed and plain (``rollout.vllm.cpu_gemm``) and through vLLM's reload, against the
+reshard alone timed in the same rounds (``vllm_transition_ratio``, ``vllm_plain_transition_ratio``).
 
 Prints a table, then one JSON line. Launches its own ranks (``--nproc``) through torchrun
 unless already launched.
@@ -18,7 +19,9 @@ unless already launched.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -220,10 +223,16 @@ def _bench(args: argparse.Namespace) -> int:
                 ("(a) swap_model_weights", result.get("swap_model_weights_s")),
                 ("(b) dist-ckpt round trip", result.get("ckpt_roundtrip_s")),
                 ("(c) naive all-gather", result.get("naive_allgather_s")),
-                ("vLLM: train->gen + in-place load into vLLM", result.get("vllm_train_to_gen_s")),
+                ("vLLM: train->gen alone (interleaved with the rows below)", result.get("vllm_reshard_alone_s")),
+                ("vLLM: train->gen + in-place load, cpu_gemm=packed", result.get("vllm_train_to_gen_s")),
+                ("vLLM: of which the reshard", result.get("vllm_reshard_s")),
                 ("vLLM: of which the load", result.get("vllm_load_s")),
                 ("vLLM: of which its GEMM packing", result.get("vllm_pack_s")),
+                ("vLLM: train->gen + in-place load, cpu_gemm=plain", result.get("vllm_plain_train_to_gen_s")),
+                ("vLLM: of which the reshard", result.get("vllm_plain_reshard_s")),
+                ("vLLM: of which the load", result.get("vllm_plain_load_s")),
                 ("vLLM: train->gen + vLLM's reload_weights", result.get("vllm_reload_train_to_gen_s")),
+                ("vLLM: of which the reshard", result.get("vllm_reload_reshard_s")),
                 ("vLLM: of which the reload", result.get("vllm_reload_load_s")),
                 ("hyflow engine: oneDNN packing at generate start", result.get("hyflow_pack_s"))]
         print(f"reshard {args.layers} layers x hidden {args.hidden} ({desc.num_parameters() / 1e6:.0f}M params), "
@@ -236,10 +245,13 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"transport {result['transport']}: {result['staging_bytes']} staging bytes per rank (fixed); "
               f"planned peak extra {result['peak_extra_bytes']} bytes")
         if args.vllm:
-            ratio, reload = result["vllm_transition_ratio"], result["vllm_reload_transition_ratio"]
-            shown = "-" if ratio is None else f"{ratio:.2f}x ({reload:.2f}x through vLLM's reload)"
-            print(f"vLLM transition / hybrid engine train->gen: {shown}; / train->gen + hyflow's packing: "
+            ratio, plain = result["vllm_transition_ratio"], result["vllm_plain_transition_ratio"]
+            shown = "-" if ratio is None else (f"{ratio:.2f}x packed, {plain:.2f}x plain "
+                                               f"({result['vllm_reload_transition_ratio']:.2f}x through vLLM's reload)")
+            print(f"vLLM transition / hybrid engine train->gen: {shown}; packed / train->gen + hyflow's packing: "
                   f"{result['vllm_vs_hyflow_with_packing']:.2f}x; in place: {result['vllm_in_place']}")
+            print(f"RSS of rank 0 in the generation layout after a load: packed {result['vllm_rss_bytes'] / 2**30:.2f}"
+                  f" GiB, plain {result['vllm_plain_rss_bytes'] / 2**30:.2f} GiB")
         print(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -248,8 +260,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _vllm_transition(engine, desc, gen_groups, repeats: int, barrier, to_gen: float) -> dict:
     """Median seconds of train -> generation plus the load of the generation shards into vLLM (the
-    vLLM backend's transition), of the load alone and of its packing, over ``repeats`` round trips,
-    with the in-place writer (the default) and with vLLM's own reload, interleaved."""
+    vLLM backend's transition), of the load alone and of its packing, over ``repeats`` round trips
+    after a warm-up round: the in-place writer with vLLM's CPU GEMMs packed (``cpu_gemm: packed``)
+    and plain (``plain``), vLLM's own reload, and the reshard alone, interleaved in every round.
+    Each timed transition follows an untimed one in the same mode (a GEMM-mode switch, then a
+    step as a run makes it: to generation, load, back), so it sees a run's steady state, not the
+    switch's fresh pages. Ratios are over the interleaved reshard alone."""
     # Megatron (seconds) only when the bench runs: `hyflow --help` imports this module for its arguments
     from hyflow.rollout.cpu_pack import PackedLinears
     from hyflow.vllm_backend.engine import VLLMEngine
@@ -260,25 +276,42 @@ def _vllm_transition(engine, desc, gen_groups, repeats: int, barrier, to_gen: fl
     vllm = VLLMEngine(desc, GenerationConfig(max_concurrent=8), options, vocab_size=desc.vocab_size,
                       eos_token_ids=[], tp_groups=generation_enumerations(engine.plan)["tp"],
                       device=torch.device("cpu"), seq_budget=256)
-    modes = {"": True, "reload_": False}  # result-key prefix -> load_in_place
-    runs: dict = {prefix: {"total": [], "load": [], "pack": []} for prefix in modes}
-    packs = []
+    # result-key prefix -> (cpu_gemm, load_in_place)
+    modes = {"": ("packed", True), "plain_": ("plain", True), "reload_": ("packed", False)}
+    runs: dict = {prefix: {"total": [], "reshard": [], "load": [], "pack": []} for prefix in modes}
+    alone, packs, in_place = [], [], {}
+    proc = psutil.Process()
     for i in range(repeats + 1):  # the first round is a warm-up
-        for prefix, in_place in modes.items():
-            vllm.options = dataclasses.replace(options, load_in_place=in_place)
+        barrier()
+        start = time.perf_counter()
+        engine.to_generation()
+        barrier()
+        if i:
+            alone.append(time.perf_counter() - start)
+        engine.to_training()
+        for prefix, (gemm, load_in_place) in modes.items():
+            vllm.options = dataclasses.replace(options, cpu_gemm=gemm, load_in_place=load_in_place)
+            vllm.apply_cpu_gemm()
+            engine.to_generation()  # the settling step in this mode (untimed)
+            vllm.load_weights(vllm_weights(engine.gen_model, desc, desc.vocab_size, gen_groups.pgs.tp))
+            engine.to_training()
             barrier()
             start = time.perf_counter()
             engine.to_generation()
+            barrier()
+            reshard = time.perf_counter() - start
             load = vllm.load_weights(vllm_weights(engine.gen_model, desc, desc.vocab_size, gen_groups.pgs.tp))
             barrier()
             total = time.perf_counter() - start
+            in_place[prefix] = vllm._plan is not None
             engine.to_training()
             if i:
                 runs[prefix]["total"].append(total)
+                runs[prefix]["reshard"].append(reshard)
                 runs[prefix]["load"].append(load)
                 runs[prefix]["pack"].append(vllm.last_pack_seconds or 0.0)
         # what hyflow's engine does with the same weights at the start of a generate call (CPU, fp32):
-        # the oneDNN packing vLLM's load includes
+        # the oneDNN packing vLLM's packed load includes
         engine.to_generation()
         start = time.perf_counter()
         with PackedLinears(engine.gen_model):
@@ -287,17 +320,40 @@ def _vllm_transition(engine, desc, gen_groups, repeats: int, barrier, to_gen: fl
         engine.to_training()
         if i:
             packs.append(pack)
-    in_place = vllm._plan is not None
+    # what each mode holds: RSS in the generation layout after a load, freed heap handed back first
+    rss = {}
+    for gemm in ("packed", "plain", "packed"):
+        vllm.options = dataclasses.replace(options, cpu_gemm=gemm)
+        vllm.apply_cpu_gemm()
+        engine.to_generation()
+        vllm.load_weights(vllm_weights(engine.gen_model, desc, desc.vocab_size, gen_groups.pgs.tp))
+        _trim_heap()
+        rss[gemm] = proc.memory_info().rss  # packed: the second, after the round trip through plain
+        engine.to_training()
     vllm.close()
-    out = {"hyflow_pack_s": statistics.median(packs), "vllm_in_place": in_place}
+    base = statistics.median(alone)
+    out = {"hyflow_pack_s": statistics.median(packs), "vllm_in_place": in_place[""],
+           "vllm_plain_in_place": in_place["plain_"], "vllm_reshard_alone_s": base}
     for prefix, run in runs.items():
         out[f"vllm_{prefix}train_to_gen_s"] = statistics.median(run["total"])
+        out[f"vllm_{prefix}reshard_s"] = statistics.median(run["reshard"])
         out[f"vllm_{prefix}load_s"] = statistics.median(run["load"])
         out[f"vllm_{prefix}pack_s"] = statistics.median(run["pack"])
-        out[f"vllm_{prefix}transition_ratio"] = out[f"vllm_{prefix}train_to_gen_s"] / to_gen if to_gen > 0 else None
-    with_pack = to_gen + out["hyflow_pack_s"]
+        out[f"vllm_{prefix}transition_ratio"] = out[f"vllm_{prefix}train_to_gen_s"] / base if base > 0 else None
+    out["vllm_rss_bytes"], out["vllm_plain_rss_bytes"] = rss["packed"], rss["plain"]
+    with_pack = base + out["hyflow_pack_s"]
     out["vllm_vs_hyflow_with_packing"] = out["vllm_train_to_gen_s"] / with_pack if with_pack > 0 else None
     return out
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere), so RSS
+    shows what is held rather than what the allocator kept."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

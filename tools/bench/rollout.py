@@ -7,7 +7,10 @@ everywhere, so the work is equal). Runs are interleaved (ours, HF, vLLM, ours, .
 of ``--repeats`` is kept, which makes the ratios robust on a shared machine (medians are printed
 too). The last line of output is one JSON object with ``tokens_per_s``, ``hf_tokens_per_s``,
 ``speedup`` (hyflow over HF) and their ``*_median`` counterparts, plus ``vllm_tokens_per_s``,
-``vllm_speedup`` (vLLM over hyflow) and ``vllm_load_s`` (one in-memory weight load) with vLLM.
+``vllm_speedup`` (vLLM over hyflow) and ``vllm_load_s`` (median in-memory weight load) with vLLM.
+vLLM is timed twice, one engine switched between its CPU GEMM modes (``rollout.vllm.cpu_gemm``):
+``vllm`` packed, ``vllm_plain`` torch's linear on the live weights (its keys ``vllm_plain_*``);
+each of its runs loads the weights in its mode first (``*_load_s``, untimed in the generate).
 ``--batch 16,64`` times each batch size in the same run (one table each; the JSON line is the
 last batch's, with every batch's row under ``by_batch``).
 
@@ -19,6 +22,7 @@ show what refilling freed slots saves.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -36,6 +40,10 @@ CHAT_PROMPTS = [
     "What is the boiling point of water?", "Suggest a name for a dog.",
     "What is machine learning?",
 ]
+
+
+#: vLLM's rows: result-key prefix -> rollout.vllm.cpu_gemm.
+VLLM_ROWS = {"vllm": "packed", "vllm_plain": "plain"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -160,17 +168,17 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--backend: unknown engine(s) {unknown}; choose from hyflow, hf, vllm")
         sizes = _batches(args)
         all_prompts = {b: _prompts(b, tok, desc.vocab_size) for b in sizes}
-        vllm_engine = vllm_load = None
+        vllm_engine = None
         if "vllm" in backends:
             longest = max(len(p) for ps in all_prompts.values() for p in ps)
-            vllm_engine, vllm_load = _vllm_engine(model, desc, groups, max(sizes), longest, args)
+            vllm_engine = _vllm_engine(model, desc, groups, max(sizes), longest, args)
         rows = []
         for batch in sizes:
             prompts = all_prompts[batch]
             engine = GenerationEngine.from_description(
                 model, desc, GenerationConfig(max_concurrent=batch, sampling=greedy))
             rows.append(_measure(args, batch, prompts, engine, hf if "hf" in backends and not args.no_hf else None,
-                                 vllm_engine, vllm_load, greedy, pad_id, model, load_s))
+                                 vllm_engine, greedy, pad_id, model, load_s))
         row = dict(rows[-1])
         if len(rows) > 1:
             row["by_batch"] = rows
@@ -188,20 +196,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace, batch: int, prompts: list[list[int]], engine: Any, hf: Any, vllm_engine: Any,
-             vllm_load: Any, greedy: Any, pad_id: int, model: Any, load_s: float) -> dict:
+             greedy: Any, pad_id: int, model: Any, load_s: float) -> dict:
     """One batch size: every engine's interleaved runs, the table, and the batch's JSON row."""
 
     runners = {"hyflow": lambda: _timed(lambda: _ours(engine, prompts))}
     if hf is not None:
         runners["hf"] = lambda: _hf_generate(hf, prompts, args.new_tokens, pad_id)
+    loads: dict = {}
     if vllm_engine is not None:
-        runners["vllm"] = lambda: _timed(lambda: _ours(vllm_engine, prompts, greedy))
+        for name, gemm in VLLM_ROWS.items():
+            loads[name] = []
+            runners[name] = lambda gemm=gemm, name=name: _vllm_run(vllm_engine, model, gemm, prompts, greedy,
+                                                                   loads[name])
     # Warm-up (allocator, first-call dispatch) on every side.
     engine.generate(prompts[:2], greedy.replace(max_new_tokens=4))
     if "hf" in runners:
         _hf_generate(hf, prompts[:2], 4, pad_id)
-    if "vllm" in runners:
-        vllm_engine.generate(prompts[:2], greedy.replace(max_new_tokens=4))
+    for gemm in VLLM_ROWS.values() if vllm_engine is not None else ():
+        _vllm_run(vllm_engine, model, gemm, prompts[:2], greedy.replace(max_new_tokens=4), [])
     if args.profile:
         _profile(engine, hf, prompts, pad_id, args)
     times = {k: [] for k in runners}
@@ -225,7 +237,7 @@ def _measure(args: argparse.Namespace, batch: int, prompts: list[list[int]], eng
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "runs_s": [round(t, 2) for t in ours_t], "cpu_runs_s": [round(t, 2) for t in cpus["hyflow"]],
     }
-    for name in ("hf", "vllm"):
+    for name in ("hf", *VLLM_ROWS):
         if name not in runners:
             continue
         b, m = min(times[name]), statistics.median(times[name])
@@ -240,15 +252,16 @@ def _measure(args: argparse.Namespace, batch: int, prompts: list[list[int]], eng
         row.update(speedup=round(hf_best / best, 3), speedup_median=round(hf_med / med, 3),
                    cpu_speedup=round(min(cpus["hf"]) / min(cpus["hyflow"]), 3),
                    greedy_match=row["hf_greedy_match"])
-    if "vllm" in runners:  # vLLM over hyflow
-        v_best, v_med = min(times["vllm"]), statistics.median(times["vllm"])
-        row.update(vllm_speedup=round(best / v_best, 3), vllm_speedup_median=round(med / v_med, 3),
-                   vllm_load_s=round(vllm_load, 3))
+    for name in VLLM_ROWS if vllm_engine is not None else ():  # vLLM over hyflow
+        v_best, v_med = min(times[name]), statistics.median(times[name])
+        row.update({f"{name}_speedup": round(best / v_best, 3), f"{name}_speedup_median": round(med / v_med, 3),
+                    f"{name}_load_s": round(statistics.median(loads[name]), 3)})
     print(f"rollout benchmark: {args.model}, batch {batch}, {args.new_tokens} new tokens, greedy, "
           f"{args.dtype}, {row['threads']} threads, {row['prompt_tokens']} prompt tokens")
     print(f"{'engine':<26}{'best s':>9}{'tokens/s':>11}{'median tok/s':>14}{'greedy = hyflow':>17}"
           f"{'runs (s)':>30}")
-    labels = {"hyflow": "hyflow GenerationEngine", "hf": "transformers generate", "vllm": "vLLM (in-process)"}
+    labels = {"hyflow": "hyflow GenerationEngine", "hf": "transformers generate", "vllm": "vLLM, cpu_gemm=packed",
+              "vllm_plain": "vLLM, cpu_gemm=plain"}
     for name in runners:
         b, m = min(times[name]), statistics.median(times[name])
         same = "-" if name == "hyflow" else row[f"{name}_greedy_match"]
@@ -256,9 +269,9 @@ def _measure(args: argparse.Namespace, batch: int, prompts: list[list[int]], eng
               f"{str([round(t, 2) for t in times[name]]):>30}")
     if "hf" in runners:
         print(f"hyflow over transformers {row['speedup']:.2f}x (process CPU time: {row['cpu_speedup']:.2f}x)")
-    if "vllm" in runners:
-        print(f"vLLM over hyflow {row['vllm_speedup']:.2f}x; one in-memory weight load into vLLM "
-              f"{row['vllm_load_s']:.3f} s")
+    for name in VLLM_ROWS if vllm_engine is not None else ():
+        print(f"{labels[name]} over hyflow {row[f'{name}_speedup']:.2f}x; in-memory weight load into vLLM "
+              f"(median) {row[f'{name}_load_s']:.3f} s")
     return row
 
 
@@ -303,15 +316,26 @@ def _ours(engine: Any, prompts: list[list[int]], sampling: Any = None) -> list[l
     return [s.token_ids for s in engine.generate(prompts, sampling).samples]
 
 
+def _vllm_run(vllm_engine: Any, model: Any, gemm: str, prompts: list[list[int]], sampling: Any,
+              loads: list) -> tuple[float, float, list[list[int]]]:
+    """vLLM in GEMM mode ``gemm``: switch (untimed), load ``model``'s weights in memory (its seconds
+    appended to ``loads``), then the timed generate."""
+    # vLLM (optional) and Megatron only when the vLLM backend is benched
+    from hyflow.vllm_backend.weights import vllm_weights
+
+    vllm_engine.options = dataclasses.replace(vllm_engine.options, cpu_gemm=gemm)
+    vllm_engine.apply_cpu_gemm()
+    loads.append(vllm_engine.load_weights(vllm_weights(model, vllm_engine.desc, vllm_engine.vocab_size)))
+    return _timed(lambda: _ours(vllm_engine, prompts, sampling))
+
+
 def _vllm_engine(model: Any, desc: Any, groups: Any, batch: int, longest_prompt: int,
-                 args: argparse.Namespace) -> tuple[Any, float]:
-    """rollout.backend=vllm's engine on this one rank, fed ``model``'s weights in memory; returns it
-    and the seconds of that weight load (the second one: the first is a warm-up)."""
+                 args: argparse.Namespace) -> Any:
+    """rollout.backend=vllm's engine on this one rank (weights loaded by each run, :func:`_vllm_run`)."""
     # vLLM (optional) and Megatron only when the vLLM backend is benched
     from hyflow.rollout import GenerationConfig, SamplingConfig
     from hyflow.vllm_backend.config import VLLMConfig, check_vllm_imports
     from hyflow.vllm_backend.engine import VLLMEngine
-    from hyflow.vllm_backend.weights import vllm_weights
 
     check_vllm_imports()
     greedy = SamplingConfig(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -319,8 +343,7 @@ def _vllm_engine(model: Any, desc: Any, groups: Any, batch: int, longest_prompt:
     engine = VLLMEngine(desc, config, VLLMConfig(), vocab_size=desc.vocab_size, eos_token_ids=[],
                         tp_groups=[[0]], dtype=args.dtype, device=groups.device,
                         seq_budget=longest_prompt + args.new_tokens)
-    engine.load_weights(vllm_weights(model, desc, desc.vocab_size))
-    return engine, engine.load_weights(vllm_weights(model, desc, desc.vocab_size))
+    return engine
 
 
 def _profile(engine: Any, hf: Any, prompts: list[list[int]], pad_id: int, args: argparse.Namespace) -> None:
