@@ -187,7 +187,9 @@ class AsyncGeneration:
         todo = self._restore(resumed) if resumed is not None else []
         self._form()
         self._send_ready()
+        # groups started and not sent stay under (k + 1) B_r (the admission bound, since received <= sent)
         self.side.engine.stream(self._feed, todo, max_new_tokens=self.max_new, on_finish=self._finished,
+                                max_sequences=(self.k + 1) * self.share * self.n,
                                 version=self.received, on_decode=self._on_decode, partial=self.partial)
         while not self.stopped:  # nothing started is left: the exchanges due after the last batch
             self._exchange()
