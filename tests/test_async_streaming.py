@@ -201,3 +201,20 @@ def test_an_old_in_flight_file_is_refused(tmp_path):
         read_async_inflight(str(tmp_path), 2, SimpleNamespace(start=2, stop=4), SimpleNamespace(tp=1, pp=1, dp=2),
                             torch.device("cpu"))
     assert "\n" not in str(e.value)
+
+
+def test_plan_sizes_the_async_cache_for_the_groups_in_flight():
+    """``hyflow plan`` sizes the async generation pool's KV cache as the stream allocates it: k + 1
+    batches of this replica's samples (capped by rollout.max_concurrent), one batch for sync."""
+    from hyflow.jobs.registry import load_job_config
+    from hyflow.plan.core import PlanOptions, build_plan
+
+    config = "configs/async_length_tail.yaml"
+    slots = {}
+    for mode, k in (("sync", 0), ("async", 0), ("async", 2)):
+        overrides = [f"trainer.mode={mode}", f"trainer.max_staleness={k}", "rollout.max_concurrent=256"]
+        load_job_config(config, overrides)  # a valid config
+        result = build_plan(config, overrides, PlanOptions(world_size=4, device="cpu", megatron_ranks=()))
+        slots[mode, k] = result.generation["slots"]
+    per_replica = 8 * 8 // 2  # data.train_batch_size x rollout.n over 2 replicas
+    assert slots == {("sync", 0): per_replica, ("async", 0): per_replica, ("async", 2): 3 * per_replica}
