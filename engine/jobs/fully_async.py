@@ -191,8 +191,8 @@ class AsyncGeneration:
         self.side.engine.stream(self._feed, todo, max_new_tokens=self.max_new, on_finish=self._finished,
                                 max_sequences=(self.k + 1) * self.share * self.n,
                                 version=self.received, on_decode=self._on_decode, partial=self.partial)
-        while not self.stopped:  # nothing started is left: the exchanges due after the last batch
-            self._exchange()
+        if not self.stopped:  # the stream ends only when the feeder hears the training pool's stop
+            raise RuntimeError(f"rank {self.rank}: the generation stream ended before the training pool's stop")
 
     def _may_start(self) -> bool:
         return self.started - self.dropped < min(self.received + 1 + self.k, self.total) * self.share
