@@ -243,6 +243,7 @@ class AsyncGeneration:
         """A token boundary: form and send batches; take the exchange when it is due."""
         self.decoded += 1
         self._form()
+        self._stop_doomed(scheduler)
         self._send_ready()
         if self.after == 0 or self.stopped:
             return None
@@ -272,6 +273,21 @@ class AsyncGeneration:
         while self.share == 0 and self.formed < self.total:  # a replica with no prompts sends nothing
             self.formed += 1
             self.batches[self.formed] = []
+
+    def _stop_doomed(self, scheduler) -> None:
+        """Drop (and count) the running groups that can make no batch any more: a group lands at the
+        earliest in batch ``formed + 1``, and its oldest token (a sample's first) already makes it more
+        than ``k`` versions stale there. Their cache slots go to new prompts at once."""
+        for g in [g for g in self.groups.values() if g.done_at < 0]:
+            first = [o.versions[0] for o in g.outs if o.versions]
+            if first and (self.formed + 1 - 1) - min(first) > self.k:  # staleness in batch formed + 1
+                scheduler.cancel(g.outs)
+                for o in g.outs:
+                    self.by_out.pop(id(o), None)
+                self.dropped += 1
+                t = self.formed + 1
+                self.drops[t] = self.drops.get(t, 0) + len(g.outs)
+                del self.groups[g.key]
 
     def _send_ready(self) -> None:
         while not self.stopped and self.sent + 1 in self.batches and self.received >= self.sent:
