@@ -21,7 +21,9 @@ seeds keyed by the loader step and the global prompt index, as the colocated job
 * **Stale groups are dropped and counted.** A completed group whose oldest token is more than ``k``
   versions behind the update that would train on it (batch ``t`` trains after ``t - 1`` updates) is
   dropped, its samples counted in ``fully_async/count/dropped_stale_samples`` of the batch being formed
-  (the training lead's log says how many); its prompt is not retried.
+  (the training lead's log says how many); its prompt is not retried. A running group that is already
+  too stale for the next batch to form is stopped at once (its slots go to new prompts), dropped and
+  counted the same way.
 * **Weight exchange** (the control message, then the weight sync: collective with the training pool
   and every replica). A replica enters the receive of ``w_v`` only once it has sent batch ``v``
   (else the training pool waits for batch ``v`` while the replica waits for ``w_v``), and sends batch
