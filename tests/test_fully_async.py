@@ -16,10 +16,12 @@
 """
 
 import math
+import os
 
 import pytest
 
 from hyflow.testing import run_on_ranks
+from hyflow.testing.rl import REPO
 
 SMALL = ["data.train_batch_size=8", "rollout.n=4", "actor.mini_batch_size=16", "actor.micro_batch_size=16",
          "actor.sft_warmup_steps=2", "trainer.loggers=[]", "actor.optim.distributed_optimizer=true",
@@ -28,14 +30,14 @@ COMPARED = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl",
             "critic/score/mean", "critic/advantages/mean", "critic/advantages/max")
 
 
-def _run(overrides, out):
+def _run(overrides, out, config=None):
     import torch.distributed as dist
 
     from hyflow.jobs.registry import job_runner, load_job_config
     from hyflow.testing.nccl_rules import FirstOps
     from hyflow.testing.rl import QUICKSTART
 
-    cfg = load_job_config(QUICKSTART, [*SMALL, f"trainer.output_dir={out}", *overrides])
+    cfg = load_job_config(config or QUICKSTART, [*SMALL, f"trainer.output_dir={out}", *overrides])
     with FirstOps() as ops:
         history = job_runner("rl")(cfg)
     return history if dist.get_rank() == 0 else None, ops.first
@@ -116,3 +118,29 @@ def test_async_forces_a_rollout_correction_when_stale():
     assert stale.actor.rollout_correction.mode == "token_tis"
     fresh = load_job_config(QUICKSTART, ["trainer.mode=async", "trainer.nproc=4", "trainer.max_staleness=0"])
     assert fresh.actor.rollout_correction.mode == "off"
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_async_dropped_samples_reach_the_metrics_exactly(tmp_path):
+    """Long-tail lengths (configs/async_length_tail.yaml: "write N", N long-tailed, after its 30 SFT
+    warm-up steps) with k=1: some groups finish
+    too stale and are dropped. Each step's ``fully_async/count/dropped_stale_samples`` (the training side,
+    from the rows' headers) sums to exactly what the generation replicas counted (their in-flight files
+    at the last save: dropped groups x n), and every step still trains on a full batch."""
+    import torch
+
+    from hyflow.checkpoint.discovery import step_dir_name
+    from hyflow.placement.inflight import inflight_file
+
+    out = str(tmp_path / "drop")
+    hist = run_on_ranks(_run, 4, ["trainer.nproc=4", "trainer.mode=async", "trainer.max_staleness=1",
+                                  "trainer.update_after_tokens=2", "trainer.total_steps=6", "trainer.save_every=6",
+                                  "actor.sft_warmup_steps=30"], out,
+                       os.path.join(REPO, "configs", "async_length_tail.yaml"))[0][0]
+    dropped = [m["fully_async/count/dropped_stale_samples"] for m in hist]
+    counted = sum(torch.load(inflight_file(f"{out}/checkpoints/{step_dir_name(6)}", rank),
+                             weights_only=True)["counters"]["dropped"] for rank in (2, 3))
+    assert sum(dropped) == counted * 4 > 0  # rollout.n = 4 samples per dropped group
+    assert all(m["fully_async/staleness/max"] <= 1 for m in hist)
+    assert all(m["response_length/mean"] > 0 for m in hist) and len(hist) == 6
