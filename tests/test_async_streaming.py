@@ -10,10 +10,10 @@ and the long group lands later:
 * k = 2, LONG = 8 (loader batches 1-3 start at once, bound 3 x 4 groups): batch 1 is sent at decode step
   3, ``w_1`` is due then and taken 2 decode steps later (step 5), batch 2 goes then; the long group
   completes at step 7 (6 tokens of ``w_0``, 2 of ``w_1``) and lands in batch 3: staleness 2 = k, kept;
-* k = 1, LONG = 40: it completes at step 39, when 3 batches are formed: in batch 4 it would be
-  3 versions stale, so it is dropped, its 2 samples counted in batch 4's ``dropped`` and in no batch
-  sent; the freed place starts one more prompt (loader batch 5's first), every other prompt is sent
-  exactly once;
+* k = 1, LONG = 40: once batch 2 is formed (decode step 8) the long group, whose first tokens are
+  ``w_0``, can land at the earliest in batch 3, 2 versions stale: it is stopped and dropped then, its 2
+  samples counted in batch 3's ``dropped`` and in no batch sent; the freed place starts one more
+  prompt, every other prompt is sent exactly once, and the run never decodes its 40 tokens;
 * a checkpoint at the 1st exchange (the long group half generated, batch 2 formed and not sent, loader
   batch 4 not started), resumed into a new loop, sends exactly the straight run's batches 2-4.
 """
@@ -128,7 +128,8 @@ def _stream(k: int, long: dict, total: int, save_at: int = 0, path: str = "", re
         gen.run(state)
     finally:
         fa.send_rows = saved_send
-    return {"sends": sends, "exchanges": exchanges, "started": gen.started, "dropped": gen.dropped}
+    return {"sends": sends, "exchanges": exchanges, "started": gen.started, "dropped": gen.dropped,
+            "decoded": gen.decoded}
 
 
 def _runs(tmp: str) -> dict:
@@ -172,7 +173,8 @@ def test_a_too_stale_group_is_dropped_and_counted(runs):
     r = runs["k1"]
     sends = r["sends"]
     assert len(sends) == 4 and r["dropped"] == 1
-    assert sum(s["dropped"] for s in sends) == N  # its 2 samples, counted once
+    assert [s["dropped"] for s in sends] == [0, 0, N, 0]  # its 2 samples, counted once, in batch 3
+    assert r["decoded"] < 40 - 1  # stopped early: its 40 tokens would take 39 decode steps
     sent = [g for s in sends for g in _groups(s)]
     assert (1, 0) not in sent
     assert len(sent) == len(set(sent)) == 4 * SHARE == r["started"] - r["dropped"]
@@ -201,3 +203,20 @@ def test_an_old_in_flight_file_is_refused(tmp_path):
         read_async_inflight(str(tmp_path), 2, SimpleNamespace(start=2, stop=4), SimpleNamespace(tp=1, pp=1, dp=2),
                             torch.device("cpu"))
     assert "\n" not in str(e.value)
+
+
+def test_plan_sizes_the_async_cache_for_the_groups_in_flight():
+    """``hyflow plan`` sizes the async generation pool's KV cache as the stream allocates it: k + 1
+    batches of this replica's samples (capped by rollout.max_concurrent), one batch for sync."""
+    from hyflow.jobs.registry import load_job_config
+    from hyflow.plan.core import PlanOptions, build_plan
+
+    config = "configs/async_length_tail.yaml"
+    slots = {}
+    for mode, k in (("sync", 0), ("async", 0), ("async", 2)):
+        overrides = [f"trainer.mode={mode}", f"trainer.max_staleness={k}", "rollout.max_concurrent=256"]
+        load_job_config(config, overrides)  # a valid config
+        result = build_plan(config, overrides, PlanOptions(world_size=4, device="cpu", megatron_ranks=()))
+        slots[mode, k] = result.generation["slots"]
+    per_replica = 8 * 8 // 2  # data.train_batch_size x rollout.n over 2 replicas
+    assert slots == {("sync", 0): per_replica, ("async", 0): per_replica, ("async", 2): 3 * per_replica}

@@ -21,7 +21,9 @@ seeds keyed by the loader step and the global prompt index, as the colocated job
 * **Stale groups are dropped and counted.** A completed group whose oldest token is more than ``k``
   versions behind the update that would train on it (batch ``t`` trains after ``t - 1`` updates) is
   dropped, its samples counted in ``fully_async/count/dropped_stale_samples`` of the batch being formed
-  (the training lead's log says how many); its prompt is not retried.
+  (the training lead's log says how many); its prompt is not retried. A running group that is already
+  too stale for the next batch to form is stopped at once (its slots go to new prompts), dropped and
+  counted the same way.
 * **Weight exchange** (the control message, then the weight sync: collective with the training pool
   and every replica). A replica enters the receive of ``w_v`` only once it has sent batch ``v``
   (else the training pool waits for batch ``v`` while the replica waits for ``w_v``), and sends batch
@@ -187,10 +189,12 @@ class AsyncGeneration:
         todo = self._restore(resumed) if resumed is not None else []
         self._form()
         self._send_ready()
+        # groups started and not sent stay under (k + 1) B_r (the admission bound, since received <= sent)
         self.side.engine.stream(self._feed, todo, max_new_tokens=self.max_new, on_finish=self._finished,
+                                max_sequences=(self.k + 1) * self.share * self.n,
                                 version=self.received, on_decode=self._on_decode, partial=self.partial)
-        while not self.stopped:  # nothing started is left: the exchanges due after the last batch
-            self._exchange()
+        if not self.stopped:  # the stream ends only when the feeder hears the training pool's stop
+            raise RuntimeError(f"rank {self.rank}: the generation stream ended before the training pool's stop")
 
     def _may_start(self) -> bool:
         return self.started - self.dropped < min(self.received + 1 + self.k, self.total) * self.share
@@ -241,6 +245,7 @@ class AsyncGeneration:
         """A token boundary: form and send batches; take the exchange when it is due."""
         self.decoded += 1
         self._form()
+        self._stop_doomed(scheduler)
         self._send_ready()
         if self.after == 0 or self.stopped:
             return None
@@ -270,6 +275,21 @@ class AsyncGeneration:
         while self.share == 0 and self.formed < self.total:  # a replica with no prompts sends nothing
             self.formed += 1
             self.batches[self.formed] = []
+
+    def _stop_doomed(self, scheduler) -> None:
+        """Drop (and count) the running groups that can make no batch any more: a group lands at the
+        earliest in batch ``formed + 1``, and its oldest token (a sample's first) already makes it more
+        than ``k`` versions stale there. Their cache slots go to new prompts at once."""
+        for g in [g for g in self.groups.values() if g.done_at < 0]:
+            first = [o.versions[0] for o in g.outs if o.versions]
+            if first and (self.formed + 1 - 1) - min(first) > self.k:  # staleness in batch formed + 1
+                scheduler.cancel(g.outs)
+                for o in g.outs:
+                    self.by_out.pop(id(o), None)
+                self.dropped += 1
+                t = self.formed + 1
+                self.drops[t] = self.drops.get(t, 0) + len(g.outs)
+                del self.groups[g.key]
 
     def _send_ready(self) -> None:
         while not self.stopped and self.sent + 1 in self.batches and self.received >= self.sent:

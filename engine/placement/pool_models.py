@@ -146,9 +146,9 @@ class RemoteRollouts:
             raise RuntimeError("the generation pool does not generate greedy baselines (remax)")
         if sampling is not None:  # the preflight refuses data.val_files with pools
             raise RuntimeError("the generation pool samples with the rollout's settings only (no validation)")
+        if self.prefetched is None:
+            self.receive(len(prompts) * self.groups.layout.dp)
         got, self.prefetched = self.prefetched, None
-        if got is None:
-            got = self.receive(len(prompts) * self.groups.layout.dp)
         request = got.samples.column("request")
         if len(got.samples) != len(prompts) * n or (len(request) and (
                 int(request.min()) != request_offset or int(request.max()) != request_offset + len(prompts) - 1)):

@@ -193,6 +193,20 @@ class Scheduler:
             self._remaining[s.group] = self._remaining.get(s.group, 0) + 1
         return len(seqs)
 
+    def cancel(self, outs: list) -> None:
+        """Stop the sequences whose ``out`` is in ``outs`` (running or queued) and free their slots; their
+        outputs stay as they are (a feeder that no longer needs them: ``trainer.mode: async``)."""
+        ids = {id(o) for o in outs}
+        for slot, seq in list(self._active.items()):
+            if id(seq.out) in ids:
+                self._active.pop(slot)
+                self._free.append(slot)
+                self._prefixes.pop(seq.group, None)  # the feeder stops whole prompts: no sibling needs it
+                seq.slot = -1
+        for seq in [s for s in self._pending if id(s.out) in ids]:
+            self._pending.remove(seq)
+            self._prefixes.pop(seq.group, None)
+
     @property
     def running(self) -> int:
         """Sequences decoding now."""
