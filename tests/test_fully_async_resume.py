@@ -1,11 +1,11 @@
 """Exact resume of ``trainer.mode: async`` (k=2, new weights after 2 decode steps) on 4 gloo ranks.
 
-A straight run A trains 4 steps and checkpoints after steps 2 and 4. At the save after step 2 the
-generation pool is half way through batch 4 (it takes ``w_2`` at its 2nd decode step, which is
-where the save's control message arrives): batch 3 is complete and not sent, batch 4's samples are
-finished, half generated (2 or 3 tokens, sampled with ``w_1``) or not started. The checkpoint holds
-all of that per generation rank, tensors only, with every token's weight version and the loader's
-position. A real ``hyflow train`` SIGKILLed (kill -9, every process) once that checkpoint is
+A straight run A trains 4 steps and checkpoints after steps 2 and 4. At the save after step 2 each
+generation replica streams loader batch 4 (started with ``w_1``; it takes ``w_2`` 2 decode steps
+after it became due, which is where the save's control message arrives): training batch 3 (sampled
+with ``w_0``) is formed and not sent, loader batch 4's samples are finished or half generated. The
+checkpoint holds all of that per generation rank, tensors only, with every token's weight version,
+each group's completion step and batch, and the loader's position. A real ``hyflow train`` SIGKILLed (kill -9, every process) once that checkpoint is
 complete, then resumed with the same command, reproduces A's metrics of every step (staleness and
 version spread included) and A's final actor weights, and its generation ranks end at A's loader
 position with nothing left over (no prompt skipped or repeated).
@@ -59,6 +59,8 @@ def _inflight(run_dir: str, step: int, rank: int) -> dict:
 
 
 def test_kill_9_mid_sample_then_resume_equals_the_straight_run(tmp_path):
+    import torch
+
     from hyflow.rollout.dp import META
     from hyflow.testing.rl import QUICKSTART
 
@@ -69,14 +71,18 @@ def test_kill_9_mid_sample_then_resume_equals_the_straight_run(tmp_path):
     half = 0
     for rank in (2, 3):
         saved = _inflight(run_a, 2, rank)
-        assert saved["step"] == 3 and saved["next_batch"] == 4
-        assert [b["step"] for b in saved["queue"]] == [3]  # complete, not sent yet
-        assert set(saved["queue"][0]["versions"].tolist()) == {0, 1}  # w_0, then w_1 after 2 tokens
-        p = saved["partial"]  # batch 4: 4 prompts x 4 samples, as they stood at the 2nd decode step
-        assert p["meta"].shape[0] == 16 and set(p["versions"].tolist()) == {1}
-        unfinished = p["meta"][:, META.index("finish")] == 0
+        assert saved["step"] == 3 and saved["version"] == 2
+        groups = saved["groups"]  # per group: loader step, prompt, dataset index, completion step, batch, samples
+        batch, n = groups[:, 4].tolist(), groups[:, 5].tolist()
+        assert batch == [3] * 4 + [0] * 4 and n == [4] * 8  # batch 3 formed, not sent; loader batch 4 streaming
+        assert groups[4:, 0].tolist() == [4] * 4
+        p = saved["samples"]  # every sample of those groups as it stood, in group order
         lengths = p["meta"][:, META.index("response_len")]
-        half += int((unfinished & (lengths > 0)).sum())
+        versions = torch.split(p["versions"], lengths.tolist())
+        assert {v for part in versions[:16] for v in part.tolist()} == {0}
+        assert {v for part in versions[16:] for v in part.tolist()} == {1}
+        unfinished = p["meta"][16:, META.index("finish")] == 0
+        half += int((unfinished & (lengths[16:] > 0)).sum())
     assert half > 0  # samples half generated when the checkpoint was taken
 
     out = str(tmp_path / "run")
@@ -93,7 +99,9 @@ def test_kill_9_mid_sample_then_resume_equals_the_straight_run(tmp_path):
         assert b[step] == a[step], f"step {step} differs from the straight run"
     for rank in (2, 3):  # the same prompts drawn, none left in flight
         end_a, end_b = _inflight(run_a, 4, rank), _inflight(out, 4, rank)
-        assert end_b["loader"] == end_a["loader"] and end_b["queue"] == [] and end_b["partial"] is None
+        assert end_b["loader"] == end_a["loader"] and end_b["counters"] == end_a["counters"]
+        assert end_b["groups"].shape[0] == 0 and end_b["counters"]["dropped"] == 0
+        assert end_b["counters"]["started"] == 4 * 4  # 4 batches of this replica's 4 prompts: each started once
     final = os.path.join("checkpoints", step_dir_name(4), "actor")
     wa = checkpoint_tensors(os.path.join(run_a, final), str(tmp_path))
     wb = checkpoint_tensors(os.path.join(out, final), str(tmp_path))

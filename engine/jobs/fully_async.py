@@ -1,44 +1,62 @@
-"""``trainer.mode: async``: the generation pool samples ahead, up to ``k`` weight versions.
+"""``trainer.mode: async``: the generation pool streams samples, up to ``k`` weight versions ahead.
 
-The training pool runs :class:`~hyflow.jobs.one_step_off.PooledSteps` unchanged: step ``t``
-receives batch ``t``, updates, sends the control message and then ``w_t``. The generation pool
-runs its own loop over batches ``s = 1, 2, ...`` (the prompt loader's order, seeds keyed by step
-and prompt as in the colocated job) and meets the training pool only at two kinds of points:
+The training pool runs :class:`~hyflow.jobs.one_step_off.PooledSteps`: step ``t`` receives batch
+``t``, updates, sends the control message and then ``w_t``. Each generation replica runs **one
+long-lived scheduler** (:meth:`~hyflow.rollout.engine.GenerationEngine.stream`): whenever cache slots
+free up, :class:`AsyncGeneration` feeds it the next prompts (whole GRPO groups, ``rollout.n``
+samples each, in the prompt loader's order: this replica's share of loader batch 1, then of 2, ...;
+seeds keyed by the loader step and the global prompt index, as the colocated job keys them).
 
-* **receive** ``w_v`` (the control message, then the weight sync: collective with the training
-  pool, which publishes ``w_v`` after update ``v``): while sampling batch ``v + k``, after
-  ``trainer.update_after_tokens`` decode steps of this replica (a token boundary: the samples
-  running then are half generated; with ``trainer.partial_rollout=continue`` their caches are
-  recomputed with the new weights and they go on, with ``abort`` they restart), or at the end of
-  that batch when it is shorter, or with ``k = 0`` / ``update_after_tokens = 0``;
-* **send** batch ``b`` (its rows to the training ranks that own them,
-  :mod:`hyflow.placement.rows`) as soon as it is complete and ``w_(b-1)`` was received (the
-  training pool's order: send ``w_(b-1)``, receive batch ``b``).
+* **Batches stream.** Training batch ``t`` on a replica is its first ``B_r`` (its share of
+  ``data.train_batch_size``) whole groups to complete that are in no batch yet; completion order is
+  the decode step at which a group's last sample finished, ties by (loader step, prompt index), so
+  the batches are a function of decode steps, never of wall time. A batch's rows are sorted by
+  (loader step, prompt index) and renumbered as the batch's prompts; each row carries its origin
+  (loader step, prompt index, dataset index: :data:`hyflow.placement.rows.ORIGIN`) so the training
+  pool scores it against its own prompt. A long group does not hold its batch back: it lands in a
+  later one.
+* **Admission bound** (AReaL's): a replica starts a group only while ``started - dropped <
+  (received + 1 + k) * B_r`` (``received``: weight updates received), and never more than the run
+  needs.
+* **Stale groups are dropped and counted.** A completed group whose oldest token is more than ``k``
+  versions behind the update that would train on it (batch ``t`` trains after ``t - 1`` updates) is
+  dropped, its samples counted in ``fully_async/count/dropped_stale_samples`` of the batch being formed
+  (the training lead's log says how many); its prompt is not retried. A running group that is already
+  too stale for the next batch to form is stopped at once (its slots go to new prompts), dropped and
+  counted the same way.
+* **Weight exchange** (the control message, then the weight sync: collective with the training pool
+  and every replica). A replica enters the receive of ``w_v`` only once it has sent batch ``v``
+  (else the training pool waits for batch ``v`` while the replica waits for ``w_v``), and sends batch
+  ``t`` only once it holds ``w_(t-1)`` (the training pool's order). The exchange becomes *due* at the
+  first token boundary where batch ``v`` is sent and the admission bound stops new groups; it is taken
+  ``trainer.update_after_tokens`` decode steps later (the running samples are half generated: with
+  ``trainer.partial_rollout=continue`` their caches are recomputed with the new weights, with
+  ``abort`` they restart), or at once when nothing can run (every started group done). With
+  ``update_after_tokens = 0`` it is taken only then: no sample spans two versions.
 
-So batch ``s`` starts with ``w_(s-1-k)`` and ends with ``w_(s-k)``: its oldest token is ``k``
-versions behind the update that trains on it, never more: no sample ever needs dropping for
-staleness (:func:`version_metrics` raises if one is over the bound: a scheduling bug). ``k = 0`` is the pooled
-``sync`` run; ``k = 1`` with ``update_after_tokens = 0`` is ``one_step_off``. While the training
-pool updates on batch ``t`` the generation pool samples the rest of ``t + 1`` .. ``t + k``: it
-waits only when the training pool is more than ``k`` batches behind, and the training pool waits
-only for a batch that is not complete yet (the long tail of batch ``t + 1`` is generated while
-batch ``t`` is trained on).
+``k = 0`` is the pooled ``sync`` run (only batch ``t``'s groups may start before ``w_(t-1)``, and they
+all complete before the exchange). With ``k >= 1`` groups of several loader batches run together, so a
+training batch may mix loader batches; the staleness of a batch is at most ``k`` by the drop rule.
+Every generated token records the weight version that sampled it
+(:mod:`hyflow.rollout.scheduler`): the rollout correction (``actor.rollout_correction``) divides by
+each token's own behaviour log-prob, and :func:`version_metrics` reports the staleness, the versions
+spread in a sample and the dropped samples.
 
-The schedule is a function of the decode steps, not of timing, so a run is reproducible. Every
-generated token records the weight version that sampled it (:mod:`hyflow.rollout.scheduler`):
-the rollout correction (``actor.rollout_correction``) divides by each token's own behaviour
-log-prob, and :func:`version_metrics` reports the staleness and the versions spread in a sample.
-
-Why a fixed token boundary and not "whenever the weights arrive" (verl's fully async trainer, AReaL):
+Why fixed token boundaries and not "whenever the weights arrive" (verl's fully async trainer, AReaL):
 a poll would make the run depend on timing (not reproducible, not resumable to the same result),
-and NCCL needs every member of the weight sync's groups to enter it; a fixed boundary gives both,
-and the generation pool still never waits for an update it does not need.
+and NCCL needs every member of the weight sync's groups to enter it; fixed boundaries give both.
+
+A checkpoint (written at an exchange the training lead marks) holds each replica's whole in-flight
+state (:class:`AsyncInFlight`): every group started and not sent (tokens, log-probs, versions,
+finish, completion step), the formed batches not sent, the loader position, the counters; a resumed
+run continues the scheduler from it and equals the straight run.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -48,24 +66,42 @@ import torch.distributed as dist
 from hyflow.checkpoint.errors import CheckpointError
 from hyflow.placement.inflight import INFLIGHT_DIR, inflight_file, load_inflight_data
 from hyflow.placement.rows import send_rows
-from hyflow.rollout.dp import SampleTensors
+from hyflow.rollout.dp import META, SampleTensors
 
-ASYNC_FORMAT, ASYNC_VERSION = "hyflow-inflight-async", 1
+ASYNC_FORMAT, ASYNC_VERSION = "hyflow-inflight-async", 2
 _TENSORS = ("meta", "tokens", "logprobs", "versions")
+_COUNTERS = ("step", "formed", "started", "dropped", "decoded", "origin", "next_index")
+
+
+@dataclass
+class Group:
+    """One prompt's ``n`` samples on a replica, from its start until its batch is sent."""
+
+    origin: int  # the loader step whose batch the prompt is in
+    index: int  # the prompt's global index in that batch (its seeds' key)
+    uid: int  # the prompt's dataset index
+    outs: list  # SampleOutput per sample, filled in place by the scheduler
+    done_at: int = -1  # the replica's decode count when its last sample finished (-1: running)
+    batch: int = 0  # the training batch it is in (0: none yet)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.origin, self.index
+
+    def oldest(self, default: int) -> int:
+        versions = [v for o in self.outs for v in o.versions]
+        return min(versions) if versions else default
 
 
 @dataclass
 class AsyncInFlight:
-    """A generation rank's state when the training pool saves after update ``step - 1``: the complete
-    batches not sent yet, the batch half generated (its samples as they stand: finished, half done
-    with their tokens' versions, not started), and the prompt loader's position."""
+    """A generation replica's state when the training pool saves after update ``step - 1``."""
 
     step: int  # the next batch to send (the checkpoint's step + 1)
-    loader: dict  # the prompt loader's position before ``next_batch``'s prompts
-    next_batch: int  # the batch to generate next (the half-generated one when ``partial`` is set)
-    queue: dict = field(default_factory=dict)  # step -> (SampleTensors, generation seconds, oldest version)
-    partial: Optional[SampleTensors] = None
-    waited: float = 0.0
+    loader: dict  # the prompt loader's position before the batch of ``origin`` was drawn
+    counters: dict  # formed, started, dropped, decoded, origin, next_index
+    groups: list = field(default_factory=list)  # Group, started and not sent (outs as they stand)
+    drops: dict = field(default_factory=dict)  # batch -> samples dropped while forming it (not sent yet)
 
 
 def _pack(t: SampleTensors) -> dict:
@@ -79,32 +115,44 @@ def _unpack(d: dict, device) -> SampleTensors:
 def write_async_inflight(path: str, rank: int, state: AsyncInFlight, pool: Any, layout: Any) -> None:
     """This generation rank's ``inflight/rank_<rank>.pt``: tensors and plain data only (read with
     ``weights_only=True``), hashed in the checkpoint's manifest like the rest."""
+    outs = [o for g in state.groups for o in g.outs]
     data = {"format": ASYNC_FORMAT, "version": ASYNC_VERSION, "step": int(state.step),
-            "next_batch": int(state.next_batch), "waited": float(state.waited),
+            "counters": {k: int(state.counters[k]) for k in _COUNTERS if k != "step"},
             "loader": {str(k): v for k, v in state.loader.items()},
             "pool": [int(pool.start), int(pool.stop)], "layout": [int(layout.tp), int(layout.pp), int(layout.dp)],
-            "queue": [{"step": int(b), "seconds": float(sec), "oldest": int(old), **_pack(t)}
-                      for b, (t, sec, old) in sorted(state.queue.items())],
-            "partial": _pack(state.partial) if state.partial is not None else None}
+            "groups": torch.tensor([[g.origin, g.index, g.uid, g.done_at, g.batch, len(g.outs)] for g in state.groups],
+                                   dtype=torch.long).view(-1, 6),
+            "samples": _pack(SampleTensors.from_samples(outs, torch.device("cpu"))),
+            "drops": [[int(t), int(c)] for t, c in sorted(state.drops.items())]}
     os.makedirs(os.path.join(path, INFLIGHT_DIR), exist_ok=True)
     torch.save(data, inflight_file(path, rank))
 
 
 def read_async_inflight(path: str, rank: int, pool: Any, layout: Any, device: torch.device) -> AsyncInFlight:
-    """What :func:`write_async_inflight` wrote (a wrong file raises :class:`CheckpointError`)."""
+    """What :func:`write_async_inflight` wrote. A wrong file, or one an older hyflow wrote (its
+    batches were not streamed), raises one :class:`CheckpointError`."""
     data = load_inflight_data(path, rank, pool, layout, ASYNC_FORMAT, ASYNC_VERSION)
+    if int(data["version"]) != ASYNC_VERSION:
+        raise CheckpointError(f"{inflight_file(path, rank)} is an async in-flight file of version {data['version']} "
+                              f"(whole loader batches); this hyflow streams batches and reads version {ASYNC_VERSION} "
+                              "only: resume it with the hyflow that wrote it, or start the run again")
     try:
-        queue = {int(b["step"]): (_unpack(b, device), float(b["seconds"]), int(b["oldest"])) for b in data["queue"]}
-        partial = _unpack(data["partial"], device) if data["partial"] is not None else None
-        return AsyncInFlight(step=int(data["step"]), loader=dict(data["loader"]), next_batch=int(data["next_batch"]),
-                             queue=queue, partial=partial, waited=float(data["waited"]))
+        outs = _unpack(data["samples"], device).to_outputs()
+        groups, at = [], 0
+        for origin, index, uid, done_at, batch, n in data["groups"].tolist():
+            groups.append(Group(origin, index, uid, outs[at:at + n], done_at, batch))
+            at += n
+        counters = dict(data["counters"], step=int(data["step"]))
+        return AsyncInFlight(step=int(data["step"]), loader=dict(data["loader"]), counters=counters,
+                             groups=groups, drops={int(t): int(c) for t, c in data["drops"]})
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{inflight_file(path, rank)} is not an async in-flight file this hyflow reads "
                               f"({type(e).__name__}: {e})") from None
 
 
 class AsyncGeneration:
-    """One generation rank's loop (see the module docstring). ``side``: the
+    """One generation rank's loop (see the module docstring): the feeder, the token-boundary hook and
+    the completion callback of its replica's long-lived scheduler. ``side``: the
     :class:`~hyflow.placement.pool_models.GenerationSide`; ``exchange_control()``: the training lead's
     control message (:func:`hyflow.placement.inflight.control`, collective with it)."""
 
@@ -112,69 +160,163 @@ class AsyncGeneration:
         t = cfg.trainer
         self.total, self.k, self.after, self.partial = t.total_steps, t.max_staleness, t.update_after_tokens, \
             t.partial_rollout
-        self.n = cfg.rollout.n
+        self.n, self.max_new = cfg.rollout.n, cfg.rollout.max_new_tokens
         self.side, self.loader, self.routes, self.control = side, loader, routes, exchange_control
         self.ckpts = ckpts  # GenerationCheckpoints: this rank joins the training pool's saves
         self.device = side.groups.device
         self.rank = dist.get_rank()
-        self.received = 0  # the newest weight version received (w_0 before the loop)
-        self.sent = 0  # the last batch sent
-        self.queue: dict[int, tuple[SampleTensors, float, int]] = {}  # complete batches: samples, seconds, oldest
+        self.first, stop = side.share(cfg.data.train_batch_size)
+        self.share = stop - self.first  # B_r: groups per training batch on this replica
+        self.received = self.sent = self.formed = 0  # weight updates received; batches sent / formed
+        self.started = self.dropped = 0  # groups
+        self.decoded = 0  # this replica's decode steps
+        self.groups: dict[tuple[int, int], Group] = {}  # started, not sent
+        self.by_out: dict[int, Group] = {}  # id(SampleOutput) -> its group, while running
+        self.completed: list[Group] = []  # completed since the last batch forming
+        self.current: list[Group] = []  # completed, in no batch yet (fewer than B_r)
+        self.batches: dict[int, list[Group]] = {}  # formed, not sent
+        self.drops: dict[int, int] = {}  # batch -> samples dropped while forming it
+        self.prompts: deque = deque()  # (index, record) of loader batch ``origin`` not started yet
+        self.origin, self.drawn_from = 0, loader.state_dict()
+        self.due: Optional[int] = None  # the decode count at which the next exchange became due
         self.stopped = False
-        self.waited = 0.0  # seconds waiting for the training pool since the last send
-        self.generated = 0  # the last complete batch
+        self.waited, self.mark = 0.0, time.perf_counter()  # waits for the training pool since the last send
 
+    # ------------------------------------------------------------------ loop
     def run(self, resumed: Optional[AsyncInFlight] = None) -> None:
-        """Every batch, then the exchanges due after the last one. ``resumed``: the state a
-        checkpoint saved (the weights of its step were received just before, as at the save)."""
-        first, partial = 1, None
-        if resumed is not None:
-            self.received = self.sent = resumed.step - 1
-            self.queue, self.waited = dict(resumed.queue), resumed.waited
-            first, partial = resumed.next_batch, resumed.partial
-            self.generated = first - 1
-            self._send_ready()
-        for step in range(first, self.total + 1):
-            self._batch(step, partial.to_outputs() if partial is not None and step == first else None)
-            if self.stopped:
-                return
-        while not self.stopped:  # the versions due after the last batch, then the stop
-            self._exchange()
-
-    def _batch(self, step: int, resume=None) -> None:
-        due = step - self.k  # w_due is received while this batch is sampled
-        mid = self.after > 0 and self.k > 0 and due >= 1
-        # a resumed half-generated batch: its exchange was the save's
-        decoded, fired, paused = 0, resume is not None, 0.0
-
-        def on_decode(scheduler) -> Optional[int]:
-            nonlocal decoded, fired, paused
-            decoded += 1
-            if not mid or fired or decoded != self.after or self.stopped:
-                return None
-            fired = True
-            start = time.perf_counter()
-            go = self._exchange(scheduler, step)
-            paused += time.perf_counter() - start
-            return self.received if go else None
-
-        start = time.perf_counter()
-        self.drawn_from = self.loader.state_dict()  # a save in this batch resumes drawing it again
-        out = self.side.generate(self.loader.next_batch(), step, self.n, version=self.received, on_decode=on_decode,
-                                 partial=self.partial, resume=resume)
-        seconds = time.perf_counter() - start - paused
-        samples = out.samples
-        v = samples.versions
-        oldest = int(v.min()) if v is not None and v.numel() else self.received
-        self.queue[step] = (samples, seconds, oldest)
-        self.generated = step
+        """Stream until the training pool says stop. ``resumed``: the state a checkpoint saved (the
+        weights of its step were received just before, as at the save)."""
+        todo = self._restore(resumed) if resumed is not None else []
+        self._form()
         self._send_ready()
-        if due >= 1 and not fired and not self.stopped:
-            self._exchange()
+        # groups started and not sent stay under (k + 1) B_r (the admission bound, since received <= sent)
+        self.side.engine.stream(self._feed, todo, max_new_tokens=self.max_new, on_finish=self._finished,
+                                max_sequences=(self.k + 1) * self.share * self.n,
+                                version=self.received, on_decode=self._on_decode, partial=self.partial)
+        if not self.stopped:  # the stream ends only when the feeder hears the training pool's stop
+            raise RuntimeError(f"rank {self.rank}: the generation stream ended before the training pool's stop")
 
-    def _exchange(self, scheduler=None, step: int = 0) -> bool:
+    def _may_start(self) -> bool:
+        return self.started - self.dropped < min(self.received + 1 + self.k, self.total) * self.share
+
+    def _feed(self, scheduler) -> list:
+        """New groups while cache slots are free and the admission bound allows; when nothing can run,
+        the weight exchange (then new groups, or none: the training pool said stop)."""
+        while True:
+            seqs = []
+            while scheduler.free_slots - scheduler.queued - len(seqs) > 0 and self._may_start():
+                seqs += self._start()
+            if seqs or scheduler.running or scheduler.queued:
+                return seqs
+            self._form()  # groups completed at admission since the last token boundary
+            self._send_ready()
+            if self._may_start() and not self.stopped:  # a drop freed a place
+                continue
+            if self.stopped or not self._exchange():
+                return []
+            scheduler.new_weights(self.received)
+
+    def _start(self) -> list:
+        if not self.prompts:
+            self.origin += 1
+            self.drawn_from = self.loader.state_dict()  # a save resumes by drawing this batch again
+            records = self.loader.next_batch()
+            self.prompts = deque((i, records[i]) for i in range(self.first, self.first + self.share))
+        index, record = self.prompts.popleft()
+        seqs = self.side.sequences(record.prompt_ids, self.origin, index, self.n)
+        group = Group(self.origin, index, record.uid, [s.out for s in seqs])
+        self._track(group)
+        self.started += 1
+        return seqs
+
+    def _track(self, group: Group) -> None:
+        self.groups[group.key] = group
+        for o in group.outs:
+            if o.finish_reason is None:
+                self.by_out[id(o)] = group
+
+    def _finished(self, out) -> None:
+        group = self.by_out.pop(id(out))
+        if not any(id(o) in self.by_out for o in group.outs):
+            group.done_at = self.decoded
+            self.completed.append(group)
+
+    def _on_decode(self, scheduler) -> Optional[int]:
+        """A token boundary: form and send batches; take the exchange when it is due."""
+        self.decoded += 1
+        self._form()
+        self._stop_doomed(scheduler)
+        self._send_ready()
+        if self.after == 0 or self.stopped:
+            return None
+        if self.due is None and self.sent > self.received and not self._may_start():
+            self.due = self.decoded
+        if self.due is None or self.decoded - self.due < self.after:
+            return None
+        return self.received if self._exchange() else None
+
+    # --------------------------------------------------------------- batches
+    def _form(self) -> None:
+        """Completed groups, in completion order, into batches of ``B_r``; a group too stale for the
+        batch it would land in is dropped (counted against that batch)."""
+        for g in sorted(self.completed, key=lambda g: (g.done_at, g.origin, g.index)):
+            t = self.formed + 1
+            if (t - 1) - g.oldest(self.received) > self.k:
+                self.dropped += 1
+                self.drops[t] = self.drops.get(t, 0) + len(g.outs)
+                del self.groups[g.key]
+                continue
+            self.current.append(g)
+            if len(self.current) == self.share:
+                for member in self.current:
+                    member.batch = t
+                self.batches[t], self.current, self.formed = sorted(self.current, key=lambda g: g.key), [], t
+        self.completed = []
+        while self.share == 0 and self.formed < self.total:  # a replica with no prompts sends nothing
+            self.formed += 1
+            self.batches[self.formed] = []
+
+    def _stop_doomed(self, scheduler) -> None:
+        """Drop (and count) the running groups that can make no batch any more: a group lands at the
+        earliest in batch ``formed + 1``, and its oldest token (a sample's first) already makes it more
+        than ``k`` versions stale there. Their cache slots go to new prompts at once."""
+        for g in [g for g in self.groups.values() if g.done_at < 0]:
+            first = [o.versions[0] for o in g.outs if o.versions]
+            if first and (self.formed + 1 - 1) - min(first) > self.k:  # staleness in batch formed + 1
+                scheduler.cancel(g.outs)
+                for o in g.outs:
+                    self.by_out.pop(id(o), None)
+                self.dropped += 1
+                t = self.formed + 1
+                self.drops[t] = self.drops.get(t, 0) + len(g.outs)
+                del self.groups[g.key]
+
+    def _send_ready(self) -> None:
+        while not self.stopped and self.sent + 1 in self.batches and self.received >= self.sent:
+            t = self.sent + 1
+            groups = self.batches.pop(t)
+            samples = SampleTensors.from_samples([o for g in groups for o in g.outs], self.device)
+            samples.meta[:, META.index("request")] = torch.tensor(
+                [self.first + j for j, g in enumerate(groups) for _ in g.outs], dtype=torch.long, device=self.device)
+            origins = torch.tensor([[g.origin, g.index, g.uid] for g in groups for _ in g.outs],
+                                   dtype=torch.long, device=self.device).view(-1, 3)
+            oldest = min((g.oldest(self.received) for g in groups), default=self.received)
+            start = time.perf_counter()
+            with torch.inference_mode(False):
+                send_rows(samples, self.routes, self.rank, oldest, max(0.0, start - self.mark - self.waited),
+                          wait_seconds=self.waited, origins=origins, dropped=self.drops.pop(t, 0))
+            self.waited, self.mark = time.perf_counter() - start, start  # a send waits for the training pool
+            for g in groups:
+                del self.groups[g.key]
+            self.sent = t
+
+    # -------------------------------------------------------------- exchange
+    def _exchange(self) -> bool:
         """Receive the next weight version (the control message first), join a save the training
-        pool writes now; then send what may go. ``scheduler``: the batch ``step`` half generated."""
+        pool writes now; then send what may go. False: the training pool said stop."""
+        if self.sent <= self.received:  # the training pool would wait for a batch this replica holds
+            raise RuntimeError(f"rank {self.rank}: the exchange of w_{self.received + 1} before batch "
+                               f"{self.received + 1} was sent (a scheduling bug)")
         start = time.perf_counter()
         # the weight sync writes the model in place: outside the engine's inference mode, so its
         # buffers stay ordinary tensors
@@ -183,13 +325,9 @@ class AsyncGeneration:
             if msg.go:
                 self.side.receive_weights()
             if msg.save:
-                half = SampleTensors.from_samples(scheduler.outputs, self.device) if scheduler else None
-                state = AsyncInFlight(step=msg.step + 1,
-                                      loader=self.drawn_from if scheduler else self.loader.state_dict(),
-                                      next_batch=step if scheduler else self.generated + 1,
-                                      queue=dict(self.queue), partial=half, waited=self.waited)
-                self.ckpts.save(msg, state, write=write_async_inflight)
+                self.ckpts.save(msg, self._state(msg.step + 1), write=write_async_inflight)
         self.waited += time.perf_counter() - start
+        self.due = None
         if not msg.go:
             self.stopped = True
             return False
@@ -197,24 +335,51 @@ class AsyncGeneration:
         self._send_ready()
         return True
 
-    def _send_ready(self) -> None:
-        while not self.stopped and self.sent + 1 in self.queue and self.received >= self.sent:
-            step = self.sent + 1
-            samples, seconds, oldest = self.queue.pop(step)
-            start = time.perf_counter()
-            with torch.inference_mode(False):
-                send_rows(samples, self.routes, self.rank, oldest, seconds, wait_seconds=self.waited)
-            self.waited = time.perf_counter() - start  # a send waits for the training pool's receive
-            self.sent = step
+    # ---------------------------------------------------------------- resume
+    def _state(self, step: int) -> AsyncInFlight:
+        counters = {"formed": self.formed, "started": self.started, "dropped": self.dropped,
+                    "decoded": self.decoded, "origin": self.origin,
+                    "next_index": self.prompts[0][0] if self.prompts else self.first + self.share}
+        return AsyncInFlight(step=step, loader=self.drawn_from, counters=counters,
+                             groups=sorted(self.groups.values(), key=lambda g: g.key), drops=dict(self.drops))
+
+    def _restore(self, state: AsyncInFlight) -> list:
+        """Take ``state`` back; returns the sequences the scheduler continues (half generated or not
+        started, in (loader step, prompt, sample) order: the order a refresh re-feeds them in)."""
+        c = state.counters
+        self.received = self.sent = state.step - 1
+        self.formed, self.started, self.dropped, self.decoded = c["formed"], c["started"], c["dropped"], c["decoded"]
+        self.origin, self.drops = c["origin"], dict(state.drops)
+        self.loader.load_state_dict(state.loader)
+        self.drawn_from = state.loader
+        if self.origin:
+            records = self.loader.next_batch()
+            self.prompts = deque((i, records[i]) for i in range(c["next_index"], self.first + self.share))
+        todo = []
+        for g in state.groups:
+            self._track(g)
+            if g.batch:
+                self.batches.setdefault(g.batch, []).append(g)
+            elif g.done_at >= 0:
+                self.current.append(g)
+            else:
+                seqs = self.side.sequences(g.outs[0].prompt_ids, g.origin, g.index, self.n)
+                for s, o in zip(seqs, g.outs):
+                    s.out = o
+                todo += [s for s in seqs if s.out.finish_reason is None]
+        self.current.sort(key=lambda g: (g.done_at, g.origin, g.index))
+        return todo
 
 
 def version_metrics(samples: SampleTensors, step: int, max_staleness: int, dp_group,
-                    device: torch.device) -> dict:
+                    device: torch.device, dropped: int = 0) -> dict:
     """Staleness of the rows a training rank received for ``step`` (per sample: its oldest token's
     version; ``step - 1`` versions are applied before the update), summed over the training
     data-parallel ranks (every rank of a DP rank holds the same rows): the mean, max and histogram of
     the samples' staleness, the tokens' mean staleness, and how many versions a sample spans (verl's
-    ``fully_async/partial/*`` and ``fully_async/count/stale_samples_processed`` where it has the name)."""
+    ``fully_async/partial/*`` and ``fully_async/count/stale_samples_processed`` where it has the name), and
+    ``dropped``: the samples the generation replicas dropped as too stale while forming this batch (this
+    rank's senders' count; summed over the DP ranks, each replica is counted once: :func:`send_rows`)."""
     lens = samples.column("response_len").tolist()
     parts = [p for p in torch.split(samples.versions, lens) if p.numel()]
     none = torch.zeros(0, dtype=torch.long, device=samples.versions.device)
@@ -227,16 +392,17 @@ def version_metrics(samples: SampleTensors, step: int, max_staleness: int, dp_gr
     hist = torch.bincount(stale.clamp(0, buckets), minlength=buckets + 1)[:buckets + 1]
     sums = torch.tensor([len(parts), float(stale.sum()), float((stale > max_staleness).sum()),
                          float((spread > 0).sum()), float(spread.sum()), token_stale.numel(),
-                         float(token_stale.sum()), *hist.tolist()], dtype=torch.float64, device=device)
+                         float(token_stale.sum()), float(dropped), *hist.tolist()], dtype=torch.float64,
+                        device=device)
     highs = torch.tensor([float(stale.max()) if len(parts) else 0.0, float(spread.max()) if len(parts) else 0.0],
                          dtype=torch.float64, device=device)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(sums, group=dp_group)
         dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=dp_group)
-    n, stale_sum, over, partial, spread_sum, tokens, token_sum, *hist = sums.tolist()
+    n, stale_sum, over, partial, spread_sum, tokens, token_sum, dropped, *hist = sums.tolist()
     if over:
         raise RuntimeError(f"step {step}: {int(over)} samples are more than trainer.max_staleness={max_staleness} "
-                           "weight versions old (the async schedule never samples them: a bug)")
+                           "weight versions old (the generation pool drops those before sending: a bug)")
     out = {
         "fully_async/staleness/mean": stale_sum / max(n, 1),
         "fully_async/staleness/max": highs[0].item(),
@@ -246,6 +412,7 @@ def version_metrics(samples: SampleTensors, step: int, max_staleness: int, dp_gr
         "fully_async/partial/partial_ratio": partial / max(n, 1),
         "fully_async/version_spread/mean": spread_sum / max(n, 1),
         "fully_async/partial/max_partial_span": highs[1].item(),
+        "fully_async/count/dropped_stale_samples": dropped,
     }
     for j, count in enumerate(hist[:buckets]):
         out[f"fully_async/staleness_hist/{j}"] = count / max(n, 1)

@@ -45,7 +45,7 @@ from hyflow.data.loader import PromptLoader
 from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
 from hyflow.jobs.fully_async import AsyncGeneration, read_async_inflight, version_metrics
 from hyflow.jobs.loop import open_run, run_job
-from hyflow.jobs.rl import RLSteps, StepJob, frozen_models, sft_warmup
+from hyflow.jobs.rl import RLSteps, StepJob, frozen_models, rl_step, sft_warmup
 from hyflow.jobs.rl_config import RLJobConfig
 from hyflow.jobs.step_end import save_due
 from hyflow.monitor import comm
@@ -198,7 +198,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group,
     saves = checkpointing(placement)
     ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
                         tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead)
-    steps = PooledSteps(cfg, state, job, ckpt, placement, train_group, ctl, saves)
+    steps = PooledSteps(cfg, state, job, ckpt, placement, train_group, ctl, saves, dataset)
     try:
         run = open_run(cfg, ckpt, supervisor, steps.resume, lead)  # the resume is collective with the generation pool
         if lead:
@@ -214,8 +214,11 @@ class PooledSteps(RLSteps):
     """The training pool's steps: :class:`~hyflow.jobs.rl.RLSteps` whose rows come from the
     generation pool, followed by the control message and the weight send; metrics of both pools."""
 
-    def __init__(self, cfg: RLJobConfig, state, job, ckpt, placement, train_group, ctl, saves: bool) -> None:
+    def __init__(self, cfg: RLJobConfig, state, job, ckpt, placement, train_group, ctl, saves: bool,
+                 dataset=None) -> None:
         super().__init__(cfg, state, job, ckpt)
+        # async: a batch's rows answer prompts of several loader batches, named by their dataset index
+        self.dataset = dataset if cfg.trainer.mode == "async" else None
         # this loop drives the pooled roles' own parts: the weight send and the received rows' record
         self.sender, self.received = state.models.weights, state.models.rollouts
         assert isinstance(self.sender, WeightSender) and isinstance(self.received, RemoteRollouts)
@@ -244,7 +247,19 @@ class PooledSteps(RLSteps):
 
     def step(self, step: int) -> dict:
         self.t0 = time.perf_counter()
-        return super().step(step)
+        if self.dataset is None:
+            return super().step(step)
+        # async: receive the rows first; they say which prompts they answer (hyflow.jobs.fully_async).
+        # The loader still draws the step's batch, so its checkpointed position is the sync run's.
+        records = self.state.loader.next_batch()
+        with self.timers.phase("gen"):
+            rows = self.received.receive(len(records))
+        request = rows.samples.column("request").tolist()
+        for j, uid in zip(request, rows.origins[:, 2].tolist()):  # rl_step scores each row against these
+            records[j] = self.dataset[uid]
+        self.records = records
+        metrics, self.data = rl_step(self.cfg, self.state, records, self.job, self.timers)
+        return metrics
 
     def report(self, step: int, metrics: dict, outcome) -> bool:
         self.state.step = step
@@ -279,9 +294,16 @@ class PooledSteps(RLSteps):
         metrics["perf/gen_pool_utilization"] = min(1.0, rows.gen_seconds / max(step_seconds, 1e-9))
         metrics["timing_s/gen_wait"] = rows.wait_seconds  # the generation pool's waits for this pool
         if rows.samples.versions is not None:  # tokens tagged with the weight version that sampled them
-            metrics["fully_async/rollouter/idle_ratio"] = 1.0 - metrics["perf/gen_pool_utilization"]  # verl's name
+            # verl's name: the generation pool's share of time waiting for this pool since its previous send
+            metrics["fully_async/rollouter/idle_ratio"] = rows.wait_seconds / max(
+                rows.wait_seconds + rows.gen_seconds, 1e-9)
             metrics.update(version_metrics(rows.samples, step, self.cfg.trainer.max_staleness,
-                                           self.state.models.groups.pgs.dp, self._device))
+                                           self.state.models.groups.pgs.dp, self._device, dropped=rows.dropped))
+            dropped = int(metrics["fully_async/count/dropped_stale_samples"])
+            if dropped and dist.get_rank() == self.placement.roles["actor"].pool.start:
+                print(f"[hyflow] step {step}: the generation pool dropped {dropped} samples more than "
+                      f"trainer.max_staleness={self.cfg.trainer.max_staleness} weight versions old "
+                      "(fully_async/count/dropped_stale_samples)", flush=True)
         return go
 
     def save(self, step: int):

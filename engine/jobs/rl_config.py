@@ -404,18 +404,21 @@ class RLTrainerConfig(ValidatedTrainerConfig):
                 "async need a generation pool of its own (placement; without pools the ranks split in half)"})
     max_staleness: int = field(default=2, metadata={
         "help": "trainer.mode=async: the most weight versions a trained token may lag the weights being updated "
-                "(verl's async staleness bound): batch t is sampled starting with the weights of update t-1-k "
-                "and the generation pool takes w_(t-k) while sampling it; 0 = the pooled sync run"})
+                "(verl's async staleness bound): a generation replica starts a prompt only while it has started "
+                "fewer than (updates received + 1 + k) batches of prompts, and a completed group older than that "
+                "for its batch is dropped and counted (fully_async/count/dropped_stale_samples); 0 = the pooled "
+                "sync run"})
     partial_rollout: Literal["continue", "abort"] = field(default="continue", metadata={
         "help": "trainer.mode=async, when new weights arrive while samples are half generated: continue them "
                 "with the new weights (their caches recomputed; every token records the version that sampled "
                 "it, and the rollout correction uses each token's own log-prob), or abort and re-generate them "
                 "from the start with the new weights"})
     update_after_tokens: int = field(default=8, metadata={
-        "help": "trainer.mode=async with max_staleness >= 1: the generation pool takes the next weights after "
-                "this many decode steps (tokens) of the batch it is sampling (a token boundary: samples are "
-                "half generated then; the schedule is fixed, so runs are reproducible and resumable); 0 = only "
-                "between batches (no partial rollouts; async k=1 is then one_step_off)"})
+        "help": "trainer.mode=async with max_staleness >= 1: a generation replica takes the next weights this "
+                "many decode steps (tokens) after they are due (its batch for them sent and the staleness bound "
+                "reached), at once when nothing can run (a token boundary: samples are half generated then; "
+                "the schedule is a function of decode steps, so runs are reproducible and resumable); 0 = only "
+                "when nothing can run (no partial rollouts)"})
 
     def validate(self) -> None:
         super().validate()

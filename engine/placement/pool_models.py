@@ -113,6 +113,7 @@ class RemoteRollouts:
     group: object = None
     current_weights: bool = True
     last: ReceivedRows | None = field(default=None)
+    prefetched: ReceivedRows | None = field(default=None)
 
     @classmethod
     def capabilities_for(cls, cfg) -> RolloutCapabilities:
@@ -131,6 +132,13 @@ class RemoteRollouts:
     def finish_generation(self) -> None:
         """Nothing held here."""
 
+    def receive(self, total: int) -> ReceivedRows:
+        """This rank's rows of a step of ``total`` prompts, received now (``trainer.mode: async``, whose
+        rows say which prompts they answer: :meth:`generate` then returns these)."""
+        routes = row_routes(total, self.placement.roles["rollout"], self.placement.roles["actor"])
+        self.prefetched = recv_rows(routes, dist.get_rank(), self.groups.device, self.group)
+        return self.prefetched
+
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, seed: int, request_offset: int,
                  greedy: bool = False, max_new_tokens: Optional[int] = None,
                  sampling: Optional[SamplingConfig] = None) -> GatheredRollout:
@@ -138,9 +146,9 @@ class RemoteRollouts:
             raise RuntimeError("the generation pool does not generate greedy baselines (remax)")
         if sampling is not None:  # the preflight refuses data.val_files with pools
             raise RuntimeError("the generation pool samples with the rollout's settings only (no validation)")
-        total = len(prompts) * self.groups.layout.dp
-        routes = row_routes(total, self.placement.roles["rollout"], self.placement.roles["actor"])
-        got = recv_rows(routes, dist.get_rank(), self.groups.device, self.group)
+        if self.prefetched is None:
+            self.receive(len(prompts) * self.groups.layout.dp)
+        got, self.prefetched = self.prefetched, None
         request = got.samples.column("request")
         if len(got.samples) != len(prompts) * n or (len(request) and (
                 int(request.min()) != request_offset or int(request.max()) != request_offset + len(prompts) - 1)):
@@ -224,6 +232,20 @@ class GenerationSide:
     @property
     def replica(self) -> int:
         return self.groups.dp_rank
+
+    def share(self, count: int) -> tuple[int, int]:
+        """This replica's prompts ``[first, stop)`` of a batch of ``count``."""
+        return shard_range(count, self.groups.layout.dp, self.replica)
+
+    def sequences(self, prompt_ids, step: int, index: int, n: int) -> list:
+        """The ``n`` scheduler sequences of prompt ``index`` of ``step``'s batch, seeded as
+        :meth:`generate` seeds it, keyed ``(step, index)`` (``trainer.mode: async`` streams prompts of
+        several steps through one scheduler)."""
+        sampling = self.rollout_config.sampling.replace(n=n, seed=sampling_seed(self.trainer_seed, step))
+        seqs, _ = self.engine.prepare([list(prompt_ids)], sampling, request_offset=index)
+        for s in seqs:
+            s.key = (step, index)
+        return seqs
 
     def generate(self, records, step: int, n: int, **partial):
         """This replica's samples of ``records`` (the step's prompts) with the seeds the colocated

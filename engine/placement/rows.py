@@ -9,14 +9,16 @@ samples of a prompt travel together); nothing crosses to a rank that does not ow
 no rank ever holds the whole batch unless it owns it.
 
 One message per (sender, receiver) pair: an int64 header (rows, tokens, log-probs, weight
-version, generation microseconds, per-token versions, waiting microseconds), then the tensors of
-:class:`~hyflow.rollout.dp.SampleTensors` (the per-token weight versions when the sender recorded
-them: ``trainer.mode: async``); both rounds are one ``batch_isend_irecv`` on each rank.
+version, generation microseconds, per-token versions, waiting microseconds, origin rows, dropped
+samples), then the tensors of :class:`~hyflow.rollout.dp.SampleTensors` (the per-token weight
+versions when the sender recorded them, and each row's origin when a batch mixes prompts of several
+loader batches: ``trainer.mode: async``); both rounds are one ``batch_isend_irecv`` on each rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,10 @@ import torch.distributed as dist
 from hyflow.rl.dispatch import shard_range
 from hyflow.rollout.dp import META, SampleTensors
 
-HEADER = 7  # rows, tokens, logprobs, weight version, generation microseconds, versions, waiting microseconds
+#: rows, tokens, logprobs, weight version, generation microseconds, versions, waiting microseconds, origin rows,
+#: dropped samples
+HEADER = 9
+ORIGIN = ("step", "request", "uid")  #: columns of a row's origin: loader step, prompt index there, dataset index
 
 
 @dataclass(frozen=True)
@@ -60,24 +65,30 @@ def _exchange(ops: list) -> None:
 
 
 def send_rows(samples: SampleTensors, routes: list[RowRoute], rank: int, version: int, gen_seconds: float,
-              group=None, wait_seconds: float = 0.0) -> int:
+              group=None, wait_seconds: float = 0.0, origins: Optional[torch.Tensor] = None, dropped: int = 0) -> int:
     """Send this replica's ``samples`` (sorted, global request indices) along its routes; returns bytes
     sent. ``version``: the oldest weight version that sampled them; ``gen_seconds`` / ``wait_seconds``:
-    the replica's time generating them and waiting for the training pool since its previous send."""
+    the replica's time generating them and waiting for the training pool since its previous send;
+    ``origins``: None, or ``[rows, 3]`` int64 per row (:data:`ORIGIN`); ``dropped``: samples this replica
+    dropped as too stale while forming the batch (told to the owners of its first rows only, so a sum
+    over the training data-parallel ranks counts each replica once)."""
     mine = [r for r in routes if r.src == rank]
     request = samples.column("request")
-    parts = []
+    parts, picked = [], []
     for r in mine:
         index = torch.nonzero((request >= r.first) & (request < r.stop)).flatten()
         parts.append(samples.select(index))
+        picked.append(None if origins is None else origins[index].contiguous())
     device = samples.meta.device
+    lowest = min((r.first for r in mine), default=0)
     headers = [torch.tensor([len(p), p.tokens.numel(), p.logprobs.numel(), version, int(gen_seconds * 1e6),
-                             0 if p.versions is None else p.versions.numel(), int(wait_seconds * 1e6)],
-                            dtype=torch.long, device=device) for p in parts]
+                             0 if p.versions is None else p.versions.numel(), int(wait_seconds * 1e6),
+                             0 if o is None else o.shape[0], dropped if r.first == lowest else 0],
+                            dtype=torch.long, device=device) for p, o, r in zip(parts, picked, mine)]
     _exchange([dist.P2POp(dist.isend, h, r.dst, group=group) for h, r in zip(headers, mine)])
     ops, sent = [], 0
-    for p, r in zip(parts, mine):
-        for t in (p.meta.contiguous(), p.tokens, p.logprobs, p.versions):
+    for p, o, r in zip(parts, picked, mine):
+        for t in (p.meta.contiguous(), p.tokens, p.logprobs, p.versions, o):
             if t is not None and t.numel():
                 ops.append(dist.P2POp(dist.isend, t, r.dst, group=group))
                 sent += t.numel() * t.element_size()
@@ -92,6 +103,8 @@ class ReceivedRows:
     gen_seconds: float  # generation time of the slowest sending replica
     nbytes: int
     wait_seconds: float = 0.0  # the sending replicas' waits for the training pool since their previous send (most)
+    origins: Optional[torch.Tensor] = None  # [rows, 3] (ORIGIN) when the senders sent them
+    dropped: int = 0  # samples the senders dropped as too stale while forming this batch (see send_rows)
 
 
 def recv_rows(routes: list[RowRoute], rank: int, device: torch.device, group=None) -> ReceivedRows:
@@ -100,17 +113,21 @@ def recv_rows(routes: list[RowRoute], rank: int, device: torch.device, group=Non
     headers = [torch.empty(HEADER, dtype=torch.long, device=device) for _ in mine]
     _exchange([dist.P2POp(dist.irecv, h, r.src, group=group) for h, r in zip(headers, mine)])
     ops, parts, nbytes = [], [], 0
+    origins = []
     for h, r in zip(headers, mine):
-        n, t, l_, v = (int(h[i]) for i in (0, 1, 2, 5))
+        n, t, l_, v, o = (int(h[i]) for i in (0, 1, 2, 5, 7))
         part = SampleTensors(meta=torch.empty(n, len(META), dtype=torch.long, device=device),
                              tokens=torch.empty(t, dtype=torch.long, device=device),
                              logprobs=torch.empty(l_, dtype=torch.float32, device=device),
                              versions=torch.empty(v, dtype=torch.long, device=device) if v else None)
-        for x in (part.meta, part.tokens, part.logprobs, *([part.versions] if v else [])):
+        origin = torch.empty(o, len(ORIGIN), dtype=torch.long, device=device) if o else None
+        for x in (part.meta, part.tokens, part.logprobs, *([part.versions] if v else []),
+                  *([origin] if o else [])):
             if x.numel():
                 ops.append(dist.P2POp(dist.irecv, x, r.src, group=group))
                 nbytes += x.numel() * x.element_size()
         parts.append(part)
+        origins.append(origin)
     _exchange(ops)
     tagged = [p for p in parts if len(p)]
     if any(p.versions is None for p in tagged) or not tagged:  # the versions of a step, one per batch
@@ -123,6 +140,9 @@ def recv_rows(routes: list[RowRoute], rank: int, device: torch.device, group=Non
         per_token = torch.cat([p.versions for p in tagged])
     samples = SampleTensors(meta=torch.cat([p.meta for p in parts]), tokens=torch.cat([p.tokens for p in parts]),
                             logprobs=torch.cat([p.logprobs for p in parts]), versions=per_token)
+    sent = [o for o, p in zip(origins, parts) if len(p)]
+    origin = torch.cat(sent) if sent and all(o is not None for o in sent) else None
     return ReceivedRows(samples=samples, version=versions.pop() if versions else 0,
                         gen_seconds=max((int(h[4]) for h in headers), default=0) / 1e6, nbytes=nbytes,
-                        wait_seconds=max((int(h[6]) for h in headers), default=0) / 1e6)
+                        wait_seconds=max((int(h[6]) for h in headers), default=0) / 1e6, origins=origin,
+                        dropped=sum(int(h[8]) for h in headers))

@@ -87,6 +87,8 @@ def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, mod
     # the generation pool: its slice of the actor, the KV cache, the sync's receive staging
     layout = gen.layout
     per_replica = -(-prompts * n // layout.dp)
+    if cfg.trainer.mode == "async":  # one streaming cache: up to k + 1 batches' groups in flight
+        per_replica *= cfg.trainer.max_staleness + 1
     slots = min(cfg.rollout.max_concurrent, per_replica)
     prefill = min(8192, -(-slots // n) * cfg.rollout.max_prompt_length)
     est = mem.MemoryEstimate(f"pool {gen.pool.name}: generation")

@@ -182,6 +182,35 @@ class GenerationEngine:
         self.last_stats = stats
         return RolloutResult(samples=[s.out for s in seqs], stats=stats)
 
+    def stream(self, feed: Callable[[Scheduler], list[Sequence]], resume: Seq[Sequence] = (), *,
+               max_new_tokens: int, max_sequences: Optional[int] = None,
+               on_finish: Optional[Callable[[SampleOutput], None]] = None,
+               version: Optional[int] = None, on_decode: Optional[Callable] = None,
+               partial: str = "continue") -> RolloutStats:
+        """Run sequences (from :meth:`prepare`) as ``feed(scheduler)`` supplies them, cache slots kept
+        full, until it returns none with nothing left to run (one long-lived
+        :class:`~hyflow.rollout.scheduler.Scheduler`; ``trainer.mode: async``). ``resume``: sequences a
+        checkpoint saved half way (finished ones are not given), continued first (``partial=abort``:
+        restarted). The cache holds ``rollout.max_concurrent`` slots (at most ``max_sequences``: the most
+        the feeder ever has running) of the longest prompt plus ``max_new_tokens``. Results arrive
+        through ``on_finish``; returns the run's counters."""
+        if self.config.record_routing:  # refused by the async config check: experts across weight updates
+            raise ValueError("stream() does not record routing")
+        todo = list(resume)
+        if partial == "abort":
+            for s in todo:
+                s.out.token_ids, s.out.logprobs, s.out.versions = [], [], []
+        stats = RolloutStats()
+        capacity = min(self.max_seq_len, self.max_prompt_length + max_new_tokens)
+        slots = min(self.config.max_concurrent, max_sequences or self.config.max_concurrent)
+        cache = self.runner.new_cache(max(slots, 1), capacity)
+        with torch.inference_mode(), self.runner.attach(cache, False), comm.untimed():
+            scheduler = Scheduler(self.runner, self.sampler, cache, self.config, stats, on_finish=on_finish,
+                                  version=version, on_decode=on_decode, partial=partial, feed=feed)
+            scheduler.run(todo)
+        del cache, scheduler
+        return stats
+
     def generate_one(self, prompt_ids: list[int], **sampling) -> SampleOutput:
         """Convenience: one prompt, one sample, sampling fields as keywords."""
         params = (self.config.sampling.replace(**sampling) if sampling else self.config.sampling)

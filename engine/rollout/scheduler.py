@@ -61,6 +61,9 @@ class Sequence:
     last: int = -1  # last sampled token (fed at the next decode step)
     routing: list = field(default_factory=list)  # recorded experts, [layers, tokens, k] per forward
     context: Optional[list[int]] = None  # what a refresh re-feeds (prompt + response so far), else None
+    #: the group its samples share a prompt in (default: its request index); a feeder that mixes requests of
+    #: several calls keys them apart, e.g. ``(origin, request)``
+    key: Optional[tuple] = None
 
     @property
     def feed(self) -> list[int]:
@@ -74,8 +77,13 @@ class Sequence:
             self.routing = []
 
     @property
-    def group(self) -> int:
-        return self.out.request_index
+    def group(self):
+        return self.out.request_index if self.key is None else self.key
+
+    @property
+    def order(self) -> tuple:
+        """Where it sorts among the running sequences (a refresh re-feeds them in this order)."""
+        return (self.group, self.out.sample_index)
 
     @property
     def prompt(self) -> list[int]:
@@ -112,6 +120,11 @@ class Scheduler:
     #: every sample of the call (finished ones included; their ``out`` is filled in place): what a
     #: checkpoint taken at a token boundary saves (``trainer.mode: async``)
     outputs: list = field(default_factory=list)
+    #: ``feed(scheduler)``: more sequences to run, asked whenever cache slots are free that the queue
+    #: cannot fill, and when nothing runs (it may wait then, and load new weights with
+    #: :meth:`new_weights`); the run ends when it returns none with nothing left to run. None: the
+    #: sequences given to :meth:`run` only
+    feed: Optional[Callable[["Scheduler"], list]] = None
 
     def __post_init__(self) -> None:
         self._device = self.runner.device
@@ -122,7 +135,7 @@ class Scheduler:
         """Generate every sequence (fills ``seq.out`` in place). A sequence whose ``out`` holds tokens
         already (a sample half generated when a checkpoint was taken) continues: its prompt and
         response but the last token are prefilled into a slot, and the next decode step feeds that
-        token, as after a weight update (:meth:`_new_weights`)."""
+        token, as after a weight update (:meth:`new_weights`)."""
         self._pending = pending = deque(s for s in seqs if not s.out.token_ids)
         remaining: dict[int, int] = {}
         for s in pending:
@@ -144,7 +157,13 @@ class Scheduler:
             for seq in resumed:
                 seq.context = None
         continuous = self.config.batching == "continuous"
-        while pending or active:
+        self._remaining = remaining
+        while True:
+            if self.feed is not None and len(free) > len(pending) and (continuous or not active):
+                self._add(self.feed(self))
+            if not (pending or active):
+                if self.feed is None or not self._add(self.feed(self)):
+                    break
             if pending and free and (continuous or not active):
                 admitted = []
                 while pending and len(admitted) < len(free):
@@ -165,14 +184,44 @@ class Scheduler:
                 if self.on_decode is not None:
                     version = self.on_decode(self)
                     if version is not None:
-                        self._new_weights(version)
+                        self.new_weights(version)
+
+    def _add(self, seqs: list[Sequence]) -> int:
+        """Queue ``seqs`` (from :attr:`feed`) behind the pending ones; returns how many."""
+        for s in seqs:
+            self._pending.append(s)
+            self._remaining[s.group] = self._remaining.get(s.group, 0) + 1
+        return len(seqs)
+
+    def cancel(self, outs: list) -> None:
+        """Stop the sequences whose ``out`` is in ``outs`` (running or queued) and free their slots; their
+        outputs stay as they are (a feeder that no longer needs them: ``trainer.mode: async``)."""
+        ids = {id(o) for o in outs}
+        for slot, seq in list(self._active.items()):
+            if id(seq.out) in ids:
+                self._active.pop(slot)
+                self._free.append(slot)
+                self._prefixes.pop(seq.group, None)  # the feeder stops whole prompts: no sibling needs it
+                seq.slot = -1
+        for seq in [s for s in self._pending if id(s.out) in ids]:
+            self._pending.remove(seq)
+            self._prefixes.pop(seq.group, None)
 
     @property
     def running(self) -> int:
         """Sequences decoding now."""
         return len(self._active)
 
-    def _new_weights(self, version: int) -> None:
+    @property
+    def queued(self) -> int:
+        """Sequences waiting for a cache slot."""
+        return len(self._pending)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def new_weights(self, version: int) -> None:
         """The model holds weight version ``version`` from this token boundary on. ``continue``: every
         running sequence's cache is recomputed with them (its prompt and response so far re-fed, as a
         prefill into its own slot), so each later token's log-prob is exactly the new weights' (the
@@ -183,7 +232,7 @@ class Scheduler:
         for prefix in self._prefixes.values():
             prefix.slot = -1
         # (request, sample) order, the order a resumed batch re-feeds them in (same prefill groups)
-        running = sorted(self._active.values(), key=lambda q: (q.out.request_index, q.out.sample_index))
+        running = sorted(self._active.values(), key=lambda q: q.order)
         if self.partial == "abort":
             for seq in reversed(running):
                 self._active.pop(seq.slot)

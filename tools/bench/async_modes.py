@@ -70,7 +70,9 @@ def _measure(mode: str, args, root: str) -> dict:
             "staleness": statistics.mean(r["staleness"] for r in rows),
             "len_min": min(r.get("response_length/min", 0.0) for r in rows),
             "len_max": max(r.get("response_length/max", 0.0) for r in rows),
-            "score": statistics.mean(r["critic/score/mean"] for r in rows)}
+            "score": statistics.mean(r["critic/score/mean"] for r in rows),
+            # async: generated samples dropped as more than max_staleness versions old (not in samples/s)
+            "dropped": sum(r.get("fully_async/count/dropped_stale_samples", 0.0) for r in rows)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,10 +105,10 @@ def run(args: argparse.Namespace) -> int:
     results = [{"mode": m, "repeats": len(rs), **{k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "mode"},
                 "samples_per_s_all": [round(r["samples_per_s"], 2) for r in rs]} for m, rs in runs.items()]
     print(f"{'mode':<14}{'samples/s':>10}{'gen util':>10}{'train util':>11}{'staleness':>10}{'len min-max':>13}"
-          f"{'score':>8}")
+          f"{'score':>8}{'dropped':>9}")
     for r in results:
         print(f"{r['mode']:<14}{r['samples_per_s']:>10.2f}{r['gen_util']:>10.2f}{r['train_util']:>11.2f}"
-              f"{r['staleness']:>10.2f}{r['len_min']:>6.0f}-{r['len_max']:<6.0f}{r['score']:>8.3f}")
+              f"{r['staleness']:>10.2f}{r['len_min']:>6.0f}-{r['len_max']:<6.0f}{r['score']:>8.3f}{r['dropped']:>9.0f}")
     base = results[0]["samples_per_s"]
     for r in results[1:]:
         print(f"{r['mode']} / {results[0]['mode']}: {r['samples_per_s'] / base:.2f}x samples/s (medians)")
