@@ -245,6 +245,11 @@ class GenerationRun(Protocol):
         """Slots no sequence holds."""
         ...
 
+    def cancel(self, outs: list) -> None:
+        """Stop the sequences whose ``out`` is in ``outs`` (running or queued) and free their slots;
+        their outputs stay as they are (a feeder that no longer needs them)."""
+        ...
+
     def new_weights(self, version: int) -> None:
         """The model holds weight version ``version`` from this token boundary on: every later
         token records it; the running samples continue with their state recomputed with the new

@@ -75,7 +75,8 @@ def _stream_cases():
         lp = F.log_softmax(logits / T, dim=-1)
         return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
 
-    def stream(partial="continue", switch_at=None, resume=(), version=0, feed_prompts=True, on_boundary=None):
+    def stream(partial="continue", switch_at=None, resume=(), version=0, feed_prompts=True, on_boundary=None,
+               cancel_at=None):
         """One streaming run; the weights change to model 1 after engine step ``switch_at``."""
         todo = list(range(PROMPTS)) if feed_prompts else []
         seen = {"steps": 0, "protocol": [], "max_running": 0}
@@ -92,6 +93,8 @@ def _stream_cases():
         def on_decode(run):
             seen["steps"] += 1
             seen["max_running"] = max(seen["max_running"], run.running)
+            if seen["steps"] == cancel_at:  # the feeder stops prompt 0's group (a doomed group)
+                run.cancel([o for o in outs if o.request_index == 0])
             if seen["steps"] == switch_at:
                 if on_boundary is not None:
                     on_boundary(outs)
@@ -141,6 +144,9 @@ def _stream_cases():
         resumed_seqs.append(seq)
     resumed = stream("continue", resume=resumed_seqs, version=1, feed_prompts=False)
     result["resumed"] = record(resumed["outs"])
+    cancelled = stream("continue", cancel_at=2)
+    result["cancelled"] = [(o.request_index, len(o.token_ids), o.finish_reason) for o in cancelled["outs"]]
+    result["cancelled_finished"] = cancelled["finished"]
     # hyflow's engine hands its feeder the same surface
     hyflow_seen = []
 
@@ -237,14 +243,15 @@ def test_the_async_job_uses_only_the_generation_run_surface():
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "stream":
             given = call.args[:1] + [k.value for k in call.keywords if k.arg in ("feed", "on_decode")]
             callbacks |= {g.attr for g in given if isinstance(g, ast.Attribute)}
-    used = set()
-    for fn in ast.walk(tree):
-        if isinstance(fn, ast.FunctionDef) and fn.name in callbacks:
-            run = fn.args.args[1].arg
+    functions = [fn for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)]
+    names = {fn.args.args[1].arg for fn in functions if fn.name in callbacks}  # what they call the run
+    used = set()  # in the callbacks and every helper they hand the run to under that name
+    for fn in functions:
+        if any(a.arg in names for a in fn.args.args):
             used |= {n.attr for n in ast.walk(fn)
-                     if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == run}
+                     if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in names}
     declared = {n for n in dir(GenerationRun) if not n.startswith("_")}
-    assert len(callbacks) == 2 and {"free_slots", "new_weights"} <= used, (callbacks, used)
+    assert len(callbacks) == 2 and {"free_slots", "new_weights", "cancel"} <= used, (callbacks, used)
     assert used <= declared, f"fully_async uses {sorted(used - declared)} of the run: declare them in GenerationRun"
     for cls in (Scheduler, VLLMStream):
         assert declared <= set(dir(cls)), (cls.__name__, sorted(declared - set(dir(cls))))
@@ -372,3 +379,13 @@ def test_async_on_vllm_kill_9_then_resume_equals_the_straight_run(straight_k2, t
     assert sorted(b) == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):
         assert b[step] == a[step], f"step {step} differs from the straight run"
+
+
+@pytest.mark.multirank
+def test_cancel_stops_a_group_and_frees_its_slots(cases):
+    """The feeder's cancel (a group that can make no batch any more): its samples stop where they are,
+    never reported finished, and the other prompts all run to the end in the freed slots."""
+    got = cases["cancelled"]
+    assert [(n, f) for r, n, f in got if r == 0] == [(2, None)] * N
+    assert all(n == NEW and f == "length" for r, n, f in got if r != 0)
+    assert cases["cancelled_finished"] == (PROMPTS - 1) * N

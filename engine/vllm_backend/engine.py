@@ -425,7 +425,7 @@ class VLLMEngine:
                                 eos_token_ids=self.eos_token_ids)
 
     @torch.no_grad()
-    def stream(self, feed: Callable, resume: Seq = (), *, max_new_tokens: int,
+    def stream(self, feed: Callable, resume: Seq = (), *, max_new_tokens: int, max_sequences: Optional[int] = None,
                on_finish: Optional[Callable[[SampleOutput], None]] = None, version: Optional[int] = None,
                on_decode: Optional[Callable] = None, partial: str = "continue") -> RolloutStats:
         """:meth:`hyflow.rollout.engine.GenerationEngine.stream` on vLLM: run sequences (from
@@ -436,7 +436,8 @@ class VLLMEngine:
         continued first (``partial=abort``: restarted). Every sample is sampled at the rollout's
         temperature (``rollout.temperature``: vLLM's logits carry it for the whole run). Returns the
         run's counters. ``max_new_tokens``: each sequence's own budget applies (hyflow's engine sizes
-        its cache with it; vLLM's was sized at start)."""
+        its cache with it; vLLM's was sized at start); ``max_sequences``: the most the feeder ever has
+        running (fewer slots than vLLM's ``max_num_seqs`` then)."""
         del max_new_tokens
         temperature = float(self.config.sampling.temperature)
         todo = list(resume)
@@ -456,7 +457,8 @@ class VLLMEngine:
         if self.sleep_level and not self.awake:
             self.llm.wake_up()
             self.awake = True
-        run = VLLMStream(self.llm.llm_engine, self.options.max_num_seqs or self.config.max_concurrent,
+        slots = self.options.max_num_seqs or self.config.max_concurrent
+        run = VLLMStream(self.llm.llm_engine, max(1, min(slots, max_sequences or slots)),
                          temperature > 0, version=version, partial=partial, on_finish=on_finish,
                          on_decode=on_decode, feed=checked_feed, reset_prefix_cache=self.llm.reset_prefix_cache,
                          stats=stats)

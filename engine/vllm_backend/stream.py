@@ -101,6 +101,17 @@ class VLLMStream:
     queued = property(lambda self: len(self._pending))
     free_slots = property(lambda self: self.slots - len(self._active))
 
+    def cancel(self, outs: list) -> None:
+        """Stop the sequences whose ``out`` is in ``outs`` (in vLLM or queued) and free their slots; their
+        outputs stay as they are."""
+        ids = {id(o) for o in outs}
+        stopped = [rid for rid, seq in self._active.items() if id(seq.out) in ids]
+        if stopped:
+            self.engine.abort_request(stopped)
+            for rid in stopped:
+                del self._active[rid]
+        self._pending = deque(s for s in self._pending if id(s.out) not in ids)
+
     def new_weights(self, version: int) -> None:
         """vLLM holds weight version ``version`` from this token boundary on (the module docstring:
         every request aborted, the prefix cache reset, the running samples re-added or re-queued)."""
