@@ -55,7 +55,7 @@ def sampling_params(seq, scaled: bool, delta: bool = True):
     sampled-token log-prob. ``scaled``: the temperature is in the logits (vLLM samples at 1), else
     greedy; ``delta``: each step's output holds the new tokens only (else vLLM's default)."""
     from vllm import SamplingParams  # optional dependency (loaded by then)
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind  # optional dependency (loaded by then)
 
     done = len(seq.out.token_ids)
     return SamplingParams(
