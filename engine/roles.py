@@ -212,3 +212,46 @@ class Critic(Protocol):
         """One update over these rows (``columns`` adds ``old_values`` and ``returns``): the
         critic's mini-batches and epochs; returns its statistics."""
         ...
+
+
+# --------------------------------------------------------------------------- a streaming generation run
+
+
+@runtime_checkable
+class GenerationRun(Protocol):
+    """What a streaming generation run (``engine.stream(feed, ...)``, ``trainer.mode: async``)
+    shows its ``feed(run)`` and token-boundary ``on_decode(run)`` callbacks, whichever backend runs
+    it: :class:`hyflow.rollout.scheduler.Scheduler` (hyflow's engine) and
+    :class:`hyflow.vllm_backend.stream.VLLMStream` (vLLM). :mod:`hyflow.jobs.fully_async` uses only
+    these, so it never branches on the backend.
+
+    Contract: a sequence holds a slot from its admission until it finishes; ``feed`` is asked
+    whenever slots are free that the queue cannot fill and when nothing runs; ``on_decode`` runs
+    after every step that drew tokens and returns the new weight version when it loaded new weights
+    (the run then calls :meth:`new_weights` itself)."""
+
+    @property
+    def running(self) -> int:
+        """Sequences holding a slot (decoding) now."""
+        ...
+
+    @property
+    def queued(self) -> int:
+        """Sequences given to the run and waiting for a slot."""
+        ...
+
+    @property
+    def free_slots(self) -> int:
+        """Slots no sequence holds."""
+        ...
+
+    def cancel(self, outs: list) -> None:
+        """Stop the sequences whose ``out`` is in ``outs`` (running or queued) and free their slots;
+        their outputs stay as they are (a feeder that no longer needs them)."""
+        ...
+
+    def new_weights(self, version: int) -> None:
+        """The model holds weight version ``version`` from this token boundary on: every later
+        token records it; the running samples continue with their state recomputed with the new
+        weights, or restart (``trainer.partial_rollout``)."""
+        ...

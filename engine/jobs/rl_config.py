@@ -512,8 +512,6 @@ class RLJobConfig:
     def _check_async(self) -> None:
         """What ``trainer.mode=async`` does not run yet, refused by name."""
         refusals = (
-            ("rollout.backend", self.rollout.backend != "hyflow", "samples with hyflow's engine only (its weights "
-             "change at token boundaries): set rollout.backend=hyflow"),
             ("algorithm.dynamic_sampling.enable", self.algorithm.dynamic_sampling.enable,
              "does not refill batches with dynamic sampling yet: set algorithm.dynamic_sampling.enable=false"),
             ("rollout.record_routing", self.rollout.record_routing or self.rollout.routing_replay,

@@ -50,7 +50,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from typing import Iterable, Optional, Sequence as Seq
+from typing import Callable, Iterable, Optional, Sequence as Seq
 
 import torch
 import torch.distributed as dist
@@ -59,19 +59,18 @@ from hyflow.models.description import ModelDescription
 from hyflow.models.hf_mapping import hf_config_from_description
 from hyflow.rollout.config import GenerationConfig, SamplingConfig
 from hyflow.rollout.engine import prepare_requests
-from hyflow.rollout.request import RolloutResult, RolloutStats
+from hyflow.rollout.request import RolloutResult, RolloutStats, SampleOutput
 from hyflow.vllm_backend.config import VLLMConfig
 from hyflow.vllm_backend.cpu_gemm import is_plain, set_cpu_gemm
 from hyflow.vllm_backend.groups import init_vllm_groups, local_rank
 from hyflow.vllm_backend.inplace import InPlaceLoader, plan_in_place
+from hyflow.vllm_backend.stream import VLLMStream, fill_finish, sampling_params
 from hyflow.vllm_backend.weights import GenerationShards
 
 LOG = logging.getLogger("hyflow.vllm")
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: vLLM's KV-cache block on CPU (tokens; its default for most models there).
 _CPU_BLOCK = 128
-#: vLLM seeds torch.Generator objects, which take seeds below 2**63 without complaint.
-_SEED_MASK = (1 << 63) - 1
 #: vLLM warnings that say nothing about this use of it, by the logger that emits them: no tokenizer
 #: (hyflow tokenizes), rotary embeddings without weights to reload, its CPU worker refusing
 #: thread-count changes (restored by :func:`_process_state_kept`).
@@ -264,8 +263,10 @@ class VLLMEngine:
         kv_bytes = options.kv_cache_memory_bytes
         if kv_bytes is None and not cuda:  # CPU: sized for the configured concurrency, not a memory share
             itemsize = torch.finfo(getattr(torch, _DTYPES[dtype])).bits // 8
-            # vLLM wants room for one whole context, plus its null block (blocks of up to 128 tokens on CPU)
-            tokens = max(max_seqs * min(seq_budget or limit, limit), limit) + 2 * _CPU_BLOCK
+            # vLLM wants room for one whole context, plus its null block; a sequence takes whole blocks (of
+            # up to 128 tokens on CPU), so max_seqs sequences run at once only with max_seqs blocks' worth each
+            blocks = -(-min(seq_budget or limit, limit) // _CPU_BLOCK)
+            tokens = max(max_seqs * blocks * _CPU_BLOCK, limit) + 2 * _CPU_BLOCK
             kv_bytes = _kv_bytes(desc, tp, tokens, itemsize)
         self.sleep_level = options.sleep_level if cuda else 0  # vLLM's CPU build has no sleep mode
         kwargs = dict(
@@ -297,6 +298,7 @@ class VLLMEngine:
         self.last_pack_seconds: Optional[float] = None
         self._plan: Optional[InPlaceLoader] = None
         self._plans: dict = {}  # (generation model, vocabulary rows, GEMM mode) -> its plan (None: reload)
+        self._stream: Optional[VLLMStream] = None  # the streaming run in progress (stream())
         self.cpu_gemm: Optional[str] = None  # the CPU build's GEMM mode applied (rollout.vllm.cpu_gemm)
         if cuda and options.cpu_gemm != VLLMConfig.cpu_gemm:
             # ignored, not refused: one config file serves the CPU dev box and the GPU cluster
@@ -340,7 +342,8 @@ class VLLMEngine:
             self.last_pack_seconds = None
         if self.sleep_level:
             self.llm.wake_up(tags=["kv_cache"])
-        self.llm.reset_prefix_cache()
+        if self._stream is None:  # a streaming run resets it once its requests are aborted (new_weights)
+            self.llm.reset_prefix_cache()
         self.awake = True
         self.last_load_seconds = time.perf_counter() - start
         return self.last_load_seconds
@@ -387,25 +390,17 @@ class VLLMEngine:
         """Every sample of ``requests`` (token-id lists or ``GenerationRequest``), ordered by
         (request, sample), with hyflow's semantics (module docstring). Every rank of the replica
         calls it with the same requests."""
-        # optional dependency (vllm): only this path needs it
-        from vllm import SamplingParams  # optional dependency (loaded by then)
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import TokensPrompt  # optional dependency (loaded by then)
 
         start = time.perf_counter()
-        seqs, truncated = prepare_requests(requests, sampling or self.config.sampling, request_offset,
-                                           vocab_size=self.vocab_size, max_prompt_length=self.max_prompt_length,
-                                           max_seq_len=self.max_seq_len, truncate=self.config.truncate_long_prompts,
-                                           eos_token_ids=self.eos_token_ids)
+        seqs, truncated = self.prepare(requests, sampling, request_offset)
         by_temperature: dict[float, list] = {}
         for s in seqs:
             by_temperature.setdefault(float(s.params.temperature), []).append(s)
         for temperature, group in by_temperature.items():
             # the temperature lives in the logits (module docstring): raw log-probs are log_softmax(logits / T)
             self._logits.scale = 1.0 / temperature if temperature > 0 else 1.0
-            params = [SamplingParams(
-                n=1, temperature=1.0 if temperature > 0 else 0.0, top_k=s.params.top_k, top_p=s.params.top_p,
-                max_tokens=s.max_new, seed=s.stream & _SEED_MASK, stop_token_ids=sorted(s.stops), ignore_eos=True,
-                logprobs=0 if s.params.logprobs else None, detokenize=False) for s in group]
+            params = [sampling_params(s, temperature > 0, delta=False) for s in group]
             prompts = [TokensPrompt(prompt_token_ids=s.prompt) for s in group]
             try:
                 outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -420,6 +415,63 @@ class VLLMEngine:
         self.last_stats = stats
         return RolloutResult(samples=[s.out for s in seqs], stats=stats)
 
+    def prepare(self, requests: Seq, sampling: Optional[SamplingConfig] = None,
+                request_offset: int = 0) -> tuple[list, int]:
+        """``requests`` as scheduler sequences, one per sample, with hyflow's request semantics
+        (:func:`hyflow.rollout.engine.prepare_requests`); returns (sequences, truncated prompts)."""
+        return prepare_requests(requests, sampling or self.config.sampling, request_offset,
+                                vocab_size=self.vocab_size, max_prompt_length=self.max_prompt_length,
+                                max_seq_len=self.max_seq_len, truncate=self.config.truncate_long_prompts,
+                                eos_token_ids=self.eos_token_ids)
+
+    @torch.no_grad()
+    def stream(self, feed: Callable, resume: Seq = (), *, max_new_tokens: int, max_sequences: Optional[int] = None,
+               on_finish: Optional[Callable[[SampleOutput], None]] = None, version: Optional[int] = None,
+               on_decode: Optional[Callable] = None, partial: str = "continue") -> RolloutStats:
+        """:meth:`hyflow.rollout.engine.GenerationEngine.stream` on vLLM: run sequences (from
+        :meth:`prepare`) as ``feed(run)`` supplies them, vLLM's ``max_num_seqs`` kept busy, until it
+        returns none with nothing left to run; ``on_decode(run)`` after every engine step may load new
+        weights and return their version (:class:`~hyflow.vllm_backend.stream.VLLMStream`: ``run`` is
+        a :class:`hyflow.roles.GenerationRun`). ``resume``: sequences a checkpoint saved half way,
+        continued first (``partial=abort``: restarted). Every sample is sampled at the rollout's
+        temperature (``rollout.temperature``: vLLM's logits carry it for the whole run). Returns the
+        run's counters. ``max_new_tokens``: each sequence's own budget applies (hyflow's engine sizes
+        its cache with it; vLLM's was sized at start); ``max_sequences``: the most the feeder ever has
+        running (fewer slots than vLLM's ``max_num_seqs`` then)."""
+        del max_new_tokens
+        temperature = float(self.config.sampling.temperature)
+        todo = list(resume)
+        if partial == "abort":
+            for s in todo:
+                s.out.token_ids, s.out.logprobs, s.out.versions = [], [], []
+        stats = RolloutStats()
+
+        def checked_feed(run):
+            seqs = feed(run)
+            for s in seqs:
+                if float(s.params.temperature) != temperature:
+                    raise ValueError(f"stream() samples at the rollout's temperature {temperature} only "
+                                     f"(a sequence asks {s.params.temperature})")
+            return seqs
+
+        if self.sleep_level and not self.awake:
+            self.llm.wake_up()
+            self.awake = True
+        slots = self.options.max_num_seqs or self.config.max_concurrent
+        run = VLLMStream(self.llm.llm_engine, max(1, min(slots, max_sequences or slots)),
+                         temperature > 0, version=version, partial=partial, on_finish=on_finish,
+                         on_decode=on_decode, feed=checked_feed, reset_prefix_cache=self.llm.reset_prefix_cache,
+                         stats=stats)
+        self._logits.scale = 1.0 / temperature if temperature > 0 else 1.0
+        self._stream = run
+        try:
+            run.run(todo)
+        finally:
+            self._stream = None
+            self._logits.scale = 1.0
+        self.last_stats = stats
+        return stats
+
     def close(self) -> None:
         """Shut vLLM down (its groups too; the training's world stays) and remove its config folder."""
         self._finalizer()
@@ -428,15 +480,7 @@ class VLLMEngine:
 def _fill(seq, completion) -> None:
     """``seq.out`` from vLLM's completion: tokens, log-probs, finish reason, stop token."""
     out = seq.out
-    tokens = list(completion.token_ids)
-    logprobs = []
-    if seq.params.logprobs:
-        logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs, tokens)]
-    stopped = completion.finish_reason == "stop" and tokens and tokens[-1] in seq.stops
-    out.finish_reason = "stop" if stopped else "length"
-    if stopped:
-        out.stop_token = tokens[-1]
-        if not seq.params.include_stop_token:
-            tokens.pop()
-            logprobs = logprobs[:-1]
-    out.token_ids, out.logprobs = tokens, logprobs
+    out.token_ids = list(completion.token_ids)
+    out.logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs, out.token_ids)] \
+        if seq.params.logprobs else []
+    fill_finish(seq, completion.finish_reason)
