@@ -121,7 +121,7 @@ def write_async_inflight(path: str, rank: int, state: AsyncInFlight, pool: Any, 
             "loader": {str(k): v for k, v in state.loader.items()},
             "pool": [int(pool.start), int(pool.stop)], "layout": [int(layout.tp), int(layout.pp), int(layout.dp)],
             "groups": torch.tensor([[g.origin, g.index, g.uid, g.done_at, g.batch, len(g.outs)] for g in state.groups],
-                                   dtype=torch.long).view(-1, 6),
+                                   dtype=torch.long, device="cpu").view(-1, 6),  # a file's contents
             "samples": _pack(SampleTensors.from_samples(outs, torch.device("cpu"))),
             "drops": [[int(t), int(c)] for t, c in sorted(state.drops.items())]}
     os.makedirs(os.path.join(path, INFLIGHT_DIR), exist_ok=True)
