@@ -21,13 +21,11 @@ import os
 import pytest
 
 from hyflow.testing import run_on_ranks
-from hyflow.testing.rl import REPO
+from hyflow.testing.rl import ASYNC_COMPARED, REPO, assert_async_k0_equals_sync
 
 SMALL = ["data.train_batch_size=8", "rollout.n=4", "actor.mini_batch_size=16", "actor.micro_batch_size=16",
          "actor.sft_warmup_steps=2", "trainer.loggers=[]", "actor.optim.distributed_optimizer=true",
          "actor.entropy_coeff=0.01"]
-COMPARED = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl", "response_length/mean",
-            "critic/score/mean", "critic/advantages/mean", "critic/advantages/max")
 
 
 def _run(overrides, out, config=None):
@@ -50,12 +48,7 @@ def test_async_k0_equals_sync(tmp_path):
     sync = run_on_ranks(_run, 2, ["trainer.nproc=2", *steps], str(tmp_path / "sync"))[0][0]
     k0 = run_on_ranks(_run, 4, ["trainer.nproc=4", "trainer.mode=async", "trainer.max_staleness=0", *steps],
                       str(tmp_path / "k0"))[0][0]
-    assert len(k0) == len(sync) == 3
-    for a, b in zip(sync, k0):
-        for key in COMPARED:
-            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (a["step"], key, a[key], b[key])
-        assert b["fully_async/staleness/max"] == 0.0 and b["fully_async/partial/max_partial_span"] == 0.0
-    assert sync[-1]["actor/grad_norm"] > 0
+    assert_async_k0_equals_sync(sync, k0, 3)
 
 
 @pytest.mark.multirank
@@ -91,7 +84,7 @@ def test_async_k1_between_batches_is_one_step_off(tmp_path):
                                 "trainer.update_after_tokens=0"], str(tmp_path / "k1"))[0][0]
     assert [m["staleness"] for m in k1] == [m["staleness"] for m in off] == [0.0, 1.0, 1.0]
     for a, b in zip(off, k1):
-        for key in (*COMPARED, "rollout_corr/rollout_is_max", "rollout_corr/kl"):
+        for key in (*ASYNC_COMPARED, "rollout_corr/rollout_is_max", "rollout_corr/kl"):
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (a["step"], key, a[key], b[key])
 
 

@@ -262,9 +262,7 @@ class AsyncGeneration:
         for g in sorted(self.completed, key=lambda g: (g.done_at, g.origin, g.index)):
             t = self.formed + 1
             if (t - 1) - g.oldest(self.received) > self.k:
-                self.dropped += 1
-                self.drops[t] = self.drops.get(t, 0) + len(g.outs)
-                del self.groups[g.key]
+                self._drop(g, t)
                 continue
             self.current.append(g)
             if len(self.current) == self.share:
@@ -282,14 +280,17 @@ class AsyncGeneration:
         than ``k`` versions stale there. Their cache slots go to new prompts at once."""
         for g in [g for g in self.groups.values() if g.done_at < 0]:
             first = [o.versions[0] for o in g.outs if o.versions]
-            if first and (self.formed + 1 - 1) - min(first) > self.k:  # staleness in batch formed + 1
+            if first and self.formed - min(first) > self.k:  # its staleness in batch formed + 1
                 scheduler.cancel(g.outs)
                 for o in g.outs:
                     self.by_out.pop(id(o), None)
-                self.dropped += 1
-                t = self.formed + 1
-                self.drops[t] = self.drops.get(t, 0) + len(g.outs)
-                del self.groups[g.key]
+                self._drop(g, self.formed + 1)
+
+    def _drop(self, group: Group, t: int) -> None:
+        """``group`` is never trained on: its samples are counted against batch ``t``."""
+        self.dropped += 1
+        self.drops[t] = self.drops.get(t, 0) + len(group.outs)
+        del self.groups[group.key]
 
     def _send_ready(self) -> None:
         while not self.stopped and self.sent + 1 in self.batches and self.received >= self.sent:
