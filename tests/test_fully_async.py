@@ -12,7 +12,8 @@
   with ``w_1``, ``w_2`` is due as soon as batch 2 is sent and is taken 2 decode steps into it. So the
   samples' staleness is exactly 0, 1, 2, 2 and only step 4's samples span two versions (the per-token
   versions arrived with the rows); the run passes NCCL's first-operation rule on every group;
-* the config refuses what async does not run (one line naming the key).
+* the config refuses what async does not run (one line naming the key), e.g. dynamic sampling with a
+  reward model (the generation pool scores the groups; :mod:`hyflow.jobs.async_filter`).
 """
 
 import math
@@ -89,7 +90,11 @@ def test_async_k1_between_batches_is_one_step_off(tmp_path):
 
 
 @pytest.mark.parametrize("override, key", [
-    (["algorithm.dynamic_sampling.enable=true"], "'algorithm.dynamic_sampling.enable': trainer.mode=async does not"),
+    (["algorithm.dynamic_sampling.enable=true", "reward.model_checkpoint=rm"],
+     "'reward.model_checkpoint': trainer.mode=async with algorithm.dynamic_sampling scores each group on the "
+     "generation pool, where no reward model runs"),
+    (["algorithm.dynamic_sampling.enable=true", "reward.kind=model", "reward.model_checkpoint=rm"],
+     "'reward.model_checkpoint'"),
     (["trainer.max_staleness=-1"], "max_staleness"),
     (["trainer.update_after_tokens=-1"], "update_after_tokens"),
 ])
@@ -101,6 +106,14 @@ def test_async_refuses_what_it_does_not_run(override, key):
     with pytest.raises(ConfigError) as e:
         load_job_config(QUICKSTART, ["trainer.mode=async", "trainer.nproc=4", *override])
     assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_async_runs_dynamic_sampling_with_a_rule_reward():
+    from hyflow.jobs.registry import load_job_config
+    from hyflow.testing.rl import QUICKSTART
+
+    cfg = load_job_config(QUICKSTART, ["trainer.mode=async", "trainer.nproc=4", "algorithm.dynamic_sampling.enable=true"])
+    assert cfg.algorithm.dynamic_sampling.enable and cfg.reward.kind == "rule"
 
 
 def test_async_forces_a_rollout_correction_when_stale():

@@ -58,20 +58,52 @@ def _inflight(run_dir: str, step: int, rank: int) -> dict:
                       weights_only=True)
 
 
+def _killed_and_resumed(tmp_path, overrides) -> tuple[str, str]:
+    """The straight run A and the same ``hyflow train`` SIGKILLed (every process) once its step-2
+    checkpoint is complete, then resumed with the same command (B). B's metrics of every step equal
+    A's, so do its final actor weights, and its generation ranks end at A's loader position and
+    counters with nothing left in flight (no prompt skipped or repeated). Returns both run directories."""
+    from hyflow.testing.rl import QUICKSTART
+
+    run_a = str(tmp_path / "straight")
+    assert run_on_ranks(_run, 4, overrides, run_a)[0] == [1, 2, 3, 4]
+    out = str(tmp_path / "run")
+    args = [sys.executable, "-m", "hyflow.cli", "train", QUICKSTART, *overrides, f"trainer.output_dir={out}"]
+    step2 = os.path.join(out, "checkpoints", step_dir_name(2))
+    timeout = float(os.environ.get("HYFLOW_TEST_TIMEOUT", 600))
+    kill_9_when(args, lambda: checkpoint_status(step2)[0], str(tmp_path / "launch.log"), timeout)
+    assert sorted(_rows(out))[:2] == [1, 2]
+    resumed = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    a, b = _rows(run_a), _rows(out)
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert b[step] == a[step], f"step {step} differs from the straight run"
+    for rank in (2, 3):  # the same prompts drawn, none left in flight
+        end_a, end_b = _inflight(run_a, 4, rank), _inflight(out, 4, rank)
+        assert end_b["loader"] == end_a["loader"] and end_b["counters"] == end_a["counters"]
+        assert end_b["groups"].shape[0] == 0
+    final = os.path.join("checkpoints", step_dir_name(4), "actor")
+    wa = checkpoint_tensors(os.path.join(run_a, final), str(tmp_path))
+    wb = checkpoint_tensors(os.path.join(out, final), str(tmp_path))
+    assert wa.keys() == wb.keys() and wa
+    for key in wa:
+        assert (wa[key] == wb[key]).all(), key
+    return run_a, out
+
+
 def test_kill_9_mid_sample_then_resume_equals_the_straight_run(tmp_path):
     import torch
 
     from hyflow.rollout.dp import META
-    from hyflow.testing.rl import QUICKSTART
 
-    run_a = str(tmp_path / "straight")
-    assert run_on_ranks(_run, 4, OVERRIDES, run_a)[0] == [1, 2, 3, 4]
+    run_a, out = _killed_and_resumed(tmp_path, OVERRIDES)
     a = _rows(run_a)
     assert [a[s]["fully_async/staleness/max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
     half = 0
     for rank in (2, 3):
         saved = _inflight(run_a, 2, rank)
-        assert saved["step"] == 3 and saved["version"] == 2
+        assert saved["step"] == 3 and saved["version"] == 3
         groups = saved["groups"]  # per group: loader step, prompt, dataset index, completion step, batch, samples
         batch, n = groups[:, 4].tolist(), groups[:, 5].tolist()
         assert batch == [3] * 4 + [0] * 4 and n == [4] * 8  # batch 3 formed, not sent; loader batch 4 streaming
@@ -84,27 +116,27 @@ def test_kill_9_mid_sample_then_resume_equals_the_straight_run(tmp_path):
         unfinished = p["meta"][16:, META.index("finish")] == 0
         half += int((unfinished & (lengths[16:] > 0)).sum())
     assert half > 0  # samples half generated when the checkpoint was taken
+    for rank in (2, 3):
+        end = _inflight(out, 4, rank)["counters"]
+        assert end["dropped"] == 0 and end["started"] == 4 * 4  # 4 batches of 4 prompts here: each started once
 
-    out = str(tmp_path / "run")
-    args = [sys.executable, "-m", "hyflow.cli", "train", QUICKSTART, *OVERRIDES, f"trainer.output_dir={out}"]
-    step2 = os.path.join(out, "checkpoints", step_dir_name(2))
-    timeout = float(os.environ.get("HYFLOW_TEST_TIMEOUT", 600))
-    kill_9_when(args, lambda: checkpoint_status(step2)[0], str(tmp_path / "launch.log"), timeout)
-    assert sorted(_rows(out))[:2] == [1, 2]
-    resumed = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    b = _rows(out)
-    assert sorted(b) == [1, 2, 3, 4]
-    for step in (1, 2, 3, 4):
-        assert b[step] == a[step], f"step {step} differs from the straight run"
-    for rank in (2, 3):  # the same prompts drawn, none left in flight
-        end_a, end_b = _inflight(run_a, 4, rank), _inflight(out, 4, rank)
-        assert end_b["loader"] == end_a["loader"] and end_b["counters"] == end_a["counters"]
-        assert end_b["groups"].shape[0] == 0 and end_b["counters"]["dropped"] == 0
-        assert end_b["counters"]["started"] == 4 * 4  # 4 batches of this replica's 4 prompts: each started once
-    final = os.path.join("checkpoints", step_dir_name(4), "actor")
-    wa = checkpoint_tensors(os.path.join(run_a, final), str(tmp_path))
-    wb = checkpoint_tensors(os.path.join(out, final), str(tmp_path))
-    assert wa.keys() == wb.keys() and wa
-    for key in wa:
-        assert (wa[key] == wb[key]).all(), key
+
+def test_kill_9_with_dynamic_sampling_then_resume_equals_the_straight_run(tmp_path):
+    """DAPO's dynamic sampling on the generation pool (:mod:`hyflow.jobs.async_filter`), after a warm-up
+    that leaves the exact-match reward near 0.4 (some groups all wrong or all right, some mixed): every
+    trained group has reward variance (the training side's own recount), groups were filtered, and
+    the filtered count equals the generation replicas' own books (started = trained + dropped + in
+    flight, dropped = filtered + stale); the killed and resumed run equals the straight one."""
+    overrides = [*OVERRIDES, "algorithm.dynamic_sampling.enable=true", "algorithm.dynamic_sampling.max_rounds=8",
+                 "actor.sft_warmup_steps=40"]
+    run_a, _ = _killed_and_resumed(tmp_path, overrides)
+    a = [_rows(run_a)[s] for s in (1, 2, 3, 4)]
+    assert all(m["dynamic_sampling/kept_groups"] == 8 and m["dynamic_sampling/gave_up"] == 0 for m in a)
+    filtered = sum(m["dynamic_sampling/filtered_groups"] for m in a)
+    stale = sum(m["fully_async/count/dropped_stale_samples"] for m in a) / 4  # rollout.n = 4
+    assert all(m["dynamic_sampling/generated_groups"] == 8 + m["dynamic_sampling/filtered_groups"] for m in a)
+    ends = [_inflight(run_a, 4, rank) for rank in (2, 3)]
+    books = [e["counters"] for e in ends]
+    for c, e in zip(books, ends):
+        assert c["started"] == 4 * 4 + c["dropped"] + e["groups"].shape[0]
+    assert sum(c["dropped"] for c in books) == filtered + stale and filtered > 0

@@ -24,6 +24,9 @@ seeds keyed by the loader step and the global prompt index, as the colocated job
   (the training lead's log says how many); its prompt is not retried. A running group that is already
   too stale for the next batch to form is stopped at once (its slots go to new prompts), dropped and
   counted the same way.
+* **DAPO dynamic sampling** (``algorithm.dynamic_sampling``): a completed group whose rewards are all
+  equal enters no batch; it is counted against the batch being formed and its place goes to a new
+  group, as a dropped group's (:mod:`hyflow.jobs.async_filter`).
 * **Weight exchange** (the control message, then the weight sync: collective with the training pool
   and every replica). A replica enters the receive of ``w_v`` only once it has sent batch ``v``
   (else the training pool waits for batch ``v`` while the replica waits for ``w_v``), and sends batch
@@ -68,7 +71,7 @@ from hyflow.placement.inflight import INFLIGHT_DIR, inflight_file, load_inflight
 from hyflow.placement.rows import send_rows
 from hyflow.rollout.dp import META, SampleTensors
 
-ASYNC_FORMAT, ASYNC_VERSION = "hyflow-inflight-async", 2
+ASYNC_FORMAT, ASYNC_VERSION = "hyflow-inflight-async", 3  # 3: the dynamic-sampling filter's counts
 _TENSORS = ("meta", "tokens", "logprobs", "versions")
 _COUNTERS = ("step", "formed", "started", "dropped", "decoded", "origin", "next_index")
 
@@ -102,6 +105,7 @@ class AsyncInFlight:
     counters: dict  # formed, started, dropped, decoded, origin, next_index
     groups: list = field(default_factory=list)  # Group, started and not sent (outs as they stand)
     drops: dict = field(default_factory=dict)  # batch -> samples dropped while forming it (not sent yet)
+    filtered: list = field(default_factory=list)  # [batch, groups] the dynamic-sampling filter kept out (not sent)
 
 
 def _pack(t: SampleTensors) -> dict:
@@ -123,7 +127,8 @@ def write_async_inflight(path: str, rank: int, state: AsyncInFlight, pool: Any, 
             "groups": torch.tensor([[g.origin, g.index, g.uid, g.done_at, g.batch, len(g.outs)] for g in state.groups],
                                    dtype=torch.long, device="cpu").view(-1, 6),  # a file's contents
             "samples": _pack(SampleTensors.from_samples(outs, torch.device("cpu"))),
-            "drops": [[int(t), int(c)] for t, c in sorted(state.drops.items())]}
+            "drops": [[int(t), int(c)] for t, c in sorted(state.drops.items())],
+            "filtered": [[int(t), int(c)] for t, c in state.filtered]}
     os.makedirs(os.path.join(path, INFLIGHT_DIR), exist_ok=True)
     torch.save(data, inflight_file(path, rank))
 
@@ -133,9 +138,9 @@ def read_async_inflight(path: str, rank: int, pool: Any, layout: Any, device: to
     batches were not streamed), raises one :class:`CheckpointError`."""
     data = load_inflight_data(path, rank, pool, layout, ASYNC_FORMAT, ASYNC_VERSION)
     if int(data["version"]) != ASYNC_VERSION:
-        raise CheckpointError(f"{inflight_file(path, rank)} is an async in-flight file of version {data['version']} "
-                              f"(whole loader batches); this hyflow streams batches and reads version {ASYNC_VERSION} "
-                              "only: resume it with the hyflow that wrote it, or start the run again")
+        raise CheckpointError(f"{inflight_file(path, rank)} is an async in-flight file of version {data['version']}; "
+                              f"this hyflow reads version {ASYNC_VERSION} only: resume it with the hyflow that wrote "
+                              "it, or start the run again")
     try:
         outs = _unpack(data["samples"], device).to_outputs()
         groups, at = [], 0
@@ -144,7 +149,8 @@ def read_async_inflight(path: str, rank: int, pool: Any, layout: Any, device: to
             at += n
         counters = dict(data["counters"], step=int(data["step"]))
         return AsyncInFlight(step=int(data["step"]), loader=dict(data["loader"]), counters=counters,
-                             groups=groups, drops={int(t): int(c) for t, c in data["drops"]})
+                             groups=groups, drops={int(t): int(c) for t, c in data["drops"]},
+                             filtered=[[int(t), int(c)] for t, c in data["filtered"]])
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{inflight_file(path, rank)} is not an async in-flight file this hyflow reads "
                               f"({type(e).__name__}: {e})") from None
@@ -154,15 +160,17 @@ class AsyncGeneration:
     """One generation rank's loop (see the module docstring): the feeder, the token-boundary hook and
     the completion callback of its replica's long-lived scheduler. ``side``: the
     :class:`~hyflow.placement.pool_models.GenerationSide`; ``exchange_control()``: the training lead's
-    control message (:func:`hyflow.placement.inflight.control`, collective with it)."""
+    control message (:func:`hyflow.placement.inflight.control`, collective with it); ``group_filter``:
+    DAPO dynamic sampling's :class:`~hyflow.jobs.async_filter.GroupFilter`, or None."""
 
-    def __init__(self, cfg, side, loader, routes, exchange_control: Callable, ckpts=None) -> None:
+    def __init__(self, cfg, side, loader, routes, exchange_control: Callable, ckpts=None, group_filter=None) -> None:
         t = cfg.trainer
         self.total, self.k, self.after, self.partial = t.total_steps, t.max_staleness, t.update_after_tokens, \
             t.partial_rollout
         self.n, self.max_new = cfg.rollout.n, cfg.rollout.max_new_tokens
         self.side, self.loader, self.routes, self.control = side, loader, routes, exchange_control
         self.ckpts = ckpts  # GenerationCheckpoints: this rank joins the training pool's saves
+        self.filter = group_filter
         self.device = side.groups.device
         self.rank = dist.get_rank()
         self.first, stop = side.share(cfg.data.train_batch_size)
@@ -259,10 +267,16 @@ class AsyncGeneration:
     def _form(self) -> None:
         """Completed groups, in completion order, into batches of ``B_r``; a group too stale for the
         batch it would land in is dropped (counted against that batch)."""
+        if self.filter is not None:
+            self.filter.score(self.completed)
         for g in sorted(self.completed, key=lambda g: (g.done_at, g.origin, g.index)):
             t = self.formed + 1
             if (t - 1) - g.oldest(self.received) > self.k:
                 self._drop(g, t)
+                continue
+            if self.filter is not None and not self.filter.keep(g, t):  # DAPO: no reward variance
+                self.dropped += 1  # its place goes to a new group (the admission bound), as a dropped one's
+                del self.groups[g.key]
                 continue
             self.current.append(g)
             if len(self.current) == self.share:
@@ -305,7 +319,8 @@ class AsyncGeneration:
             start = time.perf_counter()
             with torch.inference_mode(False):
                 send_rows(samples, self.routes, self.rank, oldest, max(0.0, start - self.mark - self.waited),
-                          wait_seconds=self.waited, origins=origins, dropped=self.drops.pop(t, 0))
+                          wait_seconds=self.waited, origins=origins, dropped=self.drops.pop(t, 0),
+                          filtered=self.filter.pop(t) if self.filter is not None else 0)
             self.waited, self.mark = time.perf_counter() - start, start  # a send waits for the training pool
             for g in groups:
                 del self.groups[g.key]
@@ -342,7 +357,8 @@ class AsyncGeneration:
                     "decoded": self.decoded, "origin": self.origin,
                     "next_index": self.prompts[0][0] if self.prompts else self.first + self.share}
         return AsyncInFlight(step=step, loader=self.drawn_from, counters=counters,
-                             groups=sorted(self.groups.values(), key=lambda g: g.key), drops=dict(self.drops))
+                             groups=sorted(self.groups.values(), key=lambda g: g.key), drops=dict(self.drops),
+                             filtered=self.filter.state() if self.filter is not None else [])
 
     def _restore(self, state: AsyncInFlight) -> list:
         """Take ``state`` back; returns the sequences the scheduler continues (half generated or not
@@ -351,6 +367,8 @@ class AsyncGeneration:
         self.received = self.sent = state.step - 1
         self.formed, self.started, self.dropped, self.decoded = c["formed"], c["started"], c["dropped"], c["decoded"]
         self.origin, self.drops = c["origin"], dict(state.drops)
+        if self.filter is not None:
+            self.filter.load(state.filtered)
         self.loader.load_state_dict(state.loader)
         self.drawn_from = state.loader
         if self.origin:

@@ -35,6 +35,7 @@ token boundary) and its checkpoints hold that loop's in-flight state.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch.distributed as dist
 
@@ -43,6 +44,7 @@ from hyflow.checkpoint.checkpointer import Checkpointer
 from hyflow.data.dataset import build_dataset
 from hyflow.data.loader import PromptLoader
 from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
+from hyflow.jobs.async_filter import filter_metrics, group_filter
 from hyflow.jobs.fully_async import AsyncGeneration, read_async_inflight, version_metrics
 from hyflow.jobs.loop import open_run, run_job
 from hyflow.jobs.rl import RLSteps, StepJob, frozen_models, rl_step, sft_warmup
@@ -120,7 +122,7 @@ class _NoCheckpoints:
 
 
 def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> None:
-    tokenizer, _, loader = _setup_data(cfg)
+    tokenizer, dataset, loader = _setup_data(cfg)
     side = GenerationSide(cfg, tokenizer, placement, groups, sync_group)
     rank, n = dist.get_rank(), cfg.rollout.n
     routes = row_routes(cfg.data.train_batch_size, placement.roles["rollout"], placement.roles["actor"])
@@ -141,9 +143,11 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
         if not control(Control(go=False), placement, rank, groups.device, ctl).go:
             return
         side.receive_weights()  # w_0, or w_t after a resume from step t
-        if fully_async:  # its own loop (hyflow.jobs.fully_async)
-            AsyncGeneration(cfg, side, loader, routes,
-                            lambda: control(Control(go=False), placement, rank, groups.device, ctl), ckpts).run(resumed)
+        if fully_async:  # its own loop (hyflow.jobs.fully_async), DAPO's filter when on (hyflow.jobs.async_filter)
+            with group_filter(cfg, tokenizer, dataset, side) or nullcontext() as kept:
+                AsyncGeneration(cfg, side, loader, routes,
+                                lambda: control(Control(go=False), placement, rank, groups.device, ctl), ckpts,
+                                kept).run(resumed)
             return
         version = 0 if resumed is None else resumed.step - 1  # the weights held (updates applied)
 
@@ -190,7 +194,9 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group,
     supervisor = StepSupervisor(cfg.trainer.max_bad_steps, optimizers, protect=[kl_ctrl], group=train_group,
                                 device=groups.device)
     state = RLState(models=models, loader=loader, kl_ctrl=kl_ctrl, supervisor=supervisor)
-    job = StepJob(tokenizer, reward, sorted({r.data_source for r in dataset}), len(dataset))
+    # async: the generation pool's filter already did DAPO's dynamic sampling (hyflow.jobs.async_filter)
+    job = StepJob(tokenizer, reward, sorted({r.data_source for r in dataset}), len(dataset),
+                  refill=cfg.trainer.mode != "async")
     supervisor.install()
     # Synchronous saves: a background save's completion is agreed over the world at step ends,
     # which would tie the generation pool's loop to the training pool's.
@@ -300,10 +306,17 @@ class PooledSteps(RLSteps):
             metrics.update(version_metrics(rows.samples, step, self.cfg.trainer.max_staleness,
                                            self.state.models.groups.pgs.dp, self._device, dropped=rows.dropped))
             dropped = int(metrics["fully_async/count/dropped_stale_samples"])
-            if dropped and dist.get_rank() == self.placement.roles["actor"].pool.start:
+            lead = dist.get_rank() == self.placement.roles["actor"].pool.start
+            if dropped and lead:
                 print(f"[hyflow] step {step}: the generation pool dropped {dropped} samples more than "
                       f"trainer.max_staleness={self.cfg.trainer.max_staleness} weight versions old "
                       "(fully_async/count/dropped_stale_samples)", flush=True)
+            if self.cfg.algorithm.dynamic_sampling.enable:  # the groups the generation pool filtered
+                metrics.update(filter_metrics(self.data["scores"], self.cfg.rollout.n, rows.filtered,
+                                              self.state.models.groups.pgs.dp, self._device))
+                if metrics["dynamic_sampling/gave_up"] and lead:
+                    print(f"[hyflow] warning: step {step} trains on groups without reward variance: the generation "
+                          "pool reached algorithm.dynamic_sampling.max_rounds (dynamic_sampling/gave_up)", flush=True)
         return go
 
     def save(self, step: int):

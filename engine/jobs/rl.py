@@ -203,10 +203,13 @@ class StepJob:
     """What a step uses besides the state: the tokenizer, the reward manager, the data sources, and
     for multi-turn rollouts the agent (:class:`hyflow.agent.agent.MultiTurnAgent`; None otherwise)."""
 
-    def __init__(self, tokenizer, reward, sources, dataset_size: int = 0, agent=None) -> None:
+    def __init__(self, tokenizer, reward, sources, dataset_size: int = 0, agent=None, refill: bool = True) -> None:
         self.tokenizer, self.reward, self.sources = tokenizer, reward, list(sources)
         self.dataset_size = dataset_size
         self.agent = agent
+        # DAPO dynamic sampling refills the step's batch here; False where the generation pool already
+        # filtered its groups (trainer.mode=async: hyflow.jobs.async_filter)
+        self.refill = refill
 
     @property
     def pad_id(self) -> int:
@@ -227,7 +230,7 @@ def rl_step(cfg: RLJobConfig, state: RLState, records, job: StepJob, timers) -> 
     rnd = generate_round(cfg, state, job, mine, first, seed, timers)
     dynamic = cfg.algorithm.dynamic_sampling
     refill = {}
-    if dynamic.enable:  # 2b. DAPO: drop groups with equal rewards, refill from the loader's next prompts
+    if dynamic.enable and job.refill:  # 2b. DAPO: drop groups with equal rewards, refill from the next prompts
         def next_round(r: int, needed: bool):
             shard = state.loader.next_batch()[first:stop]  # every rank draws: the loader stays in step
             return generate_round(cfg, state, job, shard, first, seed + 7_919 * r, timers) if needed else None
@@ -365,17 +368,25 @@ def generate_round(cfg: RLJobConfig, state: RLState, job: "StepJob", shard, firs
                 fused=cfg.actor.fused_output_layer))
     with timers.phase("reward"):
         scored = score_samples(job, shard, first, samples)
-        scores = torch.tensor(scored.scores, dtype=torch.float32, device=device)
-        overlong = cfg.algorithm.overlong_buffer
-        if overlong.enable:  # DAPO's soft overlong punishment, a reward term
-            scores = scores + overlong_penalty(samples.column("response_len"), cfg.rollout.max_new_tokens,
-                                               overlong.length, overlong.penalty_factor)
+        scores = shaped_scores(cfg, scored, samples, device)
         greedy_scores = None
         if greedy is not None:
             baseline = torch.tensor(score_samples(job, shard, first, greedy.samples).scores, dtype=torch.float32,
                                     device=device)
             greedy_scores = baseline.repeat_interleave(cfg.rollout.n)  # rows are (prompt, sample) ordered
     return Round(samples, scored, scores, cfg.rollout.n, greedy_scores)
+
+
+def shaped_scores(cfg: RLJobConfig, scored, samples: SampleTensors, device: torch.device) -> torch.Tensor:
+    """``[rows]`` float32: the reward the advantages use, ``scored``'s scores plus DAPO's soft overlong
+    punishment when ``algorithm.overlong_buffer`` is on (also the score the async group filter reads:
+    :mod:`hyflow.jobs.async_filter`)."""
+    scores = torch.tensor(scored.scores, dtype=torch.float32, device=device)
+    overlong = cfg.algorithm.overlong_buffer
+    if overlong.enable:  # DAPO's soft overlong punishment, a reward term
+        scores = scores + overlong_penalty(samples.column("response_len"), cfg.rollout.max_new_tokens,
+                                           overlong.length, overlong.penalty_factor)
+    return scores
 
 
 def _with_logprobs(samples: SampleTensors, pad_id: int, rescore) -> SampleTensors:

@@ -511,9 +511,16 @@ class RLJobConfig:
 
     def _check_async(self) -> None:
         """What ``trainer.mode=async`` does not run yet, refused by name."""
+        dynamic = self.algorithm.dynamic_sampling.enable  # the generation pool filters its groups
+        reward_model = self.reward.kind == "model" or self.reward.model_checkpoint is not None
         refusals = (
-            ("algorithm.dynamic_sampling.enable", self.algorithm.dynamic_sampling.enable,
-             "does not refill batches with dynamic sampling yet: set algorithm.dynamic_sampling.enable=false"),
+            ("reward.model_checkpoint", dynamic and reward_model,
+             "with algorithm.dynamic_sampling scores each group on the generation pool, where no reward model "
+             "runs (it runs with the actor's training layout): use a rule or function reward, or set "
+             "algorithm.dynamic_sampling.enable=false"),
+            ("rollout.multi_turn.enable", dynamic and self.rollout.multi_turn.enable,
+             "with algorithm.dynamic_sampling scores single-turn responses on the generation pool: drop "
+             "rollout.multi_turn or algorithm.dynamic_sampling"),
             ("rollout.record_routing", self.rollout.record_routing or self.rollout.routing_replay,
              "does not record experts across a weight update: drop rollout.record_routing / routing_replay"),
         )

@@ -10,7 +10,7 @@ no rank ever holds the whole batch unless it owns it.
 
 One message per (sender, receiver) pair: an int64 header (rows, tokens, log-probs, weight
 version, generation microseconds, per-token versions, waiting microseconds, origin rows, dropped
-samples), then the tensors of :class:`~hyflow.rollout.dp.SampleTensors` (the per-token weight
+samples, filtered groups), then the tensors of :class:`~hyflow.rollout.dp.SampleTensors` (the per-token weight
 versions when the sender recorded them, and each row's origin when a batch mixes prompts of several
 loader batches: ``trainer.mode: async``); both rounds are one ``batch_isend_irecv`` on each rank.
 """
@@ -27,8 +27,8 @@ from hyflow.rl.dispatch import shard_range
 from hyflow.rollout.dp import META, SampleTensors
 
 #: rows, tokens, logprobs, weight version, generation microseconds, versions, waiting microseconds, origin rows,
-#: dropped samples
-HEADER = 9
+#: dropped samples, filtered groups
+HEADER = 10
 ORIGIN = ("step", "request", "uid")  #: columns of a row's origin: loader step, prompt index there, dataset index
 
 
@@ -65,13 +65,15 @@ def _exchange(ops: list) -> None:
 
 
 def send_rows(samples: SampleTensors, routes: list[RowRoute], rank: int, version: int, gen_seconds: float,
-              group=None, wait_seconds: float = 0.0, origins: Optional[torch.Tensor] = None, dropped: int = 0) -> int:
+              group=None, wait_seconds: float = 0.0, origins: Optional[torch.Tensor] = None, dropped: int = 0,
+              filtered: int = 0) -> int:
     """Send this replica's ``samples`` (sorted, global request indices) along its routes; returns bytes
     sent. ``version``: the oldest weight version that sampled them; ``gen_seconds`` / ``wait_seconds``:
     the replica's time generating them and waiting for the training pool since its previous send;
     ``origins``: None, or ``[rows, 3]`` int64 per row (:data:`ORIGIN`); ``dropped``: samples this replica
-    dropped as too stale while forming the batch (told to the owners of its first rows only, so a sum
-    over the training data-parallel ranks counts each replica once)."""
+    dropped as too stale while forming the batch and ``filtered``: groups DAPO's dynamic sampling kept
+    out of it (both told to the owners of its first rows only, so a sum over the training
+    data-parallel ranks counts each replica once)."""
     mine = [r for r in routes if r.src == rank]
     request = samples.column("request")
     parts, picked = [], []
@@ -83,7 +85,7 @@ def send_rows(samples: SampleTensors, routes: list[RowRoute], rank: int, version
     lowest = min((r.first for r in mine), default=0)
     headers = [torch.tensor([len(p), p.tokens.numel(), p.logprobs.numel(), version, int(gen_seconds * 1e6),
                              0 if p.versions is None else p.versions.numel(), int(wait_seconds * 1e6),
-                             0 if o is None else o.shape[0], dropped if r.first == lowest else 0],
+                             0 if o is None else o.shape[0], *((dropped, filtered) if r.first == lowest else (0, 0))],
                             dtype=torch.long, device=device) for p, o, r in zip(parts, picked, mine)]
     _exchange([dist.P2POp(dist.isend, h, r.dst, group=group) for h, r in zip(headers, mine)])
     ops, sent = [], 0
@@ -105,6 +107,7 @@ class ReceivedRows:
     wait_seconds: float = 0.0  # the sending replicas' waits for the training pool since their previous send (most)
     origins: Optional[torch.Tensor] = None  # [rows, 3] (ORIGIN) when the senders sent them
     dropped: int = 0  # samples the senders dropped as too stale while forming this batch (see send_rows)
+    filtered: int = 0  # groups the senders' dynamic sampling kept out of this batch (see send_rows)
 
 
 def recv_rows(routes: list[RowRoute], rank: int, device: torch.device, group=None) -> ReceivedRows:
@@ -145,4 +148,4 @@ def recv_rows(routes: list[RowRoute], rank: int, device: torch.device, group=Non
     return ReceivedRows(samples=samples, version=versions.pop() if versions else 0,
                         gen_seconds=max((int(h[4]) for h in headers), default=0) / 1e6, nbytes=nbytes,
                         wait_seconds=max((int(h[6]) for h in headers), default=0) / 1e6, origins=origin,
-                        dropped=sum(int(h[8]) for h in headers))
+                        dropped=sum(int(h[8]) for h in headers), filtered=sum(int(h[9]) for h in headers))
