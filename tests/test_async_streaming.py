@@ -113,7 +113,7 @@ def _stream(k: int, long: dict, total: int, save_at: int = 0, path: str = "", re
         exchanges.append((i, gen.decoded, len(sends) + (state.step - 1 if state else 0)))
         return Control(go=i < total, save=i == save_at, step=i)
 
-    def send(samples, routes, rank, version, seconds, wait_seconds=0.0, origins=None, dropped=0):
+    def send(samples, routes, rank, version, seconds, wait_seconds=0.0, origins=None, dropped=0, filtered=0):
         lens = samples.column("response_len").tolist()
         sends.append({"decoded": gen.decoded, "oldest": version, "dropped": dropped,
                       "request": samples.column("request").tolist(), "origins": origins.tolist(),

@@ -76,11 +76,12 @@ class GroupFilter:
             return
         n = len(groups[0].outs)
         bits = torch.zeros(len(groups), dtype=torch.long, device=self.device)
-        if self.job is not None:
-            samples = SampleTensors.from_samples([o for g in groups for o in g.outs], torch.device("cpu"))
-            samples.meta[:, META.index("request")] = torch.arange(len(groups)).repeat_interleave(n)
+        if self.job is not None:  # host work: the reward is a CPU function of the decoded text
+            cpu = torch.device("cpu")
+            samples = SampleTensors.from_samples([o for g in groups for o in g.outs], cpu)
+            samples.meta[:, META.index("request")] = torch.arange(len(groups), device=cpu).repeat_interleave(n)
             scored = score_samples(self.job, [self.dataset[g.uid] for g in groups], 0, samples)
-            rnd = Round(samples, scored, shaped_scores(self.cfg, scored, samples, torch.device("cpu")), n)
+            rnd = Round(samples, scored, shaped_scores(self.cfg, scored, samples, cpu), n)
             bits.copy_(rnd.signal().to(torch.long))
         if self.group is not None:
             dist.broadcast(bits, src=self.src, group=self.group)
@@ -137,7 +138,7 @@ def filter_metrics(scores: torch.Tensor, n: int, filtered: int, dp_group, device
     the colocated job's rounds)."""
     groups = scores.numel() // n
     ids = torch.arange(groups, device=scores.device).repeat_interleave(n)
-    signal = groups_with_signal(scores, ids).view(groups, n)[:, 0] if groups else torch.zeros(0, dtype=torch.bool)
+    signal = groups_with_signal(scores, ids).view(groups, n)[:, 0] if groups else scores.new_zeros(0)
     sums = torch.tensor([float(signal.sum()), float(groups), float(filtered)], dtype=torch.float64, device=device)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(sums, group=dp_group)
