@@ -120,6 +120,11 @@ class RolloutCapabilities:
     multi_turn: bool = False
     """:meth:`Rollouts.generate_trajectories`: multi-turn trajectories, its replicas' turns
     interleaved with tool calls and environment steps (``rollout.multi_turn``, :mod:`hyflow.agent`)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (``algorithm.dynamic_sampling``): more rounds generated on demand
+    while a step's batch lacks groups with reward variance (:mod:`hyflow.rl.dynamic_sampling`), or
+    groups without it filtered where they are generated (``trainer.mode=async``,
+    :mod:`hyflow.jobs.async_filter`)."""
 
     @property
     def exact_logprobs(self) -> bool:

@@ -106,6 +106,11 @@ def _cfg(*overrides):
     (POOLED + ["trainer.mode=one_step_off", "rollout.exact_logprobs=true"], "rollout.exact_logprobs"),
     (POOLED + ["trainer.mode=sync", "rollout.force_staleness=1"], "rollout.force_staleness"),
     (POOLED + ["trainer.mode=sync", "algorithm.adv_estimator=remax"], "algorithm.adv_estimator"),
+    # DAPO's refill rounds are the colocated step's; async pools filter on the generation side
+    (POOLED + ["trainer.mode=one_step_off", "algorithm.dynamic_sampling.enable=true"],
+     "algorithm.dynamic_sampling.enable"),
+    (POOLED + ["trainer.mode=async", "algorithm.dynamic_sampling.enable=true"], None),
+    (["trainer.nproc=2", "algorithm.dynamic_sampling.enable=true"], None),
     # colocated: a smaller generation TP cannot re-score exactly, and stale sampling forbids the
     # training-layout re-score; either alone is fine
     (["trainer.nproc=2", "actor.layout.tp=2", "rollout.layout.tp=1", "rollout.exact_logprobs=true",

@@ -120,6 +120,11 @@ REQUIREMENTS = (
      lambda caps: caps.multi_turn, "multi-turn trajectories",
      "run colocated (trainer.mode=sync, placement.pools empty) with rollout.backend=hyflow, or set "
      "rollout.multi_turn.enable=false"),
+    ("algorithm.dynamic_sampling.enable", lambda cfg: cfg.algorithm.dynamic_sampling.enable, "rollouts",
+     lambda caps: caps.dynamic_sampling, "DAPO's dynamic sampling (it receives one batch per step from the "
+     "generation pool and cannot ask it for more groups)",
+     "use trainer.mode=async (the generation pool filters its groups), run colocated (trainer.mode=sync, "
+     "placement.pools empty), or set algorithm.dynamic_sampling.enable=false"),
     ("rollout.force_staleness", lambda cfg: cfg.rollout.force_staleness > 0, "weights",
      lambda caps: caps.stale_weights, "sampling with older weights (it holds no generation weights of its own)",
      "set rollout.force_staleness=0, or run colocated"),

@@ -112,16 +112,19 @@ class RemoteRollouts:
     placement: object
     group: object = None
     current_weights: bool = True
+    filtered: bool = False  # trainer.mode=async: the generation pool filters groups (DAPO dynamic sampling)
     last: ReceivedRows | None = field(default=None)
     prefetched: ReceivedRows | None = field(default=None)
 
     @classmethod
     def capabilities_for(cls, cfg) -> RolloutCapabilities:
-        return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=samples_current_weights(cfg))
+        return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=samples_current_weights(cfg),
+                                   dynamic_sampling=cfg.trainer.mode == "async")
 
     @property
     def capabilities(self) -> RolloutCapabilities:
-        return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=self.current_weights)
+        return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=self.current_weights,
+                                   dynamic_sampling=self.filtered)
 
     def shard(self, count: int) -> tuple[int, int]:
         return shard_range(count, self.groups.layout.dp, self.groups.dp_rank)
@@ -179,7 +182,8 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
                           summarize_actor_sync(placement, desc, actor.config.params_dtype.itemsize, fused_norms=fused),
                           model=actor)
     rollouts = RemoteRollouts(groups, GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
-                              placement, row_group, current_weights=samples_current_weights(cfg))
+                              placement, row_group, current_weights=samples_current_weights(cfg),
+                              filtered=cfg.trainer.mode == "async")
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=sender,
                       rollouts=rollouts, sample_vocab=min(desc.vocab_size, tokenizer.vocab_size))
     here = tuple(r for r in ("reference", "critic", "reward") if r not in placement.roles

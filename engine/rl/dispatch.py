@@ -64,7 +64,8 @@ class RolloutDispatcher:
         """What the dispatcher :func:`hyflow.rl.models.build_rl_models` builds for ``cfg`` can do."""
         return RolloutCapabilities(greedy=True,
                                    exact_rescore=HybridEngine.capabilities_for(cfg).exact_in_generation_layout,
-                                   current_weights=not cfg.rollout.force_staleness, multi_turn=True)
+                                   current_weights=not cfg.rollout.force_staleness, multi_turn=True,
+                                   dynamic_sampling=True)
 
     def __init__(self, hybrid: HybridEngine, train_groups, rollout_config: GenerationConfig, desc, vocab_size: int,
                  eos_token_ids: Sequence[int], *, current_weights: bool = True):
