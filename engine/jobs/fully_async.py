@@ -25,7 +25,7 @@ seeds keyed by the loader step and the global prompt index, as the colocated job
   too stale for the next batch to form is stopped at once (its slots go to new prompts), dropped and
   counted the same way.
 * **DAPO dynamic sampling** (``algorithm.dynamic_sampling``): a completed group whose rewards are all
-  equal enters no batch; it is counted against the batch being formed and its place goes to a new
+  equal enters no batch; it is counted against the next batch to form and its place goes to a new
   group, as a dropped group's (:mod:`hyflow.jobs.async_filter`).
 * **Weight exchange** (the control message, then the weight sync: collective with the training pool
   and every replica). A replica enters the receive of ``w_v`` only once it has sent batch ``v``
@@ -267,16 +267,12 @@ class AsyncGeneration:
     def _form(self) -> None:
         """Completed groups, in completion order, into batches of ``B_r``; a group too stale for the
         batch it would land in is dropped (counted against that batch)."""
-        if self.filter is not None:
-            self.filter.score(self.completed)
+        if self.filter is not None:  # DAPO dynamic sampling
+            self._filter()
         for g in sorted(self.completed, key=lambda g: (g.done_at, g.origin, g.index)):
             t = self.formed + 1
             if (t - 1) - g.oldest(self.received) > self.k:
                 self._drop(g, t)
-                continue
-            if self.filter is not None and not self.filter.keep(g, t):  # DAPO: no reward variance
-                self.dropped += 1  # its place goes to a new group (the admission bound), as a dropped one's
-                del self.groups[g.key]
                 continue
             self.current.append(g)
             if len(self.current) == self.share:
@@ -305,6 +301,20 @@ class AsyncGeneration:
         self.dropped += 1
         self.drops[t] = self.drops.get(t, 0) + len(group.outs)
         del self.groups[group.key]
+
+    def _filter(self) -> None:
+        """DAPO dynamic sampling (:mod:`hyflow.jobs.async_filter`): the completed groups without reward
+        variance, in completion order, enter no batch; each is counted against the next batch to form
+        and its place goes to a new group (the admission bound), as a dropped group's."""
+        done = sorted(self.completed, key=lambda g: (g.done_at, g.origin, g.index))
+        self.filter.score(done)
+        self.completed = []
+        for g in done:
+            if self.filter.keep(g, self.formed + 1):
+                self.completed.append(g)
+            else:
+                self.dropped += 1
+                del self.groups[g.key]
 
     def _send_ready(self) -> None:
         while not self.stopped and self.sent + 1 in self.batches and self.received >= self.sent:
