@@ -24,9 +24,6 @@ seeds keyed by the loader step and the global prompt index, as the colocated job
   (the training lead's log says how many); its prompt is not retried. A running group that is already
   too stale for the next batch to form is stopped at once (its slots go to new prompts), dropped and
   counted the same way.
-* **DAPO dynamic sampling** (``algorithm.dynamic_sampling``): a completed group whose rewards are all
-  equal enters no batch; it is counted against the next batch to form and its place goes to a new
-  group, as a dropped group's (:mod:`hyflow.jobs.async_filter`).
 * **Weight exchange** (the control message, then the weight sync: collective with the training pool
   and every replica). A replica enters the receive of ``w_v`` only once it has sent batch ``v``
   (else the training pool waits for batch ``v`` while the replica waits for ``w_v``), and sends batch
@@ -36,6 +33,9 @@ seeds keyed by the loader step and the global prompt index, as the colocated job
   ``trainer.partial_rollout=continue`` their caches are recomputed with the new weights, with
   ``abort`` they restart), or at once when nothing can run (every started group done). With
   ``update_after_tokens = 0`` it is taken only then: no sample spans two versions.
+* **DAPO dynamic sampling** (``algorithm.dynamic_sampling``): a completed group whose rewards are all
+  equal enters no batch; it is counted against the next batch to form and its place goes to a new
+  group, as a dropped group's (:mod:`hyflow.jobs.async_filter`).
 
 ``k = 0`` is the pooled ``sync`` run (only batch ``t``'s groups may start before ``w_(t-1)``, and they
 all complete before the exchange). With ``k >= 1`` groups of several loader batches run together, so a
