@@ -95,6 +95,8 @@ def test_async_k1_between_batches_is_one_step_off(tmp_path):
      "generation pool, where no reward model runs"),
     (["algorithm.dynamic_sampling.enable=true", "reward.kind=model", "reward.model_checkpoint=rm"],
      "'reward.model_checkpoint'"),
+    (["algorithm.dynamic_sampling.enable=true", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"],
+     "'rollout.multi_turn.enable': trainer.mode=async with algorithm.dynamic_sampling"),
     (["trainer.max_staleness=-1"], "max_staleness"),
     (["trainer.update_after_tokens=-1"], "update_after_tokens"),
 ])

@@ -69,8 +69,7 @@ class GroupFilter:
 
     def score(self, groups: list) -> None:
         """Score the completed ``groups`` (:class:`~hyflow.jobs.fully_async.Group`, the same list on
-        every rank of the replica) and remember which have signal until :meth:`keep` asks (a group
-        dropped as too stale is never asked: forgotten at the next call)."""
+        every rank of the replica) and remember which have signal until :meth:`keep` asks."""
         self.signal = {}
         if not groups:
             return
