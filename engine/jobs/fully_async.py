@@ -163,6 +163,8 @@ class AsyncGeneration:
     control message (:func:`hyflow.placement.inflight.control`, collective with it); ``group_filter``:
     DAPO dynamic sampling's :class:`~hyflow.jobs.async_filter.GroupFilter`, or None."""
 
+    filter = None  # the GroupFilter (a class default: forming-only tests build the loop without __init__)
+
     def __init__(self, cfg, side, loader, routes, exchange_control: Callable, ckpts=None, group_filter=None) -> None:
         t = cfg.trainer
         self.total, self.k, self.after, self.partial = t.total_steps, t.max_staleness, t.update_after_tokens, \
