@@ -44,15 +44,19 @@ def test_config_errors_name_the_key(config, overrides, key, words):
         assert key in str(e.value)
 
 
-def test_placement_pools_lack_the_capability(config):
+def test_which_placements_and_modes_run_multi_turn(config):
+    """Placement pools run multi-turn trajectories in trainer.mode sync and one_step_off (hyflow's engine);
+    async and vLLM are refused by the rollouts role's capability, naming the way out."""
     from hyflow.jobs.rl_preflight import check_role_capabilities
 
     pooled = ["actor.layout.tp=1", "actor.layout.pp=1", "placement.pools={train: [0, 1], gen: [1, 2]}",
               "placement.actor=train", "placement.rollout=gen", "trainer.total_steps=2"]
-    with pytest.raises(ConfigError) as e:
-        check_role_capabilities(_load(config, *pooled))
-    assert e.value.key == "rollout.multi_turn.enable" and "run colocated" in str(e.value)
     check_role_capabilities(_load(config))  # colocated: the dispatcher can
+    for mode in ("sync", "one_step_off"):
+        check_role_capabilities(_load(config, *pooled, f"trainer.mode={mode}"))
+    with pytest.raises(ConfigError) as e:
+        check_role_capabilities(_load(config, *pooled, "trainer.mode=async"))
+    assert e.value.key == "rollout.multi_turn.enable" and "trainer.mode=sync or one_step_off" in str(e.value)
 
 
 def test_the_shipped_demo_config_loads():

@@ -21,6 +21,13 @@ weight sync moves the actor's shards (:mod:`hyflow.placement.weight_sync`). Chec
 pools' state, the batch in flight included, so a resumed run equals an uninterrupted one
 (:mod:`hyflow.placement.inflight`).
 
+With ``rollout.multi_turn`` each generation replica runs the agent's multi-turn loop instead of
+one call of its engine (:meth:`~hyflow.placement.pool_models.GenerationSide.trajectories`: the
+tools and environments on the replica's leader, seeds as colocated) and sends the trajectories'
+rows with their loss masks and counters; the training pool scores and trains on them as the
+colocated job does, and a checkpoint's in-flight batch holds them whole (ids, masks, counters:
+nothing of an environment is needed to train on a finished trajectory).
+
 ``trainer.mode: sync`` with ``placement.pools`` runs these loops without the overlap: the
 generation pool samples batch ``t+1`` after receiving ``w_t`` (staleness 0 every step, no
 rollout correction unless set), so its metrics equal the colocated run's. A critic on a pool of
@@ -38,6 +45,7 @@ import time
 
 import torch.distributed as dist
 
+from hyflow.agent.agent import MultiTurnAgent
 from hyflow.algorithms.kl import make_kl_controller
 from hyflow.checkpoint.checkpointer import Checkpointer
 from hyflow.data.dataset import build_dataset
@@ -149,8 +157,10 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
 
         def generate(step: int):
             start = time.perf_counter()
-            out = side.generate(loader.next_batch(), step, n)
-            return out.samples, time.perf_counter() - start, version
+            records = loader.next_batch()
+            # multi-turn: the agent's loop on this replica (tools and environments on its leader)
+            samples = side.trajectories(records, step, n) if side.agent else side.generate(records, step, n).samples
+            return samples, time.perf_counter() - start, version
 
         if resumed is None or resumed.samples is None:
             step = 1 if resumed is None else resumed.step
@@ -190,7 +200,10 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group,
     supervisor = StepSupervisor(cfg.trainer.max_bad_steps, optimizers, protect=[kl_ctrl], group=train_group,
                                 device=groups.device)
     state = RLState(models=models, loader=loader, kl_ctrl=kl_ctrl, supervisor=supervisor)
-    job = StepJob(tokenizer, reward, sorted({r.data_source for r in dataset}), len(dataset))
+    # multi-turn: the rows are trajectories the generation pool ran; the agent scores them here (and
+    # gives the SFT warm-up its demonstrations); its tools and environments run on the generation pool
+    agent = MultiTurnAgent(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
+    job = StepJob(tokenizer, reward, sorted({r.data_source for r in dataset}), len(dataset), agent)
     supervisor.install()
     # Synchronous saves: a background save's completion is agreed over the world at step ends,
     # which would tie the generation pool's loop to the training pool's.
@@ -233,7 +246,7 @@ class PooledSteps(RLSteps):
         """The warm-up, then tell the generation pool whether to go on and send w_0 (w_start after a resume)."""
         cfg, self.run = self.cfg, run
         if cfg.actor.sft_warmup_steps and not run.start:
-            sft_warmup(cfg, self.state, self.job.tokenizer)
+            sft_warmup(cfg, self.state, self.job.tokenizer, self.job.agent)
         go = run.start < cfg.trainer.total_steps
         control(Control(go=go), self.placement, dist.get_rank(), self._device, self.ctl)
         if go:
