@@ -45,18 +45,40 @@ def test_config_errors_name_the_key(config, overrides, key, words):
 
 
 def test_which_placements_and_modes_run_multi_turn(config):
-    """Placement pools run multi-turn trajectories in trainer.mode sync and one_step_off (hyflow's engine);
-    async and vLLM are refused by the rollouts role's capability, naming the way out."""
+    """Placement pools run multi-turn trajectories in every trainer.mode (hyflow's engine; the old code
+    refused them all)."""
     from hyflow.jobs.rl_preflight import check_role_capabilities
 
     pooled = ["actor.layout.tp=1", "actor.layout.pp=1", "placement.pools={train: [0, 1], gen: [1, 2]}",
               "placement.actor=train", "placement.rollout=gen", "trainer.total_steps=2"]
     check_role_capabilities(_load(config))  # colocated: the dispatcher can
-    for mode in ("sync", "one_step_off"):
+    for mode in ("sync", "one_step_off", "async"):
         check_role_capabilities(_load(config, *pooled, f"trainer.mode={mode}"))
+
+
+def test_async_multi_turn_refuses_checkpoints(config, tmp_path):
+    """trainer.mode=async with rollout.multi_turn writes no checkpoint (its environments cannot be saved):
+    saving, resuming, and resume=auto beside an existing checkpoint are refused before launch, naming the
+    way out; without them it passes."""
+    import os
+
+    from hyflow.checkpoint.discovery import MARKER_FILE, STATE_FILE, step_dir_name
+    from hyflow.jobs.rl_preflight import check_pooled_supported
+
+    run = ["trainer.mode=async", "trainer.nproc=4", f"trainer.output_dir={tmp_path}"]
+    check_pooled_supported(_load(config, *run))
+    for override, key in (("trainer.save_every=2", "trainer.save_every"), ("trainer.resume=/x", "trainer.resume")):
+        with pytest.raises(ConfigError) as e:
+            check_pooled_supported(_load(config, *run, override))
+        assert e.value.key == key and "trainer.mode=one_step_off" in str(e.value)
+    step = tmp_path / "checkpoints" / step_dir_name(2)
+    os.makedirs(step)
+    (step / MARKER_FILE).write_text('{"step": 2}')
+    (step / STATE_FILE).write_text("{}")
     with pytest.raises(ConfigError) as e:
-        check_role_capabilities(_load(config, *pooled, "trainer.mode=async"))
-    assert e.value.key == "rollout.multi_turn.enable" and "trainer.mode=sync or one_step_off" in str(e.value)
+        check_pooled_supported(_load(config, *run))
+    assert e.value.key == "trainer.resume"
+    check_pooled_supported(_load(config, *run, "trainer.resume=never"))
 
 
 def test_the_shipped_demo_config_loads():

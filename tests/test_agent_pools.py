@@ -8,7 +8,11 @@ masks and counters to the training ranks that own them.
   fail if the mask over observations were lost on the way (observation tokens would carry loss)
   or the counters (the multi-turn metrics would be missing);
 * ``one_step_off``: step 1 equals it too (sampled with the initial weights), step 2 is one update
-  behind (staleness 1) and still multi-turn.
+  behind (staleness 1) and still multi-turn;
+* ``async`` (:mod:`hyflow.jobs.async_trajectories`: turns fed to each replica's long-lived scheduler, the
+  next one when the environment answered): with ``max_staleness: 0`` it equals the pooled sync run at
+  every step; with ``max_staleness: 1`` step 2 trains on trajectories one version old (every token's
+  version recorded, observations included: the staleness metrics would raise on a wrong one).
 """
 
 import math
@@ -49,7 +53,18 @@ def test_multi_turn_on_pools_equals_colocated(tmp_path):
                           timeout=1200)[0]
     off = run_on_ranks(_run, 4, str(config), [*POOLS, "trainer.mode=one_step_off"], str(tmp_path / "off"),
                        timeout=1200)[0]
-    assert len(colocated) == len(pooled) == len(off) == 2
+    run = [*POOLS, "trainer.mode=async", "trainer.resume=never"]
+    k0 = run_on_ranks(_run, 4, str(config), [*run, "trainer.max_staleness=0"], str(tmp_path / "k0"), timeout=1200)[0]
+    k1 = run_on_ranks(_run, 4, str(config), [*run, "trainer.max_staleness=1", "trainer.update_after_tokens=2"],
+                      str(tmp_path / "k1"), timeout=1200)[0]
+    assert len(colocated) == len(pooled) == len(off) == len(k0) == len(k1) == 2
+    for step, (a, b) in enumerate(zip(pooled, k0), 1):
+        for key in COMPARED:
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), ("k=0", step, key, a[key], b[key])
+        assert b["fully_async/staleness/max"] == 0.0
+    assert [m["fully_async/staleness/mean"] for m in k1] == [0.0, 1.0]
+    assert k1[1]["num_turns/mean"] > 1.5 and k1[1]["multi_turn/observation_tokens/mean"] > 5
+    assert k1[1]["actor/grad_norm"] > 0
     for step, (a, b) in enumerate(zip(colocated, pooled), 1):
         assert a["num_turns/mean"] > 1.5 and a["multi_turn/observation_tokens/mean"] > 5
         assert a["actor/grad_norm"] > 0

@@ -223,11 +223,16 @@ class AsyncGeneration:
             records = self.loader.next_batch()
             self.prompts = deque((i, records[i]) for i in range(self.first, self.first + self.share))
         index, record = self.prompts.popleft()
-        seqs = self.side.sequences(record.prompt_ids, self.origin, index, self.n)
-        group = Group(self.origin, index, record.uid, [s.out for s in seqs])
+        group, seqs = self._open(record, index)
         self._track(group)
         self.started += 1
         return seqs
+
+    def _open(self, record, index: int) -> tuple[Group, list]:
+        """Prompt ``index`` of loader batch ``origin``: its group and the sequences that start it (a
+        multi-turn feeder starts first turns: :mod:`hyflow.jobs.async_trajectories`)."""
+        seqs = self.side.sequences(record.prompt_ids, self.origin, index, self.n)
+        return Group(self.origin, index, record.uid, [s.out for s in seqs]), seqs
 
     def _track(self, group: Group) -> None:
         self.groups[group.key] = group
@@ -296,7 +301,7 @@ class AsyncGeneration:
         while not self.stopped and self.sent + 1 in self.batches and self.received >= self.sent:
             t = self.sent + 1
             groups = self.batches.pop(t)
-            samples = SampleTensors.from_samples([o for g in groups for o in g.outs], self.device)
+            samples = self._rows(groups)
             samples.meta[:, META.index("request")] = torch.tensor(
                 [self.first + j for j, g in enumerate(groups) for _ in g.outs], dtype=torch.long, device=self.device)
             origins = torch.tensor([[g.origin, g.index, g.uid] for g in groups for _ in g.outs],
@@ -310,6 +315,10 @@ class AsyncGeneration:
             for g in groups:
                 del self.groups[g.key]
             self.sent = t
+
+    def _rows(self, groups: list) -> SampleTensors:
+        """The rows of a formed batch's ``groups``, in order (their requests renumbered by the caller)."""
+        return SampleTensors.from_samples([o for g in groups for o in g.outs], self.device)
 
     # -------------------------------------------------------------- exchange
     def _exchange(self) -> bool:

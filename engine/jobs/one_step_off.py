@@ -51,6 +51,7 @@ from hyflow.checkpoint.checkpointer import Checkpointer
 from hyflow.data.dataset import build_dataset
 from hyflow.data.loader import PromptLoader
 from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
+from hyflow.jobs.async_trajectories import AsyncTrajectories
 from hyflow.jobs.fully_async import AsyncGeneration, read_async_inflight, version_metrics
 from hyflow.jobs.loop import open_run, run_job
 from hyflow.jobs.rl import RLSteps, StepJob, frozen_models, rl_step, sft_warmup
@@ -98,24 +99,28 @@ def run(cfg: RLJobConfig) -> list[dict]:
     return _training_loop(cfg, placement, groups, sync_group, pool_group, ctl)
 
 
-def checkpointing(placement) -> bool:
+def checkpointing(cfg: RLJobConfig, placement) -> bool:
     """Whether this pooled run writes and resumes checkpoints: not with a critic on a pool of its own
     (its pool does not join the checkpoint yet; :func:`~hyflow.placement.remote_critic.check_remote_roles`
-    refuses saving and resuming such a run before launch)."""
-    return not has_remote_critic(placement)
+    refuses saving and resuming such a run before launch), nor with async multi-turn trajectories (their
+    environments cannot be saved: :mod:`hyflow.jobs.async_trajectories`; the preflight refuses it too)."""
+    return not has_remote_critic(placement) and not async_multi_turn(cfg)
+
+
+def async_multi_turn(cfg: RLJobConfig) -> bool:
+    return cfg.trainer.mode == "async" and cfg.rollout.multi_turn.enable
 
 
 class _NoCheckpoints:
     """Stands for the :class:`~hyflow.checkpoint.checkpointer.Checkpointer` of a run that writes none
     (:func:`checkpointing`): a stop signal ends the run after its step without a save."""
 
-    def __init__(self, lead: bool) -> None:
-        self.lead = lead
+    def __init__(self, lead: bool, why: str) -> None:
+        self.lead, self.why = lead, why
 
     def log(self, message: str) -> None:  # StepEnd's word on a stop: there is nothing to resume from
         if self.lead:
-            print("[hyflow] stopped on a stop signal; no checkpoint is written (the critic's pool is not "
-                  "checkpointed yet)", flush=True)
+            print(f"[hyflow] stopped on a stop signal; no checkpoint is written ({self.why})", flush=True)
 
     def poll(self) -> None:
         pass
@@ -135,7 +140,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
     # A stop signal must not end a generation rank: the training pool (signalled as well) agrees on
     # the stop, and this pool joins its last save before leaving.
     held = StepSupervisor(1, device=groups.device).install()
-    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc) if checkpointing(placement) else None
+    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc) if checkpointing(cfg, placement) else None
     overlap = cfg.trainer.mode == "one_step_off"  # sync: batch t+1 waits for w_t
     try:
         fully_async = cfg.trainer.mode == "async"
@@ -150,8 +155,9 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
             return
         side.receive_weights()  # w_0, or w_t after a resume from step t
         if fully_async:  # its own loop (hyflow.jobs.fully_async)
-            AsyncGeneration(cfg, side, loader, routes,
-                            lambda: control(Control(go=False), placement, rank, groups.device, ctl), ckpts).run(resumed)
+            loop = AsyncTrajectories if side.agent else AsyncGeneration  # multi-turn: turns fed to the scheduler
+            loop(cfg, side, loader, routes,
+                 lambda: control(Control(go=False), placement, rank, groups.device, ctl), ckpts).run(resumed)
             return
         version = 0 if resumed is None else resumed.step - 1  # the weights held (updates applied)
 
@@ -208,9 +214,11 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group,
     # Synchronous saves: a background save's completion is agreed over the world at step ends,
     # which would tie the generation pool's loop to the training pool's.
     lead = rank == placement.roles["actor"].pool.start
-    saves = checkpointing(placement)
+    saves = checkpointing(cfg, placement)
+    why = "async multi-turn trajectories are not checkpointed yet" if async_multi_turn(cfg) else \
+        "the critic's pool is not checkpointed yet"
     ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
-                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead)
+                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead, why)
     steps = PooledSteps(cfg, state, job, ckpt, placement, train_group, ctl, saves, dataset)
     try:
         run = open_run(cfg, ckpt, supervisor, steps.resume, lead)  # the resume is collective with the generation pool

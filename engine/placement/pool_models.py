@@ -58,11 +58,11 @@ def samples_current_weights(cfg) -> bool:
 
 
 def runs_multi_turn(cfg) -> bool:
-    """Whether the generation pool runs multi-turn trajectories for ``cfg``'s trainer.mode and backend:
-    ``sync`` and ``one_step_off`` on hyflow's engine (its per-sample ``on_finish`` starts the tool calls
-    while the other samples decode). Not ``async`` (its streaming scheduler feeds no turns yet) and not
-    vLLM (its batch call has no per-turn hook, as colocated)."""
-    return cfg.trainer.mode in ("sync", "one_step_off") and cfg.rollout.backend == "hyflow"
+    """Whether the generation pool runs multi-turn trajectories for ``cfg``'s backend: hyflow's engine
+    (its per-sample ``on_finish`` starts the tool calls while the other samples decode; ``trainer.mode:
+    async`` feeds turns to its long-lived scheduler, :mod:`hyflow.jobs.async_trajectories`). Not vLLM
+    (its batch call has no per-turn hook, as colocated)."""
+    return cfg.rollout.backend == "hyflow"
 
 
 @dataclass

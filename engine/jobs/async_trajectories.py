@@ -1,0 +1,244 @@
+"""``trainer.mode: async`` with ``rollout.multi_turn``: trajectories streamed through a replica's
+long-lived scheduler.
+
+:class:`AsyncTrajectories` is the :class:`~hyflow.jobs.fully_async.AsyncGeneration` loop (admission
+bound, batch forming, stale drops, weight exchange at token boundaries: all unchanged) whose groups
+are ``rollout.n`` multi-turn trajectories of a prompt instead of ``n`` single responses:
+
+* **A turn is a scheduler sequence.** Starting a group resets its ``n`` environments (on the
+  replica's leader, shared with its other ranks: :class:`~hyflow.agent.channel.ReplicaChannel`) and
+  feeds the first turns (one request of ``n`` samples, its prefill shared). When a turn finishes the
+  leader starts its environment step in a thread (the tool calls run while the others decode); the
+  step is waited for at the **next token boundary** (or at once when nothing decodes), its answer
+  shared, and the trajectory's next turn (context = everything so far) is queued for the scheduler's
+  next free slot, or the trajectory ends. The fixed boundary (not "whenever the tool returns") keeps
+  every rank of the replica in lockstep (NCCL: they must enter the same broadcasts) and the run a
+  function of decode steps, never of wall time, as :mod:`hyflow.jobs.fully_async` requires.
+* **Seeds and answers are the colocated loop's** (:class:`~hyflow.agent.rollout.MultiTurnRollout`'s
+  :func:`~hyflow.agent.rollout.turn_seed`, keyed by loader step, global prompt index, sample, turn and
+  attempt; its ``settle`` applies the environment's answers): with ``max_staleness: 0`` the
+  trajectories, and so the run, equal the pooled ``sync`` run's (test). A failed trajectory is run
+  again from its prompt at once (``failure_policy: retry``: alone, from its own stream, where the wave
+  loop shares one request among the samples of a prompt that failed together; ``resample_group``:
+  the whole group, its running turns cancelled), up to ``max_retries``; a group that still fails
+  keeps its rows with no loss (``dropped``), as colocated.
+* **Token versions.** Every sampled token records the weight version that sampled it (a turn may
+  span an exchange: ``trainer.partial_rollout``); an observation's tokens carry the version of the
+  turn before them (they were not sampled: no loss, no behaviour log-prob), so a trajectory's oldest
+  and newest versions are its sampled tokens'. A group's staleness is its oldest token's, as for
+  single responses.
+
+**Checkpoints.** An in-flight trajectory's tokens could be saved like a half-generated sample, but its
+environment cannot (a game's state, a sandbox, a simulated user: not picklable, and not plain data). An
+exact resume would re-create each environment and replay the saved assistant turns into it, checking that
+the observations it answers equal the saved ones (refusing the resume otherwise: a non-deterministic
+environment cannot be resumed exactly), then continue the trajectories from their saved turns. That is
+not built yet: the preflight refuses ``trainer.save_every`` and resuming with this combination, naming the
+way out (``trainer.mode: one_step_off``, whose in-flight batch holds finished trajectories only), and the
+run writes no checkpoint (a stop signal ends it after its step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from hyflow.agent.channel import ReplicaChannel
+from hyflow.agent.rollout import Call, Live, MultiTurnRollout, turn_seed
+from hyflow.agent.trajectory import Trajectory, to_sample_tensors
+from hyflow.jobs.fully_async import AsyncGeneration, AsyncInFlight, Group
+from hyflow.rl.dispatch import sampling_seed
+from hyflow.rollout.dp import SampleTensors
+from hyflow.rollout.request import GenerationRequest, SampleOutput
+
+
+@dataclass
+class _Run:
+    """One trajectory of a group in flight."""
+
+    traj: Trajectory
+    out: SampleOutput  # the group's output for it: the versions of its tokens (the staleness rules read them)
+    group: Group
+    record: Any
+    state: Live = field(default_factory=Live)
+    turn: Optional[SampleOutput] = None  # the turn the scheduler runs or ran last
+    limit: int = 0  # that turn's token limit
+    finished_at: int = -1  # the decode count when that turn finished (-1: running or none)
+
+
+class AsyncTrajectories(AsyncGeneration):
+    """The async generation loop over multi-turn trajectories (see the module docstring); ``side`` holds
+    the agent (:class:`~hyflow.placement.pool_models.GenerationSide` with ``rollout.multi_turn``)."""
+
+    def __init__(self, cfg, side, loader, routes, exchange_control, ckpts=None) -> None:
+        super().__init__(cfg, side, loader, routes, exchange_control, ckpts)
+        agent, self.mt = side.agent, cfg.rollout.multi_turn
+        self.sampling = side.rollout_config.sampling.replace(n=1)
+        self.driver = MultiTurnRollout(self.mt, agent.chat, agent.tokenizer, None, self.sampling,
+                                       getattr(side.engine, "max_seq_len", None) or side.desc.context_length,
+                                       agent.make_env, ReplicaChannel([side.groups.pgs.tp, side.groups.pgs.pp],
+                                                                      self.device))
+        self.trainer_seed, self.pad_id = cfg.trainer.seed, side.rollout_config.pad_token_id
+        self.runs: dict[tuple[int, int], list[_Run]] = {}  # group key -> its trajectories, until sent or dropped
+        self.by_turn: dict[int, _Run] = {}  # id(turn output) -> its trajectory, while the turn runs
+        self.waiting: list[_Run] = []  # turns finished, not answered yet (in finishing order)
+        self.ready: list = []  # next turns' sequences, not fed yet
+        self.scheduler = None
+
+    # ------------------------------------------------------------ scheduler hooks
+    def _feed(self, scheduler) -> list:
+        self.scheduler = scheduler
+        if not scheduler.running and not scheduler.queued:
+            self._advance(None)  # nothing decodes: answer every finished turn now
+        seqs, self.ready = self.ready, []
+        if not seqs:
+            return super()._feed(scheduler)
+        while scheduler.free_slots - scheduler.queued - len(seqs) > 0 and self._may_start():
+            seqs += self._start()
+        return seqs
+
+    def _on_decode(self, scheduler) -> Optional[int]:
+        self.scheduler = scheduler
+        self._advance(self.decoded)  # the turns that finished before this boundary's decode step
+        return super()._on_decode(scheduler)
+
+    def _finished(self, out) -> None:
+        run = self.by_turn.pop(id(out), None)
+        if run is None:  # a cancelled turn
+            return
+        run.finished_at = self.decoded
+        self.waiting.append(run)
+        if self.driver.leader and out.finish_reason == "stop":  # its tool calls run while the others decode
+            self.driver.begin_step(run.traj, out, run.state)
+
+    # ------------------------------------------------------------------ groups
+    def _open(self, record, index: int) -> tuple[Group, list]:
+        trajs = [Trajectory(index, j) for j in range(self.n)]
+        group = Group(self.origin, index, record.uid, [])
+        runs = [_Run(t, SampleOutput(request_index=index, sample_index=t.sample, prompt_ids=[]), group, record)
+                for t in trajs]
+        group.outs = [r.out for r in runs]
+        self.runs[group.key] = runs
+        return group, self._begin(runs)
+
+    def _begin(self, runs: list[_Run]) -> list:
+        """Reset the environments of ``runs`` (fresh trajectories of one group) and return their first
+        turns; a trajectory whose reset fails is ended (retried) at once."""
+        self.driver.reset([r.traj for r in runs], {id(r.traj): r.state for r in runs},
+                          {runs[0].traj.request: runs[0].record})
+        seqs = []
+        for r in runs:
+            r.out.prompt_ids = list(r.traj.prompt_ids)
+        live = [r for r in runs if r.traj.failure is None and self.driver.room(r.traj)]
+        by_prompt: dict[tuple, list[_Run]] = {}
+        for r in live:
+            by_prompt.setdefault(tuple(r.traj.prompt_ids), []).append(r)
+        for members in by_prompt.values():
+            seqs += self._turns(members, 0)
+        for r in runs:
+            if r not in live:
+                seqs += self._end(r)
+        return seqs
+
+    def _turns(self, members: list[_Run], turn: int) -> list:
+        """The scheduler sequences of ``members``' next turn (one request: a first turn's samples share it)."""
+        first = members[0]
+        seed = turn_seed(sampling_seed(self.trainer_seed, first.group.origin), first.traj, turn, len(members) > 1)
+        limit = self.driver.max_new(first.traj)
+        request = GenerationRequest(list(first.traj.context), sampling=self.sampling.replace(
+            n=len(members), max_new_tokens=limit), seed=seed)
+        seqs, _ = self.side.engine.prepare([request], request_offset=first.traj.request)
+        for s, r in zip(seqs, members):
+            s.key = (first.group.origin, first.traj.request, turn, first.traj.attempts, r.traj.sample)
+            r.turn, r.limit, r.finished_at, r.state.step = s.out, limit, -1, None
+            self.by_turn[id(s.out)] = r
+        return seqs
+
+    def _advance(self, before: Optional[int]) -> None:
+        """Answer the turns that finished before decode count ``before`` (None: all), in finishing order:
+        the environment steps' answers shared and applied, next turns queued, ended trajectories closed."""
+        due = [r for r in self.waiting if before is None or r.finished_at < before]
+        if not due:
+            return
+        self.waiting = [r for r in self.waiting if not (before is None or r.finished_at < before)]
+        sizes = [(len(r.traj.response_ids), r.traj.attempts) for r in due]
+        going = {id(t) for t in self.driver.settle([(r.traj, r.turn, r.state, r.limit, r.traj.turns) for r in due])}
+        for r, (size, attempt) in zip(due, sizes):
+            if r.traj.attempts != attempt or r.group.key not in self.runs:  # its group started over here
+                continue
+            versions = list(r.turn.versions) or [self.received] * len(r.turn.token_ids)
+            observed = len(r.traj.response_ids) - size - len(r.turn.token_ids)
+            r.out.versions += versions + [versions[-1] if versions else self.received] * observed
+            if id(r.traj) in going and self.driver.room(r.traj):
+                self.ready += self._turns([r], r.traj.turns)
+            else:
+                self.ready += self._end(r)
+
+    def _end(self, run: _Run) -> list:
+        """``run``'s trajectory ended: run it (or its group) again if it failed with retries left (returns
+        the new first turns), else close its environment and complete the group when all have ended."""
+        t, runs = run.traj, self.runs[run.group.key]
+        if t.failure is not None and t.attempts < self.mt.max_retries:
+            again = runs if self.mt.failure_policy == "resample_group" else [run]
+            self._forget(again)
+            for r in again:
+                r.traj.restart()
+                r.out.versions = []
+            return self._begin(again)
+        self._close(run)
+        if run.group.done_at < 0 and all(r.traj.end for r in runs):  # the last of its group to end
+            failed = any(r.traj.failure is not None for r in runs)
+            for r in runs:
+                r.traj.dropped = failed
+            if failed and self.driver.leader:
+                self.driver.log(f"dropped the group of prompt {t.request} of loader batch {run.group.origin}: its "
+                                f"environment or tools kept failing after {self.mt.max_retries} retries; its rows "
+                                "carry no loss")
+            run.group.done_at = self.decoded
+            self.completed.append(run.group)
+        return []
+
+    def _forget(self, runs: list[_Run]) -> None:
+        """Stop ``runs``' running turns, unanswered steps and environments (their group starts over, or is dropped)."""
+        turns = [r.turn for r in runs if r.turn is not None and id(r.turn) in self.by_turn]
+        if turns and self.scheduler is not None:
+            self.scheduler.cancel(turns)
+        for o in turns:
+            self.by_turn.pop(id(o), None)
+        self.waiting = [w for w in self.waiting if w not in runs]
+        drop = {id(s.out) for s in self.ready if any(s.out is r.turn for r in runs)}
+        self.ready = [s for s in self.ready if id(s.out) not in drop]
+        for r in runs:
+            self._close(r)
+
+    def _close(self, run: _Run) -> None:
+        if self.driver.leader and run.state.env is not None:
+            Call(run.state.env.close, 1.0)  # never waited for: close must not block the stream
+            run.state.env = None
+
+    def _drop(self, group: Group, t: int) -> None:
+        runs = self.runs.pop(group.key, [])
+        self._forget(runs)
+        for r in runs:
+            self.by_out.pop(id(r.out), None)
+        super()._drop(group, t)
+
+    def _rows(self, groups: list) -> SampleTensors:
+        runs = [r for g in groups for r in self.runs.pop(g.key)]
+        for r in runs:
+            self.by_out.pop(id(r.out), None)  # the base loop's record of a group's outputs
+        samples = to_sample_tensors([r.traj for r in runs], self.device, self.pad_id)
+        versions = []
+        for r, length in zip(runs, samples.column("response_len").tolist()):
+            own = r.out.versions if len(r.out.versions) == length else [self.received] * length  # an empty one's pad
+            versions += own
+        samples.versions = torch.tensor(versions, dtype=torch.long, device=self.device)
+        return samples
+
+    def _state(self, step: int) -> AsyncInFlight:
+        if self.runs:  # the preflight refuses trainer.save_every with this combination (module docstring)
+            raise RuntimeError(f"rank {self.rank}: {len(self.runs)} multi-turn groups are in flight and their "
+                               "environments cannot be checkpointed (trainer.mode=async with rollout.multi_turn)")
+        return super()._state(step)
