@@ -56,31 +56,6 @@ def test_which_placements_and_modes_run_multi_turn(config):
         check_role_capabilities(_load(config, *pooled, f"trainer.mode={mode}"))
 
 
-def test_async_multi_turn_refuses_checkpoints(config, tmp_path):
-    """trainer.mode=async with rollout.multi_turn writes no checkpoint (its environments cannot be saved):
-    saving, resuming, and resume=auto beside an existing checkpoint are refused before launch, naming the
-    way out; without them it passes."""
-    import os
-
-    from hyflow.checkpoint.discovery import MARKER_FILE, STATE_FILE, step_dir_name
-    from hyflow.jobs.rl_preflight import check_pooled_supported
-
-    run = ["trainer.mode=async", "trainer.nproc=4", f"trainer.output_dir={tmp_path}"]
-    check_pooled_supported(_load(config, *run))
-    for override, key in (("trainer.save_every=2", "trainer.save_every"), ("trainer.resume=/x", "trainer.resume")):
-        with pytest.raises(ConfigError) as e:
-            check_pooled_supported(_load(config, *run, override))
-        assert e.value.key == key and "trainer.mode=one_step_off" in str(e.value)
-    step = tmp_path / "checkpoints" / step_dir_name(2)
-    os.makedirs(step)
-    (step / MARKER_FILE).write_text('{"step": 2}')
-    (step / STATE_FILE).write_text("{}")
-    with pytest.raises(ConfigError) as e:
-        check_pooled_supported(_load(config, *run))
-    assert e.value.key == "trainer.resume"
-    check_pooled_supported(_load(config, *run, "trainer.resume=never"))
-
-
 def test_the_shipped_demo_config_loads():
     import os
 

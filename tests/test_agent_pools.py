@@ -16,6 +16,8 @@ masks and counters to the training ranks that own them.
 """
 
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -82,8 +84,6 @@ def test_one_step_off_multi_turn_kill_9_resume_equals_the_straight_run(tmp_path)
     save and resumed equals the straight run: the checkpoint's in-flight batch (batch 3, sampled with w_1)
     holds whole trajectories with their loss masks and counters, and step 3 trains on it."""
     import os
-    import subprocess
-    import sys
 
     import torch
 
@@ -121,6 +121,62 @@ def test_one_step_off_multi_turn_kill_9_resume_equals_the_straight_run(tmp_path)
     for step in (1, 2, 3):
         assert b[step] == a[step], f"step {step} differs from the straight run"
     final = os.path.join("checkpoints", step_dir_name(3), "actor")
+    wa = checkpoint_tensors(os.path.join(straight, final), str(tmp_path))
+    wb = checkpoint_tensors(os.path.join(out, final), str(tmp_path))
+    assert wa.keys() == wb.keys() and wa and all(bool((wa[k] == wb[k]).all()) for k in wa)
+
+
+@pytest.mark.slow
+def test_async_multi_turn_kill_9_resume_equals_the_straight_run(tmp_path):
+    """``trainer.mode: async`` (k=2, new weights 2 decode steps after due) with multi-turn trajectories:
+    the checkpoint after step 2 holds trajectories half way (turns answered, a turn half generated or
+    finished and not answered yet); ``hyflow train`` SIGKILLed once it is complete and resumed (the
+    environments re-created, the saved assistant turns replayed into them and checked, the turns
+    continued) reproduces the straight run's metrics of every step and its final weights."""
+    import os
+
+    import torch
+
+    from hyflow.checkpoint.discovery import checkpoint_status, step_dir_name
+    from hyflow.monitor.metrics import read_metrics
+    from hyflow.placement.inflight import inflight_file
+    from hyflow.testing.agent import TINY_MULTI_TURN
+    from hyflow.testing.resume import checkpoint_tensors, kill_9_when
+
+    config = tmp_path / "mt.yaml"
+    config.write_text(TINY_MULTI_TURN)
+    timeout = float(os.environ.get("HYFLOW_TEST_TIMEOUT", 600))
+    skip = ("timing_s/", "cpu_s", "comm/", "perf/", "rollout/tokens_per_s", "reshard/seconds", "memory/",
+            "fully_async/rollouter/")
+    overrides = [*POOLS, "trainer.mode=async", "trainer.max_staleness=2", "trainer.update_after_tokens=2",
+                 "trainer.total_steps=4", "trainer.save_every=2"]
+
+    def args(out):
+        return [sys.executable, "-m", "hyflow.cli", "train", str(config), *overrides, f"trainer.output_dir={out}"]
+
+    def rows(out):
+        return {r["step"]: {k: v for k, v in r.items() if not k.startswith(skip)} for r in read_metrics(out)}
+
+    straight, out = str(tmp_path / "straight"), str(tmp_path / "run")
+    done = subprocess.run(args(straight), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:]
+    statuses = []
+    for rank in (2, 3):
+        saved = torch.load(inflight_file(os.path.join(straight, "checkpoints", step_dir_name(2)), rank),
+                           weights_only=True)
+        statuses += [(d["status"], d["traj"]["counters"][0]) for d in saved["trajectories"]]
+    assert any(status != "ended" and turns >= 1 for status, turns in statuses), statuses  # half way
+    step2 = os.path.join(out, "checkpoints", step_dir_name(2))
+    kill_9_when(args(out), lambda: checkpoint_status(step2)[0], str(tmp_path / "launch.log"), timeout)
+    resumed = subprocess.run(args(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resuming from" in resumed.stdout
+    a, b = rows(straight), rows(out)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4] and a[4]["num_turns/mean"] > 1.5
+    assert max(a[s]["fully_async/staleness/max"] for s in a) >= 1.0
+    for step in (1, 2, 3, 4):
+        assert b[step] == a[step], f"step {step} differs from the straight run"
+    final = os.path.join("checkpoints", step_dir_name(4), "actor")
     wa = checkpoint_tensors(os.path.join(straight, final), str(tmp_path))
     wb = checkpoint_tensors(os.path.join(out, final), str(tmp_path))
     assert wa.keys() == wb.keys() and wa and all(bool((wa[k] == wb[k]).all()) for k in wa)

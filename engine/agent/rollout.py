@@ -276,6 +276,35 @@ class MultiTurnRollout:
                              index=t.turns, last=t.turns + 1 >= self.cfg.max_turns)
         state.step = Call(lambda env=state.env: env.step(turn), self.cfg.env_timeout)
 
+    def replay(self, t: Trajectory, state: Live, record: Any, stops: Sequence[Optional[int]]) -> Optional[str]:
+        """Leader: a fresh environment for ``t`` (a trajectory a checkpoint saved half way), reset and
+        fed ``t``'s assistant turns again; ``stops[i]`` is the id that ended turn ``i``. Returns None when
+        it answered every turn with the saved observation (it is then where the saved one was), else
+        what differs: such an environment cannot be resumed exactly."""
+        made = Call(self._starter(state, record), self.cfg.env_timeout)
+        messages, failure = made.wait()
+        if failure is not None:
+            return f"its reset failed: {failure}"
+        if self.chat.prompt_ids(messages) != t.prompt_ids:
+            return "its reset gave other first messages"
+        segments = t.segments
+        for i, (kind, start, length) in enumerate(segments):
+            if kind != "assistant":
+                continue
+            turn = sum(1 for k, *_ in segments[:i] if k == "assistant")
+            ids = t.response_ids[start:start + length]
+            assistant = AssistantTurn(text=self.tokenizer.decode(ids), token_ids=list(ids), index=turn,
+                                      last=turn + 1 >= self.cfg.max_turns)
+            step, failure = Call(lambda a=assistant: state.env.step(a), self.cfg.env_timeout).wait()
+            if failure is not None:
+                return f"turn {turn} failed again: {failure}"
+            if i + 1 < len(segments):
+                _, s2, n2 = segments[i + 1]
+                if not isinstance(step, EnvStep) or not step.observation or self.chat.observation_ids(
+                        step.observation, stops[turn]) != t.response_ids[s2:s2 + n2]:
+                    return f"turn {turn} was answered with another observation"
+        return None
+
     def settle(self, finished: list[tuple[Trajectory, SampleOutput, Live, int, int]]) -> list[Trajectory]:
         """Every rank of the replica, at the same point: each ``(trajectory, its finished turn, its
         leader-side state, the turn's token limit, turn index)`` gets its turn; the leader waits for

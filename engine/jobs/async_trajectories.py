@@ -48,6 +48,7 @@ import torch
 from hyflow.agent.channel import ReplicaChannel
 from hyflow.agent.rollout import Call, Live, MultiTurnRollout, turn_seed
 from hyflow.agent.trajectory import Trajectory, to_sample_tensors
+from hyflow.checkpoint.errors import CheckpointError
 from hyflow.jobs.fully_async import AsyncGeneration, AsyncInFlight, Group
 from hyflow.rl.dispatch import sampling_seed
 from hyflow.rollout.dp import SampleTensors
@@ -66,6 +67,8 @@ class _Run:
     turn: Optional[SampleOutput] = None  # the turn the scheduler runs or ran last
     limit: int = 0  # that turn's token limit
     finished_at: int = -1  # the decode count when that turn finished (-1: running or none)
+    seq: Any = None  # that turn's scheduler sequence
+    stops: list = field(default_factory=list)  # the id that ended each answered turn (a replay needs them)
 
 
 class AsyncTrajectories(AsyncGeneration):
@@ -152,7 +155,7 @@ class AsyncTrajectories(AsyncGeneration):
         seqs, _ = self.side.engine.prepare([request], request_offset=first.traj.request)
         for s, r in zip(seqs, members):
             s.key = (first.group.origin, first.traj.request, turn, first.traj.attempts, r.traj.sample)
-            r.turn, r.limit, r.finished_at, r.state.step = s.out, limit, -1, None
+            r.turn, r.limit, r.finished_at, r.state.step, r.seq = s.out, limit, -1, None, s
             self.by_turn[id(s.out)] = r
         return seqs
 
@@ -164,6 +167,9 @@ class AsyncTrajectories(AsyncGeneration):
             return
         self.waiting = [r for r in self.waiting if not (before is None or r.finished_at < before)]
         sizes = [(len(r.traj.response_ids), r.traj.attempts) for r in due]
+        for r in due:
+            r.stops.append(r.turn.stop_token if r.turn.stop_token is not None else
+                           (r.turn.token_ids[-1] if r.turn.token_ids else None))
         going = {id(t) for t in self.driver.settle([(r.traj, r.turn, r.state, r.limit, r.traj.turns) for r in due])}
         for r, (size, attempt) in zip(due, sizes):
             if r.traj.attempts != attempt or r.group.key not in self.runs:  # its group started over here
@@ -185,7 +191,7 @@ class AsyncTrajectories(AsyncGeneration):
             self._forget(again)
             for r in again:
                 r.traj.restart()
-                r.out.versions = []
+                r.out.versions, r.stops = [], []
             return self._begin(again)
         self._close(run)
         if run.group.done_at < 0 and all(r.traj.end for r in runs):  # the last of its group to end
@@ -237,8 +243,119 @@ class AsyncTrajectories(AsyncGeneration):
         samples.versions = torch.tensor(versions, dtype=torch.long, device=self.device)
         return samples
 
+    # ------------------------------------------------------------------ resume
     def _state(self, step: int) -> AsyncInFlight:
-        if self.runs:  # the preflight refuses trainer.save_every with this combination (module docstring)
-            raise RuntimeError(f"rank {self.rank}: {len(self.runs)} multi-turn groups are in flight and their "
-                               "environments cannot be checkpointed (trainer.mode=async with rollout.multi_turn)")
-        return super()._state(step)
+        """The base loop's state, with every trajectory of its groups as plain data (see the module docstring)."""
+        state = super()._state(step)
+        queue = [id(o) for o in self.scheduler.queue] if self.scheduler is not None else []
+        waiting, ready = [id(r) for r in self.waiting], [id(q.out) for q in self.ready]
+        for g in state.groups:
+            for r in self.runs[g.key]:
+                t, turn = r.traj, r.turn
+                status = "ended" if t.end else "waiting" if id(r) in waiting else "ready" if id(turn) in ready \
+                    else "running"
+                state.trajectories.append({
+                    "traj": {"prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids),
+                             "mask": list(t.mask), "logprobs": list(t.logprobs),
+                             "segments": [[k, a, b] for k, a, b in t.segments],
+                             "counters": [t.turns, t.tool_calls, t.tool_errors, t.tool_timeouts, t.tool_turns,
+                                          t.attempts, int(t.dropped)],
+                             "env_reward": float(t.env_reward), "end": t.end, "failure": t.failure or ""},
+                    "versions": list(r.out.versions), "stops": [-1 if x is None else int(x) for x in r.stops],
+                    "status": status, "finished_at": r.finished_at, "limit": r.limit,
+                    "queued": queue.index(id(turn)) if turn is not None and id(turn) in queue else -1,
+                    "ready": ready.index(id(turn)) if status == "ready" else -1,
+                    "waiting": waiting.index(id(r)) if status == "waiting" else -1,
+                    "turn": {} if status == "ended" or turn is None else {
+                        "token_ids": list(turn.token_ids), "logprobs": list(turn.logprobs),
+                        "versions": list(turn.versions), "finish": turn.finish_reason or "",
+                        "stop": -1 if turn.stop_token is None else int(turn.stop_token),
+                        "sample": turn.sample_index, "stream": int(r.seq.stream) if r.seq else 0,
+                        "max_new": int(r.seq.max_new) if r.seq else 0}})
+        return state
+
+    def _restore(self, state: AsyncInFlight) -> list:
+        """The base loop's state back, each group's trajectories rebuilt: environments re-created and the
+        saved assistant turns replayed into them (an environment that answers otherwise refuses the
+        resume), running turns continued from their tokens, queued and ready ones re-queued in order."""
+        saved, at = state.trajectories, 0
+        self.restored: list = []  # (run, saved dict) of the groups still running, filled by _resume
+        self.saved: dict = {}  # group key -> its trajectories' saved dicts
+        for g in state.groups:
+            runs = []
+            self.saved[g.key] = saved[at:at + len(g.outs)]
+            for j, o in enumerate(g.outs):
+                d = saved[at]
+                at += 1
+                t = Trajectory(g.index, j, prompt_ids=list(d["traj"]["prompt_ids"]),
+                               response_ids=list(d["traj"]["response_ids"]), mask=list(d["traj"]["mask"]),
+                               logprobs=list(d["traj"]["logprobs"]),
+                               segments=[(k, int(a), int(b)) for k, a, b in d["traj"]["segments"]],
+                               env_reward=float(d["traj"]["env_reward"]), end=d["traj"]["end"],
+                               failure=d["traj"]["failure"] or None)
+                (t.turns, t.tool_calls, t.tool_errors, t.tool_timeouts, t.tool_turns, t.attempts,
+                 dropped) = d["traj"]["counters"]
+                t.dropped = bool(dropped)
+                o.prompt_ids, o.versions = list(t.prompt_ids), list(d["versions"])
+                runs.append(_Run(t, o, g, None, limit=int(d["limit"]), finished_at=int(d["finished_at"]),
+                                 stops=[None if x < 0 else int(x) for x in d["stops"]]))
+            self.runs[g.key] = runs
+        todo = super()._restore(state)  # the running groups' runs come back through _resume
+        failures: list[int] = []
+        for r, d in self.restored:
+            failed = 0
+            if d["status"] != "ended" and self.driver.leader:
+                problem = self.driver.replay(r.traj, r.state, r.record, r.stops)
+                if problem is not None:
+                    self.driver.log(f"prompt {r.traj.request} sample {r.traj.sample}: {problem}")
+                    failed = 1
+            failures.append(failed)
+        failures, _ = self.driver.channel.share(failures, [])
+        if any(failures):
+            raise CheckpointError("an environment answered a replayed trajectory otherwise than when it was saved "
+                                  "(rollout.multi_turn.environment must be deterministic given its record and "
+                                  "the assistant turns for an exact resume of trainer.mode=async): start the run "
+                                  "again, or resume it with trainer.mode=one_step_off's checkpoints")
+        running, queued, ready = [], [], []
+        for r, d in self.restored:
+            if d["status"] == "waiting":
+                self.waiting.append((int(d["waiting"]), r))
+                if self.driver.leader and r.turn.finish_reason == "stop":
+                    self.driver.begin_step(r.traj, r.turn, r.state)
+            elif d["status"] in ("running", "ready"):
+                seq = r.seq
+                self.by_turn[id(seq.out)] = r
+                if d["status"] == "ready":
+                    ready.append((int(d["ready"]), seq))
+                elif seq.out.token_ids:
+                    running.append(seq)
+                else:
+                    queued.append((int(d["queued"]), seq))
+        # the finishing order of the turns not answered yet: the order _advance answers them in
+        self.waiting = [r for _, r in sorted(self.waiting, key=lambda x: x[0])]
+        self.saved = {}
+        self.ready = [q for _, q in sorted(ready, key=lambda x: x[0])]
+        return todo + sorted(running, key=lambda q: q.order) + [q for _, q in sorted(queued, key=lambda x: x[0])]
+
+    def _resume(self, g: Group) -> list:
+        """Rebuild running group ``g``'s trajectories' turns (their sequences keep the saved random streams);
+        the environments are replayed by :meth:`_restore` once every group is back."""
+        record = self.loader.dataset[g.uid]  # the prompt's row (its environment's reset reads it)
+        for r, d in zip(self.runs[g.key], self.saved.pop(g.key)):
+            r.record = record
+            self.restored.append((r, d))
+            if d["status"] in ("ended", "") or not d["turn"]:
+                continue
+            turn = d["turn"]
+            request = GenerationRequest(list(r.traj.context), sampling=self.sampling.replace(
+                n=1, max_new_tokens=max(1, int(turn["max_new"]) or 1)), seed=0)
+            (seq,), _ = self.side.engine.prepare([request], request_offset=r.traj.request)
+            seq.stream, seq.max_new = int(turn["stream"]), int(turn["max_new"])
+            seq.key = (g.origin, r.traj.request, r.traj.turns, r.traj.attempts, r.traj.sample)
+            seq.out.sample_index = int(turn["sample"])
+            seq.out.token_ids, seq.out.logprobs = list(turn["token_ids"]), list(turn["logprobs"])
+            seq.out.versions = list(turn["versions"])
+            seq.out.finish_reason = turn["finish"] or None
+            seq.out.stop_token = None if turn["stop"] < 0 else int(turn["stop"])
+            r.turn, r.seq = seq.out, seq
+        return []

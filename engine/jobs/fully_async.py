@@ -102,6 +102,8 @@ class AsyncInFlight:
     counters: dict  # formed, started, dropped, decoded, origin, next_index
     groups: list = field(default_factory=list)  # Group, started and not sent (outs as they stand)
     drops: dict = field(default_factory=dict)  # batch -> samples dropped while forming it (not sent yet)
+    #: multi-turn: each group's trajectories as plain data (:mod:`hyflow.jobs.async_trajectories`)
+    trajectories: list = field(default_factory=list)
 
 
 def _pack(t: SampleTensors) -> dict:
@@ -124,6 +126,8 @@ def write_async_inflight(path: str, rank: int, state: AsyncInFlight, pool: Any, 
                                    dtype=torch.long, device="cpu").view(-1, 6),  # a file's contents
             "samples": _pack(SampleTensors.from_samples(outs, torch.device("cpu"))),
             "drops": [[int(t), int(c)] for t, c in sorted(state.drops.items())]}
+    if state.trajectories:
+        data["trajectories"] = state.trajectories
     os.makedirs(os.path.join(path, INFLIGHT_DIR), exist_ok=True)
     torch.save(data, inflight_file(path, rank))
 
@@ -144,7 +148,8 @@ def read_async_inflight(path: str, rank: int, pool: Any, layout: Any, device: to
             at += n
         counters = dict(data["counters"], step=int(data["step"]))
         return AsyncInFlight(step=int(data["step"]), loader=dict(data["loader"]), counters=counters,
-                             groups=groups, drops={int(t): int(c) for t, c in data["drops"]})
+                             groups=groups, drops={int(t): int(c) for t, c in data["drops"]},
+                             trajectories=list(data.get("trajectories", [])))
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{inflight_file(path, rank)} is not an async in-flight file this hyflow reads "
                               f"({type(e).__name__}: {e})") from None
@@ -373,12 +378,16 @@ class AsyncGeneration:
             elif g.done_at >= 0:
                 self.current.append(g)
             else:
-                seqs = self.side.sequences(g.outs[0].prompt_ids, g.origin, g.index, self.n)
-                for s, o in zip(seqs, g.outs):
-                    s.out = o
-                todo += [s for s in seqs if s.out.finish_reason is None]
+                todo += self._resume(g)
         self.current.sort(key=lambda g: (g.done_at, g.origin, g.index))
         return todo
+
+    def _resume(self, g: Group) -> list:
+        """The sequences that continue running group ``g`` as a checkpoint saved it."""
+        seqs = self.side.sequences(g.outs[0].prompt_ids, g.origin, g.index, self.n)
+        for s, o in zip(seqs, g.outs):
+            s.out = o
+        return [s for s in seqs if s.out.finish_reason is None]
 
 
 def version_metrics(samples: SampleTensors, step: int, max_staleness: int, dp_group,

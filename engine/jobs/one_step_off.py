@@ -102,13 +102,8 @@ def run(cfg: RLJobConfig) -> list[dict]:
 def checkpointing(cfg: RLJobConfig, placement) -> bool:
     """Whether this pooled run writes and resumes checkpoints: not with a critic on a pool of its own
     (its pool does not join the checkpoint yet; :func:`~hyflow.placement.remote_critic.check_remote_roles`
-    refuses saving and resuming such a run before launch), nor with async multi-turn trajectories (their
-    environments cannot be saved: :mod:`hyflow.jobs.async_trajectories`; the preflight refuses it too)."""
-    return not has_remote_critic(placement) and not async_multi_turn(cfg)
-
-
-def async_multi_turn(cfg: RLJobConfig) -> bool:
-    return cfg.trainer.mode == "async" and cfg.rollout.multi_turn.enable
+    refuses saving and resuming such a run before launch)."""
+    return not has_remote_critic(placement)
 
 
 class _NoCheckpoints:
@@ -215,8 +210,7 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group,
     # which would tie the generation pool's loop to the training pool's.
     lead = rank == placement.roles["actor"].pool.start
     saves = checkpointing(cfg, placement)
-    why = "async multi-turn trajectories are not checkpointed yet" if async_multi_turn(cfg) else \
-        "the critic's pool is not checkpointed yet"
+    why = "the critic's pool is not checkpointed yet"
     ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
                         tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead, why)
     steps = PooledSteps(cfg, state, job, ckpt, placement, train_group, ctl, saves, dataset)

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any, Optional
 
-from hyflow.checkpoint.discovery import checkpoint_candidates, checkpoints_root, latest_checkpoint
+from hyflow.checkpoint.discovery import checkpoint_candidates
 from hyflow.checkpoint.errors import CheckpointError
 from hyflow.config import ConfigError
 from hyflow.data.dataset import DatasetError, read_rows, validate_row
@@ -82,33 +82,11 @@ def check_pooled_supported(cfg: Any) -> None:
         raise ConfigError("a mixture-of-experts actor runs colocated only for now (its pooled run does not reach "
                           "its first step yet): use trainer.mode=sync without placement.pools", key="placement.pools"
                           if cfg.placement.pools else "trainer.mode")
-    _check_async_multi_turn(cfg)
     actor = placement.roles["actor"].pool
     if actor.start != 0:  # Megatron's dist_checkpointing writes the models' common part from rank 0
         raise ConfigError(f"checkpoints of placement pools need the actor's pool to start at rank 0 (it is "
                           f"{actor.describe()}): list the training pool first in placement.pools",
                           key="placement.pools")
-
-
-def _check_async_multi_turn(cfg: Any) -> None:
-    """``trainer.mode=async`` with ``rollout.multi_turn`` writes no checkpoint: its in-flight trajectories'
-    environments cannot be saved (:mod:`hyflow.jobs.async_trajectories`)."""
-    if cfg.trainer.mode != "async" or not cfg.rollout.multi_turn.enable:
-        return
-    way_out = ("trainer.mode=one_step_off (its checkpoints hold finished trajectories only) or sync, which "
-               "checkpoint multi-turn runs")
-    if cfg.trainer.save_every:
-        raise _error("trainer.save_every", "trainer.mode=async with rollout.multi_turn does not checkpoint yet (an "
-                     "in-flight trajectory's environment cannot be saved): set trainer.save_every=0 (no "
-                     f"checkpoint is written), or use {way_out}")
-    if cfg.trainer.resume not in ("auto", "never"):
-        raise _error("trainer.resume", "trainer.mode=async with rollout.multi_turn does not resume from checkpoints "
-                     f"yet: set trainer.resume=never, or use {way_out}")
-    if cfg.trainer.resume == "auto" and latest_checkpoint(checkpoints_root(cfg.trainer.output_dir),
-                                                          lambda _: None) is not None:
-        raise _error("trainer.resume", f"{cfg.trainer.output_dir} holds a checkpoint, and trainer.mode=async with "
-                     f"rollout.multi_turn does not resume yet (it would start over beside it): use another "
-                     f"trainer.output_dir, or {way_out}")
 
 
 def role_classes(cfg: Any) -> tuple[type, type]:
