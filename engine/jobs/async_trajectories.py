@@ -28,14 +28,19 @@ are ``rollout.n`` multi-turn trajectories of a prompt instead of ``n`` single re
   and newest versions are its sampled tokens'. A group's staleness is its oldest token's, as for
   single responses.
 
-**Checkpoints.** An in-flight trajectory's tokens could be saved like a half-generated sample, but its
-environment cannot (a game's state, a sandbox, a simulated user: not picklable, and not plain data). An
-exact resume would re-create each environment and replay the saved assistant turns into it, checking that
-the observations it answers equal the saved ones (refusing the resume otherwise: a non-deterministic
-environment cannot be resumed exactly), then continue the trajectories from their saved turns. That is
-not built yet: the preflight refuses ``trainer.save_every`` and resuming with this combination, naming the
-way out (``trainer.mode: one_step_off``, whose in-flight batch holds finished trajectories only), and the
-run writes no checkpoint (a stop signal ends it after its step).
+**Checkpoints** (exact resume). An in-flight trajectory's tokens are saved like a half-generated sample,
+but its environment cannot be (a game's state, a sandbox, a simulated user: not picklable, not plain
+data). So a checkpoint holds each trajectory of every group not sent as plain data (:meth:`_state`:
+prompt, turns and observations with masks, log-probs and token versions, counters, the id that ended
+each answered turn, and where its current turn stands: running with its tokens so far and its random
+stream, queued for a slot or ready to be fed in order, finished and not answered yet, or ended), beside
+the base loop's state. On resume (:meth:`_restore`) each unfinished trajectory's environment is
+re-created, reset from the prompt's row and fed the saved assistant turns again
+(:meth:`~hyflow.agent.rollout.MultiTurnRollout.replay`); every observation it answers must equal the
+saved one, else the resume is refused with one error (an environment must be deterministic given its
+record and the turns; a random one is resumable when it seeds itself from them). Then running turns
+continue from their tokens with their saved streams, queued and ready turns go back in their order,
+and a finished turn's environment step starts again, answered at the same token boundary as before.
 """
 
 from __future__ import annotations
