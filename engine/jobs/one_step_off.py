@@ -36,7 +36,9 @@ writes no checkpoint yet.
 
 ``trainer.mode: async`` runs the same training loop; its generation pool runs the loop of
 :mod:`hyflow.jobs.fully_async` (up to ``trainer.max_staleness`` batches ahead, new weights at a
-token boundary) and its checkpoints hold that loop's in-flight state.
+token boundary) and its checkpoints hold that loop's in-flight state; with ``rollout.multi_turn`` the loop
+of :mod:`hyflow.jobs.async_trajectories` (turns fed to the scheduler, trajectories resumed by replaying
+their turns into re-created environments).
 """
 
 from __future__ import annotations

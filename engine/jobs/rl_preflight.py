@@ -118,8 +118,8 @@ REQUIREMENTS = (
      "set rollout.exact_logprobs=false, or trainer.mode=sync"),
     ("rollout.multi_turn.enable", lambda cfg: cfg.rollout.multi_turn.enable, "rollouts",
      lambda caps: caps.multi_turn, "multi-turn trajectories",
-     "use rollout.backend=hyflow with trainer.mode=sync or one_step_off (colocated or on placement pools), "
-     "or set rollout.multi_turn.enable=false"),
+     "use rollout.backend=hyflow (any trainer.mode, colocated or on placement pools), or set "
+     "rollout.multi_turn.enable=false"),
     ("rollout.force_staleness", lambda cfg: cfg.rollout.force_staleness > 0, "weights",
      lambda caps: caps.stale_weights, "sampling with older weights (it holds no generation weights of its own)",
      "set rollout.force_staleness=0, or run colocated"),
