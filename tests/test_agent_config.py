@@ -64,3 +64,15 @@ def test_the_shipped_demo_config_loads():
     cfg = _load(os.path.join(REPO, "configs", "smollm2_tools.yaml"))
     assert cfg.rollout.multi_turn.enable and cfg.rollout.multi_turn.tools == ["calculator"]
     assert cfg.data.task == "tool_arithmetic"
+
+
+def test_plan_sizes_rows_and_caches_for_whole_trajectories(config):
+    """``hyflow plan`` of a multi-turn run sizes the rows and the generation pool's KV cache for a whole
+    trajectory (prompt + rollout.multi_turn.max_response_tokens), not one turn (it used max_new_tokens)."""
+    from hyflow.plan.core import PlanOptions, build_plan
+
+    pooled = ["trainer.nproc=4", "placement.pools={train: [0, 2], gen: [2, 4]}", "placement.actor=train",
+              "placement.rollout=gen", "trainer.mode=async"]
+    result = build_plan(config, pooled, PlanOptions(world_size=4, device="cpu", megatron_ranks=()))
+    cfg = _load(config, *pooled)
+    assert result.generation["capacity"] == cfg.rollout.max_prompt_length + cfg.rollout.multi_turn.max_response_tokens

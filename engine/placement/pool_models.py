@@ -243,7 +243,10 @@ class GenerationSide:
         self.rollout_config = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
         self.agent = None
         if cfg.rollout.multi_turn.enable:  # as colocated: the context outgrows the prompt limit, its budget bounds it
-            self.rollout_config = dataclasses.replace(self.rollout_config, max_prompt_length=None)
+            # (prompt + trajectory budget: the async stream's cache rows are that long, as `hyflow plan` sizes them)
+            self.rollout_config = dataclasses.replace(self.rollout_config, max_prompt_length=None,
+                                                      max_seq_len=cfg.rollout.max_prompt_length
+                                                      + cfg.rollout.max_response_length)
             self.agent = MultiTurnAgent(cfg.rollout.multi_turn, tokenizer)
         self.trainer_seed = cfg.trainer.seed
         eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
