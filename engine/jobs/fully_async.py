@@ -106,6 +106,8 @@ class AsyncInFlight:
     groups: list = field(default_factory=list)  # Group, started and not sent (outs as they stand)
     drops: dict = field(default_factory=dict)  # batch -> samples dropped while forming it (not sent yet)
     filtered: list = field(default_factory=list)  # [batch, groups] the dynamic-sampling filter kept out (not sent)
+    #: multi-turn: each group's trajectories as plain data (:mod:`hyflow.jobs.async_trajectories`)
+    trajectories: list = field(default_factory=list)
 
 
 def _pack(t: SampleTensors) -> dict:
@@ -129,6 +131,8 @@ def write_async_inflight(path: str, rank: int, state: AsyncInFlight, pool: Any, 
             "samples": _pack(SampleTensors.from_samples(outs, torch.device("cpu"))),
             "drops": [[int(t), int(c)] for t, c in sorted(state.drops.items())],
             "filtered": [[int(t), int(c)] for t, c in state.filtered]}
+    if state.trajectories:
+        data["trajectories"] = state.trajectories
     os.makedirs(os.path.join(path, INFLIGHT_DIR), exist_ok=True)
     torch.save(data, inflight_file(path, rank))
 
@@ -150,7 +154,8 @@ def read_async_inflight(path: str, rank: int, pool: Any, layout: Any, device: to
         counters = dict(data["counters"], step=int(data["step"]))
         return AsyncInFlight(step=int(data["step"]), loader=dict(data["loader"]), counters=counters,
                              groups=groups, drops={int(t): int(c) for t, c in data["drops"]},
-                             filtered=[[int(t), int(c)] for t, c in data["filtered"]])
+                             filtered=[[int(t), int(c)] for t, c in data["filtered"]],
+                             trajectories=list(data.get("trajectories", [])))
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{inflight_file(path, rank)} is not an async in-flight file this hyflow reads "
                               f"({type(e).__name__}: {e})") from None
@@ -233,11 +238,16 @@ class AsyncGeneration:
             records = self.loader.next_batch()
             self.prompts = deque((i, records[i]) for i in range(self.first, self.first + self.share))
         index, record = self.prompts.popleft()
-        seqs = self.side.sequences(record.prompt_ids, self.origin, index, self.n)
-        group = Group(self.origin, index, record.uid, [s.out for s in seqs])
+        group, seqs = self._open(record, index)
         self._track(group)
         self.started += 1
         return seqs
+
+    def _open(self, record, index: int) -> tuple[Group, list]:
+        """Prompt ``index`` of loader batch ``origin``: its group and the sequences that start it (a
+        multi-turn feeder starts first turns: :mod:`hyflow.jobs.async_trajectories`)."""
+        seqs = self.side.sequences(record.prompt_ids, self.origin, index, self.n)
+        return Group(self.origin, index, record.uid, [s.out for s in seqs]), seqs
 
     def _track(self, group: Group) -> None:
         self.groups[group.key] = group
@@ -322,7 +332,7 @@ class AsyncGeneration:
         while not self.stopped and self.sent + 1 in self.batches and self.received >= self.sent:
             t = self.sent + 1
             groups = self.batches.pop(t)
-            samples = SampleTensors.from_samples([o for g in groups for o in g.outs], self.device)
+            samples = self._rows(groups)
             samples.meta[:, META.index("request")] = torch.tensor(
                 [self.first + j for j, g in enumerate(groups) for _ in g.outs], dtype=torch.long, device=self.device)
             origins = torch.tensor([[g.origin, g.index, g.uid] for g in groups for _ in g.outs],
@@ -337,6 +347,10 @@ class AsyncGeneration:
             for g in groups:
                 del self.groups[g.key]
             self.sent = t
+
+    def _rows(self, groups: list) -> SampleTensors:
+        """The rows of a formed batch's ``groups``, in order (their requests renumbered by the caller)."""
+        return SampleTensors.from_samples([o for g in groups for o in g.outs], self.device)
 
     # -------------------------------------------------------------- exchange
     def _exchange(self) -> bool:
@@ -394,12 +408,16 @@ class AsyncGeneration:
             elif g.done_at >= 0:
                 self.current.append(g)
             else:
-                seqs = self.side.sequences(g.outs[0].prompt_ids, g.origin, g.index, self.n)
-                for s, o in zip(seqs, g.outs):
-                    s.out = o
-                todo += [s for s in seqs if s.out.finish_reason is None]
+                todo += self._resume(g)
         self.current.sort(key=lambda g: (g.done_at, g.origin, g.index))
         return todo
+
+    def _resume(self, g: Group) -> list:
+        """The sequences that continue running group ``g`` as a checkpoint saved it."""
+        seqs = self.side.sequences(g.outs[0].prompt_ids, g.origin, g.index, self.n)
+        for s, o in zip(seqs, g.outs):
+            s.out = o
+        return [s for s in seqs if s.out.finish_reason is None]
 
 
 def version_metrics(samples: SampleTensors, step: int, max_staleness: int, dp_group,

@@ -118,7 +118,7 @@ REQUIREMENTS = (
      "set rollout.exact_logprobs=false, or trainer.mode=sync"),
     ("rollout.multi_turn.enable", lambda cfg: cfg.rollout.multi_turn.enable, "rollouts",
      lambda caps: caps.multi_turn, "multi-turn trajectories",
-     "run colocated (trainer.mode=sync, placement.pools empty) with rollout.backend=hyflow, or set "
+     "use rollout.backend=hyflow (any trainer.mode, colocated or on placement pools), or set "
      "rollout.multi_turn.enable=false"),
     ("algorithm.dynamic_sampling.enable", lambda cfg: cfg.algorithm.dynamic_sampling.enable, "rollouts",
      lambda caps: caps.dynamic_sampling, "DAPO's dynamic sampling (it receives one batch per step from the "
