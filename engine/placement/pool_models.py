@@ -259,17 +259,20 @@ class GenerationSide:
                                      eos_token_ids=eos, tp_groups=pool_enumerations(placement)["tp"],
                                      dtype=cfg.actor.dtype, seed=cfg.trainer.seed,
                                      device=groups.device, seq_budget=budget)
+            # the synced generation-layout weights go on into vLLM's own model
+            self._after_sync = lambda: self.engine.load_weights(
+                vllm_weights(self.model, self.desc, self.engine.vocab_size, self.groups.pgs.tp))
         else:
             self.engine = GenerationEngine(self.model, self.rollout_config, vocab_size=vocab, eos_token_ids=eos,
                                            tp_group=groups.pgs.tp, pp_group=groups.pgs.pp,
                                            max_position_embeddings=desc.max_position_embeddings)
+            self._after_sync = lambda: None  # it generates from self.model, which the sync wrote in place
 
     def receive_weights(self) -> SyncStats:
         """The training pool's newest weights into this pool's generation model (the weight sync,
         collective with the training pool), and from it into vLLM's model when it generates."""
         stats = self.sync.run()
-        if isinstance(self.engine, VLLMEngine):
-            self.engine.load_weights(vllm_weights(self.model, self.desc, self.engine.vocab_size, self.groups.pgs.tp))
+        self._after_sync()
         return stats
 
     @property
