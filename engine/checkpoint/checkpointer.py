@@ -280,7 +280,7 @@ class Checkpointer:
         name = os.path.basename(os.path.normpath(directory))
         validate = name not in self._validated
         self._validated.add(name)
-        with quiet_dist_checkpointing():
+        with quiet_dist_checkpointing(holds_nothing=not sharded):
             return dist_checkpointing.save(sharded, directory, async_sharded_save=self.async_save,
                                            validate_access_integrity=validate)
 

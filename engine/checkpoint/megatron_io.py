@@ -18,17 +18,21 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 
 @contextlib.contextmanager
-def quiet_dist_checkpointing() -> Iterator[None]:
+def quiet_dist_checkpointing(holds_nothing: bool = False) -> Iterator[None]:
     """Silence dist_checkpointing's notices that do not apply here.
 
     Megatron warns "Overwriting old incomplete / corrupted checkpoint" for any non-empty
     directory (ours already holds the tokenizer), and torch's DCP emits deprecation
-    FutureWarnings about APIs Megatron 0.16 uses internally.
+    FutureWarnings about APIs Megatron 0.16 uses internally. ``holds_nothing``: this rank joins a
+    save with an empty state dict (a pool without the model), so the validation's "Rank N common
+    state dict differs from rank 0 common state dict" on the first save is expected there.
     """
     # serialization: the overwrite warning; filesystem_async: a writer's failure, which the save
     # raises again and hyflow reports in one line (the rank log keeps the traceback)
     logs = {logging.getLogger("megatron.core.dist_checkpointing.serialization"): logging.ERROR,
             logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async"): logging.CRITICAL}
+    if holds_nothing:
+        logs[logging.getLogger("megatron.core.dist_checkpointing.validation")] = logging.ERROR
     levels = {log: log.level for log in logs}
     for log, level in logs.items():
         log.setLevel(level)
