@@ -16,7 +16,7 @@ N = 2  # samples per group
 def _replica(k: int, share: int, received: int = 0, formed: int = 0) -> AsyncGeneration:
     gen = object.__new__(AsyncGeneration)  # the forming state only: no engine, no training pool
     gen.k, gen.share, gen.total, gen.received, gen.formed = k, share, 100, received, formed
-    gen.groups, gen.ready, gen.batches, gen.drops, gen.dropped = {}, [], {}, {}, 0
+    gen.groups, gen.completed, gen.ready, gen.batches, gen.drops, gen.dropped = {}, [], [], {}, {}, 0
     return gen
 
 
@@ -29,7 +29,7 @@ def _start(gen: AsyncGeneration, origin: int, index: int, version: int) -> Group
 
 def _finish(gen: AsyncGeneration, group: Group, at: int) -> None:
     group.done_at = at
-    gen.ready.append(group)
+    gen.completed.append(group)
     gen._form()
 
 
@@ -80,7 +80,7 @@ def test_what_cannot_fit_is_still_dropped_and_counted():
     groups = [_start(gen, 1, i, 0) for i in range(3)]
     for at, g in enumerate(groups, 1):
         g.done_at = at
-        gen.ready.append(g)
+        gen.completed.append(g)
     gen._form()
     assert [gen.batches[t] for t in (1, 2)] == [[groups[0]], [groups[1]]]
     assert gen.dropped == 1 and gen.drops == {3: N} and groups[2].key not in gen.groups

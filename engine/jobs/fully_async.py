@@ -184,7 +184,8 @@ class AsyncGeneration:
         self.decoded = 0  # this replica's decode steps
         self.groups: dict[tuple[int, int], Group] = {}  # started, not sent
         self.by_out: dict[int, Group] = {}  # id(SampleOutput) -> its group, while running
-        self.ready: list[Group] = []  # completed, in no batch yet
+        self.completed: list[Group] = []  # completed since the last batch forming
+        self.ready: list[Group] = []  # completed, taken in by a forming, in no batch yet
         self.batches: dict[int, list[Group]] = {}  # formed, not sent
         self.drops: dict[int, int] = {}  # batch -> samples dropped while forming it
         self.prompts: deque = deque()  # (index, record) of loader batch ``origin`` not started yet
@@ -250,7 +251,7 @@ class AsyncGeneration:
         group = self.by_out.pop(id(out))
         if not any(id(o) in self.by_out for o in group.outs):
             group.done_at = self.decoded
-            self.ready.append(group)
+            self.completed.append(group)
 
     def _on_decode(self, scheduler) -> Optional[int]:
         """A token boundary: form and send batches; take the exchange when it is due."""
@@ -279,6 +280,9 @@ class AsyncGeneration:
         """Completed groups into batches of ``B_r``, earliest deadline first, waiting for running
         groups where taking a later group would leave one without a place (see the module docstring);
         a completed group past its deadline is dropped (counted against the batch being formed)."""
+        for g in sorted(self.completed, key=lambda g: (g.done_at, g.origin, g.index)):
+            self.ready.append(g)
+        self.completed = []
         while self.share:
             t = self.formed + 1
             for g in [g for g in self.ready if self._deadline(g) < t]:
