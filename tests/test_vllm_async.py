@@ -293,8 +293,10 @@ def test_async_k0_on_vllm_equals_sync_on_vllm(tmp_path):
     assert_async_k0_equals_sync(sync, k0, 3)
 
 
+# one vLLM replica of TP_g=2 on ranks 2-3 (the k=0 run above has two of TP_g=1): the tokens, log-probs and
+# weight versions of a half-generated sample agree over vLLM's tensor-parallel ranks, and its resume too
 K2 = ["trainer.nproc=4", "trainer.mode=async", "trainer.max_staleness=2", "trainer.update_after_tokens=2",
-      "trainer.total_steps=4"]
+      "rollout.layout.tp=2", "trainer.total_steps=4"]
 
 
 @pytest.fixture(scope="module")
@@ -356,13 +358,12 @@ def test_async_on_vllm_kill_9_then_resume_equals_the_straight_run(straight_k2, t
     from hyflow.testing.rl import QUICKSTART
 
     straight, _ = straight_k2
-    half = 0
-    for rank in (2, 3):
-        saved = torch.load(inflight_file(os.path.join(straight, "checkpoints", step_dir_name(2)), rank),
-                           weights_only=True)
-        meta = saved["samples"]["meta"]
-        half += int(((meta[:, META.index("finish")] == 0) & (meta[:, META.index("response_len")] > 0)).sum())
-    assert half > 0  # samples half generated when the checkpoint was taken
+    saved = [torch.load(inflight_file(os.path.join(straight, "checkpoints", step_dir_name(2)), rank),
+                        weights_only=True) for rank in (2, 3)]
+    meta = saved[0]["samples"]["meta"]
+    assert int(((meta[:, META.index("finish")] == 0) & (meta[:, META.index("response_len")] > 0)).sum()) > 0
+    for key, tensor in saved[0]["samples"].items():  # the replica's two TP ranks hold one state
+        assert torch.equal(tensor, saved[1]["samples"][key]), key
     out = str(tmp_path / "run")
     args = [sys.executable, "-m", "hyflow.cli", "train", QUICKSTART, *POOLED, *K2, "trainer.save_every=2",
             f"trainer.output_dir={out}"]
