@@ -27,11 +27,12 @@ seeds keyed by the loader step and the global prompt index, as the colocated job
   ``received + k + 1``, and at most ``(received + k + 1 - formed) B_r`` groups are in no batch.
 * **Why wait rather than drop** (the first streaming rule filled batches in completion order and
   dropped a group that missed its deadline): the groups that miss it are the long ones, so dropping
-  them trains on a sample biased to short answers. On ``configs/async_length_tail.yaml`` (reward
-  ``length_match``) it dropped ~14% of the samples (groups 1.5x the kept mean length already when
-  stopped) and lost 0.03-0.04 reward against sync over 120 steps (BENCHMARKS.md, "Fully asynchronous").
+  them trains on a sample biased to short answers and wastes their decode. On
+  ``configs/async_length_tail.yaml`` it dropped 9-15% of the samples (groups 1.5x the kept mean length
+  already when stopped); the deadline rule drops none at the same samples/s (the reward over 5 seeds
+  is within their spread either way: BENCHMARKS.md, "Fully asynchronous").
 * **Stale groups are dropped and counted** where no place is left (not reached under the admission
-  bound; kept as the guarantee, e.g. for a resumed state): a completed group whose oldest token is
+  bound; kept as the guarantee): a completed group whose oldest token is
   more than ``k`` versions behind the update that would train on it is dropped, its samples counted
   in ``fully_async/count/dropped_stale_samples`` of the batch being formed (the training lead's log
   says how many); its prompt is not retried. A running group that is already too stale for the next
