@@ -44,15 +44,16 @@ def test_config_errors_name_the_key(config, overrides, key, words):
         assert key in str(e.value)
 
 
-def test_placement_pools_lack_the_capability(config):
+def test_which_placements_and_modes_run_multi_turn(config):
+    """Placement pools run multi-turn trajectories in every trainer.mode (hyflow's engine; the old code
+    refused them all)."""
     from hyflow.jobs.rl_preflight import check_role_capabilities
 
     pooled = ["actor.layout.tp=1", "actor.layout.pp=1", "placement.pools={train: [0, 1], gen: [1, 2]}",
               "placement.actor=train", "placement.rollout=gen", "trainer.total_steps=2"]
-    with pytest.raises(ConfigError) as e:
-        check_role_capabilities(_load(config, *pooled))
-    assert e.value.key == "rollout.multi_turn.enable" and "run colocated" in str(e.value)
     check_role_capabilities(_load(config))  # colocated: the dispatcher can
+    for mode in ("sync", "one_step_off", "async"):
+        check_role_capabilities(_load(config, *pooled, f"trainer.mode={mode}"))
 
 
 def test_the_shipped_demo_config_loads():
@@ -63,3 +64,15 @@ def test_the_shipped_demo_config_loads():
     cfg = _load(os.path.join(REPO, "configs", "smollm2_tools.yaml"))
     assert cfg.rollout.multi_turn.enable and cfg.rollout.multi_turn.tools == ["calculator"]
     assert cfg.data.task == "tool_arithmetic"
+
+
+def test_plan_sizes_rows_and_caches_for_whole_trajectories(config):
+    """``hyflow plan`` of a multi-turn run sizes the rows and the generation pool's KV cache for a whole
+    trajectory (prompt + rollout.multi_turn.max_response_tokens), not one turn (it used max_new_tokens)."""
+    from hyflow.plan.core import PlanOptions, build_plan
+
+    pooled = ["trainer.nproc=4", "placement.pools={train: [0, 2], gen: [2, 4]}", "placement.actor=train",
+              "placement.rollout=gen", "trainer.mode=async"]
+    result = build_plan(config, pooled, PlanOptions(world_size=4, device="cpu", megatron_ranks=()))
+    cfg = _load(config, *pooled)
+    assert result.generation["capacity"] == cfg.rollout.max_prompt_length + cfg.rollout.multi_turn.max_response_tokens

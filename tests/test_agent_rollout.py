@@ -313,3 +313,25 @@ def test_metrics():
     assert out["multi_turn/observation_token_share"] == pytest.approx(obs / (obs + gen))
     assert out["multi_turn/turn_response_length"] == pytest.approx(gen / 4)
     assert gen == samples.mask.sum() and obs + gen == samples.meta[:, 3].sum()
+
+
+def test_a_saved_trajectory_replays_into_a_fresh_environment():
+    """An async checkpoint's in-flight trajectory resumes by replaying its assistant turns into a new
+    environment (:meth:`MultiTurnRollout.replay`): the same environment answers with the saved
+    observations; one that answers otherwise is named (such a resume would not be exact)."""
+    from hyflow.agent.rollout import EngineTurns, Live, MultiTurnRollout
+    from hyflow.testing.agent import EchoUser
+
+    agent = _agent(tools=[], environment="hyflow.testing.agent:EchoUser", max_turns=3)
+    gen = ScriptedTurns(lambda ctx, j: (_ids(f"turn {j}"), [-0.1] * len(_ids(f"turn {j}"))), stop_ids=[EOS])
+    records = _records(["1+1?"])
+
+    def driver(reply):
+        return MultiTurnRollout(agent.cfg, agent.chat, TOK, EngineTurns(gen), SamplingConfig(max_new_tokens=40),
+                                4096, lambda: EchoUser(turns=3, reply=reply))
+
+    trajs = driver("again").run(records, 2, seed=3)
+    t = trajs[0]
+    assert t.turns == 3 and [k for k, *_ in t.segments].count("observation") == 2
+    assert driver("again").replay(t, Live(), records[0], [EOS] * t.turns) is None
+    assert "another observation" in driver("other").replay(t, Live(), records[0], [EOS] * t.turns)

@@ -16,7 +16,7 @@ N = 2  # samples per group
 def _replica(k: int, share: int, received: int = 0, formed: int = 0) -> AsyncGeneration:
     gen = object.__new__(AsyncGeneration)  # the forming state only: no engine, no training pool
     gen.k, gen.share, gen.total, gen.received, gen.formed = k, share, 100, received, formed
-    gen.groups, gen.completed, gen.ready, gen.batches, gen.drops, gen.dropped = {}, [], [], {}, {}, 0
+    gen.groups, gen.completed, gen.unbatched, gen.batches, gen.drops, gen.dropped = {}, [], [], {}, {}, 0
     return gen
 
 

@@ -40,6 +40,15 @@ OnFinish = Callable[[SampleOutput], None]
 _CONTINUE = 0
 
 
+def turn_seed(seed: int, t: Trajectory, turn: int, shared: bool) -> int:
+    """The random stream of ``t``'s turn ``turn`` (attempt ``t.attempts``) in a step seeded ``seed``: a
+    first turn whose prompt's samples share one request (``shared``) uses the request's stream (sample
+    ``j`` draws its sub-stream ``j``), any other turn one of its own."""
+    if turn == 0:
+        return stream_seed(seed, t.request, 1_000_003 * t.attempts + (0 if shared else t.sample))
+    return stream_seed(stream_seed(seed, t.request, t.sample), turn, t.attempts)
+
+
 class TurnGenerator(Protocol):
     """One generation replica's backend: completes every request (``n`` samples each) and calls
     ``on_finish`` with each sample as soon as it is done (request indices are positions in
@@ -65,7 +74,7 @@ class EngineTurns:
         return self.engine.generate(requests).samples
 
 
-class _Call(threading.Thread):
+class Call(threading.Thread):
     """``fn()`` in a daemon thread, waited for until a deadline (environments cannot be killed)."""
 
     def __init__(self, fn: Callable[[], Any], timeout: float) -> None:
@@ -94,11 +103,11 @@ class _Call(threading.Thread):
 
 
 @dataclass
-class _Live:
+class Live:
     """Leader-side state of a trajectory in flight."""
 
     env: Optional[Environment] = None
-    step: Optional[_Call] = None
+    step: Optional[Call] = None
 
 
 class MultiTurnRollout:
@@ -157,12 +166,12 @@ class MultiTurnRollout:
 
     # ---------------------------------------------------------------- one attempt
     def _attempt(self, trajs: list[Trajectory], record_of: dict, seed: int) -> None:
-        live = {id(t): _Live() for t in trajs}
+        live = {id(t): Live() for t in trajs}
         try:
-            self._reset(trajs, live, record_of)
+            self.reset(trajs, live, record_of)
             active = [t for t in trajs if t.failure is None]
             for turn in range(self.cfg.max_turns):
-                active = [t for t in active if self._room(t)]
+                active = [t for t in active if self.room(t)]
                 if not active:
                     break
                 active = self._wave(active, live, turn, seed)
@@ -172,20 +181,20 @@ class MultiTurnRollout:
             if self.leader:
                 for state in live.values():
                     if state.env is not None:
-                        _Call(state.env.close, 1.0)  # never waited for: close must not block the step
+                        Call(state.env.close, 1.0)  # never waited for: close must not block the step
 
     def _starter(self, state, record) -> Callable[[], Any]:
-        """A trajectory's environment made and reset (in a :class:`_Call`)."""
+        """A trajectory's environment made and reset (in a :class:`Call`)."""
         def start():
             state.env = self.make_env()  # a constructor that raises fails the trajectory, not the run
             return state.env.reset(record)
         return start
 
-    def _reset(self, trajs: list[Trajectory], live: dict, record_of: dict) -> None:
+    def reset(self, trajs: list[Trajectory], live: dict, record_of: dict) -> None:
         """Every trajectory's environment and prompt ids (the leader resets; the ids are shared)."""
         ints: list[int] = []
         if self.leader:
-            calls = [_Call(self._starter(live[id(t)], record_of[t.request]), self.cfg.env_timeout) for t in trajs]
+            calls = [Call(self._starter(live[id(t)], record_of[t.request]), self.cfg.env_timeout) for t in trajs]
             for t, call in zip(trajs, calls):
                 messages, failure = call.wait()
                 ids: list[int] = []
@@ -206,7 +215,7 @@ class MultiTurnRollout:
             if failed:
                 t.failure, t.end = "reset failed", "failed"
 
-    def _room(self, t: Trajectory) -> bool:
+    def room(self, t: Trajectory) -> bool:
         """Whether ``t`` can sample another token; ends it otherwise."""
         if len(t.response_ids) >= self.cfg.max_response_tokens:
             t.end = "token_budget"
@@ -214,7 +223,7 @@ class MultiTurnRollout:
             t.end = "context_limit"
         return not t.end
 
-    def _max_new(self, t: Trajectory) -> int:
+    def max_new(self, t: Trajectory) -> int:
         return min(self.sampling.max_new_tokens, self.cfg.max_response_tokens - len(t.response_ids),
                    self.max_seq_len - len(t.context))
 
@@ -228,12 +237,8 @@ class MultiTurnRollout:
         requests, owners = [], []
         for members in groups.values():
             first = members[0]
-            if turn == 0:
-                req_seed = stream_seed(seed, first.request, 1_000_003 * first.attempts + (first.sample if
-                                                                                           len(members) == 1 else 0))
-            else:
-                req_seed = stream_seed(stream_seed(seed, first.request, first.sample), turn, first.attempts)
-            params = self.sampling.replace(n=len(members), max_new_tokens=self._max_new(first))
+            req_seed = turn_seed(seed, first, turn, len(members) > 1)
+            params = self.sampling.replace(n=len(members), max_new_tokens=self.max_new(first))
             requests.append(GenerationRequest(list(first.context), sampling=params, seed=req_seed))
             owners.append(members)
         return requests, owners
@@ -251,11 +256,8 @@ class MultiTurnRollout:
                 return  # cut by a length limit: no complete turn to answer
             state = live[id(t)]
             with lock:
-                if state.step is not None:
-                    return
-                turn_ = AssistantTurn(text=self.tokenizer.decode(out.token_ids), token_ids=list(out.token_ids),
-                                      index=t.turns, last=t.turns + 1 >= self.cfg.max_turns)
-                state.step = _Call(lambda env=state.env, turn_=turn_: env.step(turn_), self.cfg.env_timeout)
+                if state.step is None:
+                    self.begin_step(t, out, state)
 
         if self.leader:
             for t in active:
@@ -266,13 +268,55 @@ class MultiTurnRollout:
             by_traj[id(owners[out.request_index][out.sample_index])] = out
             if self.leader:
                 on_finish(out)  # a backend that reports nothing early: start the remaining steps now
+        return self.settle([(t, by_traj[id(t)], live[id(t)], limits[id(t)], turn) for t in active])
+
+    def begin_step(self, t: Trajectory, out: SampleOutput, state: Live) -> None:
+        """Leader: start the environment step answering ``t``'s just finished turn ``out`` (in a thread)."""
+        turn = AssistantTurn(text=self.tokenizer.decode(out.token_ids), token_ids=list(out.token_ids),
+                             index=t.turns, last=t.turns + 1 >= self.cfg.max_turns)
+        state.step = Call(lambda env=state.env: env.step(turn), self.cfg.env_timeout)
+
+    def replay(self, t: Trajectory, state: Live, record: Any, stops: Sequence[Optional[int]]) -> Optional[str]:
+        """Leader: a fresh environment for ``t`` (a trajectory a checkpoint saved half way), reset and
+        fed ``t``'s assistant turns again; ``stops[i]`` is the id that ended turn ``i``. Returns None when
+        it answered every turn with the saved observation (it is then where the saved one was), else
+        what differs: such an environment cannot be resumed exactly."""
+        made = Call(self._starter(state, record), self.cfg.env_timeout)
+        messages, failure = made.wait()
+        if failure is not None:
+            return f"its reset failed: {failure}"
+        if self.chat.prompt_ids(messages) != t.prompt_ids:
+            return "its reset gave other first messages"
+        segments = t.segments
+        for i, (kind, start, length) in enumerate(segments):
+            if kind != "assistant":
+                continue
+            turn = sum(1 for k, *_ in segments[:i] if k == "assistant")
+            ids = t.response_ids[start:start + length]
+            assistant = AssistantTurn(text=self.tokenizer.decode(ids), token_ids=list(ids), index=turn,
+                                      last=turn + 1 >= self.cfg.max_turns)
+            step, failure = Call(lambda a=assistant: state.env.step(a), self.cfg.env_timeout).wait()
+            if failure is not None:
+                return f"turn {turn} failed again: {failure}"
+            if i + 1 < len(segments):
+                _, s2, n2 = segments[i + 1]
+                if not isinstance(step, EnvStep) or not step.observation or self.chat.observation_ids(
+                        step.observation, stops[turn]) != t.response_ids[s2:s2 + n2]:
+                    return f"turn {turn} was answered with another observation"
+        return None
+
+    def settle(self, finished: list[tuple[Trajectory, SampleOutput, Live, int, int]]) -> list[Trajectory]:
+        """Every rank of the replica, at the same point: each ``(trajectory, its finished turn, its
+        leader-side state, the turn's token limit, turn index)`` gets its turn; the leader waits for
+        the environment steps (started when the turns finished), and what they answered is shared
+        and applied (an observation, or the trajectory's end). Returns the trajectories that go on."""
         ints: list[int] = []
         floats: list[float] = []
-        for t in active:
-            out = by_traj[id(t)]
+        active = [t for t, *_ in finished]
+        for t, out, state, limit, turn in finished:
             t.add_turn(out.token_ids, out.logprobs)
             if self.leader:
-                code, obs, reward, counts = self._answer(t, out, live[id(t)], limits[id(t)], turn)
+                code, obs, reward, counts = self._answer(t, out, state, limit, turn)
                 ints += [code, *counts, len(obs)] + obs
                 floats.append(reward)
         ints, floats = self.channel.share(ints, floats)
@@ -295,7 +339,7 @@ class MultiTurnRollout:
                     t.failure = "environment failed"
         return going
 
-    def _answer(self, t: Trajectory, out: SampleOutput, state: _Live, limit: int,
+    def _answer(self, t: Trajectory, out: SampleOutput, state: Live, limit: int,
                 turn: int) -> tuple[int, list[int], float, list[int]]:
         """Leader: (code, observation ids, reward, counters) of a finished turn."""
         if out.finish_reason != "stop":

@@ -77,7 +77,8 @@ __all__ = ["Checkpointer", "TrainedModel", "STATE_FORMAT", "STATE_VERSION", "res
 
 
 def _layout_dict(layout: Any) -> dict[str, Any]:
-    fields = asdict(layout)
+    # as the trainer state's JSON holds it: a tuple (Layout.stage_layers) reads back as a list
+    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(layout).items()}
     if not fields.get("start"):  # a layout from rank 0 reads as checkpoints written before Layout.start
         fields.pop("start", None)
     return dict(fields, world_size=dist.get_world_size())

@@ -115,6 +115,8 @@ class AsyncInFlight:
     counters: dict  # formed, started, dropped, decoded, origin, next_index
     groups: list = field(default_factory=list)  # Group, started and not sent (outs as they stand)
     drops: dict = field(default_factory=dict)  # batch -> samples dropped while forming it (not sent yet)
+    #: multi-turn: each group's trajectories as plain data (:mod:`hyflow.jobs.async_trajectories`)
+    trajectories: list = field(default_factory=list)
 
 
 def _pack(t: SampleTensors) -> dict:
@@ -137,6 +139,8 @@ def write_async_inflight(path: str, rank: int, state: AsyncInFlight, pool: Any, 
                                    dtype=torch.long, device="cpu").view(-1, 6),  # a file's contents
             "samples": _pack(SampleTensors.from_samples(outs, torch.device("cpu"))),
             "drops": [[int(t), int(c)] for t, c in sorted(state.drops.items())]}
+    if state.trajectories:
+        data["trajectories"] = state.trajectories
     os.makedirs(os.path.join(path, INFLIGHT_DIR), exist_ok=True)
     torch.save(data, inflight_file(path, rank))
 
@@ -157,7 +161,8 @@ def read_async_inflight(path: str, rank: int, pool: Any, layout: Any, device: to
             at += n
         counters = dict(data["counters"], step=int(data["step"]))
         return AsyncInFlight(step=int(data["step"]), loader=dict(data["loader"]), counters=counters,
-                             groups=groups, drops={int(t): int(c) for t, c in data["drops"]})
+                             groups=groups, drops={int(t): int(c) for t, c in data["drops"]},
+                             trajectories=list(data.get("trajectories", [])))
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{inflight_file(path, rank)} is not an async in-flight file this hyflow reads "
                               f"({type(e).__name__}: {e})") from None
@@ -186,7 +191,7 @@ class AsyncGeneration:
         self.groups: dict[tuple[int, int], Group] = {}  # started, not sent
         self.by_out: dict[int, Group] = {}  # id(SampleOutput) -> its group, while running
         self.completed: list[Group] = []  # completed since the last batch forming
-        self.ready: list[Group] = []  # completed, taken in by a forming, in no batch yet
+        self.unbatched: list[Group] = []  # completed, taken in by a forming, in no batch yet
         self.batches: dict[int, list[Group]] = {}  # formed, not sent
         self.drops: dict[int, int] = {}  # batch -> samples dropped while forming it
         self.prompts: deque = deque()  # (index, record) of loader batch ``origin`` not started yet
@@ -236,11 +241,16 @@ class AsyncGeneration:
             records = self.loader.next_batch()
             self.prompts = deque((i, records[i]) for i in range(self.first, self.first + self.share))
         index, record = self.prompts.popleft()
-        seqs = self.side.sequences(record.prompt_ids, self.origin, index, self.n)
-        group = Group(self.origin, index, record.uid, [s.out for s in seqs])
+        group, seqs = self._open(record, index)
         self._track(group)
         self.started += 1
         return seqs
+
+    def _open(self, record, index: int) -> tuple[Group, list]:
+        """Prompt ``index`` of loader batch ``origin``: its group and the sequences that start it (a
+        multi-turn feeder starts first turns: :mod:`hyflow.jobs.async_trajectories`)."""
+        seqs = self.side.sequences(record.prompt_ids, self.origin, index, self.n)
+        return Group(self.origin, index, record.uid, [s.out for s in seqs]), seqs
 
     def _track(self, group: Group) -> None:
         self.groups[group.key] = group
@@ -282,20 +292,20 @@ class AsyncGeneration:
         groups where taking a later group would leave one without a place (see the module docstring);
         a completed group past its deadline is dropped (counted against the batch being formed)."""
         for g in sorted(self.completed, key=lambda g: (g.done_at, g.origin, g.index)):
-            self.ready.append(g)
+            self.unbatched.append(g)
         self.completed = []
         while self.share:
             t = self.formed + 1
-            for g in [g for g in self.ready if self._deadline(g) < t]:
-                self.ready.remove(g)
+            for g in [g for g in self.unbatched if self._deadline(g) < t]:
+                self.unbatched.remove(g)
                 self._drop(g, t)
-            if len(self.ready) < self.share or self._must_wait(t):
+            if len(self.unbatched) < self.share or self._must_wait(t):
                 break
-            ready = sorted(self.ready, key=lambda g: (self._deadline(g), g.done_at, g.origin, g.index))
+            ready = sorted(self.unbatched, key=lambda g: (self._deadline(g), g.done_at, g.origin, g.index))
             batch = sorted(ready[:self.share], key=lambda g: g.key)
             for member in batch:
                 member.batch = t
-                self.ready.remove(member)
+                self.unbatched.remove(member)
             self.batches[t], self.formed = batch, t
         while self.share == 0 and self.formed < self.total:  # a replica with no prompts sends nothing
             self.formed += 1
@@ -309,7 +319,7 @@ class AsyncGeneration:
         takes ``min(B_r, completed ones due by d)``."""
         running = sorted(d for g in self.groups.values() if g.done_at < 0
                          for d in [self._deadline(g)] if d is not None and d >= t)
-        done = sorted(self._deadline(g) for g in self.ready)
+        done = sorted(self._deadline(g) for g in self.unbatched)
         for d in sorted(set(running)):
             ready = sum(x <= d for x in done)
             need = ready + sum(x <= d for x in running) - (d - t) * self.share
@@ -339,7 +349,7 @@ class AsyncGeneration:
         while not self.stopped and self.sent + 1 in self.batches and self.received >= self.sent:
             t = self.sent + 1
             groups = self.batches.pop(t)
-            samples = SampleTensors.from_samples([o for g in groups for o in g.outs], self.device)
+            samples = self._rows(groups)
             samples.meta[:, META.index("request")] = torch.tensor(
                 [self.first + j for j, g in enumerate(groups) for _ in g.outs], dtype=torch.long, device=self.device)
             origins = torch.tensor([[g.origin, g.index, g.uid] for g in groups for _ in g.outs],
@@ -353,6 +363,10 @@ class AsyncGeneration:
             for g in groups:
                 del self.groups[g.key]
             self.sent = t
+
+    def _rows(self, groups: list) -> SampleTensors:
+        """The rows of a formed batch's ``groups``, in order (their requests renumbered by the caller)."""
+        return SampleTensors.from_samples([o for g in groups for o in g.outs], self.device)
 
     # -------------------------------------------------------------- exchange
     def _exchange(self) -> bool:
@@ -405,13 +419,17 @@ class AsyncGeneration:
             if g.batch:
                 self.batches.setdefault(g.batch, []).append(g)
             elif g.done_at >= 0:
-                self.ready.append(g)
+                self.unbatched.append(g)
             else:
-                seqs = self.side.sequences(g.outs[0].prompt_ids, g.origin, g.index, self.n)
-                for s, o in zip(seqs, g.outs):
-                    s.out = o
-                todo += [s for s in seqs if s.out.finish_reason is None]
+                todo += self._resume(g)
         return todo
+
+    def _resume(self, g: Group) -> list:
+        """The sequences that continue running group ``g`` as a checkpoint saved it."""
+        seqs = self.side.sequences(g.outs[0].prompt_ids, g.origin, g.index, self.n)
+        for s, o in zip(seqs, g.outs):
+            s.out = o
+        return [s for s in seqs if s.out.finish_reason is None]
 
 
 def version_metrics(samples: SampleTensors, step: int, max_staleness: int, dp_group,

@@ -21,6 +21,13 @@ weight sync moves the actor's shards (:mod:`hyflow.placement.weight_sync`). Chec
 pools' state, the batch in flight included, so a resumed run equals an uninterrupted one
 (:mod:`hyflow.placement.inflight`).
 
+With ``rollout.multi_turn`` each generation replica runs the agent's multi-turn loop instead of
+one call of its engine (:meth:`~hyflow.placement.pool_models.GenerationSide.trajectories`: the
+tools and environments on the replica's leader, seeds as colocated) and sends the trajectories'
+rows with their loss masks and counters; the training pool scores and trains on them as the
+colocated job does, and a checkpoint's in-flight batch holds them whole (ids, masks, counters:
+nothing of an environment is needed to train on a finished trajectory).
+
 ``trainer.mode: sync`` with ``placement.pools`` runs these loops without the overlap: the
 generation pool samples batch ``t+1`` after receiving ``w_t`` (staleness 0 every step, no
 rollout correction unless set), so its metrics equal the colocated run's. A critic on a pool of
@@ -29,7 +36,9 @@ writes no checkpoint yet.
 
 ``trainer.mode: async`` runs the same training loop; its generation pool runs the loop of
 :mod:`hyflow.jobs.fully_async` (up to ``trainer.max_staleness`` batches ahead, new weights at a
-token boundary) and its checkpoints hold that loop's in-flight state.
+token boundary) and its checkpoints hold that loop's in-flight state; with ``rollout.multi_turn`` the loop
+of :mod:`hyflow.jobs.async_trajectories` (turns fed to the scheduler, trajectories resumed by replaying
+their turns into re-created environments).
 """
 
 from __future__ import annotations
@@ -38,11 +47,13 @@ import time
 
 import torch.distributed as dist
 
+from hyflow.agent.agent import MultiTurnAgent
 from hyflow.algorithms.kl import make_kl_controller
 from hyflow.checkpoint.checkpointer import Checkpointer
 from hyflow.data.dataset import build_dataset
 from hyflow.data.loader import PromptLoader
 from hyflow.data.tasks import load_data_tokenizer, tokenizer_spec_for
+from hyflow.jobs.async_trajectories import AsyncTrajectories
 from hyflow.jobs.fully_async import AsyncGeneration, read_async_inflight, version_metrics
 from hyflow.jobs.loop import open_run, run_job
 from hyflow.jobs.rl import RLSteps, StepJob, frozen_models, rl_step, sft_warmup
@@ -90,7 +101,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
     return _training_loop(cfg, placement, groups, sync_group, pool_group, ctl)
 
 
-def checkpointing(placement) -> bool:
+def checkpointing(cfg: RLJobConfig, placement) -> bool:
     """Whether this pooled run writes and resumes checkpoints: not with a critic on a pool of its own
     (its pool does not join the checkpoint yet; :func:`~hyflow.placement.remote_critic.check_remote_roles`
     refuses saving and resuming such a run before launch)."""
@@ -101,13 +112,12 @@ class _NoCheckpoints:
     """Stands for the :class:`~hyflow.checkpoint.checkpointer.Checkpointer` of a run that writes none
     (:func:`checkpointing`): a stop signal ends the run after its step without a save."""
 
-    def __init__(self, lead: bool) -> None:
-        self.lead = lead
+    def __init__(self, lead: bool, why: str) -> None:
+        self.lead, self.why = lead, why
 
     def log(self, message: str) -> None:  # StepEnd's word on a stop: there is nothing to resume from
         if self.lead:
-            print("[hyflow] stopped on a stop signal; no checkpoint is written (the critic's pool is not "
-                  "checkpointed yet)", flush=True)
+            print(f"[hyflow] stopped on a stop signal; no checkpoint is written ({self.why})", flush=True)
 
     def poll(self) -> None:
         pass
@@ -127,7 +137,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
     # A stop signal must not end a generation rank: the training pool (signalled as well) agrees on
     # the stop, and this pool joins its last save before leaving.
     held = StepSupervisor(1, device=groups.device).install()
-    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc) if checkpointing(placement) else None
+    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc) if checkpointing(cfg, placement) else None
     overlap = cfg.trainer.mode == "one_step_off"  # sync: batch t+1 waits for w_t
     try:
         fully_async = cfg.trainer.mode == "async"
@@ -142,15 +152,18 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
             return
         side.receive_weights()  # w_0, or w_t after a resume from step t
         if fully_async:  # its own loop (hyflow.jobs.fully_async)
-            AsyncGeneration(cfg, side, loader, routes,
-                            lambda: control(Control(go=False), placement, rank, groups.device, ctl), ckpts).run(resumed)
+            loop = AsyncTrajectories if side.agent else AsyncGeneration  # multi-turn: turns fed to the scheduler
+            loop(cfg, side, loader, routes,
+                 lambda: control(Control(go=False), placement, rank, groups.device, ctl), ckpts).run(resumed)
             return
         version = 0 if resumed is None else resumed.step - 1  # the weights held (updates applied)
 
         def generate(step: int):
             start = time.perf_counter()
-            out = side.generate(loader.next_batch(), step, n)
-            return out.samples, time.perf_counter() - start, version
+            records = loader.next_batch()
+            # multi-turn: the agent's loop on this replica (tools and environments on its leader)
+            samples = side.trajectories(records, step, n) if side.agent else side.generate(records, step, n).samples
+            return samples, time.perf_counter() - start, version
 
         if resumed is None or resumed.samples is None:
             step = 1 if resumed is None else resumed.step
@@ -190,14 +203,18 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group,
     supervisor = StepSupervisor(cfg.trainer.max_bad_steps, optimizers, protect=[kl_ctrl], group=train_group,
                                 device=groups.device)
     state = RLState(models=models, loader=loader, kl_ctrl=kl_ctrl, supervisor=supervisor)
-    job = StepJob(tokenizer, reward, sorted({r.data_source for r in dataset}), len(dataset))
+    # multi-turn: the rows are trajectories the generation pool ran; the agent scores them here (and
+    # gives the SFT warm-up its demonstrations); its tools and environments run on the generation pool
+    agent = MultiTurnAgent(cfg.rollout.multi_turn, tokenizer) if cfg.rollout.multi_turn.enable else None
+    job = StepJob(tokenizer, reward, sorted({r.data_source for r in dataset}), len(dataset), agent)
     supervisor.install()
     # Synchronous saves: a background save's completion is agreed over the world at step ends,
     # which would tie the generation pool's loop to the training pool's.
     lead = rank == placement.roles["actor"].pool.start
-    saves = checkpointing(placement)
+    saves = checkpointing(cfg, placement)
+    why = "the critic's pool is not checkpointed yet"
     ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
-                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead)
+                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead, why)
     steps = PooledSteps(cfg, state, job, ckpt, placement, train_group, ctl, saves, dataset)
     try:
         run = open_run(cfg, ckpt, supervisor, steps.resume, lead)  # the resume is collective with the generation pool
@@ -233,7 +250,7 @@ class PooledSteps(RLSteps):
         """The warm-up, then tell the generation pool whether to go on and send w_0 (w_start after a resume)."""
         cfg, self.run = self.cfg, run
         if cfg.actor.sft_warmup_steps and not run.start:
-            sft_warmup(cfg, self.state, self.job.tokenizer)
+            sft_warmup(cfg, self.state, self.job.tokenizer, self.job.agent)
         go = run.start < cfg.trainer.total_steps
         control(Control(go=go), self.placement, dist.get_rank(), self._device, self.ctl)
         if go:

@@ -118,7 +118,7 @@ REQUIREMENTS = (
      "set rollout.exact_logprobs=false, or trainer.mode=sync"),
     ("rollout.multi_turn.enable", lambda cfg: cfg.rollout.multi_turn.enable, "rollouts",
      lambda caps: caps.multi_turn, "multi-turn trajectories",
-     "run colocated (trainer.mode=sync, placement.pools empty) with rollout.backend=hyflow, or set "
+     "use rollout.backend=hyflow (any trainer.mode, colocated or on placement pools), or set "
      "rollout.multi_turn.enable=false"),
     ("rollout.force_staleness", lambda cfg: cfg.rollout.force_staleness > 0, "weights",
      lambda caps: caps.stale_weights, "sampling with older weights (it holds no generation weights of its own)",

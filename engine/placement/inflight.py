@@ -108,6 +108,9 @@ def write_inflight(path: str, rank: int, state: InFlight, pool: Any, layout: Any
     if state.samples is not None:
         s = state.samples
         data.update(meta=s.meta.detach().cpu(), tokens=s.tokens.detach().cpu(), logprobs=s.logprobs.detach().cpu())
+        for name in ("mask", "stats"):  # multi-turn trajectories: the loss mask over observations, the counters
+            if getattr(s, name) is not None:
+                data[name] = getattr(s, name).detach().cpu()
     os.makedirs(os.path.join(path, INFLIGHT_DIR), exist_ok=True)
     torch.save(data, inflight_file(path, rank))
 
@@ -119,8 +122,9 @@ def read_inflight(path: str, rank: int, pool: Any, layout: Any, device: torch.de
     try:
         samples = None
         if data["has_batch"]:
+            optional = {k: data[k].to(device) for k in ("mask", "stats") if k in data}
             samples = SampleTensors(meta=data["meta"].to(device), tokens=data["tokens"].to(device),
-                                    logprobs=data["logprobs"].to(device))
+                                    logprobs=data["logprobs"].to(device), **optional)
         return InFlight(step=int(data["step"]), samples=samples, version=int(data["weight_version"]),
                         gen_seconds=float(data["gen_seconds"]), loader=dict(data["loader"]))
     except (AttributeError, KeyError, TypeError, ValueError) as e:

@@ -9,7 +9,13 @@
   (:mod:`hyflow.roles`), so :func:`hyflow.jobs.rl.rl_step` runs unchanged: its phase 1 receives
   rows instead of generating them.
 * On the **generation pool**: :class:`GenerationSide`, the actor in the generation layout (its
-  slice only, filled by the weight sync) and the generation engine.
+  slice only, filled by the weight sync) and the generation engine. With ``rollout.multi_turn`` it
+  holds the agent too (:class:`~hyflow.agent.agent.MultiTurnAgent`) and runs the multi-turn loop of
+  :mod:`hyflow.agent.rollout` on each replica (:meth:`GenerationSide.trajectories`): the replica's
+  leader (generation TP rank 0 of stage 0) runs the tools and environments as the colocated
+  replicas' leaders do, with the same seeds (keyed by step and global prompt index), and the
+  trajectories' rows (ids, loss mask over observations, counters) go to the training ranks that
+  own them (:mod:`hyflow.placement.rows`), which score and train on them as the colocated job does.
 """
 
 from __future__ import annotations
@@ -17,9 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
+from hyflow.agent.agent import MultiTurnAgent
 from hyflow.checkpoint.trained_model import TrainedModel
 from hyflow.models.builder import build_gpt_model, resolve_spec
 from hyflow.models.description import ModelDescription
@@ -35,7 +44,7 @@ from hyflow.rl.dispatch import sampling_seed, shard_range
 from hyflow.rl.models import RLModels, build_actor, build_other_roles, model_spec
 from hyflow.roles import RolloutCapabilities, WeightPathCapabilities
 from hyflow.rollout.config import GenerationConfig, SamplingConfig
-from hyflow.rollout.dp import GatheredRollout, generate_data_parallel
+from hyflow.rollout.dp import GatheredRollout, SampleTensors, generate_data_parallel
 from hyflow.rollout.engine import GenerationEngine
 from hyflow.rollout.request import RolloutStats
 from hyflow.vllm_backend.engine import VLLMEngine
@@ -46,6 +55,14 @@ def samples_current_weights(cfg) -> bool:
     """Whether the generation pool samples every batch with the weights the training pool holds when it
     trains on it: ``sync``, and ``async`` with ``max_staleness`` 0."""
     return cfg.trainer.mode == "sync" or (cfg.trainer.mode == "async" and cfg.trainer.max_staleness == 0)
+
+
+def runs_multi_turn(cfg) -> bool:
+    """Whether the generation pool runs multi-turn trajectories for ``cfg``'s backend: hyflow's engine
+    (its per-sample ``on_finish`` starts the tool calls while the other samples decode; ``trainer.mode:
+    async`` feeds turns to its long-lived scheduler, :mod:`hyflow.jobs.async_trajectories`). Not vLLM
+    (its batch call has no per-turn hook, as colocated)."""
+    return cfg.rollout.backend == "hyflow"
 
 
 @dataclass
@@ -112,16 +129,19 @@ class RemoteRollouts:
     placement: object
     group: object = None
     current_weights: bool = True
+    multi_turn: bool = False
     last: ReceivedRows | None = field(default=None)
     prefetched: ReceivedRows | None = field(default=None)
 
     @classmethod
     def capabilities_for(cls, cfg) -> RolloutCapabilities:
-        return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=samples_current_weights(cfg))
+        return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=samples_current_weights(cfg),
+                                   multi_turn=runs_multi_turn(cfg))
 
     @property
     def capabilities(self) -> RolloutCapabilities:
-        return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=self.current_weights)
+        return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=self.current_weights,
+                                   multi_turn=self.multi_turn)
 
     def shard(self, count: int) -> tuple[int, int]:
         return shard_range(count, self.groups.layout.dp, self.groups.dp_rank)
@@ -144,24 +164,37 @@ class RemoteRollouts:
                  sampling: Optional[SamplingConfig] = None) -> GatheredRollout:
         if greedy:  # the preflight refuses it (capabilities.greedy)
             raise RuntimeError("the generation pool does not generate greedy baselines (remax)")
-        if sampling is not None:  # the preflight refuses data.val_files with pools
-            raise RuntimeError("the generation pool samples with the rollout's settings only (no validation)")
-        if self.prefetched is None:
-            self.receive(len(prompts) * self.groups.layout.dp)
-        got, self.prefetched = self.prefetched, None
-        request = got.samples.column("request")
-        if len(got.samples) != len(prompts) * n or (len(request) and (
-                int(request.min()) != request_offset or int(request.max()) != request_offset + len(prompts) - 1)):
-            raise RuntimeError(f"rank {dist.get_rank()}: received {len(got.samples)} rows for prompts "
-                               f"{request.min().item() if len(request) else '-'}..; expected {len(prompts) * n} rows of "
-                               f"prompts {request_offset}..{request_offset + len(prompts) - 1}")
-        self.last = got
+        got = self._take(len(prompts), n, request_offset, sampling)
         return GatheredRollout(samples=got.samples, stats=RolloutStats(samples=len(got.samples)))
 
     def generate_trajectories(self, agent, records: Sequence, n: int, *, seed: int, request_offset: int,
-                              sampling: Optional[SamplingConfig] = None):
-        raise RuntimeError("the generation pool does not run multi-turn trajectories (capabilities.multi_turn "
-                           "is False; the preflight refuses rollout.multi_turn with placement pools)")
+                              sampling: Optional[SamplingConfig] = None) -> SampleTensors:
+        """This rank's multi-turn trajectories of the step (the generation pool ran the agent's loop,
+        :meth:`GenerationSide.trajectories`), with their loss masks and counters."""
+        if not self.multi_turn:  # the preflight refuses it (capabilities.multi_turn)
+            raise RuntimeError("the generation pool runs no multi-turn trajectories in this trainer.mode")
+        got = self._take(len(records), n, request_offset, sampling)
+        if got.samples.mask is None or got.samples.stats is None:
+            raise RuntimeError(f"rank {dist.get_rank()}: the generation pool sent single responses, not multi-turn "
+                               "trajectories (both pools read the same rollout.multi_turn)")
+        return got.samples
+
+    def _take(self, prompts: int, n: int, request_offset: int, sampling: Optional[SamplingConfig]) -> ReceivedRows:
+        """The rows of this rank's ``prompts`` prompts (global indices from ``request_offset``), received now
+        unless :meth:`receive` got them already; checked to be exactly those."""
+        if sampling is not None:  # the preflight refuses data.val_files with pools
+            raise RuntimeError("the generation pool samples with the rollout's settings only (no validation)")
+        if self.prefetched is None:
+            self.receive(prompts * self.groups.layout.dp)
+        got, self.prefetched = self.prefetched, None
+        request = got.samples.column("request")
+        if len(got.samples) != prompts * n or (len(request) and (
+                int(request.min()) != request_offset or int(request.max()) != request_offset + prompts - 1)):
+            raise RuntimeError(f"rank {dist.get_rank()}: received {len(got.samples)} rows for prompts "
+                               f"{request.min().item() if len(request) else '-'}..; expected {prompts * n} rows of "
+                               f"prompts {request_offset}..{request_offset + prompts - 1}")
+        self.last = got
+        return got
 
     def rescore(self, batch: RolloutBatch, batching: MicroBatching, *, temperature: float, fused: bool,
                 train_mode: bool) -> torch.Tensor:
@@ -179,7 +212,8 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
                           summarize_actor_sync(placement, desc, actor.config.params_dtype.itemsize, fused_norms=fused),
                           model=actor)
     rollouts = RemoteRollouts(groups, GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
-                              placement, row_group, current_weights=samples_current_weights(cfg))
+                              placement, row_group, current_weights=samples_current_weights(cfg),
+                              multi_turn=runs_multi_turn(cfg) and cfg.rollout.multi_turn.enable)
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=sender,
                       rollouts=rollouts, sample_vocab=min(desc.vocab_size, tokenizer.vocab_size))
     here = tuple(r for r in ("reference", "critic", "reward") if r not in placement.roles
@@ -191,8 +225,8 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
 
 
 class GenerationSide:
-    """The generation pool's half: the actor in the generation layout (filled by the weight sync)
-    and the generation engine of this rank's replica."""
+    """The generation pool's half: the actor in the generation layout (filled by the weight sync),
+    the generation engine of this rank's replica, and with ``rollout.multi_turn`` the agent."""
 
     def __init__(self, cfg, tokenizer, placement, groups, sync_group) -> None:
         desc = ModelDescription.load(cfg.actor.checkpoint) if cfg.actor.checkpoint else cfg.model
@@ -207,6 +241,13 @@ class GenerationSide:
                                fused_norms=resolve_spec(model_spec(cfg)) == "te", rank=dist.get_rank())
         self.sync = WeightSync(plan, self.model, sync_group)
         self.rollout_config = GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0)
+        self.agent = None
+        if cfg.rollout.multi_turn.enable:  # as colocated: the context outgrows the prompt limit, its budget bounds it
+            # (prompt + trajectory budget: the async stream's cache rows are that long, as `hyflow plan` sizes them)
+            self.rollout_config = dataclasses.replace(self.rollout_config, max_prompt_length=None,
+                                                      max_seq_len=cfg.rollout.max_prompt_length
+                                                      + cfg.rollout.max_response_length)
+            self.agent = MultiTurnAgent(cfg.rollout.multi_turn, tokenizer)
         self.trainer_seed = cfg.trainer.seed
         eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
         vocab = min(desc.vocab_size, tokenizer.vocab_size)
@@ -216,17 +257,20 @@ class GenerationSide:
                                      eos_token_ids=eos, tp_groups=pool_enumerations(placement)["tp"],
                                      dtype=cfg.actor.dtype, seed=cfg.trainer.seed,
                                      device=groups.device, seq_budget=budget)
+            # the synced generation-layout weights go on into vLLM's own model
+            self._after_sync = lambda: self.engine.load_weights(
+                vllm_weights(self.model, self.desc, self.engine.vocab_size, self.groups.pgs.tp))
         else:
             self.engine = GenerationEngine(self.model, self.rollout_config, vocab_size=vocab, eos_token_ids=eos,
                                            tp_group=groups.pgs.tp, pp_group=groups.pgs.pp,
                                            max_position_embeddings=desc.max_position_embeddings)
+            self._after_sync = lambda: None  # it generates from self.model, which the sync wrote in place
 
     def receive_weights(self) -> SyncStats:
         """The training pool's newest weights into this pool's generation model (the weight sync,
         collective with the training pool), and from it into vLLM's model when it generates."""
         stats = self.sync.run()
-        if isinstance(self.engine, VLLMEngine):
-            self.engine.load_weights(vllm_weights(self.model, self.desc, self.engine.vocab_size, self.groups.pgs.tp))
+        self._after_sync()
         return stats
 
     @property
@@ -256,3 +300,16 @@ class GenerationSide:
         sampling = self.rollout_config.sampling.replace(n=n, seed=seed)
         return generate_data_parallel(self.engine, [list(r.prompt_ids) for r in records[first:stop]], None,
                                       sampling, request_offset=first, device=self.groups.device, **partial)
+
+    def trajectories(self, records, step: int, n: int) -> SampleTensors:
+        """This replica's ``n`` multi-turn trajectories of each of its share of ``records`` (the step's
+        prompts), seeded as the colocated job seeds ``step`` (keyed by global prompt index), sorted:
+        the agent's loop on this replica's engine, its leader running the tools and environments
+        and sharing their answers over the replica's TP and PP groups."""
+        first, stop = shard_range(len(records), self.groups.layout.dp, self.replica)
+        seed = sampling_seed(self.trainer_seed, step)
+        return self.agent.rollout(self.engine, records[first:stop], n, seed=seed, request_offset=first,
+                                  sampling=self.rollout_config.sampling.replace(n=1, seed=seed),
+                                  max_seq_len=getattr(self.engine, "max_seq_len", None) or self.desc.context_length,
+                                  device=self.groups.device, replica_groups=[self.groups.pgs.tp, self.groups.pgs.pp],
+                                  pad_id=self.rollout_config.pad_token_id)

@@ -10,9 +10,11 @@ no rank ever holds the whole batch unless it owns it.
 
 One message per (sender, receiver) pair: an int64 header (rows, tokens, log-probs, weight
 version, generation microseconds, per-token versions, waiting microseconds, origin rows, dropped
-samples), then the tensors of :class:`~hyflow.rollout.dp.SampleTensors` (the per-token weight
-versions when the sender recorded them, and each row's origin when a batch mixes prompts of several
-loader batches: ``trainer.mode: async``); both rounds are one ``batch_isend_irecv`` on each rank.
+samples, mask length, stats columns), then the tensors of :class:`~hyflow.rollout.dp.SampleTensors`
+(the per-token weight versions when the sender recorded them, each row's origin when a batch mixes
+prompts of several loader batches: ``trainer.mode: async``; a multi-turn trajectory's loss mask over
+its observations and its counters, :mod:`hyflow.agent.trajectory`); both rounds are one
+``batch_isend_irecv`` on each rank.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from hyflow.rl.dispatch import shard_range
 from hyflow.rollout.dp import META, SampleTensors
 
 #: rows, tokens, logprobs, weight version, generation microseconds, versions, waiting microseconds, origin rows,
-#: dropped samples
-HEADER = 9
+#: dropped samples, mask length, stats columns
+HEADER = 11
 ORIGIN = ("step", "request", "uid")  #: columns of a row's origin: loader step, prompt index there, dataset index
 
 
@@ -83,12 +85,14 @@ def send_rows(samples: SampleTensors, routes: list[RowRoute], rank: int, version
     lowest = min((r.first for r in mine), default=0)
     headers = [torch.tensor([len(p), p.tokens.numel(), p.logprobs.numel(), version, int(gen_seconds * 1e6),
                              0 if p.versions is None else p.versions.numel(), int(wait_seconds * 1e6),
-                             0 if o is None else o.shape[0], dropped if r.first == lowest else 0],
+                             0 if o is None else o.shape[0], dropped if r.first == lowest else 0,
+                             0 if p.mask is None else p.mask.numel(), 0 if p.stats is None else p.stats.shape[1]],
                             dtype=torch.long, device=device) for p, o, r in zip(parts, picked, mine)]
     _exchange([dist.P2POp(dist.isend, h, r.dst, group=group) for h, r in zip(headers, mine)])
     ops, sent = [], 0
     for p, o, r in zip(parts, picked, mine):
-        for t in (p.meta.contiguous(), p.tokens, p.logprobs, p.versions, o):
+        for t in (p.meta.contiguous(), p.tokens, p.logprobs, p.versions, o, p.mask,
+                  None if p.stats is None else p.stats.contiguous()):
             if t is not None and t.numel():
                 ops.append(dist.P2POp(dist.isend, t, r.dst, group=group))
                 sent += t.numel() * t.element_size()
@@ -115,14 +119,16 @@ def recv_rows(routes: list[RowRoute], rank: int, device: torch.device, group=Non
     ops, parts, nbytes = [], [], 0
     origins = []
     for h, r in zip(headers, mine):
-        n, t, l_, v, o = (int(h[i]) for i in (0, 1, 2, 5, 7))
+        n, t, l_, v, o, m, k = (int(h[i]) for i in (0, 1, 2, 5, 7, 9, 10))
         part = SampleTensors(meta=torch.empty(n, len(META), dtype=torch.long, device=device),
                              tokens=torch.empty(t, dtype=torch.long, device=device),
                              logprobs=torch.empty(l_, dtype=torch.float32, device=device),
-                             versions=torch.empty(v, dtype=torch.long, device=device) if v else None)
+                             versions=torch.empty(v, dtype=torch.long, device=device) if v else None,
+                             mask=torch.empty(m, dtype=torch.float32, device=device) if m else None,
+                             stats=torch.empty(n, k, dtype=torch.float64, device=device) if k else None)
         origin = torch.empty(o, len(ORIGIN), dtype=torch.long, device=device) if o else None
         for x in (part.meta, part.tokens, part.logprobs, *([part.versions] if v else []),
-                  *([origin] if o else [])):
+                  *([origin] if o else []), *([part.mask] if m else []), *([part.stats] if k else [])):
             if x.numel():
                 ops.append(dist.P2POp(dist.irecv, x, r.src, group=group))
                 nbytes += x.numel() * x.element_size()
@@ -139,10 +145,20 @@ def recv_rows(routes: list[RowRoute], rank: int, device: torch.device, group=Non
         versions = {min(int(h[3]) for h, p in zip(headers, parts) if len(p))}
         per_token = torch.cat([p.versions for p in tagged])
     samples = SampleTensors(meta=torch.cat([p.meta for p in parts]), tokens=torch.cat([p.tokens for p in parts]),
-                            logprobs=torch.cat([p.logprobs for p in parts]), versions=per_token)
+                            logprobs=torch.cat([p.logprobs for p in parts]), versions=per_token,
+                            mask=_joined(tagged, "mask"), stats=_joined(tagged, "stats"))
     sent = [o for o, p in zip(origins, parts) if len(p)]
     origin = torch.cat(sent) if sent and all(o is not None for o in sent) else None
     return ReceivedRows(samples=samples, version=versions.pop() if versions else 0,
                         gen_seconds=max((int(h[4]) for h in headers), default=0) / 1e6, nbytes=nbytes,
                         wait_seconds=max((int(h[6]) for h in headers), default=0) / 1e6, origins=origin,
                         dropped=sum(int(h[8]) for h in headers))
+
+
+def _joined(parts: list[SampleTensors], name: str) -> Optional[torch.Tensor]:
+    """The parts' ``mask`` or ``stats`` back to back; None unless every part carries it (multi-turn
+    rows carry both, single responses neither)."""
+    values = [getattr(p, name) for p in parts]
+    if not values or any(v is None for v in values):
+        return None
+    return torch.cat(values)

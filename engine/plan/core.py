@@ -190,7 +190,7 @@ def _plan_rl(cfg: Any, world: int, opts: PlanOptions, result: PlanResult) -> Non
     model = _load_model(cfg.actor.checkpoint, cfg.model, "actor.checkpoint", notes)
     layout = cfg.actor_layout(world)
     dtype, attention = cfg.actor.dtype, _attention(cfg.actor.spec, opts.device)
-    seq = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
+    seq = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length  # a multi-turn trajectory: its budget
     placement = cfg.resolved_placement(world)
     result.placement = placement.describe()
     if not placement.colocated:

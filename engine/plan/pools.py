@@ -20,7 +20,7 @@ def plan_pools(cfg: Any, world: int, opts: Any, result: Any, placement: Any, mod
     """Fill ``result`` (a :class:`~hyflow.plan.core.PlanResult`) for a pooled placement."""
     dtype = cfg.actor.dtype
     pbytes = mem.DTYPE_BYTES[dtype]
-    seq = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
+    seq = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length  # a multi-turn trajectory: its budget
     roles = placement.roles
     for name in ("actor", "reference", "critic", "reward"):
         if name not in roles:

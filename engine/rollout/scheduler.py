@@ -218,6 +218,11 @@ class Scheduler:
         return len(self._pending)
 
     @property
+    def queue(self) -> list:
+        """The outputs of the sequences waiting for a cache slot, in admission order (a checkpoint keeps it)."""
+        return [s.out for s in self._pending]
+
+    @property
     def free_slots(self) -> int:
         return len(self._free)
 
