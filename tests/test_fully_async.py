@@ -128,11 +128,23 @@ def test_async_forces_a_rollout_correction_when_stale():
     assert fresh.actor.rollout_correction.mode == "off"
 
 
+def _run_dropping(overrides, out, config):
+    """:func:`_run` with batches formed in deadline order but never waiting for a running group (the
+    deadline rule places every group under the admission bound: this makes the late ones miss it)."""
+    from hyflow.jobs.fully_async import AsyncGeneration
+
+    waits, AsyncGeneration._must_wait = AsyncGeneration._must_wait, lambda self, t: False
+    try:
+        return _run(overrides, out, config)
+    finally:  # the worker processes are pooled: later tests get the rule back
+        AsyncGeneration._must_wait = waits
+
+
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_async_dropped_samples_reach_the_metrics_exactly(tmp_path):
     """Long-tail lengths (configs/async_length_tail.yaml: "write N", N long-tailed, after its 30 SFT
-    warm-up steps) with k=1: some groups finish
+    warm-up steps) with k=1 and batches that do not wait for late groups: some groups finish
     too stale and are dropped. Each step's ``fully_async/count/dropped_stale_samples`` (the training side,
     from the rows' headers) sums to exactly what the generation replicas counted (their in-flight files
     at the last save: dropped groups x n), and every step still trains on a full batch."""
@@ -142,7 +154,7 @@ def test_async_dropped_samples_reach_the_metrics_exactly(tmp_path):
     from hyflow.placement.inflight import inflight_file
 
     out = str(tmp_path / "drop")
-    hist = run_on_ranks(_run, 4, ["trainer.nproc=4", "trainer.mode=async", "trainer.max_staleness=1",
+    hist = run_on_ranks(_run_dropping, 4, ["trainer.nproc=4", "trainer.mode=async", "trainer.max_staleness=1",
                                   "trainer.update_after_tokens=2", "trainer.total_steps=6", "trainer.save_every=6",
                                   "actor.sft_warmup_steps=30"], out,
                        os.path.join(REPO, "configs", "async_length_tail.yaml"))[0][0]

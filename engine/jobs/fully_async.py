@@ -7,23 +7,36 @@ free up, :class:`AsyncGeneration` feeds it the next prompts (whole GRPO groups, 
 samples each, in the prompt loader's order: this replica's share of loader batch 1, then of 2, ...;
 seeds keyed by the loader step and the global prompt index, as the colocated job keys them).
 
-* **Batches stream.** Training batch ``t`` on a replica is its first ``B_r`` (its share of
-  ``data.train_batch_size``) whole groups to complete that are in no batch yet; completion order is
-  the decode step at which a group's last sample finished, ties by (loader step, prompt index), so
-  the batches are a function of decode steps, never of wall time. A batch's rows are sorted by
-  (loader step, prompt index) and renumbered as the batch's prompts; each row carries its origin
-  (loader step, prompt index, dataset index: :data:`hyflow.placement.rows.ORIGIN`) so the training
-  pool scores it against its own prompt. A long group does not hold its batch back: it lands in a
-  later one.
+* **Batches stream, earliest deadline first.** A group's *deadline* is the last batch it may land
+  in: batch ``t`` trains after ``t - 1`` updates, so ``oldest token's version + k + 1``. Training
+  batch ``t`` on a replica is ``B_r`` (its share of ``data.train_batch_size``) completed groups in no
+  batch yet, taken by (deadline, completion, loader step, prompt index) -- completion: the decode
+  step at which a group's last sample finished, so the batches are a function of decode steps, never
+  of wall time. It forms as soon as ``B_r`` groups are complete, unless taking them would leave a
+  running group no place before its deadline: for each deadline ``d``, the groups due by ``d``
+  (completed or running) share the ``(d - t + 1) B_r`` places of batches ``t..d``, so batch ``t``
+  must take at least ``due(d) - (d - t) B_r`` of them; when fewer are complete it waits (for a long
+  group whose deadline is ``t``, typically). So a long group does not hold back the batches before
+  its deadline (shorter groups fill them), and it is not dropped at its deadline either. A batch's
+  rows are sorted by (loader step, prompt index) and renumbered as the batch's prompts; each row
+  carries its origin (loader step, prompt index, dataset index: :data:`hyflow.placement.rows.ORIGIN`)
+  so the training pool scores it against its own prompt.
 * **Admission bound** (AReaL's): a replica starts a group only while ``started - dropped <
   (received + 1 + k) * B_r`` (``received``: weight updates received), and never more than the run
-  needs.
-* **Stale groups are dropped and counted.** A completed group whose oldest token is more than ``k``
-  versions behind the update that would train on it (batch ``t`` trains after ``t - 1`` updates) is
-  dropped, its samples counted in ``fully_async/count/dropped_stale_samples`` of the batch being formed
-  (the training lead's log says how many); its prompt is not retried. A running group that is already
-  too stale for the next batch to form is stopped at once (its slots go to new prompts), dropped and
-  counted the same way.
+  needs. It is what makes every group fit: a group started now gets a deadline of at least
+  ``received + k + 1``, and at most ``(received + k + 1 - formed) B_r`` groups are in no batch.
+* **Why wait rather than drop** (the first streaming rule filled batches in completion order and
+  dropped a group that missed its deadline): the groups that miss it are the long ones, so dropping
+  them trains on a sample biased to short answers and wastes their decode. On
+  ``configs/async_length_tail.yaml`` it dropped 9-15% of the samples (groups 1.5x the kept mean length
+  already when stopped); the deadline rule drops none at the same samples/s (the reward over 5 seeds
+  is within their spread either way: BENCHMARKS.md, "Fully asynchronous").
+* **Stale groups are dropped and counted** where no place is left (not reached under the admission
+  bound; kept as the guarantee): a completed group whose oldest token is
+  more than ``k`` versions behind the update that would train on it is dropped, its samples counted
+  in ``fully_async/count/dropped_stale_samples`` of the batch being formed (the training lead's log
+  says how many); its prompt is not retried. A running group that is already too stale for the next
+  batch to form is stopped at once (its slots go to new prompts), dropped and counted the same way.
 * **Weight exchange** (the control message, then the weight sync: collective with the training pool
   and every replica). A replica enters the receive of ``w_v`` only once it has sent batch ``v``
   (else the training pool waits for batch ``v`` while the replica waits for ``w_v``), and sends batch
@@ -39,7 +52,7 @@ seeds keyed by the loader step and the global prompt index, as the colocated job
 
 ``k = 0`` is the pooled ``sync`` run (only batch ``t``'s groups may start before ``w_(t-1)``, and they
 all complete before the exchange). With ``k >= 1`` groups of several loader batches run together, so a
-training batch may mix loader batches; the staleness of a batch is at most ``k`` by the drop rule.
+training batch may mix loader batches; the staleness of a batch is at most ``k`` by the deadlines.
 Every generated token records the weight version that sampled it
 (:mod:`hyflow.rollout.scheduler`): the rollout correction (``actor.rollout_correction``) divides by
 each token's own behaviour log-prob, and :func:`version_metrics` reports the staleness, the versions
@@ -188,7 +201,7 @@ class AsyncGeneration:
         self.groups: dict[tuple[int, int], Group] = {}  # started, not sent
         self.by_out: dict[int, Group] = {}  # id(SampleOutput) -> its group, while running
         self.completed: list[Group] = []  # completed since the last batch forming
-        self.current: list[Group] = []  # completed, in no batch yet (fewer than B_r)
+        self.unbatched: list[Group] = []  # completed, taken in by a forming, in no batch yet
         self.batches: dict[int, list[Group]] = {}  # formed, not sent
         self.drops: dict[int, int] = {}  # batch -> samples dropped while forming it
         self.prompts: deque = deque()  # (index, record) of loader batch ``origin`` not started yet
@@ -276,25 +289,55 @@ class AsyncGeneration:
         return self.received if self._exchange() else None
 
     # --------------------------------------------------------------- batches
+    def _deadline(self, g: Group) -> Optional[int]:
+        """The last batch ``g`` may land in: batch ``t`` trains after ``t - 1`` updates, so at most
+        ``k`` versions after its oldest token. None: running with no token yet (its deadline will be
+        at least ``received + k + 1``: no batch formed before then can take its place)."""
+        if g.done_at < 0 and not any(o.versions for o in g.outs):
+            return None
+        return g.oldest(self.received) + self.k + 1
+
     def _form(self) -> None:
-        """Completed groups, in completion order, into batches of ``B_r``; a group too stale for the
-        batch it would land in is dropped (counted against that batch)."""
+        """Completed groups into batches of ``B_r``, earliest deadline first, waiting for running
+        groups where taking a later group would leave one without a place (see the module docstring);
+        a completed group past its deadline is dropped (counted against the batch being formed)."""
         if self.filter is not None:  # DAPO dynamic sampling
             self._filter()
         for g in sorted(self.completed, key=lambda g: (g.done_at, g.origin, g.index)):
-            t = self.formed + 1
-            if (t - 1) - g.oldest(self.received) > self.k:
-                self._drop(g, t)
-                continue
-            self.current.append(g)
-            if len(self.current) == self.share:
-                for member in self.current:
-                    member.batch = t
-                self.batches[t], self.current, self.formed = sorted(self.current, key=lambda g: g.key), [], t
+            self.unbatched.append(g)
         self.completed = []
+        while self.share:
+            t = self.formed + 1
+            for g in [g for g in self.unbatched if self._deadline(g) < t]:
+                self.unbatched.remove(g)
+                self._drop(g, t)
+            if len(self.unbatched) < self.share or self._must_wait(t):
+                break
+            ready = sorted(self.unbatched, key=lambda g: (self._deadline(g), g.done_at, g.origin, g.index))
+            batch = sorted(ready[:self.share], key=lambda g: g.key)
+            for member in batch:
+                member.batch = t
+                self.unbatched.remove(member)
+            self.batches[t], self.formed = batch, t
         while self.share == 0 and self.formed < self.total:  # a replica with no prompts sends nothing
             self.formed += 1
             self.batches[self.formed] = []
+
+    def _must_wait(self, t: int) -> bool:
+        """Whether batch ``t``, formed now from the earliest-deadline completed groups, would leave a
+        running group no place: for a deadline ``d``, the groups due by ``d`` (completed or running)
+        have ``(d - t + 1) B_r`` places in batches ``t..d``, so batch ``t`` must take at least
+        ``due(d) - (d - t) B_r`` of them (``B_r`` at most: beyond that some must be dropped) and it
+        takes ``min(B_r, completed ones due by d)``."""
+        running = sorted(d for g in self.groups.values() if g.done_at < 0
+                         for d in [self._deadline(g)] if d is not None and d >= t)
+        done = sorted(self._deadline(g) for g in self.unbatched)
+        for d in sorted(set(running)):
+            ready = sum(x <= d for x in done)
+            need = ready + sum(x <= d for x in running) - (d - t) * self.share
+            if min(self.share, ready) < min(self.share, need):
+                return True
+        return False
 
     def _stop_doomed(self, scheduler) -> None:
         """Drop (and count) the running groups that can make no batch any more: a group lands at the
@@ -406,10 +449,9 @@ class AsyncGeneration:
             if g.batch:
                 self.batches.setdefault(g.batch, []).append(g)
             elif g.done_at >= 0:
-                self.current.append(g)
+                self.unbatched.append(g)
             else:
                 todo += self._resume(g)
-        self.current.sort(key=lambda g: (g.done_at, g.origin, g.index))
         return todo
 
     def _resume(self, g: Group) -> list:
