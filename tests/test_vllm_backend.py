@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -407,10 +405,11 @@ def test_plain_cpu_gemm_runs_torch_linear_on_the_written_weights_and_matches_hyf
 POOLED = TINY + ["rollout.backend=vllm", "data.train_batch_size=8", "rollout.n=4", "actor.mini_batch_size=16",
                  "actor.micro_batch_size=16", "actor.sft_warmup_steps=2", "trainer.loggers=[]",
                  "rollout.temperature=0.8"]
-OFF = ["trainer.mode=one_step_off", "trainer.nproc=4", "trainer.total_steps=3", "trainer.save_every=2"]
+# a resume on vLLM after a kill -9 (vLLM refilled from the checkpoint, half-generated samples re-added) is
+# test_vllm_async's (async k=2); one_step_off's in-flight batch is engine-free rows (test_one_step_off_resume)
+OFF = ["trainer.mode=one_step_off", "trainer.nproc=4", "trainer.total_steps=3"]
 COMPARED = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl", "response_length/mean",
             "critic/score/mean", "critic/advantages/max", "rollout/logprob_diff_max")
-NOT_COMPARED = ("timing_s/", "cpu_s", "comm/", "perf/", "rollout/tokens_per_s", "reshard/seconds")
 
 
 def _pooled_run(overrides, out):
@@ -425,16 +424,9 @@ def _pooled_run(overrides, out):
     return history if dist.get_rank() == 0 else None
 
 
-def _rows(run_dir: str) -> dict:
-    from hyflow.monitor.metrics import read_metrics
-
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in read_metrics(run_dir)}
-
-
 @pytest.fixture(scope="module")
 def straight_one_step_off(tmp_path_factory):
-    """Training TP=2 on ranks 0-1, vLLM TP_g=1 x 2 on ranks 2-3 fed by the weight sync: 3 steps,
-    checkpoints after steps 2 and 3."""
+    """Training TP=2 on ranks 0-1, vLLM TP_g=1 x 2 on ranks 2-3 fed by the weight sync: 3 steps."""
     need_vllm()
     out = str(tmp_path_factory.mktemp("off"))
     history = run_on_ranks_fresh(_pooled_run, 4, OFF, out, timeout=1800)[0]
@@ -454,26 +446,3 @@ def test_one_step_off_on_vllm_step_one_equals_sync(straight_one_step_off, tmp_pa
         a, b = sync[0][key], off[0][key]
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
     assert [h["staleness"] for h in off] == [0.0, 1.0, 1.0]
-
-
-@pytest.mark.slow
-@pytest.mark.multirank
-def test_one_step_off_on_vllm_kill_9_then_resume_equals_the_straight_run(straight_one_step_off, tmp_path):
-    from hyflow.checkpoint.discovery import checkpoint_status, step_dir_name
-    from hyflow.testing.resume import kill_9_when
-    from hyflow.testing.rl import QUICKSTART
-
-    straight, _ = straight_one_step_off
-    out = str(tmp_path / "run")
-    args = [sys.executable, "-m", "hyflow.cli", "train", QUICKSTART, *POOLED, *OFF, f"trainer.output_dir={out}"]
-    step2 = os.path.join(out, "checkpoints", step_dir_name(2))
-    timeout = float(os.environ.get("HYFLOW_TEST_TIMEOUT", 1200))
-    kill_9_when(args, lambda: checkpoint_status(step2)[0], str(tmp_path / "launch.log"), timeout)
-    killed_at = sorted(_rows(out))
-    assert killed_at[:2] == [1, 2] and killed_at[-1] < 3, killed_at
-    resumed = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    a, b = _rows(straight), _rows(out)
-    assert sorted(b) == [1, 2, 3]
-    for step in (1, 2, 3):
-        assert b[step] == a[step], f"step {step} differs from the straight run"
