@@ -53,7 +53,11 @@ def test_which_placements_and_modes_run_multi_turn(config):
               "placement.actor=train", "placement.rollout=gen", "trainer.total_steps=2"]
     check_role_capabilities(_load(config))  # colocated: the dispatcher can
     for mode in ("sync", "one_step_off", "async"):
-        check_role_capabilities(_load(config, *pooled, f"trainer.mode={mode}"))
+        cfg = _load(config, *pooled, f"trainer.mode={mode}")
+        check_role_capabilities(cfg)  # raises ConfigError where the pool cannot
+        cfg.rollout.backend = "vllm"  # no per-turn hook in vLLM's batch call: still refused, by its key
+        with pytest.raises(ConfigError, match="rollout.multi_turn.enable"):
+            check_role_capabilities(cfg)
 
 
 def test_the_shipped_demo_config_loads():

@@ -287,11 +287,11 @@ class MultiTurnRollout:
             return f"its reset failed: {failure}"
         if self.chat.prompt_ids(messages) != t.prompt_ids:
             return "its reset gave other first messages"
-        segments = t.segments
+        segments, turn = t.segments, -1
         for i, (kind, start, length) in enumerate(segments):
             if kind != "assistant":
                 continue
-            turn = sum(1 for k, *_ in segments[:i] if k == "assistant")
+            turn += 1
             ids = t.response_ids[start:start + length]
             assistant = AssistantTurn(text=self.tokenizer.decode(ids), token_ids=list(ids), index=turn,
                                       last=turn + 1 >= self.cfg.max_turns)

@@ -103,7 +103,7 @@ def run(cfg: RLJobConfig) -> list[dict]:
     return _training_loop(cfg, placement, groups, sync_group, pool_group, ctl)
 
 
-def checkpointing(cfg: RLJobConfig, placement) -> bool:
+def checkpointing(placement) -> bool:
     """Whether this pooled run writes and resumes checkpoints: not with a critic on a pool of its own
     (its pool does not join the checkpoint yet; :func:`~hyflow.placement.remote_critic.check_remote_roles`
     refuses saving and resuming such a run before launch)."""
@@ -114,12 +114,13 @@ class _NoCheckpoints:
     """Stands for the :class:`~hyflow.checkpoint.checkpointer.Checkpointer` of a run that writes none
     (:func:`checkpointing`): a stop signal ends the run after its step without a save."""
 
-    def __init__(self, lead: bool, why: str) -> None:
-        self.lead, self.why = lead, why
+    def __init__(self, lead: bool) -> None:
+        self.lead = lead
 
     def log(self, message: str) -> None:  # StepEnd's word on a stop: there is nothing to resume from
         if self.lead:
-            print(f"[hyflow] stopped on a stop signal; no checkpoint is written ({self.why})", flush=True)
+            print("[hyflow] stopped on a stop signal; no checkpoint is written (the critic's pool is not "
+                  "checkpointed yet)", flush=True)
 
     def poll(self) -> None:
         pass
@@ -139,7 +140,7 @@ def _generation_loop(cfg: RLJobConfig, placement, groups, sync_group, ctl) -> No
     # A stop signal must not end a generation rank: the training pool (signalled as well) agrees on
     # the stop, and this pool joins its last save before leaving.
     held = StepSupervisor(1, device=groups.device).install()
-    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc) if checkpointing(cfg, placement) else None
+    ckpts = GenerationCheckpoints(cfg, placement, groups, side.desc) if checkpointing(placement) else None
     overlap = cfg.trainer.mode == "one_step_off"  # sync: batch t+1 waits for w_t
     try:
         fully_async = cfg.trainer.mode == "async"
@@ -218,10 +219,9 @@ def _training_loop(cfg: RLJobConfig, placement, groups, sync_group, train_group,
     # Synchronous saves: a background save's completion is agreed over the world at step ends,
     # which would tie the generation pool's loop to the training pool's.
     lead = rank == placement.roles["actor"].pool.start
-    saves = checkpointing(cfg, placement)
-    why = "the critic's pool is not checkpointed yet"
+    saves = checkpointing(placement)
     ckpt = Checkpointer(cfg.trainer.output_dir, groups, models.desc, cfg.trainer.keep_last, async_save=False,
-                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead, why)
+                        tokenizer=tokenizer_spec_for(cfg.data), reshard=False) if saves else _NoCheckpoints(lead)
     steps = PooledSteps(cfg, state, job, ckpt, placement, train_group, ctl, saves, dataset)
     try:
         run = open_run(cfg, ckpt, supervisor, steps.resume, lead)  # the resume is collective with the generation pool

@@ -20,10 +20,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
-
-import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -130,7 +128,7 @@ class RemoteRollouts:
     group: object = None
     current_weights: bool = True
     multi_turn: bool = False
-    filtered: bool = False  # trainer.mode=async: the generation pool filters groups (DAPO dynamic sampling)
+    filters_groups: bool = False  # trainer.mode=async: the generation pool filters groups (DAPO dynamic sampling)
     last: ReceivedRows | None = field(default=None)
     prefetched: ReceivedRows | None = field(default=None)
 
@@ -142,7 +140,7 @@ class RemoteRollouts:
     @property
     def capabilities(self) -> RolloutCapabilities:
         return RolloutCapabilities(greedy=False, exact_rescore=False, current_weights=self.current_weights,
-                                   multi_turn=self.multi_turn, dynamic_sampling=self.filtered)
+                                   multi_turn=self.multi_turn, dynamic_sampling=self.filters_groups)
 
     def shard(self, count: int) -> tuple[int, int]:
         return shard_range(count, self.groups.layout.dp, self.groups.dp_rank)
@@ -215,7 +213,7 @@ def build_training_models(cfg, tokenizer, placement, groups, sync_group, row_gro
     rollouts = RemoteRollouts(groups, GenerationConfig.from_settings(cfg.rollout, pad_token_id=tokenizer.pad_token_id or 0),
                               placement, row_group, current_weights=samples_current_weights(cfg),
                               multi_turn=runs_multi_turn(cfg) and cfg.rollout.multi_turn.enable,
-                              filtered=cfg.trainer.mode == "async")
+                              filters_groups=cfg.trainer.mode == "async")
     models = RLModels(desc=desc, groups=groups, actor=TrainedModel(chunks, optimizer, scheduler), weights=sender,
                       rollouts=rollouts, sample_vocab=min(desc.vocab_size, tokenizer.vocab_size))
     here = tuple(r for r in ("reference", "critic", "reward") if r not in placement.roles
@@ -246,9 +244,8 @@ class GenerationSide:
         self.agent = None
         if cfg.rollout.multi_turn.enable:  # as colocated: the context outgrows the prompt limit, its budget bounds it
             # (prompt + trajectory budget: the async stream's cache rows are that long, as `hyflow plan` sizes them)
-            self.rollout_config = dataclasses.replace(self.rollout_config, max_prompt_length=None,
-                                                      max_seq_len=cfg.rollout.max_prompt_length
-                                                      + cfg.rollout.max_response_length)
+            self.rollout_config = replace(self.rollout_config, max_prompt_length=None,
+                                          max_seq_len=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length)
             self.agent = MultiTurnAgent(cfg.rollout.multi_turn, tokenizer)
         self.trainer_seed = cfg.trainer.seed
         eos = list(dict.fromkeys((desc.eos_token_ids or []) + list(tokenizer.stop_token_ids())))
